@@ -1,0 +1,85 @@
+"""The sparse MoE block: a router and the experts stored as stacked tensors.
+
+Experts live in two stacked tensors per layer (gate/up fused, and down), in the gpt-fast
+style, so a later placement layer can move or replicate slices of them without touching the
+math. Tokens are sorted by expert and each active expert runs one dense matmul on its
+contiguous slice.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .layers import swiglu
+
+
+class StackedExperts(nn.Module):
+    def __init__(self, num_experts: int, hidden: int, intermediate: int):
+        super().__init__()
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+
+    def forward(self, x_sorted: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """x_sorted holds tokens grouped by expert in id order; counts[e] tokens go to expert e."""
+        out = torch.empty_like(x_sorted)
+        start = 0
+        for expert, n in enumerate(counts):
+            if n:
+                end = start + n
+                out[start:end] = swiglu(x_sorted[start:end], self.w13[expert], self.w2[expert])
+                start = end
+        return out
+
+
+class MoEBlock(nn.Module):
+    def __init__(self, layer_idx: int, hidden: int, num_experts: int, top_k: int, intermediate: int,
+                 norm_topk_prob: bool, shared_intermediate: int = 0):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.norm_topk_prob = norm_topk_prob
+        self.gate = nn.Parameter(torch.empty(num_experts, hidden))
+        self.experts = StackedExperts(num_experts, hidden, intermediate)
+        if shared_intermediate:
+            self.shared_w13 = nn.Parameter(torch.empty(2 * shared_intermediate, hidden))
+            self.shared_w2 = nn.Parameter(torch.empty(hidden, shared_intermediate))
+            self.shared_gate = nn.Parameter(torch.empty(1, hidden))
+        else:
+            self.shared_w13 = None
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Returns (router logits, fp32 top-k weights, top-k expert ids)."""
+        logits = F.linear(x, self.gate)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return logits, weights, ids
+
+    def forward(self, x: torch.Tensor, probe=None) -> torch.Tensor:
+        """x: [N, H] flat tokens."""
+        logits, weights, ids = self.route(x)
+        if self.training:
+            self.last_aux_loss = self.aux_loss(logits, ids)
+        flat_ids = ids.flatten()
+        counts_t = torch.bincount(flat_ids, minlength=self.num_experts)
+        if probe is not None:
+            probe.on_routing(self.layer_idx, counts_t, ids)
+        order = torch.argsort(flat_ids, stable=True)
+        token_of = order // self.top_k
+        expert_out = self.experts(x[token_of], counts_t.tolist())
+        expert_out = (expert_out * weights.flatten()[order].unsqueeze(-1)).to(x.dtype)
+        out = torch.zeros_like(x).index_add_(0, token_of, expert_out)
+        if self.shared_w13 is not None:
+            shared = swiglu(x, self.shared_w13, self.shared_w2)
+            out = out + torch.sigmoid(F.linear(x, self.shared_gate)) * shared
+        return out
+
+    def aux_loss(self, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Switch/Mixtral load-balancing loss: E * sum_e(fraction routed to e * mean prob of e)."""
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        routed = F.one_hot(ids, self.num_experts).float().sum(1).mean(0)
+        return self.num_experts * torch.sum(routed * probs.mean(0))
