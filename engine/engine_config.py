@@ -1,0 +1,73 @@
+"""Engine configuration and the live batching knobs, each validated in one place.
+
+`SchedulerKnobs` is what an operator may change while requests run (from the TUI, the CLI or
+the server); `EngineConfig` is fixed for the engine's lifetime.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields, replace
+
+POLICIES = ("fcfs", "priority")
+
+
+class KnobError(ValueError):
+    """An engine setting out of range; the message names the knob."""
+
+
+def _int_in(name: str, value, lo: int, hi: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise KnobError(f"{name}: must be an integer in [{lo}, {hi}], got {value!r}")
+
+
+@dataclass(frozen=True)
+class SchedulerKnobs:
+    max_num_seqs: int = 64  # sequences in one batch
+    max_num_batched_tokens: int = 1024  # tokens in one step, prefill and decode together
+    long_prefill_token_threshold: int = 256  # cap on one prefill's tokens per step (the prefill chunk)
+    policy: str = "fcfs"  # fcfs | priority (lower value first)
+
+    def __post_init__(self):
+        _int_in("max_num_seqs", self.max_num_seqs, 1, 4096)
+        _int_in("max_num_batched_tokens", self.max_num_batched_tokens, 1, 1 << 20)
+        _int_in("long_prefill_token_threshold", self.long_prefill_token_threshold, 1, 1 << 20)
+        if self.policy not in POLICIES:
+            raise KnobError(f"policy: must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+
+    def updated(self, **changes) -> "SchedulerKnobs":
+        unknown = set(changes) - {f.name for f in fields(self)}
+        if unknown:
+            raise KnobError(f"{sorted(unknown)[0]}: not a batching knob "
+                            f"(knobs: {', '.join(f.name for f in fields(self))})")
+        return replace(self, **changes)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class EngineConfig:
+    model: str
+    dtype: str | None = None  # None: the checkpoint's own dtype
+    device: str = "cpu"
+    block_size: int = 16
+    kv_cache_memory: int = 256 << 20  # bytes for K and V of all layers
+    num_kv_blocks: int | None = None  # overrides kv_cache_memory when set
+    kv_cache_dtype: str = "auto"  # auto (model dtype) | int8
+    enable_prefix_caching: bool = True
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    seed: int = 0
+    knobs: SchedulerKnobs = field(default_factory=SchedulerKnobs)
+
+    def __post_init__(self):
+        _int_in("block_size", self.block_size, 1, 1024)
+        _int_in("kv_cache_memory", self.kv_cache_memory, 1, 1 << 50)
+        if self.num_kv_blocks is not None:
+            _int_in("num_kv_blocks", self.num_kv_blocks, 1, 1 << 30)
+        if self.kv_cache_dtype not in ("auto", "int8"):
+            raise KnobError(f"kv_cache_dtype: must be auto or int8, got {self.kv_cache_dtype!r}")
+        if self.max_model_len is not None:
+            _int_in("max_model_len", self.max_model_len, 2, 1 << 24)
+        _int_in("seed", self.seed, 0, 2**63 - 1)
+        if isinstance(self.knobs, dict):
+            self.knobs = SchedulerKnobs(**self.knobs)

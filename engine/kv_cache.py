@@ -1,0 +1,71 @@
+"""KV-cache storage: one [layers, blocks, block_size, kv_heads, head_dim] tensor each for K and V.
+
+With kv_dtype="int8" the values are stored as int8 with one fp32 scale per (block, head):
+symmetric absmax quantisation. When a write raises a block's absmax, the block is re-quantised
+with the new scale, so earlier tokens in it stay within one quantisation step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, quantized: bool = False, device="cpu"):
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.quantized = quantized
+        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        store = torch.int8 if quantized else dtype
+        self.k = torch.zeros(shape, dtype=store, device=device)
+        self.v = torch.zeros(shape, dtype=store, device=device)
+        if quantized:
+            self.k_scale = torch.ones(num_layers, num_blocks, num_kv_heads, dtype=torch.float32, device=device)
+            self.v_scale = torch.ones_like(self.k_scale)
+
+    @staticmethod
+    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
+                        dtype: torch.dtype, quantized: bool) -> int:
+        elem = 1 if quantized else torch.empty((), dtype=dtype).element_size()
+        data = 2 * num_layers * block_size * num_kv_heads * head_dim * elem
+        scales = 2 * num_layers * num_kv_heads * 4 if quantized else 0
+        return data + scales
+
+    def nbytes(self) -> int:
+        n = self.k.nbytes + self.v.nbytes
+        if self.quantized:
+            n += self.k_scale.nbytes + self.v_scale.nbytes
+        return n
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: [N, kv_heads, head_dim] for the cache slots `slots` ([N])."""
+        if not self.quantized:
+            self.k[layer].view(-1, *k.shape[1:])[slots] = k
+            self.v[layer].view(-1, *v.shape[1:])[slots] = v
+            return
+        self._write_quantized(self.k[layer], self.k_scale[layer], slots, k)
+        self._write_quantized(self.v[layer], self.v_scale[layer], slots, v)
+
+    def _write_quantized(self, data: torch.Tensor, scale: torch.Tensor, slots: torch.Tensor, new: torch.Tensor):
+        bs = self.block_size
+        blocks = slots // bs
+        touched, local = torch.unique(blocks, return_inverse=True)
+        current = data[touched].float() * scale[touched][:, None, :, None]  # [T, bs, H, D]
+        # a write at offset 0 starts the block afresh: stale values from a previous owner must
+        # not inflate the new scale
+        restart = torch.zeros(len(touched), dtype=torch.bool, device=slots.device)
+        restart[local[slots % bs == 0]] = True
+        current[restart] = 0
+        current[local, slots % bs] = new.float()
+        new_scale = current.abs().amax(dim=(1, 3)).clamp_min(1e-8) / 127.0  # [T, H]
+        data[touched] = torch.round(current / new_scale[:, None, :, None]).clamp_(-127, 127).to(torch.int8)
+        scale[touched] = new_scale
+
+    def gather(self, layer: int, block_tables: torch.Tensor, dtype: torch.dtype):
+        """K and V for block tables [B, M] as [B, M * block_size, kv_heads, head_dim]."""
+        b, m = block_tables.shape
+        k, v = self.k[layer][block_tables], self.v[layer][block_tables]
+        if self.quantized:
+            k = (k.float() * self.k_scale[layer][block_tables][:, :, None, :, None]).to(dtype)
+            v = (v.float() * self.v_scale[layer][block_tables][:, :, None, :, None]).to(dtype)
+        return k.reshape(b, m * self.block_size, *k.shape[3:]), v.reshape(b, m * self.block_size, *v.shape[3:])

@@ -1,0 +1,281 @@
+"""The engine: add requests, step (schedule -> run -> postprocess), stream outputs.
+
+Other threads may add requests, abort them and change knobs at any time; those calls are
+validated at once and applied at the start of the next step, so the step loop owns all state.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from .block_manager import BlockManager
+from .config import ModelConfig
+from .engine_config import EngineConfig, KnobError, SchedulerKnobs
+from .kv_cache import KVCache
+from .loader import load_model
+from .model import MoEForCausalLM
+from .model_runner import ModelRunner
+from .sampling import SamplingParams, _GeneratorFactory, sample
+from .scheduler import ScheduledBatch, Scheduler
+from .sequence import Sequence
+from .tokenizer import Tokenizer
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_ids: list[int]
+    token_ids: list[int]  # all output tokens so far
+    new_token_ids: list[int]  # tokens added by this step
+    text: str
+    finished: bool
+    finish_reason: str | None
+    metrics: dict = field(default_factory=dict)
+
+
+class RequestStream:
+    """Thread-safe iterator over one request's outputs, ending with the finished one."""
+
+    def __init__(self, request_id: str):
+        self.request_id = request_id
+        self._queue: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
+
+    def put(self, out: RequestOutput) -> None:
+        self._queue.put(out)
+
+    def __iter__(self):
+        while True:
+            out = self._queue.get()
+            yield out
+            if out.finished:
+                return
+
+
+@dataclass
+class StepStats:
+    step: int
+    t_start: float
+    t_end: float
+    prefill_tokens: int
+    decode_tokens: int
+    num_seqs: int
+    request_ids: list[str]
+    preempted: list[str]
+    kv_blocks_used: int
+    routing: torch.Tensor  # [layers, experts] token counts this step
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, model: MoEForCausalLM | None = None):
+        self.config = config
+        self.model = model if model is not None else load_model(config.model, dtype=config.dtype, device=config.device)
+        cfg: ModelConfig = self.model.cfg
+        self.model_config = cfg
+        self.tokenizer = Tokenizer.from_dir(config.model, cfg.bos_token_id)
+        self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        quantized = config.kv_cache_dtype == "int8"
+        per_block = KVCache.bytes_per_block(cfg.num_layers, config.block_size, cfg.num_kv_heads, cfg.head_dim,
+                                            cfg.dtype, quantized)
+        num_blocks = config.num_kv_blocks or max(1, config.kv_cache_memory // per_block)
+        self.kv_cache = KVCache(cfg.num_layers, num_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim,
+                                cfg.dtype, quantized, config.device)
+        self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.blocks, config.knobs)
+        self.runner = ModelRunner(self.model, self.kv_cache, torch.device(config.device))
+        self._generators = _GeneratorFactory(torch.Generator().manual_seed(config.seed))
+        self._lock = threading.Lock()
+        self._inbox: list = []  # (kind, payload) from other threads, applied at the next step
+        self._seqs: dict[str, Sequence] = {}
+        self._streams: dict[str, RequestStream] = {}
+        self._ids = itertools.count()
+        self.step_count = 0
+        self.step_log: deque[StepStats] = deque(maxlen=4096)
+        self.finished_metrics: deque[dict] = deque(maxlen=4096)
+        self.num_aborted = 0
+
+    # -- requests
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt: this checkpoint has no tokenizer.json; pass token ids")
+            return self.tokenizer.encode(prompt)
+        return list(prompt)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, *,
+                    request_id: str | None = None, priority: int = 0, arrival: float | None = None,
+                    stream: bool = False) -> RequestStream | str:
+        """Validates now (ValueError), enqueues for the next step. Returns a stream or the id."""
+        params = params or SamplingParams()
+        ids = self.encode(prompt)
+        vocab = self.model_config.vocab_size
+        if not ids:
+            raise ValueError("prompt: is empty")
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt: token ids must be integers in [0, {vocab})")
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(f"prompt: {len(ids)} tokens plus max_tokens {params.max_tokens} exceed the "
+                             f"context of {self.max_model_len} tokens")
+        blocks_needed = -(-(len(ids) + params.max_tokens) // self.config.block_size)
+        if blocks_needed > self.blocks.num_blocks:
+            raise ValueError(f"prompt: needs {blocks_needed} KV blocks but the cache has {self.blocks.num_blocks}")
+        if not isinstance(priority, int):
+            raise ValueError("priority: must be an integer")
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        seq = Sequence(request_id, ids, params, priority, arrival, self._generators.for_params(params))
+        out = RequestStream(request_id) if stream else None
+        with self._lock:
+            if request_id in self._seqs or any(p.request_id == request_id for k, p in self._inbox if k == "add"):
+                raise ValueError(f"request_id: {request_id!r} is already in use")
+            self._inbox.append(("add", seq))
+            if out is not None:
+                self._streams[request_id] = out
+        return out if out is not None else request_id
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self._inbox.append(("abort", request_id))
+
+    def update_knobs(self, **changes) -> SchedulerKnobs:
+        """Validated against the newest pending knobs; takes effect at the next step."""
+        with self._lock:
+            pending = [p for k, p in self._inbox if k == "knobs"]
+            new = (pending[-1] if pending else self.scheduler.knobs).updated(**changes)
+            self._inbox.append(("knobs", new))
+        return new
+
+    @property
+    def knobs(self) -> SchedulerKnobs:
+        return self.scheduler.knobs
+
+    def _drain_inbox(self) -> list[RequestOutput]:
+        with self._lock:
+            inbox, self._inbox = self._inbox, []
+        outputs = []
+        for kind, payload in inbox:
+            if kind == "add":
+                self._seqs[payload.request_id] = payload
+                self.scheduler.add(payload)
+            elif kind == "abort":
+                seq = self._seqs.get(payload)
+                if seq is not None and not seq.finished:
+                    self.scheduler.finish(seq, "abort")
+                    self.num_aborted += 1
+                    outputs.append(self._emit(seq, []))
+            else:
+                self.scheduler.knobs = payload
+        return outputs
+
+    # -- the step loop
+    def step(self) -> list[RequestOutput]:
+        outputs = self._drain_inbox()
+        t_start = time.monotonic()
+        batch = self.scheduler.schedule()
+        if batch.empty:
+            return outputs
+        self.runner.probe.reset()
+        logits = self.runner.run(batch.items)
+        samplers = [s for s, n in batch.items if s.num_computed + n == s.num_tokens]
+        tokens = sample(logits, [s.params for s in samplers], [s.generator for s in samplers])
+        outputs += self._postprocess(batch, dict(zip(map(id, samplers), tokens)))
+        self._record_step(batch, t_start)
+        return outputs
+
+    def _postprocess(self, batch: ScheduledBatch, new_tokens: dict[int, int]) -> list[RequestOutput]:
+        now = time.monotonic()
+        outputs = []
+        for seq, n in batch.items:
+            seq.num_computed += n
+            self.blocks.commit_full_blocks(seq)
+            token = new_tokens.get(id(seq))
+            if token is None:
+                continue  # a prefill chunk that does not reach the end of the prompt
+            seq.token_ids.append(token)
+            seq.token_times.append(now)
+            reason = self._finish_reason(seq, token)
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
+            outputs.append(self._emit(seq, [token]))
+        return outputs
+
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        p = seq.params
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.model_config.eos_token_ids):
+            return "stop"
+        if p.stop and self.tokenizer is not None:
+            text = self.decode(seq.output_ids)
+            cut = min((i for i in (text.find(s) for s in p.stop) if i >= 0), default=-1)
+            if cut >= 0:
+                seq.output_text = text[:cut]
+                return "stop"
+        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _emit(self, seq: Sequence, new: list[int]) -> RequestOutput:
+        finished = seq.finished
+        if finished:
+            if not seq.output_text:
+                seq.output_text = self.decode(seq.output_ids)
+            self.finished_metrics.append({"request_id": seq.request_id, "finish_reason": seq.finish_reason,
+                                          **seq.metrics()})
+            del self._seqs[seq.request_id]
+        stream = self._streams.pop(seq.request_id, None) if finished else self._streams.get(seq.request_id)
+        out = RequestOutput(seq.request_id, seq.token_ids[:seq.num_prompt_tokens], seq.output_ids, new,
+                            seq.output_text if finished else "", finished, seq.finish_reason,
+                            seq.metrics() if finished else {})
+        if stream is not None:
+            stream.put(out)
+        return out
+
+    def _record_step(self, batch: ScheduledBatch, t_start: float) -> None:
+        self.step_count += 1
+        decode = sum(1 for _, n in batch.items if n == 1)
+        self.step_log.append(StepStats(
+            step=self.step_count, t_start=t_start, t_end=time.monotonic(),
+            prefill_tokens=batch.num_tokens - decode, decode_tokens=decode, num_seqs=len(batch.items),
+            request_ids=[s.request_id for s, _ in batch.items], preempted=[s.request_id for s in batch.preempted],
+            kv_blocks_used=self.blocks.num_used, routing=self.runner.probe.counts.clone()))
+
+    # -- conveniences
+    def has_unfinished(self) -> bool:
+        with self._lock:
+            pending = bool(self._inbox)
+        return pending or self.scheduler.has_work()
+
+    def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None,
+                 ) -> list[RequestOutput]:
+        """Blocking: runs the step loop until every prompt has finished; outputs in prompt order."""
+        plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError("params: one SamplingParams per prompt, or a single one for all")
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        done: dict[str, RequestOutput] = {}
+        while len(done) < len(ids):
+            for out in self.step():
+                if out.finished:
+                    done[out.request_id] = out
+        return [done[i] for i in ids]
+
+    def stats(self) -> dict:
+        b = self.blocks
+        return {
+            "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+            "kv_blocks_total": b.num_blocks, "kv_blocks_used": b.num_used, "kv_usage": b.usage(),
+            "prefix_queries": b.prefix_queries, "prefix_hits": b.prefix_hits,
+            "prefix_hit_rate": (b.prefix_hits / b.prefix_queries) if b.prefix_queries else 0.0,
+            "preemptions": self.scheduler.num_preemptions, "aborted": self.num_aborted,
+            "steps": self.step_count,
+        }
+
+
+__all__ = ["LLMEngine", "EngineConfig", "SchedulerKnobs", "SamplingParams", "RequestOutput", "KnobError"]

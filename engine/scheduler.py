@@ -1,0 +1,116 @@
+"""Iteration-level scheduling with chunked prefill, a token budget, and recompute preemption.
+
+Each step: running sequences first (decodes, then continuing prefill chunks), in policy order;
+when the KV pool runs dry the lowest-ranked running sequence is preempted (its blocks freed,
+its tokens recomputed later). Waiting sequences are admitted only when nobody was preempted.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from .block_manager import BlockManager
+from .engine_config import SchedulerKnobs
+from .sequence import Sequence, Status
+
+
+@dataclass
+class ScheduledBatch:
+    items: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, tokens this step)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not self.items
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.items)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, knobs: SchedulerKnobs):
+        self.blocks = block_manager
+        self.knobs = knobs
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        n = seq.remaining
+        if n > 1:
+            n = min(n, self.knobs.long_prefill_token_threshold)
+        return min(n, budget)
+
+    def schedule(self) -> ScheduledBatch:
+        knobs = self.knobs
+        batch = ScheduledBatch()
+        budget = knobs.max_num_batched_tokens
+        self.running.sort(key=lambda s: s.sort_key(knobs.policy))
+        # running sequences beyond a lowered max_num_seqs wait their turn (not preempted)
+        for seq in list(self.running):
+            if budget <= 0 or len(batch.items) >= knobs.max_num_seqs:
+                break
+            if seq not in self.running:  # preempted as a victim earlier in this loop
+                continue
+            n = self._chunk(seq, budget)
+            while not self.blocks.can_grow(seq, n):
+                victim = self.running[-1]
+                self._preempt(victim, batch)
+                if victim is seq:
+                    break
+            if seq.status is not Status.RUNNING:
+                continue
+            self.blocks.grow(seq, n)
+            batch.items.append((seq, n))
+            budget -= n
+        if batch.preempted:
+            return batch
+        if knobs.policy == "priority" and len(self.waiting) > 1:
+            self.waiting = deque(sorted(self.waiting, key=lambda s: s.sort_key("priority")))
+        while self.waiting and budget > 0 and len(self.running) < knobs.max_num_seqs \
+                and len(batch.items) < knobs.max_num_seqs:
+            seq = self.waiting[0]
+            if not self.blocks.admit(seq, self._chunk_for_admission(seq, budget)):
+                break
+            self.waiting.popleft()
+            n = self._chunk(seq, budget)
+            seq.status = Status.RUNNING
+            if seq.first_scheduled is None:
+                seq.first_scheduled = time.monotonic()
+            self.running.append(seq)
+            batch.items.append((seq, n))
+            budget -= n
+        return batch
+
+    def _chunk_for_admission(self, seq: Sequence, budget: int) -> int:
+        # before the prefix lookup we do not know the cached part; ask for the largest chunk the
+        # budget allows and let the block manager trim it to what is really uncached
+        return min(seq.num_tokens, self.knobs.long_prefill_token_threshold, budget)
+
+    def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
+        self.running.remove(seq)
+        self.blocks.free(seq)
+        seq.status = Status.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        batch.preempted.append(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.free(seq)
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason
+        seq.finished_at = time.monotonic()
