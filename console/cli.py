@@ -1,0 +1,145 @@
+"""The `moectl` command line (typer).
+
+Exit codes: 0 success, 1 failure, 2 bad input. Errors are one line on stderr, never a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from functools import wraps
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+app = typer.Typer(name="moectl", no_args_is_help=True, add_completion=True, pretty_exceptions_enable=False,
+                  help="Control console for Mixture-of-Experts LLM inference: an embedded MoE engine, "
+                       "its verification against transformers, benchmarks and the sample model.")
+model_app = typer.Typer(no_args_is_help=True, help="Inspect or train models.")
+app.add_typer(model_app, name="model")
+
+SAMPLE_MODEL = Path(__file__).resolve().parent.parent / "engine" / "sample_model"
+
+MODEL_OPT = typer.Option(None, "--model", "-m", help="Hugging Face-format checkpoint directory "
+                                                     "(default: the embedded sample model).")
+JSON_OPT = typer.Option(False, "--json", help="Print machine-readable JSON.")
+DTYPE_OPT = typer.Option(None, "--dtype", help="fp32, bf16 or fp16 (default: the checkpoint's dtype).")
+
+
+class BadInput(ValueError):
+    pass
+
+
+def _fail(message: str, code: int) -> None:
+    typer.echo(f"moectl: error: {message}", err=True)
+    raise typer.Exit(code)
+
+
+def handles_errors(fn):
+    """Bad input (ValueError) exits 2, anything else 1; both with one line and no traceback."""
+
+    @wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except typer.Exit:
+            raise
+        except ValueError as exc:
+            _fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__, 2)
+        except KeyboardInterrupt:
+            _fail("interrupted", 1)
+        except Exception as exc:  # noqa: BLE001 - the CLI's last line of defence
+            _fail(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", 1)
+
+    return wrapper
+
+
+def model_dir(model: Optional[Path]) -> Path:
+    path = Path(model) if model is not None else SAMPLE_MODEL
+    if not path.is_dir():
+        raise BadInput(f"--model: {path} is not a directory")
+    return path
+
+
+def parse_ids(spec: str) -> list[int]:
+    try:
+        ids = [int(x) for x in spec.replace(" ", "").split(",") if x]
+    except ValueError:
+        raise BadInput(f"--prompt-ids: {spec!r} is not a comma-separated list of integers") from None
+    if not ids:
+        raise BadInput("--prompt-ids: empty")
+    return ids
+
+
+@app.command()
+@handles_errors
+def generate(
+    prompts: Optional[list[str]] = typer.Argument(None, help="Prompt text(s); one completion each."),
+    prompt_ids: Optional[list[str]] = typer.Option(None, "--prompt-ids",
+                                                   help="Token ids '1,2,3' (repeatable) for checkpoints without a tokenizer."),
+    model: Optional[Path] = MODEL_OPT,
+    max_tokens: int = typer.Option(64, "--max-tokens", help="Tokens to generate per prompt."),
+    temperature: float = typer.Option(0.0, help="0 is greedy."),
+    top_p: float = typer.Option(1.0, "--top-p"),
+    top_k: int = typer.Option(0, "--top-k", help="0 disables top-k."),
+    seed: Optional[int] = typer.Option(None, help="Sampling seed: the same seed gives the same text."),
+    stop: Optional[list[str]] = typer.Option(None, "--stop", help="Stop string (repeatable)."),
+    ignore_eos: bool = typer.Option(False, "--ignore-eos"),
+    dtype: Optional[str] = DTYPE_OPT,
+    kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype", help="auto or int8."),
+    device: str = typer.Option("cpu", help="Torch device, e.g. cpu or cuda:0."),
+    as_json: bool = JSON_OPT,
+):
+    """Generate completions with the embedded engine (continuous batching over all prompts)."""
+    from engine.engine_config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from engine.sampling import SamplingParams
+
+    inputs: list = list(prompts or []) + [parse_ids(s) for s in (prompt_ids or [])]
+    if not inputs:
+        raise BadInput("give a PROMPT or --prompt-ids")
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                            seed=seed, stop=tuple(stop or ()), ignore_eos=ignore_eos)
+    engine = LLMEngine(EngineConfig(model=str(model_dir(model)), dtype=dtype, device=device,
+                                    kv_cache_dtype=kv_cache_dtype))
+    for out in engine.generate(inputs, params):
+        if as_json:
+            typer.echo(json.dumps({"prompt_ids": out.prompt_ids, "token_ids": out.token_ids, "text": out.text,
+                                   "finish_reason": out.finish_reason,
+                                   "ttft_s": out.metrics.get("ttft"), "tpot_s": out.metrics.get("tpot")}))
+        else:
+            prompt_text = engine.decode(out.prompt_ids) if engine.tokenizer else str(out.prompt_ids)
+            typer.echo(prompt_text + (out.text if engine.tokenizer else " -> " + str(out.token_ids)))
+            typer.echo("")
+
+
+@model_app.command("info")
+@handles_errors
+def model_info(model: Optional[Path] = MODEL_OPT, as_json: bool = JSON_OPT):
+    """Print a checkpoint's architecture, size and parameter counts (from config.json alone)."""
+    from engine.config import ModelConfig
+
+    path = model_dir(model)
+    cfg = ModelConfig.from_dir(path)
+    info = {"path": str(path.resolve()), "architecture": cfg.hf_architecture, "layers": cfg.num_layers,
+            "experts": cfg.num_experts, "top_k": cfg.top_k, **cfg.param_counts(),
+            "hidden_size": cfg.hidden_size, "heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads,
+            "head_dim": cfg.head_dim, "expert_intermediate_size": cfg.expert_intermediate_size,
+            "shared_expert_intermediate_size": cfg.shared_expert_intermediate_size,
+            "vocab_size": cfg.vocab_size, "max_position_embeddings": cfg.max_position_embeddings,
+            "dtype": str(cfg.dtype).removeprefix("torch."), "tokenizer": (path / "tokenizer.json").is_file()}
+    if as_json:
+        typer.echo(json.dumps(info))
+        return
+    for key, value in info.items():
+        typer.echo(f"{key:>32}: {value:,}" if isinstance(value, int) and not isinstance(value, bool)
+                   else f"{key:>32}: {value}")
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
