@@ -266,6 +266,26 @@ class LLMEngine:
                     done[out.request_id] = out
         return [done[i] for i in ids]
 
+    def score(self, token_ids: list[int], probe=None) -> torch.Tensor:
+        """fp32 logits for every position of one sequence, run through the real paged path
+        in prefill chunks (for log-likelihoods and layer-by-layer checks). The engine must be idle."""
+        if self.has_unfinished():
+            raise RuntimeError("score: the engine is serving requests")
+        seq = Sequence("score", list(token_ids), SamplingParams(max_tokens=1))
+        if -(-seq.num_tokens // self.config.block_size) > self.blocks.num_free:
+            raise ValueError(f"score: {seq.num_tokens} tokens do not fit in the KV cache")
+        chunk = self.scheduler.knobs.max_num_batched_tokens
+        parts = []
+        try:  # no prefix-cache lookup: every position's logits are wanted
+            while seq.num_computed < seq.num_tokens:
+                n = min(chunk, seq.num_tokens - seq.num_computed)
+                self.blocks.grow(seq, n)
+                parts.append(self.runner.run([(seq, n)], all_logits=True, probe=probe))
+                seq.num_computed += n
+        finally:
+            self.blocks.free(seq)
+        return torch.cat(parts)
+
     def stats(self) -> dict:
         b = self.blocks
         return {

@@ -69,10 +69,12 @@ class MoEBlock(nn.Module):
         if probe is not None:
             probe.on_routing(self.layer_idx, counts_t, ids)
         order = torch.argsort(flat_ids, stable=True)
-        token_of = order // self.top_k
-        expert_out = self.experts(x[token_of], counts_t.tolist())
-        expert_out = (expert_out * weights.flatten()[order].unsqueeze(-1)).to(x.dtype)
-        out = torch.zeros_like(x).index_add_(0, token_of, expert_out)
+        expert_out = self.experts(x[order // self.top_k], counts_t.tolist())
+        # un-sort into [token, k] order and combine with a weighted sum (a gather, not index_add_,
+        # whose CPU kernel is slow for small batches)
+        unsorted = torch.empty_like(expert_out)
+        unsorted[order] = expert_out
+        out = (unsorted.view(-1, self.top_k, x.shape[-1]) * weights.unsqueeze(-1)).sum(1).to(x.dtype)
         if self.shared_w13 is not None:
             shared = swiglu(x, self.shared_w13, self.shared_w2)
             out = out + torch.sigmoid(F.linear(x, self.shared_gate)) * shared

@@ -224,3 +224,16 @@ def test_request_metrics_are_recorded(ckpt):
     m = out.metrics
     assert m["ttft"] > 0 and m["tpot"] > 0 and m["e2e"] >= m["ttft"] and len(m["itl"]) == 9
     assert m["queue_time"] >= 0 and m["output_tokens"] == 10
+
+
+def test_score_matches_uncached_forward_across_chunks(ckpt, ref_model):
+    from engine.attention import DenseContext
+
+    engine = make_engine(ckpt)
+    ids = prompts(1, seed=7, lo=60, hi=60)[0]
+    got = engine.score(ids)
+    with torch.inference_mode():
+        want = ref_model.logits(ref_model(torch.tensor(ids), torch.arange(60), DenseContext(1, 60)))
+    assert got.shape == want.shape
+    assert ((got - want).abs().max() / want.abs().max()).item() < 1e-5
+    assert engine.blocks.num_used == 0
