@@ -107,6 +107,11 @@ class ModelConfig:
         return self.num_kv_heads * self.head_dim
 
     @property
+    def o_proj_bias(self) -> bool:
+        # Qwen3-MoE and OLMoE put attention_bias on o_proj too; Qwen2-MoE biases q/k/v only
+        return self.attention_bias and self.architecture in ("qwen3_moe", "olmoe")
+
+    @property
     def hf_architecture(self) -> str:
         return MODEL_TYPES[self.architecture]
 
@@ -115,7 +120,7 @@ class ModelConfig:
         h = self.hidden_size
         attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
         if self.attention_bias:
-            attn += self.q_size + 2 * self.kv_size
+            attn += self.q_size + 2 * self.kv_size + (h if self.o_proj_bias else 0)
         if self.qk_norm == "per_head":
             attn += 2 * self.head_dim
         elif self.qk_norm == "full":

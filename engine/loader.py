@@ -38,6 +38,7 @@ class _TensorSource:
         else:
             raise CheckpointError(f"model.safetensors: not found in {model_dir}")
         self._handles: dict[Path, object] = {}
+        self.used: set[str] = set()
         if self.files is None:
             self._open(single)
             self.names = set(self._handles[single].keys())
@@ -57,9 +58,11 @@ class _TensorSource:
     def get(self, name: str) -> torch.Tensor:
         if name not in self.names:
             raise CheckpointError(f"checkpoint: tensor {name} is missing")
+        self.used.add(name)
         path = self.single if self.files is None else self.files[name]
+        handle = self._open(path)
         try:
-            return self._open(path).get_tensor(name)
+            return handle.get_tensor(name)
         except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
             raise CheckpointError(f"{path.name}: cannot read tensor {name} ({exc})") from None
 
@@ -72,7 +75,7 @@ def _checkpoint_names(cfg: ModelConfig, i: int) -> dict:
         "input_norm": p + "input_layernorm.weight",
         "post_norm": p + "post_attention_layernorm.weight",
         "q": p + "self_attn.q_proj", "k": p + "self_attn.k_proj", "v": p + "self_attn.v_proj",
-        "o": p + "self_attn.o_proj.weight",
+        "o": p + "self_attn.o_proj.weight", "o_bias": p + "self_attn.o_proj.bias",
         "q_norm": p + "self_attn.q_norm.weight", "k_norm": p + "self_attn.k_norm.weight",
         "moe": moe,
     }
@@ -108,6 +111,8 @@ def read_state_dict(cfg: ModelConfig, model_dir: Path) -> dict[str, torch.Tensor
         if cfg.attention_bias:
             sd[ours + "attn.qkv.bias"] = torch.cat([src.get(n[x] + ".bias") for x in "qkv"])
         sd[ours + "attn.o_proj.weight"] = src.get(n["o"])
+        if cfg.o_proj_bias:
+            sd[ours + "attn.o_proj.bias"] = src.get(n["o_bias"])
         if cfg.qk_norm != "none":
             sd[ours + "attn.q_norm.weight"] = src.get(n["q_norm"])
             sd[ours + "attn.k_norm.weight"] = src.get(n["k_norm"])
@@ -123,6 +128,12 @@ def read_state_dict(cfg: ModelConfig, model_dir: Path) -> dict[str, torch.Tensor
         else:
             sd[ours + "mlp.w13"] = torch.cat([src.get(f"{moe}{g}.weight"), src.get(f"{moe}{u}.weight")])
             sd[ours + "mlp.w2"] = src.get(f"{moe}{d}.weight")
+    # a tensor we do not read is a weight we would silently drop: refuse it instead
+    unused = sorted(n for n in src.names - src.used if not n.endswith("rotary_emb.inv_freq"))
+    if unused:
+        more = f" (and {len(unused) - 1} more)" if len(unused) > 1 else ""
+        raise CheckpointError(f"checkpoint: tensor {unused[0]}{more} is not part of the "
+                              f"{cfg.hf_architecture} layout this config describes")
     return sd
 
 
@@ -142,6 +153,8 @@ def load_model(model_dir: str | Path, dtype=None, device: str | torch.device = "
         if got != shape:
             raise CheckpointError(f"{name}: checkpoint shape {got} does not match config shape {shape}")
     sd = {k: v.to(device=device, dtype=cfg.dtype) for k, v in sd.items()}
+    if cfg.tie_word_embeddings:  # state_dict() lists the tied head too, so strict loading wants it
+        sd["lm_head.weight"] = sd["embed.weight"]
     model.load_state_dict(sd, strict=True, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed.weight
@@ -170,6 +183,8 @@ def save_checkpoint(model: MoEForCausalLM, out_dir: str | Path, dtype: torch.dty
             for part, t in zip("qkv", sd[ours + "attn.qkv.bias"].split([cfg.q_size, cfg.kv_size, cfg.kv_size])):
                 hf[n[part] + ".bias"] = t.contiguous()
         hf[n["o"]] = sd[ours + "attn.o_proj.weight"]
+        if cfg.o_proj_bias:
+            hf[n["o_bias"]] = sd[ours + "attn.o_proj.bias"]
         if cfg.qk_norm != "none":
             hf[n["q_norm"]], hf[n["k_norm"]] = sd[ours + "attn.q_norm.weight"], sd[ours + "attn.k_norm.weight"]
         moe, (g, u, d) = n["moe"], n["expert"]

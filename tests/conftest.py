@@ -1,0 +1,42 @@
+"""Shared fixtures: tiny checkpoints, built once per test session."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_checkpoint(tmp_path_factory):
+    """name -> directory of a tiny transformers-written checkpoint (see tests/tiny_models.SPECS),
+    built on first use and cached for the session. Skips when transformers is not installed."""
+    pytest.importorskip("transformers")
+    from tests.tiny_models import build_hf_checkpoint
+
+    root = tmp_path_factory.mktemp("tiny_hf")
+    built = {}
+
+    def get(name: str):
+        if name not in built:
+            built[name] = build_hf_checkpoint(name, root / name)
+        return built[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_engine_checkpoint(tmp_path_factory):
+    """A tiny Mixtral written by the engine's own saver (no transformers needed)."""
+    from tests.tiny_models import build_engine_checkpoint
+
+    return build_engine_checkpoint(tmp_path_factory.mktemp("tiny_engine"))
+
+
+@pytest.fixture(scope="module")
+def single_thread():
+    """One intra-op thread for tiny models: nothing to gain from more, and on a shared 2-core box
+    oversubscribed threads make these tests several times slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -1,0 +1,138 @@
+"""Tiny random checkpoints for all four architectures, written by transformers' own classes.
+
+Every parameter is re-drawn from a seeded generator, including biases and norm weights (which
+transformers initialises to 0 and 1), so a loader that drops or swaps one of them is caught.
+Weights are large enough (std ~0.15) that logits and routing are decisive, not near-tied.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+STD = 0.15
+COMMON = dict(hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+              max_position_embeddings=512, rms_norm_eps=1e-5, initializer_range=STD)
+
+# name -> (config class name, model class name, config kwargs, save kwargs)
+SPECS = {
+    # untied, with a trained BPE tokenizer.json; ids 0/1 are the tokenizer's <s> and </s>
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
+                dict(COMMON, vocab_size=320, intermediate_size=48, num_local_experts=6, num_experts_per_tok=2,
+                     bos_token_id=0, eos_token_id=1, rope_theta=10000.0), {}),
+    # shared expert with its sigmoid gate, qkv bias, tied embeddings, one dense (mlp_only) layer
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                  dict(COMMON, vocab_size=256, intermediate_size=40, moe_intermediate_size=24,
+                       shared_expert_intermediate_size=36, num_experts=8, num_experts_per_tok=2,
+                       norm_topk_prob=False, mlp_only_layers=[1], tie_word_embeddings=True,
+                       bos_token_id=None, eos_token_id=None), {}),
+    # head_dim 16 != hidden/heads 8, renormalised top-k, saved as a sharded index
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(COMMON, vocab_size=256, head_dim=16, intermediate_size=40, moe_intermediate_size=24,
+                       num_experts=8, num_experts_per_tok=3, norm_topk_prob=True, tie_word_embeddings=False,
+                       bos_token_id=None, eos_token_id=None), dict(max_shard_size="40KB")),
+    # q/k full-width norms, clip_qkv active (small enough to bite), plain top-k weights
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM",
+              dict(COMMON, vocab_size=256, intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                   clip_qkv=1.5, norm_topk_prob=False, pad_token_id=None, bos_token_id=None, eos_token_id=None),
+              {}),
+    # the other OLMoE variants: no clipping, renormalised top-k, tied embeddings, MHA
+    "olmoe_norm_topk": ("OlmoeConfig", "OlmoeForCausalLM",
+                        dict(COMMON, num_key_value_heads=4, vocab_size=256, intermediate_size=32, num_experts=4,
+                             num_experts_per_tok=2, clip_qkv=None, norm_topk_prob=True, tie_word_embeddings=True,
+                             pad_token_id=None, bos_token_id=None, eos_token_id=None), {}),
+}
+# attention_bias on the architectures whose o_proj then has a bias too (see test_verify_attention_bias)
+for _name in ("qwen3_moe", "olmoe"):
+    _cfg, _model, _kwargs, _ = SPECS[_name]
+    SPECS[_name + "_attn_bias"] = (_cfg, _model, dict(_kwargs, attention_bias=True), {})
+
+TOKENIZER_TEXT = [
+    "def parse_args(argv):\n    return argv[1:]\n",
+    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n",
+    "for i in range(10):\n    print(i, end=' ')\n",
+    "import os\nimport sys\nif __name__ == '__main__':\n    main()\n",
+    "    def wrap(self, text):\n        return self._wrap_chunks(self._split_chunks(text))\n",
+]
+
+
+def build_tokenizer(vocab_size: int) -> Tokenizer:
+    """A byte-level BPE (so any text encodes) with <s>=0 and </s>=1."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(TOKENIZER_TEXT * 4, trainer)
+    assert tok.get_vocab_size() <= vocab_size
+    return tok
+
+
+def randomize_(model: torch.nn.Module, seed: int, std: float = STD) -> None:
+    """Redraw every parameter: matrices N(0, std), biases N(0, std), norm weights 1 + N(0, 0.1)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # tied weights are listed once
+            noise = torch.randn(p.shape, generator=gen)
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * noise)
+            else:
+                p.copy_(std * noise)
+
+
+def build_hf_checkpoint(name: str, out_dir: Path, seed: int = 0) -> Path:
+    """Write the tiny checkpoint `name` (a key of SPECS) with transformers' save_pretrained."""
+    import transformers
+
+    config_cls, model_cls, kwargs, save_kwargs = SPECS[name]
+    config = getattr(transformers, config_cls)(**kwargs)
+    model = getattr(transformers, model_cls)(config).eval()
+    randomize_(model, seed)
+    out_dir = Path(out_dir)
+    model.save_pretrained(out_dir, **save_kwargs)
+    if name == "mixtral":
+        build_tokenizer(config.vocab_size).save(str(out_dir / "tokenizer.json"))
+    return out_dir
+
+
+# -- checkpoints written by the engine itself (no transformers needed), for the loader tests
+
+ENGINE_MIXTRAL = {
+    "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "vocab_size": 64, "hidden_size": 16,
+    "intermediate_size": 24, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+    "num_local_experts": 4, "num_experts_per_tok": 2, "max_position_embeddings": 128, "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0, "tie_word_embeddings": False, "dtype": "float32",
+}
+
+
+def build_engine_checkpoint(out_dir: Path, seed: int = 0, **overrides) -> Path:
+    from engine.config import ModelConfig
+    from engine.loader import save_checkpoint
+    from engine.model import MoEForCausalLM
+
+    model = MoEForCausalLM(ModelConfig.from_hf({**ENGINE_MIXTRAL, **overrides}))
+    model.init_weights(std=STD, seed=seed)
+    save_checkpoint(model, out_dir)
+    return Path(out_dir)
+
+
+def shard_checkpoint(model_dir: Path, num_shards: int = 3) -> list[Path]:
+    """Re-save model.safetensors as `num_shards` files plus model.safetensors.index.json."""
+    from safetensors.torch import load_file, save_file
+
+    single = Path(model_dir) / "model.safetensors"
+    tensors = load_file(str(single))
+    names = sorted(tensors)
+    shards, weight_map = [], {}
+    for i in range(num_shards):
+        path = single.with_name(f"model-{i + 1:05d}-of-{num_shards:05d}.safetensors")
+        part = names[i::num_shards]
+        save_file({n: tensors[n] for n in part}, str(path), metadata={"format": "pt"})
+        weight_map.update({n: path.name for n in part})
+        shards.append(path)
+    (single.parent / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    single.unlink()
+    return shards
