@@ -79,11 +79,6 @@ def prefill_batch(engine: LLMEngine, batch: list[list[int]], probe=None) -> list
     return list(logits.split([len(ids) for ids in batch]))
 
 
-def prefill_logits(engine: LLMEngine, ids: list[int], probe=None) -> torch.Tensor:
-    """prefill_batch for one sequence."""
-    return prefill_batch(engine, [ids], probe)[0]
-
-
 def rel_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
     """max |ours - ref| / max |ref| over the whole tensor (NaN anywhere gives NaN)."""
     ours, ref = ours.float(), ref.float()
@@ -176,7 +171,7 @@ def run_verify(model_dir, *, prompts=None, reference_text=None, max_new_tokens: 
 
     # -- bf16: log-likelihood of the reference text, one model at a time
     ours = engine("bfloat16", blocks)
-    nll_engine = mean_nll(prefill_logits(ours, text_ids), text_ids)
+    nll_engine = mean_nll(ours.score(text_ids), text_ids)
     del ours
     gc.collect()
     ref = reference(torch.bfloat16)

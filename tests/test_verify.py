@@ -10,7 +10,7 @@ import torch
 
 from engine.engine_config import EngineConfig, SchedulerKnobs
 from engine.llm_engine import LLMEngine
-from engine.verify import THRESHOLDS, _same_generation, mean_nll, prefill_logits, rel_error, run_verify
+from engine.verify import THRESHOLDS, _same_generation, mean_nll, rel_error, run_verify
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -93,7 +93,7 @@ def test_low_precision_close_to_fp32(tiny_hf_checkpoint, name):
     logits = {}
     for dtype in ("float32", "bfloat16", "float16"):
         engine = LLMEngine(EngineConfig(model=str(tiny_hf_checkpoint(name)), dtype=dtype, num_kv_blocks=12))
-        logits[dtype] = prefill_logits(engine, ids)
+        logits[dtype] = engine.score(ids)
     ref = logits["float32"]
     for dtype in ("bfloat16", "float16"):
         out = logits[dtype]
