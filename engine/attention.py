@@ -81,6 +81,16 @@ class PrefillSlice:
 
 
 @dataclass
+class DecodeGroup:
+    """Decode rows [start, end) whose contexts have similar lengths, attended as one padded batch."""
+    start: int
+    end: int
+    blocks: torch.Tensor  # [rows * width] int64: each row's block table, padded to `width` blocks
+    width: int
+    mask: torch.Tensor | None  # [rows, 1, 1, width * block_size] bool, None when no row is padded
+
+
+@dataclass
 class PagedContext:
     """One engine step: decodes first (one token each), then prefill chunks."""
     cache: "object"  # engine.kv_cache.KVCache
@@ -89,28 +99,36 @@ class PagedContext:
     decode_block_tables: torch.Tensor | None = None  # [B, max_blocks]
     decode_context_lens: torch.Tensor | None = None  # [B], including the new token
     prefills: list[PrefillSlice] = field(default_factory=list)
+    decode_groups: list[DecodeGroup] | None = None  # set by the runner: length-bucketed decodes
     _decode_mask: torch.Tensor | None = None
 
     def attend(self, layer, q, k, v, scale):
         self.cache.write(layer, self.slot_mapping, k, v)
         out = torch.empty_like(q)
         b = self.num_decodes
-        if b:
+        if b and self.decode_groups is not None:
+            for g in self.decode_groups:
+                keys, values = self.cache.gather_blocks(layer, g.blocks, g.end - g.start, g.width, q.dtype)
+                out[g.start:g.end] = _sdpa(q[g.start:g.end, None], keys, values, scale, mask=g.mask)[:, 0]
+        elif b:
             keys, values = self.cache.gather(layer, self.decode_block_tables, q.dtype)
             if self._decode_mask is None:
                 span = torch.arange(keys.shape[1], device=q.device)
                 self._decode_mask = (span[None, :] < self.decode_context_lens[:, None])[:, None, None, :]
             out[:b] = _sdpa(q[:b, None], keys, values, scale, mask=self._decode_mask)[:, 0]
+        bs = self.cache.block_size
         for p in self.prefills:
-            qs, ks, vs = q[p.start:p.end], k[p.start:p.end], v[p.start:p.end]
+            # 4-D [1, L, H, D] inputs: the CPU flash kernel takes them; 3-D ones fall back to the math path
+            qs = q[None, p.start:p.end]
             if p.cached_len == 0:
-                out[p.start:p.end] = _sdpa(qs, ks, vs, scale, causal=True)
+                out[p.start:p.end] = _sdpa(qs, k[None, p.start:p.end], v[None, p.start:p.end], scale, causal=True)[0]
                 continue
-            old_k, old_v = self.cache.gather(layer, p.block_table[None], q.dtype)
-            ks = torch.cat([old_k[0, :p.cached_len], ks])
-            vs = torch.cat([old_v[0, :p.cached_len], vs])
+            # this chunk's K/V are already written: read the whole context back from the cache
             n = p.end - p.start
+            total = p.cached_len + n
+            nblocks = -(-total // bs)
+            ks, vs = self.cache.gather_blocks(layer, p.block_table[:nblocks], 1, nblocks, q.dtype)
             rows = torch.arange(n, device=q.device)[:, None] + p.cached_len
-            mask = torch.arange(p.cached_len + n, device=q.device)[None, :] <= rows
-            out[p.start:p.end] = _sdpa(qs, ks, vs, scale, mask=mask)
+            mask = torch.arange(total, device=q.device)[None, :] <= rows
+            out[p.start:p.end] = _sdpa(qs, ks[:, :total], vs[:, :total], scale, mask=mask[None, None])[0]
         return out

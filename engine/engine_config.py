@@ -58,6 +58,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     seed: int = 0
     knobs: SchedulerKnobs = field(default_factory=SchedulerKnobs)
+    num_threads: int | None = None  # torch intra-op threads for this process; None: leave torch's setting
 
     def __post_init__(self):
         _int_in("block_size", self.block_size, 1, 1024)
@@ -69,5 +70,7 @@ class EngineConfig:
         if self.max_model_len is not None:
             _int_in("max_model_len", self.max_model_len, 2, 1 << 24)
         _int_in("seed", self.seed, 0, 2**63 - 1)
+        if self.num_threads is not None:
+            _int_in("num_threads", self.num_threads, 1, 4096)
         if isinstance(self.knobs, dict):
             self.knobs = SchedulerKnobs(**self.knobs)

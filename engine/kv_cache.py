@@ -40,8 +40,8 @@ class KVCache:
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v: [N, kv_heads, head_dim] for the cache slots `slots` ([N])."""
         if not self.quantized:
-            self.k[layer].view(-1, *k.shape[1:])[slots] = k
-            self.v[layer].view(-1, *v.shape[1:])[slots] = v
+            self.k[layer].view(-1, *k.shape[1:]).index_copy_(0, slots, k)
+            self.v[layer].view(-1, *v.shape[1:]).index_copy_(0, slots, v)
             return
         self._write_quantized(self.k[layer], self.k_scale[layer], slots, k)
         self._write_quantized(self.v[layer], self.v_scale[layer], slots, v)
@@ -69,3 +69,14 @@ class KVCache:
             k = (k.float() * self.k_scale[layer][block_tables][:, :, None, :, None]).to(dtype)
             v = (v.float() * self.v_scale[layer][block_tables][:, :, None, :, None]).to(dtype)
         return k.reshape(b, m * self.block_size, *k.shape[3:]), v.reshape(b, m * self.block_size, *v.shape[3:])
+
+    def gather_blocks(self, layer: int, blocks: torch.Tensor, rows: int, width: int, dtype: torch.dtype):
+        """K and V of flat block ids [rows * width] as [rows, width * block_size, kv_heads, head_dim]:
+        whole blocks copied with index_select (a row memcpy), not advanced indexing."""
+        if self.quantized:
+            return self.gather(layer, blocks.view(rows, width), dtype)
+        nb = self.num_blocks
+        shape = (rows, width * self.block_size, *self.k.shape[3:])
+        k = self.k[layer].view(nb, -1).index_select(0, blocks).view(shape)
+        v = self.v[layer].view(nb, -1).index_select(0, blocks).view(shape)
+        return k, v

@@ -75,6 +75,8 @@ class StepStats:
 class LLMEngine:
     def __init__(self, config: EngineConfig, model: MoEForCausalLM | None = None):
         self.config = config
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
         self.model = model if model is not None else load_model(config.model, dtype=config.dtype, device=config.device)
         cfg: ModelConfig = self.model.cfg
         self.model_config = cfg

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .attention import PagedContext, PrefillSlice
+from .attention import DecodeGroup, PagedContext, PrefillSlice
 from .kv_cache import KVCache
 from .model import MoEForCausalLM
 from .sequence import Sequence
@@ -40,11 +40,38 @@ class ModelRunner:
         table = np.asarray(seq.block_table, dtype=np.int64)
         return table[pos // self.block_size] * self.block_size + pos % self.block_size
 
+    def _decode_groups(self, decodes: list[tuple[Sequence, int]], max_waste: float = 0.25,
+                       max_groups: int = 8) -> list[DecodeGroup]:
+        """Split decodes (sorted by block count) into groups whose padded width wastes at most
+        about max_waste of the blocks gathered."""
+        lens = [len(s.block_table) for s, _ in decodes]
+        bounds, start = [], 0
+        for i in range(1, len(lens) + 1):
+            if i == len(lens) or (lens[i] > lens[start] * (1 + max_waste) and len(bounds) < max_groups - 1):
+                bounds.append((start, i))
+                start = i
+        groups = []
+        bs = self.block_size
+        for a, b in bounds:
+            width = lens[b - 1]
+            table = np.zeros((b - a, width), dtype=np.int64)
+            ctx_lens = np.empty(b - a, dtype=np.int64)
+            for row, (seq, _) in enumerate(decodes[a:b]):
+                table[row, :len(seq.block_table)] = seq.block_table
+                ctx_lens[row] = seq.num_computed + 1
+            mask = None
+            if (ctx_lens != width * bs).any():
+                mask = torch.from_numpy(np.arange(width * bs)[None, :] < ctx_lens[:, None])[:, None, None, :]
+                mask = mask.to(self.device)
+            groups.append(DecodeGroup(a, b, torch.from_numpy(table.reshape(-1)).to(self.device), width, mask))
+        return groups
+
     @torch.inference_mode()
     def run(self, items: list[tuple[Sequence, int]], all_logits: bool = False, probe=None) -> torch.Tensor:
         """Runs one step. Returns fp32 logits for every sequence that completes its pending tokens
         (in `items` order), or for every token when all_logits is set."""
-        decodes = [(s, n) for s, n in items if n == 1]
+        # decodes sorted by context length, so similar lengths share a padded attention batch
+        decodes = sorted(((s, n) for s, n in items if n == 1), key=lambda item: len(item[0].block_table))
         prefills = [(s, n) for s, n in items if n > 1]
         ordered = decodes + prefills
         ids: list[int] = []
@@ -65,6 +92,7 @@ class ModelRunner:
             ctx.num_decodes = len(decodes)
             ctx.decode_block_tables = torch.from_numpy(tables).to(dev)
             ctx.decode_context_lens = torch.tensor([s.num_computed + 1 for s, _ in decodes], device=dev)
+            ctx.decode_groups = self._decode_groups(decodes)
         offset = len(decodes)
         for seq, n in prefills:
             ctx.prefills.append(PrefillSlice(offset, offset + n, seq.num_computed,

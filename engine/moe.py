@@ -15,14 +15,24 @@ from torch import nn
 from .layers import swiglu
 
 
+_GROUPED_MM = hasattr(torch, "_grouped_mm")
+GROUPED_MM_MIN_ROWS = 64  # below this the per-expert loop is as fast (few experts are hit)
+
+
 class StackedExperts(nn.Module):
     def __init__(self, num_experts: int, hidden: int, intermediate: int):
         super().__init__()
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
 
-    def forward(self, x_sorted: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """x_sorted holds tokens grouped by expert in id order; counts[e] tokens go to expert e."""
+    def forward(self, x_sorted: torch.Tensor, counts: list[int], offsets: torch.Tensor | None = None) -> torch.Tensor:
+        """x_sorted holds tokens grouped by expert in id order; counts[e] tokens go to expert e.
+        offsets (int32 cumulative counts) enables one grouped matmul per projection instead of a
+        loop over experts, for batches large enough to hit many experts."""
+        if offsets is not None:
+            h = torch._grouped_mm(x_sorted, self.w13.transpose(1, 2), offs=offsets)
+            gate, up = h.chunk(2, dim=-1)
+            return torch._grouped_mm(F.silu(gate) * up, self.w2.transpose(1, 2), offs=offsets)
         out = torch.empty_like(x_sorted)
         start = 0
         for expert, n in enumerate(counts):
@@ -69,11 +79,15 @@ class MoEBlock(nn.Module):
         if probe is not None:
             probe.on_routing(self.layer_idx, counts_t, ids)
         order = torch.argsort(flat_ids, stable=True)
-        expert_out = self.experts(x[order // self.top_k], counts_t.tolist())
+        counts = counts_t.tolist()
+        offsets = None
+        if _GROUPED_MM and not self.training and flat_ids.numel() >= GROUPED_MM_MIN_ROWS:
+            offsets = torch.cumsum(counts_t, 0, dtype=torch.int32)
+        expert_out = self.experts(x.index_select(0, order // self.top_k), counts, offsets)
         # un-sort into [token, k] order and combine with a weighted sum (a gather, not index_add_,
-        # whose CPU kernel is slow for small batches)
-        unsorted = torch.empty_like(expert_out)
-        unsorted[order] = expert_out
+        # whose CPU kernel is slow for small batches); index_copy_, not index_put (x[idx] = y), which
+        # is several times slower on CPU
+        unsorted = torch.empty_like(expert_out).index_copy_(0, order, expert_out)
         out = (unsorted.view(-1, self.top_k, x.shape[-1]) * weights.unsqueeze(-1)).sum(1).to(x.dtype)
         if self.shared_w13 is not None:
             shared = swiglu(x, self.shared_w13, self.shared_w2)
