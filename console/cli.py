@@ -18,12 +18,16 @@ app = typer.Typer(name="moectl", no_args_is_help=True, add_completion=True, pret
                        "its verification against transformers, benchmarks and the sample model.")
 model_app = typer.Typer(no_args_is_help=True, help="Inspect or train models.")
 app.add_typer(model_app, name="model")
+plan_app = typer.Typer(no_args_is_help=True, help="Offline planning: expert rebalancing and device memory.")
+app.add_typer(plan_app, name="plan")
 
 SAMPLE_MODEL = Path(__file__).resolve().parent.parent / "engine" / "sample_model"
 
 MODEL_OPT = typer.Option(None, "--model", "-m", help="Hugging Face-format checkpoint directory "
                                                      "(default: the embedded sample model).")
-JSON_OPT = typer.Option(False, "--json", help="Print machine-readable JSON.")
+JSON_OPT = typer.Option(False, "--json", help="Print machine-readable JSON (progress goes to stderr).")
+DEVICES_OPT = typer.Option(8, "--devices", "-d", help="Number of devices (1-256).")
+HBM_OPT = typer.Option("80GiB", "--hbm", help="HBM per device, e.g. 80GiB, 141GiB.")
 DTYPE_OPT = typer.Option(None, "--dtype", help="fp32, bf16 or fp16 (default: the checkpoint's dtype).")
 
 
@@ -169,6 +173,153 @@ def model_info(model: Optional[Path] = MODEL_OPT, as_json: bool = JSON_OPT):
     for key, value in info.items():
         typer.echo(f"{key:>32}: {value:,}" if isinstance(value, int) and not isinstance(value, bool)
                    else f"{key:>32}: {value}")
+
+
+def _emit(result: dict, as_json: bool) -> None:
+    if as_json:
+        typer.echo(json.dumps(result, default=str))
+
+
+def _progress(as_json: bool):
+    """Human progress lines: on stdout normally, on stderr when stdout carries JSON."""
+    return (lambda line: typer.echo(line, err=True)) if as_json else typer.echo
+
+
+@app.command()
+@handles_errors
+def bench(
+    compare: Optional[str] = typer.Option(None, "--compare", help="'hf': this engine vs transformers' generate."),
+    suite: Optional[str] = typer.Option(None, "--suite",
+                                        help="compare-hf | serve | kv-int8 | limits (default: compare-hf)."),
+    model: Optional[Path] = MODEL_OPT,
+    workload: Optional[str] = typer.Option(None, "--workload",
+                                           help="serve suite: a JSONL file or 'rate=4,prompt=32-512,output=16-256,"
+                                                "requests=64,seed=0'."),
+    requests: int = typer.Option(64, "--requests", help="compare-hf: number of requests, all arriving at once."),
+    dtype: Optional[str] = DTYPE_OPT,
+    threads: Optional[int] = typer.Option(None, "--threads", help="torch threads (default: torch's own)."),
+    seed: int = typer.Option(0, "--seed"),
+    as_json: bool = JSON_OPT,
+):
+    """Benchmarks that print ratios against a baseline measured in the same run, and the share of
+    this machine's measured limits (memory bandwidth, matmul FLOP/s) that was reached."""
+    import torch
+
+    if compare is not None and compare != "hf":
+        raise BadInput(f"--compare: only 'hf' is supported, got {compare!r}")
+    name = suite or "compare-hf"
+    if threads is not None:
+        if threads < 1:
+            raise BadInput("--threads: must be >= 1")
+        torch.set_num_threads(threads)
+    log = _progress(as_json)
+    path = model_dir(model)
+    if name == "compare-hf":
+        from engine.bench import run_compare_hf
+
+        result = run_compare_hf(path, num_requests=requests, seed=seed, dtype=dtype or "float32",
+                                threads=threads, log=log)
+    elif name == "serve":
+        from engine.bench import run_serve
+        from engine.workload import WorkloadSpec
+
+        spec = WorkloadSpec.from_option(workload) if workload else WorkloadSpec(num_requests=requests, seed=seed)
+        result = run_serve(path, spec=spec, dtype=dtype, log=log)
+    elif name == "kv-int8":
+        from engine.kv_eval import default_eval_inputs, run_kv_int8_eval
+
+        text_ids, prompts = default_eval_inputs(path)
+        result = run_kv_int8_eval(str(path), text_ids, prompts, dtype=dtype, log=log)
+    elif name == "limits":
+        from engine import machine_limits
+
+        result = machine_limits.measure(dtype or "float32")
+        log(machine_limits.format_limits(result))
+    else:
+        raise BadInput(f"--suite: {name!r} is not one of compare-hf, serve, kv-int8, limits")
+    _emit(result, as_json)
+
+
+@plan_app.command("memory")
+@handles_errors
+def plan_memory_cmd(
+    model: Path = typer.Option(..., "--model", "-m", help="config.json, or a directory holding one (no weights needed)."),
+    devices: int = DEVICES_OPT,
+    hbm: str = HBM_OPT,
+    tp: int = typer.Option(1, "--tp", help="Tensor-parallel size for attention (<= 8)."),
+    ep: Optional[int] = typer.Option(None, "--ep", help="Expert-parallel size (default: all devices)."),
+    context: int = typer.Option(..., "--context", help="Tokens of context per sequence."),
+    batch: int = typer.Option(1, "--batch", help="Concurrent sequences."),
+    dtype: str = typer.Option("bf16", "--dtype", help="Weight dtype: fp32, bf16, fp16 or fp8 (planning only)."),
+    kv_dtype: str = typer.Option("auto", "--kv-dtype", help="auto (weight dtype) or int8."),
+    as_json: bool = JSON_OPT,
+):
+    """The operator-level memory table for each device: weights by category, KV cache, activations
+    at peak, communication buffers and headroom; whether it fits and, if not, by how much."""
+    from engine.memory_plan import fit_suggestions, plan_memory
+    from engine.topology import Topology, parse_size
+
+    topo = Topology(num_devices=devices, hbm_bytes=parse_size(hbm, "--hbm"))
+    kw = dict(tp=tp, ep=ep, context=context, batch=batch, dtype=dtype, kv_dtype=kv_dtype)
+    plan = plan_memory(model, topo, **kw)
+    suggestions = [] if plan.fits else fit_suggestions(model, topo, **kw)
+    if as_json:
+        typer.echo(json.dumps({**plan.as_dict(), "suggestions": suggestions}, default=str))
+        return
+    typer.echo(plan.format_table())
+    for s in suggestions:
+        typer.echo(f"  to fit: {s['change']}")
+
+
+@plan_app.command("rebalance")
+@handles_errors
+def plan_rebalance_cmd(
+    loads_file: Optional[Path] = typer.Argument(None, help="Per-layer x per-expert loads (.npy or .json)."),
+    synthetic: bool = typer.Option(False, "--synthetic", help="Plan for synthetic skewed (Zipf) loads."),
+    layers: int = typer.Option(61, "--layers"),
+    experts: int = typer.Option(384, "--experts"),
+    skew: float = typer.Option(1.0, "--skew", help="Zipf exponent of the synthetic loads."),
+    devices: int = DEVICES_OPT,
+    devices_per_node: int = typer.Option(8, "--devices-per-node"),
+    redundant: int = typer.Option(1, "--redundant", help="Redundant expert slots per device."),
+    expert_bytes: Optional[str] = typer.Option(None, "--expert-bytes",
+                                               help="Bytes of one expert, for bytes_moved (default: a "
+                                                    "DeepSeek-V3 FP8 expert, 42 MiB)."),
+    seed: int = typer.Option(0, "--seed"),
+    as_json: bool = JSON_OPT,
+):
+    """Compute an EPLB-style expert placement offline: replicate hot experts, pack them in balance
+    (by node when there are nodes), and report balancedness before/after and bytes moved."""
+    from engine.rebalancer import DEFAULT_EXPERT_BYTES, load_loads_file, run_plan_rebalance, synthetic_loads
+    from engine.topology import parse_size
+
+    if synthetic == (loads_file is not None):
+        raise BadInput("give a loads FILE or --synthetic (one of them)")
+    loads = synthetic_loads(layers, experts, seed=seed, skew=skew) if synthetic else load_loads_file(loads_file)
+    result = run_plan_rebalance(loads, devices, redundant, devices_per_node=devices_per_node,
+                                expert_bytes=DEFAULT_EXPERT_BYTES if expert_bytes is None
+                                else parse_size(expert_bytes, "--expert-bytes"))
+    if as_json:
+        typer.echo(json.dumps(result, default=str))
+        return
+    typer.echo(f"balancedness {result['balancedness_before']:.4f} -> {result['balancedness_after']:.4f}, "
+               f"{result['bytes_moved']:,} bytes moved, planned in {result['seconds'] * 1e3:.1f} ms")
+
+
+@model_app.command("train")
+@handles_errors
+def model_train(
+    out: Path = typer.Option(SAMPLE_MODEL, "--out", help="Output directory (default: the embedded sample model)."),
+    steps: int = typer.Option(3000, "--steps"),
+    seed: int = typer.Option(0, "--seed"),
+    time_budget: Optional[float] = typer.Option(None, "--time-budget", help="Seconds; stop and save when spent."),
+    as_json: bool = JSON_OPT,
+):
+    """Re-train the sample model (tokenizer, model, model card) from the Python stdlib's source."""
+    from engine.train import train_sample_model
+
+    stats = train_sample_model(out, steps=steps, seed=seed, time_budget_s=time_budget, log=_progress(as_json))
+    _emit(stats, as_json)
 
 
 def main() -> None:

@@ -62,6 +62,26 @@ def run_kv_int8_eval(model_dir: str, token_ids: list[int], prompts: list[list[in
     return result
 
 
+def default_eval_inputs(model_dir, text_tokens: int = 512, num_prompts: int = 8, prompt_tokens: int = 48):
+    """Token ids of a fixed stdlib source text, and code-snippet prompts (random ids without a tokenizer)."""
+    import random
+
+    from .config import ModelConfig
+    from .corpus import code_snippets
+    from .tokenizer import Tokenizer
+    from .verify import default_reference_text
+
+    cfg = ModelConfig.from_dir(model_dir)
+    tok = Tokenizer.from_dir(model_dir, cfg.bos_token_id)
+    if tok is None:
+        rng = random.Random(0)
+        text = [rng.randrange(cfg.vocab_size) for _ in range(text_tokens)]
+        return text, [[rng.randrange(cfg.vocab_size) for _ in range(prompt_tokens)] for _ in range(num_prompts)]
+    text = tok.encode(default_reference_text())[:text_tokens]
+    prompts = [tok.encode(s)[:prompt_tokens] for s in code_snippets(num_prompts, seed=1234, min_chars=200, max_chars=400)]
+    return text, prompts
+
+
 def _common_prefix(a: list[int], b: list[int]) -> int:
     n = 0
     for x, y in zip(a, b):

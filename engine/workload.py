@@ -223,6 +223,31 @@ class WorkloadSpec:
         self._prompt = LengthDist.parse(self.prompt_len, "prompt_len")
         self._output = LengthDist.parse(self.output_len, "output_len")
 
+    @classmethod
+    def from_option(cls, text: str) -> "WorkloadSpec":
+        """The CLI's --workload: a JSONL path, or 'key=value,...' with keys requests, rate, duration,
+        prompt, output, seed, source (e.g. 'rate=4,prompt=32-512,output=16-256,requests=64')."""
+        if text.endswith(".jsonl") or Path(text).is_file():
+            return cls(num_requests=None, source="jsonl", jsonl_path=text)
+        keys = {"requests": "num_requests", "rate": "rate", "duration": "duration_s", "prompt": "prompt_len",
+                "output": "output_len", "seed": "seed", "source": "source", "temperature": "temperature"}
+        kw: dict[str, Any] = {}
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            key, sep, value = part.partition("=")
+            if not sep or key not in keys:
+                raise ValueError(f"--workload: {part!r} is not key=value with a key in {', '.join(keys)}")
+            name = keys[key]
+            try:
+                if name in ("num_requests", "seed"):
+                    kw[name] = int(value)
+                elif name in ("rate", "duration_s", "temperature"):
+                    kw[name] = float(value)
+                else:
+                    kw[name] = value
+            except ValueError:
+                raise ValueError(f"--workload: {key}={value!r} is not a number") from None
+        return cls(**kw)
+
     @property
     def prompt_dist(self) -> LengthDist:
         return self._prompt
