@@ -43,6 +43,28 @@ class StackedExperts(nn.Module):
         return out
 
 
+    def dispatch(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, counts_t: torch.Tensor):
+        """The seam where placement and parallelism plug in: tokens x [N, H] with their top-k
+        weights and expert ids [N, k] in, the weighted sum of their experts' outputs out.
+        This version runs every expert here; emulated devices and expert parallelism replace it."""
+        top_k = ids.shape[1]
+        order = torch.argsort(ids.flatten(), stable=True)
+        offsets = None
+        if _GROUPED_MM and not self.training and order.numel() >= GROUPED_MM_MIN_ROWS:
+            offsets = torch.cumsum(counts_t, 0, dtype=torch.int32)
+        expert_out = self(x.index_select(0, order // top_k), counts_t.tolist(), offsets)
+        return combine(expert_out, order, weights, x.dtype)
+
+
+def combine(expert_out: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, dtype) -> torch.Tensor:
+    """Expert outputs sorted by `order` back to [token, k] order, then their weighted sum.
+    A gather plus sum, not index_add_ (slow on CPU for small batches); index_copy_, not
+    x[idx] = y (index_put, several times slower on CPU)."""
+    top_k = weights.shape[1]
+    unsorted = torch.empty_like(expert_out).index_copy_(0, order, expert_out)
+    return (unsorted.view(-1, top_k, expert_out.shape[-1]) * weights.unsqueeze(-1)).sum(1).to(dtype)
+
+
 class MoEBlock(nn.Module):
     def __init__(self, layer_idx: int, hidden: int, num_experts: int, top_k: int, intermediate: int,
                  norm_topk_prob: bool, shared_intermediate: int = 0):
@@ -74,21 +96,10 @@ class MoEBlock(nn.Module):
         logits, weights, ids = self.route(x)
         if self.training:
             self.last_aux_loss = self.aux_loss(logits, ids)
-        flat_ids = ids.flatten()
-        counts_t = torch.bincount(flat_ids, minlength=self.num_experts)
+        counts_t = torch.bincount(ids.flatten(), minlength=self.num_experts)
         if probe is not None:
             probe.on_routing(self.layer_idx, counts_t, ids)
-        order = torch.argsort(flat_ids, stable=True)
-        counts = counts_t.tolist()
-        offsets = None
-        if _GROUPED_MM and not self.training and flat_ids.numel() >= GROUPED_MM_MIN_ROWS:
-            offsets = torch.cumsum(counts_t, 0, dtype=torch.int32)
-        expert_out = self.experts(x.index_select(0, order // self.top_k), counts, offsets)
-        # un-sort into [token, k] order and combine with a weighted sum (a gather, not index_add_,
-        # whose CPU kernel is slow for small batches); index_copy_, not index_put (x[idx] = y), which
-        # is several times slower on CPU
-        unsorted = torch.empty_like(expert_out).index_copy_(0, order, expert_out)
-        out = (unsorted.view(-1, self.top_k, x.shape[-1]) * weights.unsqueeze(-1)).sum(1).to(x.dtype)
+        out = self.experts.dispatch(x, weights, ids, counts_t)
         if self.shared_w13 is not None:
             shared = swiglu(x, self.shared_w13, self.shared_w2)
             out = out + torch.sigmoid(F.linear(x, self.shared_gate)) * shared
