@@ -93,9 +93,16 @@ def generate(
     dtype: Optional[str] = DTYPE_OPT,
     kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype", help="auto or int8."),
     device: str = typer.Option("cpu", help="Torch device, e.g. cpu or cuda:0."),
+    devices: Optional[int] = typer.Option(None, "--devices", "-d",
+                                          help="Emulated devices for the experts (local backend; default: one, "
+                                               "no placement)."),
+    hbm: str = HBM_OPT,
+    backend: str = typer.Option("local", "--backend", help="local (emulated devices) or distributed."),
+    nproc: Optional[int] = typer.Option(None, "--nproc", help="distributed: processes, one per device."),
     as_json: bool = JSON_OPT,
 ):
-    """Generate completions with the embedded engine (continuous batching over all prompts)."""
+    """Generate completions with the embedded engine (continuous batching over all prompts).
+    With --devices N the experts are placed on N emulated devices; the tokens are the same."""
     from engine.engine_config import EngineConfig
     from engine.llm_engine import LLMEngine
     from engine.sampling import SamplingParams
@@ -105,8 +112,18 @@ def generate(
         raise BadInput("give a PROMPT or --prompt-ids")
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                             seed=seed, stop=tuple(stop or ()), ignore_eos=ignore_eos)
+    if backend not in ("local", "distributed"):
+        raise BadInput(f"--backend: must be local or distributed, got {backend!r}")
+    if backend == "distributed":
+        _generate_distributed(model_dir(model), inputs, params, nproc or devices or 2, dtype, as_json)
+        return
+    topology = None
+    if devices is not None:
+        from engine.topology import Topology, parse_size
+
+        topology = Topology(num_devices=devices, hbm_bytes=parse_size(hbm, "--hbm"))
     engine = LLMEngine(EngineConfig(model=str(model_dir(model)), dtype=dtype, device=device,
-                                    kv_cache_dtype=kv_cache_dtype))
+                                    kv_cache_dtype=kv_cache_dtype, topology=topology))
     for out in engine.generate(inputs, params):
         if as_json:
             typer.echo(json.dumps({"prompt_ids": out.prompt_ids, "token_ids": out.token_ids, "text": out.text,
@@ -116,6 +133,18 @@ def generate(
             prompt_text = engine.decode(out.prompt_ids) if engine.tokenizer else str(out.prompt_ids)
             typer.echo(prompt_text + (out.text if engine.tokenizer else " -> " + str(out.token_ids)))
             typer.echo("")
+
+
+def _generate_distributed(path: Path, inputs: list, params, nproc: int, dtype, as_json: bool) -> None:
+    try:
+        from engine.distributed import generate_distributed
+    except ImportError:
+        raise BadInput("--backend distributed: not available in this build") from None
+    for out in generate_distributed(str(path), inputs, params, nproc=nproc, dtype=dtype):
+        if as_json:
+            typer.echo(json.dumps({k: out[k] for k in ("prompt_ids", "token_ids", "text")}))
+        else:
+            typer.echo(out["text"] or str(out["token_ids"]))
 
 
 @app.command()

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields, replace
 
+from .placement import POLICIES as ROUTING_POLICIES
+from .topology import Topology
+
 POLICIES = ("fcfs", "priority")
 
 
@@ -58,6 +61,10 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     seed: int = 0
     knobs: SchedulerKnobs = field(default_factory=SchedulerKnobs)
+    # emulated devices (the local backend); None runs everything as one device with no accounting
+    topology: Topology | None = None
+    routing_policy: str = "locality"  # how a token picks among an expert's replicas
+    redundant_slots: int = 0  # extra expert slots per device, for replicas
     num_threads: int | None = None  # torch intra-op threads for this process; None: leave torch's setting
 
     def __post_init__(self):
@@ -72,5 +79,8 @@ class EngineConfig:
         _int_in("seed", self.seed, 0, 2**63 - 1)
         if self.num_threads is not None:
             _int_in("num_threads", self.num_threads, 1, 4096)
+        if self.routing_policy not in ROUTING_POLICIES:
+            raise KnobError(f"routing_policy: must be one of {', '.join(ROUTING_POLICIES)}, got {self.routing_policy!r}")
+        _int_in("redundant_slots", self.redundant_slots, 0, 1024)
         if isinstance(self.knobs, dict):
             self.knobs = SchedulerKnobs(**self.knobs)

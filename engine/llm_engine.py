@@ -70,6 +70,7 @@ class StepStats:
     preempted: list[str]
     kv_blocks_used: int
     routing: torch.Tensor  # [layers, experts] token counts this step
+    devices: dict | None = None  # emulated devices: tokens, busy_s (measured), traffic, link_s (modeled)
 
 
 class LLMEngine:
@@ -90,7 +91,14 @@ class LLMEngine:
                                 cfg.dtype, quantized, config.device)
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, config.knobs)
-        self.runner = ModelRunner(self.model, self.kv_cache, torch.device(config.device))
+        self.cluster = None
+        if config.topology is not None:
+            from .devices import LocalCluster
+
+            self.cluster = LocalCluster(self.model, config.topology, policy=config.routing_policy,
+                                        redundant_slots=config.redundant_slots)
+        self.runner = ModelRunner(self.model, self.kv_cache, torch.device(config.device), self.cluster)
+        self._next_home = itertools.count()
         self._generators = _GeneratorFactory(torch.Generator().manual_seed(config.seed))
         self._lock = threading.Lock()
         self._inbox: list = []  # (kind, payload) from other threads, applied at the next step
@@ -134,6 +142,8 @@ class LLMEngine:
             raise ValueError("priority: must be an integer")
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         seq = Sequence(request_id, ids, params, priority, arrival, self._generators.for_params(params))
+        if self.cluster is not None:  # the device whose attention would serve it (DP-attention style)
+            seq.home_device = next(self._next_home) % self.cluster.num_devices
         out = RequestStream(request_id) if stream else None
         with self._lock:
             if request_id in self._seqs or any(p.request_id == request_id for k, p in self._inbox if k == "add"):
@@ -146,6 +156,15 @@ class LLMEngine:
     def abort(self, request_id: str) -> None:
         with self._lock:
             self._inbox.append(("abort", request_id))
+
+    def apply_placement(self, placement) -> None:
+        """Checked now (PlacementError); the experts are copied between steps, so in-flight
+        requests see either the old or the new placement for a whole step, never a mix."""
+        if self.cluster is None:
+            raise ValueError("placement: this engine runs without emulated devices (no topology)")
+        self.cluster.check(placement)
+        with self._lock:
+            self._inbox.append(("placement", placement))
 
     def update_knobs(self, **changes) -> SchedulerKnobs:
         """Validated against the newest pending knobs; takes effect at the next step."""
@@ -173,6 +192,8 @@ class LLMEngine:
                     self.scheduler.finish(seq, "abort")
                     self.num_aborted += 1
                     outputs.append(self._emit(seq, []))
+            elif kind == "placement":
+                self.last_bytes_moved = self.cluster.apply(payload)
             else:
                 self.scheduler.knobs = payload
         return outputs
@@ -246,7 +267,8 @@ class LLMEngine:
             step=self.step_count, t_start=t_start, t_end=time.monotonic(),
             prefill_tokens=batch.num_tokens - decode, decode_tokens=decode, num_seqs=len(batch.items),
             request_ids=[s.request_id for s, _ in batch.items], preempted=[s.request_id for s in batch.preempted],
-            kv_blocks_used=self.blocks.num_used, routing=self.runner.probe.counts.clone()))
+            kv_blocks_used=self.blocks.num_used, routing=self.runner.probe.counts.clone(),
+            devices=self.cluster.end_step() if self.cluster is not None else None))
 
     # -- conveniences
     def has_unfinished(self) -> bool:

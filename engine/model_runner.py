@@ -28,8 +28,9 @@ class RoutingProbe:
 
 
 class ModelRunner:
-    def __init__(self, model: MoEForCausalLM, cache: KVCache, device: torch.device):
+    def __init__(self, model: MoEForCausalLM, cache: KVCache, device: torch.device, cluster=None):
         self.model = model
+        self.cluster = cluster
         self.cache = cache
         self.device = device
         self.block_size = cache.block_size
@@ -98,6 +99,9 @@ class ModelRunner:
             ctx.prefills.append(PrefillSlice(offset, offset + n, seq.num_computed,
                                              torch.tensor(seq.block_table, dtype=torch.int64, device=dev)))
             offset += n
+        if self.cluster is not None:
+            homes = np.repeat([s.home_device for s, _ in ordered], [n for _, n in ordered])
+            self.cluster.begin_step(torch.from_numpy(homes).to(dev))
         hidden = self.model(torch.tensor(ids, device=dev), torch.from_numpy(np.concatenate(positions)).to(dev),
                             ctx, probe or self.probe)
         if all_logits:

@@ -19,6 +19,29 @@ _GROUPED_MM = hasattr(torch, "_grouped_mm")
 GROUPED_MM_MIN_ROWS = 64  # below this the per-expert loop is as fast (few experts are hit)
 
 
+def grouped_swiglu(x_sorted: torch.Tensor, counts: list[int], w13: torch.Tensor, w2: torch.Tensor,
+                   offsets: torch.Tensor | None = None) -> torch.Tensor:
+    """x_sorted holds tokens grouped by expert in id order; counts[e] tokens go to expert e of the
+    stacked weights. offsets (int32 cumulative counts) selects one grouped matmul per projection
+    instead of a loop over experts, for batches large enough to hit many experts."""
+    if offsets is not None:
+        gate, up = torch._grouped_mm(x_sorted, w13.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
+        return torch._grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), offs=offsets)
+    out = torch.empty_like(x_sorted)
+    start = 0
+    for expert, n in enumerate(counts):
+        if n:
+            out[start:start + n] = swiglu(x_sorted[start:start + n], w13[expert], w2[expert])
+            start += n
+    return out
+
+
+def grouped_offsets(counts_t: torch.Tensor, rows: int, training: bool = False) -> torch.Tensor | None:
+    if _GROUPED_MM and not training and rows >= GROUPED_MM_MIN_ROWS:
+        return torch.cumsum(counts_t, 0, dtype=torch.int32)
+    return None
+
+
 class StackedExperts(nn.Module):
     def __init__(self, num_experts: int, hidden: int, intermediate: int):
         super().__init__()
@@ -26,22 +49,7 @@ class StackedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
 
     def forward(self, x_sorted: torch.Tensor, counts: list[int], offsets: torch.Tensor | None = None) -> torch.Tensor:
-        """x_sorted holds tokens grouped by expert in id order; counts[e] tokens go to expert e.
-        offsets (int32 cumulative counts) enables one grouped matmul per projection instead of a
-        loop over experts, for batches large enough to hit many experts."""
-        if offsets is not None:
-            h = torch._grouped_mm(x_sorted, self.w13.transpose(1, 2), offs=offsets)
-            gate, up = h.chunk(2, dim=-1)
-            return torch._grouped_mm(F.silu(gate) * up, self.w2.transpose(1, 2), offs=offsets)
-        out = torch.empty_like(x_sorted)
-        start = 0
-        for expert, n in enumerate(counts):
-            if n:
-                end = start + n
-                out[start:end] = swiglu(x_sorted[start:end], self.w13[expert], self.w2[expert])
-                start = end
-        return out
-
+        return grouped_swiglu(x_sorted, counts, self.w13, self.w2, offsets)
 
     def dispatch(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, counts_t: torch.Tensor):
         """The seam where placement and parallelism plug in: tokens x [N, H] with their top-k
@@ -49,9 +57,7 @@ class StackedExperts(nn.Module):
         This version runs every expert here; emulated devices and expert parallelism replace it."""
         top_k = ids.shape[1]
         order = torch.argsort(ids.flatten(), stable=True)
-        offsets = None
-        if _GROUPED_MM and not self.training and order.numel() >= GROUPED_MM_MIN_ROWS:
-            offsets = torch.cumsum(counts_t, 0, dtype=torch.int32)
+        offsets = grouped_offsets(counts_t, order.numel(), self.training)
         expert_out = self(x.index_select(0, order // top_k), counts_t.tolist(), offsets)
         return combine(expert_out, order, weights, x.dtype)
 

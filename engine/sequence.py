@@ -32,6 +32,7 @@ class Sequence:
         self.num_computed = 0  # tokens whose K/V are in the cache
         self.num_cached_prompt = 0  # prompt tokens served from the prefix cache at admission
         self.num_preemptions = 0
+        self.home_device = 0  # emulated device that owns this sequence's tokens
         self.output_text = ""
         self.arrival = time.monotonic() if arrival is None else arrival
         self.first_scheduled: float | None = None

@@ -1,0 +1,102 @@
+"""The local backend: N devices emulated on this process's one torch device.
+
+Compute is real and runs on the one torch device; each MoE layer's experts live in real slot
+tensors that belong to emulated devices (see placed_experts.py). What one machine measures is
+reported as measured (each device's expert compute time, tokens, bytes); what it cannot (time on
+a link between devices) is modeled from bytes and the topology's bandwidths and flagged so.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .model import MoEForCausalLM
+from .moe import MoEBlock
+from .placed_experts import PlacedExperts, StepDeviceStats
+from .placement import Placement, PlacementError, RoutingState
+from .topology import Topology, format_size
+
+
+class LocalCluster:
+    def __init__(self, model: MoEForCausalLM, topology: Topology, placement: Placement | None = None,
+                 policy: str = "locality", redundant_slots: int = 0):
+        cfg = model.cfg
+        self.topology = topology
+        self.policy = policy
+        self.stats = StepDeviceStats(topology.num_devices, next(model.parameters()).device)
+        self.routing_state = RoutingState(topology.devices_per_node)
+        placement = placement or Placement.contiguous(cfg.num_layers, cfg.num_experts, topology.num_devices,
+                                                      redundant_slots)
+        self.layers: list[PlacedExperts] = []
+        self.layers_of_model = model.layers
+        moe_layers = [layer.mlp for layer in model.layers if isinstance(layer.mlp, MoEBlock)]
+        if not moe_layers:
+            raise PlacementError("devices: this model has no MoE layers to place")
+        logical = moe_layers[0].experts
+        self.expert_bytes = logical.w13[0].nbytes + logical.w2[0].nbytes
+        self.num_moe_layers = len(moe_layers)
+        self.check(placement)
+        for mlp in moe_layers:
+            placed = PlacedExperts(mlp.layer_idx, mlp.experts, placement, self.stats, policy, self.routing_state)
+            mlp.experts = placed
+            self.layers.append(placed)
+        self.placement = placement
+        self.bytes_moved_total = 0
+
+    @property
+    def num_devices(self) -> int:
+        return self.topology.num_devices
+
+    def check(self, placement: Placement) -> None:
+        """Refuse (PlacementError, one line) a placement this cluster cannot hold."""
+        if placement.num_devices != self.num_devices:
+            raise PlacementError(f"placement: has {placement.num_devices} devices, the cluster {self.num_devices}")
+        if placement.num_layers != len(self.layers_of_model):
+            raise PlacementError(f"placement: has {placement.num_layers} layers, the model {len(self.layers_of_model)}")
+        if self.layers and placement.slots_per_device != self.layers[0].slots_per_device:
+            raise PlacementError(f"placement: {placement.slots_per_device} slots per device, the cluster has "
+                                 f"{self.layers[0].slots_per_device}")
+        per_device = self.expert_slot_bytes(placement.slots_per_device)
+        if per_device > self.topology.hbm_bytes:
+            raise PlacementError(f"hbm: the experts placed on each device need {format_size(per_device)}, "
+                                 f"more than its {format_size(self.topology.hbm_bytes)} of HBM")
+
+    def expert_slot_bytes(self, slots_per_device: int) -> int:
+        return slots_per_device * self.expert_bytes * self.num_moe_layers
+
+    def apply(self, placement: Placement) -> int:
+        """Copy experts into their new slots (between steps). Returns bytes copied."""
+        self.check(placement)
+        moved = sum(layer.load(placement) for layer in self.layers)
+        self.placement = placement
+        self.bytes_moved_total += moved
+        return moved
+
+    # -- per step
+    def begin_step(self, token_device: torch.Tensor) -> None:
+        self.stats.reset()
+        self.stats.token_device = token_device
+
+    def end_step(self) -> dict:
+        s = self.stats
+        s.resolve()
+        topo = self.topology
+        link_s = np.zeros(self.num_devices)
+        for src, dst in zip(*np.nonzero(s.traffic)):
+            if src != dst:  # dispatch src->dst, then combine dst->src: full-duplex, both phases
+                seconds = s.traffic[src, dst] / (topo.link_gbps(src, dst) * 1e9)
+                link_s[src] += 2 * seconds
+                link_s[dst] += 2 * seconds
+        return {
+            "tokens": s.tokens.tolist(),
+            "busy_s": s.busy_s.tolist(),  # measured
+            "traffic_bytes": s.traffic.tolist(),  # exact bytes of the dispatch all-to-all (combine: transpose)
+            "link_s": link_s.tolist(),  # modeled from bytes and bandwidth
+            "link_s_modeled": True,
+        }
+
+    def memory(self) -> list[dict]:
+        """Accounted bytes per device by category (the real slot tensors)."""
+        slot_bytes = self.expert_slot_bytes(self.layers[0].slots_per_device)
+        return [{"expert_weights": slot_bytes} for _ in range(self.num_devices)]

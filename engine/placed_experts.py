@@ -1,0 +1,131 @@
+"""One layer's experts laid out in physical slots on emulated devices (the local backend).
+
+Each device owns `slots_per_device` real slot tensors per layer, filled by real copies from the
+logical (host-tier) stacked weights. A token's choice goes to one replica of its expert, picked
+by the routing policy; each device then runs its own slots on its own tokens, and that work is
+timed: a device's busy time is measured, not modeled. Moving tokens between devices is the part
+one machine cannot measure: its bytes are exact, its time is modeled from link bandwidth.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+from torch import nn
+
+from .moe import StackedExperts, combine, grouped_offsets, grouped_swiglu
+from .placement import Placement, RoutingState, traffic_matrix
+
+
+class StepDeviceStats:
+    """Per-step accumulators shared by every layer's PlacedExperts."""
+
+    def __init__(self, num_devices: int, device: torch.device):
+        self.num_devices = num_devices
+        self.cuda = device.type == "cuda"
+        self.token_device = torch.zeros(0, dtype=torch.int64)
+        self.reset()
+
+    def reset(self) -> None:
+        d = self.num_devices
+        self.tokens = np.zeros(d, dtype=np.int64)  # (token, choice) rows each device computed
+        self.busy_s = np.zeros(d)  # measured expert compute time per device
+        self.traffic = np.zeros((d, d), dtype=np.int64)  # dispatch bytes, src x dst
+        self._events: list[tuple[int, torch.cuda.Event, torch.cuda.Event]] = []
+
+    def timed(self, device: int, fn):
+        """Run fn as `device`'s work and add its time; CUDA events on GPU (resolved at step end,
+        no sync per span), perf counters on CPU."""
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = fn()
+            end.record()
+            self._events.append((device, start, end))
+            return out
+        t0 = time.perf_counter()
+        out = fn()
+        self.busy_s[device] += time.perf_counter() - t0
+        return out
+
+    def resolve(self) -> None:
+        if self._events:
+            torch.cuda.synchronize()
+            for device, start, end in self._events:
+                self.busy_s[device] += start.elapsed_time(end) / 1e3
+            self._events.clear()
+
+
+class PlacedExperts(nn.Module):
+    def __init__(self, layer_idx: int, logical: StackedExperts, placement: Placement,
+                 stats: StepDeviceStats, policy: str, routing_state: RoutingState):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.logical = logical  # the host tier: the source of every copy into a slot
+        self.stats = stats
+        self.policy = policy
+        self.routing_state = routing_state
+        num_devices, slots = placement.num_devices, placement.slots_per_device
+        w13, w2 = logical.w13, logical.w2
+        self.slot_w13 = torch.zeros((num_devices * slots, *w13.shape[1:]), dtype=w13.dtype, device=w13.device)
+        self.slot_w2 = torch.zeros((num_devices * slots, *w2.shape[1:]), dtype=w2.dtype, device=w2.device)
+        self.slot_expert = np.full(num_devices * slots, -1, dtype=np.int64)
+        self.slots_per_device = slots
+        self.placement = placement
+        self.load(placement)
+
+    @property
+    def expert_bytes(self) -> int:
+        return self.slot_w13[0].nbytes + self.slot_w2[0].nbytes
+
+    def load(self, placement: Placement) -> int:
+        """Make the slots hold `placement`'s layer: copies only the slots whose expert changes.
+        Returns the bytes copied (real copies)."""
+        wanted = placement.slots[self.layer_idx].reshape(-1)
+        changed = np.nonzero(wanted != self.slot_expert)[0]
+        with torch.no_grad():
+            for slot in changed:
+                expert = int(wanted[slot])
+                if expert >= 0:
+                    self.slot_w13[slot].copy_(self.logical.w13[expert])
+                    self.slot_w2[slot].copy_(self.logical.w2[expert])
+        self.slot_expert = wanted.copy()
+        self.placement = placement
+        # (expert, device) -> global slot, for routing a chosen replica to its slot
+        num_devices = placement.num_devices
+        table = np.full((self.logical.w13.shape[0], num_devices), -1, dtype=np.int64)
+        for slot, expert in enumerate(wanted):
+            if expert >= 0:
+                table[expert, slot // self.slots_per_device] = slot
+        self.slot_of = torch.from_numpy(table).to(self.slot_w13.device)
+        return int(sum(1 for s in changed if wanted[s] >= 0)) * self.expert_bytes
+
+    def dispatch(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, counts_t: torch.Tensor):
+        stats = self.stats
+        token_device = stats.token_device
+        devices = self.placement.assign_replicas(self.layer_idx, ids, token_device, self.policy, self.routing_state)
+        slots = self.slot_of[ids, devices].flatten()
+        order = torch.argsort(slots, stable=True)
+        slot_counts = torch.bincount(slots, minlength=self.slot_w13.shape[0])
+        x_sorted = x.index_select(0, order // ids.shape[1])
+        out = torch.empty_like(x_sorted)
+        per_device = slot_counts.view(-1, self.slots_per_device)
+        device_rows = per_device.sum(1).tolist()
+        start = 0
+        s = self.slots_per_device
+        for device, rows in enumerate(device_rows):
+            if not rows:
+                continue
+            end = start + rows
+            counts_d = per_device[device]
+            w13, w2 = self.slot_w13[device * s:(device + 1) * s], self.slot_w2[device * s:(device + 1) * s]
+            offsets = grouped_offsets(counts_d, rows)
+            out[start:end] = stats.timed(device, lambda: grouped_swiglu(x_sorted[start:end], counts_d.tolist(),
+                                                                       w13, w2, offsets))
+            stats.tokens[device] += rows
+            start = end
+        bytes_per_row = x.shape[-1] * x.element_size()
+        stats.traffic += traffic_matrix(token_device, devices, bytes_per_row, self.placement.num_devices).cpu().numpy()
+        return combine(out, order, weights, x.dtype)

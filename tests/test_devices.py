@@ -1,0 +1,90 @@
+"""The local backend: emulated devices, placed experts, live rebalancing."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine.engine_config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.placement import Placement, PlacementError
+from engine.rebalancer import plan_rebalance
+from engine.sampling import SamplingParams
+from engine.topology import Topology
+from tests.engine_fixtures import make_tiny_checkpoint
+from tests.test_engine_core import prompts
+
+GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("devices"))
+
+
+def engine(ckpt, devices=None, **kw) -> LLMEngine:
+    topo = None if devices is None else Topology(num_devices=devices, devices_per_node=kw.pop("per_node", 8),
+                                                 hbm_bytes=kw.pop("hbm", 1 << 30))
+    return LLMEngine(EngineConfig(model=str(ckpt), block_size=4, num_kv_blocks=128, topology=topo, **kw))
+
+
+@pytest.fixture(scope="module")
+def single_device_outputs(ckpt):
+    return [o.token_ids for o in engine(ckpt).generate(prompts(6), GREEDY)]
+
+
+@pytest.mark.parametrize("policy", ["locality", "least_loaded", "round_robin"])
+def test_emulated_devices_give_the_same_tokens(ckpt, single_device_outputs, policy):
+    eng = engine(ckpt, devices=4, per_node=2, routing_policy=policy, redundant_slots=1)
+    assert [o.token_ids for o in eng.generate(prompts(6), GREEDY)] == single_device_outputs
+
+
+def test_step_device_stats_are_consistent(ckpt):
+    eng = engine(ckpt, devices=4)
+    eng.generate(prompts(4), GREEDY)
+    cfg = eng.model_config
+    for step in eng.step_log:
+        dev = step.devices
+        rows = (step.prefill_tokens + step.decode_tokens) * cfg.top_k * cfg.num_layers
+        assert sum(dev["tokens"]) == rows  # every (token, choice) computed once, on one device
+        traffic = np.array(dev["traffic_bytes"])
+        assert traffic.sum() == rows * cfg.hidden_size * 4  # fp32 hidden state per (token, choice)
+        assert dev["link_s_modeled"] is True
+        busy = np.array(dev["busy_s"])
+        assert ((busy > 0) == (np.array(dev["tokens"]) > 0)).all()
+        # routing counts (the heat map) agree with the device loads
+        assert int(step.routing.sum()) == rows
+
+
+def test_live_rebalance_keeps_outputs_identical(ckpt, single_device_outputs):
+    eng = engine(ckpt, devices=4, redundant_slots=1)
+    ids = [eng.add_request(p, GREEDY) for p in prompts(6)]
+    done, steps, moved = {}, 0, None
+    while eng.has_unfinished():
+        done.update({o.request_id: o.token_ids for o in eng.step() if o.finished})
+        steps += 1
+        if steps == 3:
+            loads = sum(s.routing for s in eng.step_log).numpy()
+            plan = plan_rebalance(loads, eng.config.topology, 1, current=eng.cluster.placement)
+            eng.apply_placement(plan.placement)
+    assert [done[i] for i in ids] == single_device_outputs
+    assert eng.cluster.placement == plan.placement and eng.last_bytes_moved > 0
+
+
+def test_bad_placements_are_refused_and_nothing_changes(ckpt):
+    eng = engine(ckpt, devices=4)
+    before = eng.cluster.placement
+    cfg = eng.model_config
+    with pytest.raises(PlacementError, match="devices"):
+        eng.apply_placement(Placement.contiguous(cfg.num_layers, cfg.num_experts, 2))
+    with pytest.raises(PlacementError, match="slots per device"):
+        eng.apply_placement(Placement.contiguous(cfg.num_layers, cfg.num_experts, 4, 3))
+    with pytest.raises(PlacementError):
+        before.move(0, 99, 0, 1)
+    eng.step()
+    assert eng.cluster.placement == before
+
+
+def test_hbm_too_small_for_the_experts_is_refused(ckpt):
+    with pytest.raises(PlacementError, match="hbm"):
+        engine(ckpt, devices=2, hbm=1000)
