@@ -5,11 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from engine.config import ModelConfig
 from engine.loader import save_checkpoint
 from engine.model import MoEForCausalLM
+from tests.tiny_models import build_tokenizer
 
 TINY_MIXTRAL = {
     "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "vocab_size": 300, "hidden_size": 32,
@@ -18,24 +18,6 @@ TINY_MIXTRAL = {
     "rope_theta": 10000.0, "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 1,
     "sliding_window": None, "dtype": "float32",
 }
-
-TOKENIZER_TEXT = [
-    "def parse_args(argv):\n    return argv[1:]\n",
-    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n",
-    "for i in range(10):\n    print(i, end=' ')\n",
-    "import os\nimport sys\nif __name__ == '__main__':\n    main()\n",
-]
-
-
-def build_tokenizer(vocab_size: int) -> Tokenizer:
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(TOKENIZER_TEXT * 4, trainer)
-    return tok
-
 
 def make_tiny_checkpoint(out_dir: Path, seed: int = 0, std: float = 0.2, with_tokenizer: bool = True,
                          **overrides) -> Path:
