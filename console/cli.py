@@ -140,7 +140,7 @@ def _generate_distributed(path: Path, inputs: list, params, nproc: int, dtype, a
         from engine.distributed import generate_distributed
     except ImportError:
         raise BadInput("--backend distributed: not available in this build") from None
-    for out in generate_distributed(str(path), inputs, params, nproc=nproc, dtype=dtype):
+    for out in generate_distributed(str(path), inputs, params, nproc=nproc, dtype=dtype, timeout_s=1800.0):
         if as_json:
             typer.echo(json.dumps({k: out[k] for k in ("prompt_ids", "token_ids", "text")}))
         else:

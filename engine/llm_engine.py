@@ -74,7 +74,10 @@ class StepStats:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, model: MoEForCausalLM | None = None):
+    def __init__(self, config: EngineConfig, model: MoEForCausalLM | None = None, *,
+                 kv_heads: int | None = None, runner_factory=None):
+        """kv_heads: KV heads this process caches (tensor parallelism keeps a share);
+        runner_factory(model, cache, device, cluster) builds the model runner (distributed ranks)."""
         self.config = config
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
@@ -84,10 +87,11 @@ class LLMEngine:
         self.tokenizer = Tokenizer.from_dir(config.model, cfg.bos_token_id)
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         quantized = config.kv_cache_dtype == "int8"
-        per_block = KVCache.bytes_per_block(cfg.num_layers, config.block_size, cfg.num_kv_heads, cfg.head_dim,
+        kv_heads = kv_heads or cfg.num_kv_heads
+        per_block = KVCache.bytes_per_block(cfg.num_layers, config.block_size, kv_heads, cfg.head_dim,
                                             cfg.dtype, quantized)
         num_blocks = config.num_kv_blocks or max(1, config.kv_cache_memory // per_block)
-        self.kv_cache = KVCache(cfg.num_layers, num_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim,
+        self.kv_cache = KVCache(cfg.num_layers, num_blocks, config.block_size, kv_heads, cfg.head_dim,
                                 cfg.dtype, quantized, config.device)
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, config.knobs)
@@ -97,7 +101,8 @@ class LLMEngine:
 
             self.cluster = LocalCluster(self.model, config.topology, policy=config.routing_policy,
                                         redundant_slots=config.redundant_slots)
-        self.runner = ModelRunner(self.model, self.kv_cache, torch.device(config.device), self.cluster)
+        self.runner = (runner_factory or ModelRunner)(self.model, self.kv_cache, torch.device(config.device),
+                                                      self.cluster)
         self._next_home = itertools.count()
         self._generators = _GeneratorFactory(torch.Generator().manual_seed(config.seed))
         self._lock = threading.Lock()

@@ -190,6 +190,12 @@ def save_checkpoint(model: MoEForCausalLM, out_dir: str | Path, dtype: torch.dty
         moe, (g, u, d) = n["moe"], n["expert"]
         if cfg.sparse_layers[i]:
             hf[moe + "gate.weight"] = sd[ours + "mlp.gate"]
+            if cfg.shared_expert_intermediate_size:
+                gate_w, up_w = sd[ours + "mlp.shared_w13"].chunk(2)
+                hf[f"{moe}shared_expert.{g}.weight"] = gate_w.contiguous()
+                hf[f"{moe}shared_expert.{u}.weight"] = up_w.contiguous()
+                hf[f"{moe}shared_expert.{d}.weight"] = sd[ours + "mlp.shared_w2"]
+                hf[moe + "shared_expert_gate.weight"] = sd[ours + "mlp.shared_gate"]
             for e in range(cfg.num_experts):
                 gate_w, up_w = sd[ours + "mlp.experts.w13"][e].chunk(2)
                 hf[f"{moe}experts.{e}.{g}.weight"] = gate_w.contiguous()

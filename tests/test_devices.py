@@ -59,7 +59,7 @@ def test_step_device_stats_are_consistent(ckpt):
 def test_live_rebalance_keeps_outputs_identical(ckpt, single_device_outputs):
     eng = engine(ckpt, devices=4, redundant_slots=1)
     ids = [eng.add_request(p, GREEDY) for p in prompts(6)]
-    done, steps, moved = {}, 0, None
+    done, steps = {}, 0
     while eng.has_unfinished():
         done.update({o.request_id: o.token_ids for o in eng.step() if o.finished})
         steps += 1
