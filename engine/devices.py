@@ -15,13 +15,17 @@ from .model import MoEForCausalLM
 from .moe import MoEBlock
 from .placed_experts import PlacedExperts, StepDeviceStats
 from .placement import Placement, PlacementError, RoutingState
+from .rebalancer import AutoRebalancePolicy, LoadWindow, RebalancePlan, plan_rebalance
 from .topology import Topology, format_size
 
 
 class LocalCluster:
     def __init__(self, model: MoEForCausalLM, topology: Topology, placement: Placement | None = None,
-                 policy: str = "locality", redundant_slots: int = 0):
+                 policy: str = "locality", redundant_slots: int = 0, auto: AutoRebalancePolicy | None = None,
+                 window_steps: int = 64):
         cfg = model.cfg
+        self.auto = auto or AutoRebalancePolicy()
+        self.window = LoadWindow(cfg.num_layers, cfg.num_experts, size=window_steps)
         self.topology = topology
         self.policy = policy
         self.stats = StepDeviceStats(topology.num_devices, next(model.parameters()).device)
@@ -72,6 +76,29 @@ class LocalCluster:
         self.placement = placement
         self.bytes_moved_total += moved
         return moved
+
+    @property
+    def redundant_slots(self) -> int:
+        return self.placement.slots_per_device - -(-self.placement.num_experts // self.num_devices)
+
+    def balancedness(self) -> float:
+        """Of the placement in force, over the load window (1.0 before any load)."""
+        loads = self.window.loads()
+        return float(self.placement.balancedness(loads)[1]) if loads.any() else 1.0
+
+    def preview(self) -> RebalancePlan:
+        """A plan for the windowed loads that keeps this cluster's slot count; nothing changes."""
+        if not len(self.window):
+            raise PlacementError("rebalance: no routing observed yet")
+        return plan_rebalance(self.window.loads(), self.topology, self.redundant_slots, current=self.placement,
+                              expert_bytes=self.expert_bytes)
+
+    def observe(self, step: int, routing: torch.Tensor) -> RebalancePlan | None:
+        """Adds a step's routing to the window; returns a plan when auto mode says to rebalance."""
+        self.window.add(routing.numpy())
+        if self.auto.should_rebalance(step, self.balancedness()):
+            return self.preview()
+        return None
 
     # -- per step
     def begin_step(self, token_device: torch.Tensor) -> None:

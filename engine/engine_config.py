@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields, replace
 
 from .placement import POLICIES as ROUTING_POLICIES
+from .rebalancer import AutoRebalancePolicy
 from .topology import Topology
 
 POLICIES = ("fcfs", "priority")
@@ -65,6 +66,7 @@ class EngineConfig:
     topology: Topology | None = None
     routing_policy: str = "locality"  # how a token picks among an expert's replicas
     redundant_slots: int = 0  # extra expert slots per device, for replicas
+    auto_rebalance: AutoRebalancePolicy = field(default_factory=AutoRebalancePolicy)  # manual by default
     num_threads: int | None = None  # torch intra-op threads for this process; None: leave torch's setting
 
     def __post_init__(self):

@@ -100,7 +100,7 @@ class LLMEngine:
             from .devices import LocalCluster
 
             self.cluster = LocalCluster(self.model, config.topology, policy=config.routing_policy,
-                                        redundant_slots=config.redundant_slots)
+                                        redundant_slots=config.redundant_slots, auto=config.auto_rebalance)
         self.runner = (runner_factory or ModelRunner)(self.model, self.kv_cache, torch.device(config.device),
                                                       self.cluster)
         self._next_home = itertools.count()
@@ -114,6 +114,7 @@ class LLMEngine:
         self.step_log: deque[StepStats] = deque(maxlen=4096)
         self.finished_metrics: deque[dict] = deque(maxlen=4096)
         self.num_aborted = 0
+        self.actions: deque[dict] = deque(maxlen=4096)  # operator and automatic actions, with their time
 
     # -- requests
     def encode(self, prompt: str | list[int]) -> list[int]:
@@ -162,14 +163,27 @@ class LLMEngine:
         with self._lock:
             self._inbox.append(("abort", request_id))
 
-    def apply_placement(self, placement) -> None:
-        """Checked now (PlacementError); the experts are copied between steps, so in-flight
-        requests see either the old or the new placement for a whole step, never a mix."""
+    def _require_cluster(self):
         if self.cluster is None:
             raise ValueError("placement: this engine runs without emulated devices (no topology)")
-        self.cluster.check(placement)
+        return self.cluster
+
+    def apply_placement(self, placement, kind: str = "placement") -> None:
+        """Checked now (PlacementError); the experts are copied between steps, so in-flight
+        requests see either the old or the new placement for a whole step, never a mix."""
+        self._require_cluster().check(placement)
         with self._lock:
-            self._inbox.append(("placement", placement))
+            self._inbox.append(("placement", (placement, kind)))
+
+    def rebalance_preview(self):
+        """A plan for the recent routing window: predicted balancedness before/after, bytes to move."""
+        plan = self._require_cluster().preview()
+        self._action("rebalance_preview", {}, plan.summary())
+        return plan
+
+    def _action(self, kind: str, args: dict, result) -> None:
+        self.actions.append({"time": time.monotonic(), "step": self.step_count, "kind": kind, "args": args,
+                             "result": result})
 
     def update_knobs(self, **changes) -> SchedulerKnobs:
         """Validated against the newest pending knobs; takes effect at the next step."""
@@ -198,7 +212,9 @@ class LLMEngine:
                     self.num_aborted += 1
                     outputs.append(self._emit(seq, []))
             elif kind == "placement":
-                self.last_bytes_moved = self.cluster.apply(payload)
+                placement, what = payload
+                self.last_bytes_moved = self.cluster.apply(placement)
+                self._action(what, {}, {"bytes_moved": self.last_bytes_moved})
             else:
                 self.scheduler.knobs = payload
         return outputs
@@ -274,6 +290,11 @@ class LLMEngine:
             request_ids=[s.request_id for s, _ in batch.items], preempted=[s.request_id for s in batch.preempted],
             kv_blocks_used=self.blocks.num_used, routing=self.runner.probe.counts.clone(),
             devices=self.cluster.end_step() if self.cluster is not None else None))
+        if self.cluster is not None:
+            plan = self.cluster.observe(self.step_count, self.step_log[-1].routing)
+            if plan is not None:  # auto mode: applied at the start of the next step
+                self._action("auto_rebalance_plan", {}, plan.summary())
+                self.apply_placement(plan.placement, kind="rebalance_apply")
 
     # -- conveniences
     def has_unfinished(self) -> bool:

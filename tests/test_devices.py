@@ -88,3 +88,33 @@ def test_bad_placements_are_refused_and_nothing_changes(ckpt):
 def test_hbm_too_small_for_the_experts_is_refused(ckpt):
     with pytest.raises(PlacementError, match="hbm"):
         engine(ckpt, devices=2, hbm=1000)
+
+
+def test_manual_preview_then_apply_improves_balance(ckpt, single_device_outputs):
+    eng = engine(ckpt, devices=4, redundant_slots=1)
+    ids = [eng.add_request(p, GREEDY) for p in prompts(6)]
+    for _ in range(3):
+        eng.step()
+    before = eng.cluster.balancedness()
+    plan = eng.rebalance_preview()
+    assert eng.cluster.placement != plan.placement  # preview changes nothing
+    assert plan.balancedness_after.overall >= plan.balancedness_before.overall
+    assert abs(plan.balancedness_before.overall - before) < 1e-9
+    eng.apply_placement(plan.placement, kind="rebalance_apply")
+    done = {}
+    while eng.has_unfinished():
+        done.update({o.request_id: o.token_ids for o in eng.step() if o.finished})
+    assert [done[i] for i in ids] == single_device_outputs
+    kinds = [a["kind"] for a in eng.actions]
+    assert kinds == ["rebalance_preview", "rebalance_apply"]
+    assert eng.actions[1]["result"]["bytes_moved"] == plan.bytes_moved
+
+
+def test_auto_rebalance_every_k_steps(ckpt, single_device_outputs):
+    from engine.rebalancer import AutoRebalancePolicy
+
+    eng = engine(ckpt, devices=4, redundant_slots=1, auto_rebalance=AutoRebalancePolicy("auto", every_k_steps=2))
+    outs = eng.generate(prompts(6), GREEDY)
+    assert [o.token_ids for o in outs] == single_device_outputs
+    applied = [a for a in eng.actions if a["kind"] == "rebalance_apply"]
+    assert applied and all(a["step"] % 2 == 0 for a in applied)
