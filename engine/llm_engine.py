@@ -175,6 +175,24 @@ class LLMEngine:
         with self._lock:
             self._inbox.append(("placement", (placement, kind)))
 
+    EXPERT_EDITS = ("move", "swap", "replicate", "drop_replica", "pin", "unpin")
+
+    def edit_experts(self, edit: str, **args):
+        """An operator's edit of one expert (Placement.move/swap/replicate/drop_replica/pin/unpin
+        with their arguments), validated against the newest placement and applied between steps."""
+        cluster = self._require_cluster()
+        if edit not in self.EXPERT_EDITS:
+            raise ValueError(f"edit: must be one of {', '.join(self.EXPERT_EDITS)}, got {edit!r}")
+        with self._lock:
+            pending = [p for k, (p, _) in ((k, v) for k, v in self._inbox if k == "placement")]
+        current = pending[-1] if pending else cluster.placement
+        try:
+            new = getattr(current, edit)(**args)
+        except TypeError as exc:
+            raise ValueError(f"{edit}: {exc}") from None
+        self.apply_placement(new, kind=edit)
+        return new
+
     def rebalance_preview(self):
         """A plan for the recent routing window: predicted balancedness before/after, bytes to move."""
         plan = self._require_cluster().preview()

@@ -118,3 +118,20 @@ def test_auto_rebalance_every_k_steps(ckpt, single_device_outputs):
     assert [o.token_ids for o in outs] == single_device_outputs
     applied = [a for a in eng.actions if a["kind"] == "rebalance_apply"]
     assert applied and all(a["step"] % 2 == 0 for a in applied)
+
+
+def test_operator_edits_one_expert(ckpt, single_device_outputs):
+    eng = engine(ckpt, devices=4, redundant_slots=1)
+    new = eng.edit_experts("replicate", layer=0, expert=0, device=3)
+    assert (3, ) in {(d,) for d, _ in new.replicas(0, 0)}
+    eng.edit_experts("pin", layer=0, expert=1)
+    with pytest.raises(PlacementError):
+        eng.edit_experts("move", layer=0, expert=1, src_device=0, dst_device=2)  # pinned
+    with pytest.raises(ValueError, match="edit"):
+        eng.edit_experts("teleport", layer=0, expert=1)
+    with pytest.raises(PlacementError):
+        eng.edit_experts("replicate", layer=0, expert=99, device=0)
+    outs = eng.generate(prompts(6), GREEDY)
+    assert [o.token_ids for o in outs] == single_device_outputs
+    assert len(eng.cluster.placement.replicas(0, 0)) == 2 and eng.cluster.placement.is_pinned(0, 1)
+    assert [a["kind"] for a in eng.actions] == ["replicate", "pin"]
