@@ -1,8 +1,8 @@
 """Benchmarks: this engine against Hugging Face transformers on one workload, and engine-only
 serving runs of a workload.
 
-    python -m engine.bench compare-hf --model engine/sample_model [--json]
-    python -m engine.bench serve --model engine/sample_model --rate 4 --num-requests 64
+    moectl bench --compare hf [--model DIR] [--json]
+    moectl bench --suite serve --workload rate=4,requests=64
 
 `run_compare_hf` runs one workload (by default 64 requests, prompts of 32-512 tokens, outputs
 of 16-256 tokens, all arriving at once) through the engine and through transformers'
@@ -16,9 +16,7 @@ records the load average before and after.
 
 from __future__ import annotations
 
-import argparse
 import copy
-import json
 import math
 import os
 import platform
@@ -35,7 +33,7 @@ from .engine_config import SchedulerKnobs
 from .llm_engine import EngineConfig, LLMEngine
 from .sampling import SamplingParams
 from .tokenizer import Tokenizer
-from .workload import LengthDist, WorkloadItem, WorkloadSpec, make_workload, run_workload, summarize
+from .workload import WorkloadItem, WorkloadSpec, make_workload, run_workload, summarize
 
 SAMPLE_MODEL_DIR = Path(__file__).parent / "sample_model"
 TARGET_THROUGHPUT_RATIO = 5.0  # engine output tokens/s over transformers', at least
@@ -409,89 +407,3 @@ def make_tiny_checkpoint(out_dir: str | Path, *, vocab_size: int = 512, hidden_s
         tok = train_tokenizer(vocab_size, max_corpus_chars=tokenizer_corpus_chars)
         save_tokenizer(tok, out_dir, max_positions)
     return out_dir
-
-
-# -- command line
-
-def _length(text: str) -> LengthDist:
-    return LengthDist.parse(text)
-
-
-def _dist_arg(d: LengthDist):
-    return (d.lo, d.hi) if d.kind == "uniform" else d.lo if d.kind == "fixed" else d
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m engine.bench", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="cmd", required=True)
-
-    cmp_ = sub.add_parser("compare-hf", help="this engine against transformers' generate on one workload")
-    cmp_.add_argument("--model", default=str(SAMPLE_MODEL_DIR))
-    cmp_.add_argument("--num-requests", type=int, default=64)
-    cmp_.add_argument("--prompt-len", type=_length, default=LengthDist("uniform", 32, 512),
-                      help="N, LO-HI or lognormal:MEDIAN,SIGMA[,LO,HI] (default 32-512)")
-    cmp_.add_argument("--output-len", type=_length, default=LengthDist("uniform", 16, 256), help="default 16-256")
-    cmp_.add_argument("--seed", type=int, default=0)
-    cmp_.add_argument("--dtype", default="float32")
-    cmp_.add_argument("--hf-batch-size", type=int, default=None, help="default: all requests in one batch")
-    cmp_.add_argument("--bs1-output-len", type=int, default=64)
-    cmp_.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
-    cmp_.add_argument("--json", action="store_true", help="print the result as JSON (progress goes to stderr)")
-
-    srv = sub.add_parser("serve", help="a workload through the engine alone")
-    srv.add_argument("--model", default=str(SAMPLE_MODEL_DIR))
-    srv.add_argument("--num-requests", type=int, default=None, help="default 64 unless --duration is given")
-    srv.add_argument("--rate", type=float, default=math.inf, help="requests/s, Poisson (default inf: all at once)")
-    srv.add_argument("--duration", type=float, default=None, help="seconds of arrivals (needs a finite --rate)")
-    srv.add_argument("--prompt-len", type=_length, default=LengthDist("uniform", 32, 512))
-    srv.add_argument("--output-len", type=_length, default=LengthDist("uniform", 16, 256))
-    srv.add_argument("--seed", type=int, default=0)
-    srv.add_argument("--source", default="auto", choices=("auto", "corpus", "random", "jsonl"))
-    srv.add_argument("--jsonl", default=None, help="requests file (implies --source jsonl)")
-    srv.add_argument("--dtype", default=None)
-    srv.add_argument("--no-realtime", action="store_true", help="skip idle gaps between arrivals")
-    srv.add_argument("--threads", type=int, default=None)
-    srv.add_argument("--json", action="store_true")
-
-    lim = sub.add_parser("limits", help="this machine's memory bandwidth and matmul FLOP/s")
-    lim.add_argument("--dtype", default="float32")
-    lim.add_argument("--json", action="store_true")
-
-    import sys
-
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
-        argv.insert(0, "compare-hf")  # the default benchmark
-    args = parser.parse_args(argv)
-
-    log = (lambda line: print(line, file=sys.stderr, flush=True)) if args.json else \
-        (lambda line: print(line, flush=True))
-    if getattr(args, "threads", None):
-        torch.set_num_threads(args.threads)
-    try:
-        if args.cmd == "compare-hf":
-            result = run_compare_hf(args.model, num_requests=args.num_requests,
-                                    prompt_len=_dist_arg(args.prompt_len), output_len=_dist_arg(args.output_len),
-                                    seed=args.seed, dtype=args.dtype, hf_batch_size=args.hf_batch_size,
-                                    bs1_output_len=args.bs1_output_len, threads=args.threads, log=log)
-        elif args.cmd == "serve":
-            source = "jsonl" if args.jsonl else args.source
-            count = args.num_requests if args.num_requests or args.duration or args.jsonl else 64
-            spec = WorkloadSpec(num_requests=count,
-                                rate=args.rate, duration_s=args.duration, prompt_len=_dist_arg(args.prompt_len),
-                                output_len=_dist_arg(args.output_len), seed=args.seed, source=source,
-                                jsonl_path=args.jsonl)
-            result = run_serve(args.model, spec=spec, dtype=args.dtype, realtime=not args.no_realtime, log=log)
-        else:
-            result = machine_limits.measure(args.dtype)
-            log(machine_limits.format_limits(result))
-    except ValueError as exc:
-        parser.exit(2, f"error: {exc}\n")
-    if args.json:
-        print(json.dumps(result, indent=1))
-
-
-__all__ = ["run_compare_hf", "run_hf", "run_serve", "make_tiny_checkpoint", "main"]
-
-if __name__ == "__main__":
-    main()
