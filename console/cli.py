@@ -258,7 +258,8 @@ def bench(
         from engine.kv_eval import default_eval_inputs, run_kv_int8_eval
 
         text_ids, prompts = default_eval_inputs(path)
-        result = run_kv_int8_eval(str(path), text_ids, prompts, dtype=dtype, log=log)
+        # fp32 by default: the accuracy cost is then INT8's alone, not bf16 rounding on top of it
+        result = run_kv_int8_eval(str(path), text_ids, prompts, dtype=dtype or "float32", log=log)
     elif name == "limits":
         from engine import machine_limits
 

@@ -42,10 +42,12 @@ def run_kv_int8_eval(model_dir: str, token_ids: list[int], prompts: list[list[in
     agree = sum(_common_prefix(x.token_ids, y.token_ids) for x, y in zip(a, b))
     per_block = {q: KVCache.bytes_per_block(cfg.num_layers, 16, cfg.num_kv_heads, cfg.head_dim, cfg.dtype, q)
                  for q in (False, True)}
+    bf16_block = KVCache.bytes_per_block(cfg.num_layers, 16, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16, False)
     result = {
         "model_dtype": str(cfg.dtype).removeprefix("torch."),
         "bytes_per_block_model_dtype": per_block[False], "bytes_per_block_int8": per_block[True],
         "memory_ratio": per_block[True] / per_block[False],
+        "memory_ratio_vs_bf16": per_block[True] / bf16_block,
         "tokens_scored": len(token_ids),
         "nll_model_dtype": nll_exact, "nll_int8": nll_quant,
         "nll_rel_diff": abs(nll_quant - nll_exact) / abs(nll_exact),
