@@ -128,6 +128,8 @@ class BlockManager:
             self.ref_count[block] -= 1
             if self.ref_count[block] == 0:
                 self.free_pool[block] = None
+                if self.block_hash[block] is None:  # nothing cached in it: hand it out first
+                    self.free_pool.move_to_end(block, last=False)
         seq.block_table = []
         seq.block_hashes = []
         seq.num_computed = 0

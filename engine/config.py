@@ -159,6 +159,13 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, raw: dict, dtype: str | torch.dtype | None = None) -> "ModelConfig":
+        try:
+            return cls._from_hf(raw, dtype)
+        except (TypeError, AttributeError) as exc:  # a value of the wrong JSON type somewhere
+            raise ConfigError(f"config.json: a value has the wrong type ({exc})") from None
+
+    @classmethod
+    def _from_hf(cls, raw: dict, dtype: str | torch.dtype | None = None) -> "ModelConfig":
         archs = raw.get("architectures") or []
         arch_name = archs[0] if archs else MODEL_TYPES.get(raw.get("model_type", ""), raw.get("model_type"))
         if arch_name not in ARCHITECTURES:
@@ -171,6 +178,11 @@ class ModelConfig:
                 raise ConfigError(f"{key}: missing from config.json")
             return raw[key]
 
+        quant = raw.get("quantization_config")
+        if quant:
+            method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
+            raise ConfigError(f"quantization_config.quant_method: {method!r} checkpoints are not supported "
+                              "(dequantise to bf16/fp16/fp32 first)")
         _refuse_rope_scaling(raw)
         if raw.get("hidden_act", "silu") != "silu":
             raise ConfigError(f"hidden_act: {raw['hidden_act']!r} is not supported (only silu)")
@@ -188,18 +200,18 @@ class ModelConfig:
         elif arch == "olmoe":
             experts = raw.get("num_experts") or need("num_local_experts")
             expert_size = need("intermediate_size")
-            norm_topk = bool(raw.get("norm_topk_prob", False))
-            bias = bool(raw.get("attention_bias", False))
+            norm_topk = _flag(raw, "norm_topk_prob", False)
+            bias = _flag(raw, "attention_bias", False)
             kw.update(qk_norm="full", clip_qkv=raw.get("clip_qkv"))
         else:  # the Qwen MoE family
             experts = raw.get("num_experts") or need("num_local_experts")  # v5 renamed it for Qwen3
             expert_size = need("moe_intermediate_size")
-            norm_topk = bool(raw.get("norm_topk_prob", False))
+            norm_topk = _flag(raw, "norm_topk_prob", False)
             if arch == "qwen2_moe":
-                bias = bool(raw.get("qkv_bias", True))
+                bias = _flag(raw, "qkv_bias", True)
                 kw["shared_expert_intermediate_size"] = int(raw.get("shared_expert_intermediate_size") or 0)
             else:
-                bias = bool(raw.get("attention_bias", False))
+                bias = _flag(raw, "attention_bias", False)
                 kw["qk_norm"] = "per_head"
             step = raw.get("decoder_sparse_step", 1) or 1
             mlp_only = set(raw.get("mlp_only_layers") or [])
@@ -214,17 +226,37 @@ class ModelConfig:
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         vocab = need("vocab_size")
+        if isinstance(vocab, bool) or not isinstance(vocab, int):
+            raise ConfigError(f"vocab_size: must be an integer, got {vocab!r}")
         eos_ids = tuple(e for e in eos_ids if isinstance(e, int) and 0 <= e < vocab)
         load_dtype = dtype if dtype is not None else (raw.get("dtype") or raw.get("torch_dtype") or "float32")
         return cls(
             architecture=arch, vocab_size=vocab, hidden_size=hidden, num_layers=layers,
             num_heads=heads, num_kv_heads=raw.get("num_key_value_heads") or heads, head_dim=head_dim,
             num_experts=experts, top_k=need("num_experts_per_tok"), expert_intermediate_size=expert_size,
-            norm_topk_prob=norm_topk, rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            norm_topk_prob=norm_topk, rms_norm_eps=_number(raw, "rms_norm_eps", 1e-6),
             rope_theta=float(theta), max_position_embeddings=need("max_position_embeddings"),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)), attention_bias=bias,
+            tie_word_embeddings=_flag(raw, "tie_word_embeddings", False), attention_bias=bias,
             dtype=parse_dtype(load_dtype), bos_token_id=raw.get("bos_token_id"), eos_token_ids=eos_ids,
             raw=raw, **kw)
+
+
+def _flag(raw: dict, key: str, default: bool) -> bool:
+    value = raw.get(key, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):  # bool("false") is True: refuse rather than guess
+        raise ConfigError(f"{key}: must be true or false, got {value!r}")
+    return value
+
+
+def _number(raw: dict, key: str, default: float) -> float:
+    value = raw.get(key, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{key}: must be a number, got {value!r}")
+    return float(value)
 
 
 def _refuse_rope_scaling(raw: dict) -> None:
@@ -232,6 +264,8 @@ def _refuse_rope_scaling(raw: dict) -> None:
         spec = raw.get(key)
         if not spec:
             continue
+        if not isinstance(spec, dict):
+            raise ConfigError(f"{key}: must be an object, got {spec!r}")
         kind = spec.get("rope_type", spec.get("type", "default"))
         if kind != "default":
             raise ConfigError(f"{key}.rope_type: {kind!r} is not supported (only default RoPE)")

@@ -34,6 +34,7 @@ class LocalCluster:
                                                       redundant_slots)
         self.layers: list[PlacedExperts] = []
         self.layers_of_model = model.layers
+        self.num_experts = cfg.num_experts
         moe_layers = [layer.mlp for layer in model.layers if isinstance(layer.mlp, MoEBlock)]
         if not moe_layers:
             raise PlacementError("devices: this model has no MoE layers to place")
@@ -56,6 +57,8 @@ class LocalCluster:
         """Refuse (PlacementError, one line) a placement this cluster cannot hold."""
         if placement.num_devices != self.num_devices:
             raise PlacementError(f"placement: has {placement.num_devices} devices, the cluster {self.num_devices}")
+        if placement.num_experts != self.num_experts:
+            raise PlacementError(f"placement: has {placement.num_experts} experts, the model {self.num_experts}")
         if placement.num_layers != len(self.layers_of_model):
             raise PlacementError(f"placement: has {placement.num_layers} layers, the model {len(self.layers_of_model)}")
         if self.layers and placement.slots_per_device != self.layers[0].slots_per_device:

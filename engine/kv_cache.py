@@ -2,7 +2,9 @@
 
 With kv_dtype="int8" the values are stored as int8 with one fp32 scale per (block, head):
 symmetric absmax quantisation. When a write raises a block's absmax, the block is re-quantised
-with the new scale, so earlier tokens in it stay within one quantisation step.
+with the new scale; each such rise can add up to half a step of rounding error to the tokens
+already in the block, so the error grows with the number of rises while a block fills (at most
+block_size - 1). The measured cost is what `moectl bench --suite kv-int8` reports.
 """
 
 from __future__ import annotations

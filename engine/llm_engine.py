@@ -107,8 +107,10 @@ class LLMEngine:
         self._generators = _GeneratorFactory(torch.Generator().manual_seed(config.seed))
         self._lock = threading.Lock()
         self._inbox: list = []  # (kind, payload) from other threads, applied at the next step
-        self._seqs: dict[str, Sequence] = {}
-        self._streams: dict[str, RequestStream] = {}
+        self._seqs: dict[str, Sequence] = {}  # owned by the step loop
+        self._streams: dict[str, RequestStream] = {}  # guarded by _lock
+        self._ids_in_use: set[str] = set()  # guarded by _lock: reserved at add, released at finish
+        self.last_bytes_moved = 0
         self._ids = itertools.count()
         self.step_count = 0
         self.step_log: deque[StepStats] = deque(maxlen=4096)
@@ -146,14 +148,17 @@ class LLMEngine:
             raise ValueError(f"prompt: needs {blocks_needed} KV blocks but the cache has {self.blocks.num_blocks}")
         if not isinstance(priority, int):
             raise ValueError("priority: must be an integer")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop: stop strings need a tokenizer.json; use stop_token_ids")
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         seq = Sequence(request_id, ids, params, priority, arrival, self._generators.for_params(params))
         if self.cluster is not None:  # the device whose attention would serve it (DP-attention style)
             seq.home_device = next(self._next_home) % self.cluster.num_devices
         out = RequestStream(request_id) if stream else None
         with self._lock:
-            if request_id in self._seqs or any(p.request_id == request_id for k, p in self._inbox if k == "add"):
+            if request_id in self._ids_in_use:
                 raise ValueError(f"request_id: {request_id!r} is already in use")
+            self._ids_in_use.add(request_id)
             self._inbox.append(("add", seq))
             if out is not None:
                 self._streams[request_id] = out
@@ -183,14 +188,15 @@ class LLMEngine:
         cluster = self._require_cluster()
         if edit not in self.EXPERT_EDITS:
             raise ValueError(f"edit: must be one of {', '.join(self.EXPERT_EDITS)}, got {edit!r}")
-        with self._lock:
-            pending = [p for k, (p, _) in ((k, v) for k, v in self._inbox if k == "placement")]
-        current = pending[-1] if pending else cluster.placement
-        try:
-            new = getattr(current, edit)(**args)
-        except TypeError as exc:
-            raise ValueError(f"{edit}: {exc}") from None
-        self.apply_placement(new, kind=edit)
+        with self._lock:  # held across read-modify-append so concurrent edits are not lost
+            pending = [p for kind, (p, _) in ((k, v) for k, v in self._inbox if k == "placement")]
+            current = pending[-1] if pending else cluster.placement
+            try:
+                new = getattr(current, edit)(**args)
+            except TypeError as exc:
+                raise ValueError(f"{edit}: {exc}") from None
+            cluster.check(new)
+            self._inbox.append(("placement", (new, edit)))
         return new
 
     def rebalance_preview(self):
@@ -220,22 +226,28 @@ class LLMEngine:
             inbox, self._inbox = self._inbox, []
         outputs = []
         for kind, payload in inbox:
-            if kind == "add":
-                self._seqs[payload.request_id] = payload
-                self.scheduler.add(payload)
-            elif kind == "abort":
-                seq = self._seqs.get(payload)
-                if seq is not None and not seq.finished:
-                    self.scheduler.finish(seq, "abort")
-                    self.num_aborted += 1
-                    outputs.append(self._emit(seq, []))
-            elif kind == "placement":
-                placement, what = payload
-                self.last_bytes_moved = self.cluster.apply(placement)
-                self._action(what, {}, {"bytes_moved": self.last_bytes_moved})
-            else:
-                self.scheduler.knobs = payload
+            try:
+                self._apply_inbox_item(kind, payload, outputs)
+            except Exception as exc:  # noqa: BLE001 - one bad item must not lose the others
+                self._action(f"{kind}_failed", {}, {"error": f"{type(exc).__name__}: {exc}"})
         return outputs
+
+    def _apply_inbox_item(self, kind: str, payload, outputs: list) -> None:
+        if kind == "add":
+            self._seqs[payload.request_id] = payload
+            self.scheduler.add(payload)
+        elif kind == "abort":
+            seq = self._seqs.get(payload)
+            if seq is not None and not seq.finished:
+                self.scheduler.finish(seq, "abort")
+                self.num_aborted += 1
+                outputs.append(self._emit(seq, []))
+        elif kind == "placement":
+            placement, what = payload
+            self.last_bytes_moved = self.cluster.apply(placement)
+            self._action(what, {}, {"bytes_moved": self.last_bytes_moved})
+        else:
+            self.scheduler.knobs = payload
 
     # -- the step loop
     def step(self) -> list[RequestOutput]:
@@ -277,7 +289,7 @@ class LLMEngine:
             text = self.decode(seq.output_ids)
             cut = min((i for i in (text.find(s) for s in p.stop) if i >= 0), default=-1)
             if cut >= 0:
-                seq.output_text = text[:cut]
+                seq.output_text = text[:cut]  # may be "" when the output starts with the stop string
                 return "stop"
         if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
@@ -286,14 +298,19 @@ class LLMEngine:
     def _emit(self, seq: Sequence, new: list[int]) -> RequestOutput:
         finished = seq.finished
         if finished:
-            if not seq.output_text:
+            if seq.output_text is None:
                 seq.output_text = self.decode(seq.output_ids)
             self.finished_metrics.append({"request_id": seq.request_id, "finish_reason": seq.finish_reason,
                                           **seq.metrics()})
             del self._seqs[seq.request_id]
-        stream = self._streams.pop(seq.request_id, None) if finished else self._streams.get(seq.request_id)
+        with self._lock:
+            if finished:  # the stream goes first, then the id may be reused
+                stream = self._streams.pop(seq.request_id, None)
+                self._ids_in_use.discard(seq.request_id)
+            else:
+                stream = self._streams.get(seq.request_id)
         out = RequestOutput(seq.request_id, seq.token_ids[:seq.num_prompt_tokens], seq.output_ids, new,
-                            seq.output_text if finished else "", finished, seq.finish_reason,
+                            (seq.output_text or "") if finished else "", finished, seq.finish_reason,
                             seq.metrics() if finished else {})
         if stream is not None:
             stream.put(out)
@@ -309,10 +326,13 @@ class LLMEngine:
             kv_blocks_used=self.blocks.num_used, routing=self.runner.probe.counts.clone(),
             devices=self.cluster.end_step() if self.cluster is not None else None))
         if self.cluster is not None:
-            plan = self.cluster.observe(self.step_count, self.step_log[-1].routing)
-            if plan is not None:  # auto mode: applied at the start of the next step
-                self._action("auto_rebalance_plan", {}, plan.summary())
-                self.apply_placement(plan.placement, kind="rebalance_apply")
+            try:
+                plan = self.cluster.observe(self.step_count, self.step_log[-1].routing)
+                if plan is not None:  # auto mode: applied at the start of the next step
+                    self._action("auto_rebalance_plan", {}, plan.summary())
+                    self.apply_placement(plan.placement, kind="rebalance_apply")
+            except ValueError as exc:  # never lose a finished step's outputs to a failed plan
+                self._action("auto_rebalance_failed", {}, {"error": str(exc)})
 
     # -- conveniences
     def has_unfinished(self) -> bool:

@@ -15,8 +15,26 @@ from torch import nn
 from .layers import swiglu
 
 
-_GROUPED_MM = hasattr(torch, "_grouped_mm")
 GROUPED_MM_MIN_ROWS = 64  # below this the per-expert loop is as fast (few experts are hit)
+_grouped_mm_ok: dict[tuple, bool] = {}
+
+
+def _grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
+    """torch._grouped_mm is private: some builds lack a kernel for this device/dtype or want
+    aligned strides. Probe it once on a small exact case and fall back to the loop if it fails."""
+    key = (device.type, dtype)
+    if key not in _grouped_mm_ok:
+        ok = hasattr(torch, "_grouped_mm")
+        if ok:
+            try:
+                x = torch.ones(4, 8, device=device, dtype=dtype)
+                w = torch.ones(2, 8, 8, device=device, dtype=dtype)
+                out = torch._grouped_mm(x, w, offs=torch.tensor([1, 4], device=device, dtype=torch.int32))
+                ok = bool((out == 8).all())
+            except (RuntimeError, NotImplementedError, TypeError):
+                ok = False
+        _grouped_mm_ok[key] = ok
+    return _grouped_mm_ok[key]
 
 
 def grouped_swiglu(x_sorted: torch.Tensor, counts: list[int], w13: torch.Tensor, w2: torch.Tensor,
@@ -36,8 +54,9 @@ def grouped_swiglu(x_sorted: torch.Tensor, counts: list[int], w13: torch.Tensor,
     return out
 
 
-def grouped_offsets(counts_t: torch.Tensor, rows: int, training: bool = False) -> torch.Tensor | None:
-    if _GROUPED_MM and not training and rows >= GROUPED_MM_MIN_ROWS:
+def grouped_offsets(counts_t: torch.Tensor, rows: int, training: bool = False,
+                    dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
+    if not training and rows >= GROUPED_MM_MIN_ROWS and _grouped_mm_works(counts_t.device, dtype):
         return torch.cumsum(counts_t, 0, dtype=torch.int32)
     return None
 
@@ -57,7 +76,7 @@ class StackedExperts(nn.Module):
         This version runs every expert here; emulated devices and expert parallelism replace it."""
         top_k = ids.shape[1]
         order = torch.argsort(ids.flatten(), stable=True)
-        offsets = grouped_offsets(counts_t, order.numel(), self.training)
+        offsets = grouped_offsets(counts_t, order.numel(), self.training, x.dtype)
         expert_out = self(x.index_select(0, order // top_k), counts_t.tolist(), offsets)
         return combine(expert_out, order, weights, x.dtype)
 

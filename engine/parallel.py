@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .attention import Attention
-from .moe import _GROUPED_MM, GROUPED_MM_MIN_ROWS, MoEBlock, StackedExperts, combine
+from .moe import MoEBlock, StackedExperts, combine, grouped_offsets
 
 MAX_TP = 8
 
@@ -187,9 +187,7 @@ class ExpertParallelExperts(StackedExperts):
             torch.arange(self.num_local, device=x.device).repeat(size), recv_counts.flatten())
         local_order = torch.argsort(local_ids, stable=True)
         local_counts = recv_counts.sum(0)
-        offsets = None
-        if _GROUPED_MM and not self.training and local_order.numel() >= GROUPED_MM_MIN_ROWS:
-            offsets = torch.cumsum(local_counts, 0, dtype=torch.int32)
+        offsets = grouped_offsets(local_counts, local_order.numel(), self.training, x.dtype)
         out_sorted = self(recv.index_select(0, local_order), local_counts.tolist(), offsets)
         out_recv = torch.empty_like(out_sorted).index_copy_(0, local_order, out_sorted)
         # (4) results back to the ranks that sent the rows

@@ -105,7 +105,10 @@ class PlacedExperts(nn.Module):
     def dispatch(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, counts_t: torch.Tensor):
         stats = self.stats
         token_device = stats.token_device
-        devices = self.placement.assign_replicas(self.layer_idx, ids, token_device, self.policy, self.routing_state)
+        # replica tables live on the CPU; route there, then bring the choice to the compute device
+        devices_cpu = self.placement.assign_replicas(self.layer_idx, ids.cpu(), token_device.cpu(), self.policy,
+                                                     self.routing_state)
+        devices = devices_cpu.to(ids.device)
         slots = self.slot_of[ids, devices].flatten()
         order = torch.argsort(slots, stable=True)
         slot_counts = torch.bincount(slots, minlength=self.slot_w13.shape[0])
@@ -121,11 +124,12 @@ class PlacedExperts(nn.Module):
             end = start + rows
             counts_d = per_device[device]
             w13, w2 = self.slot_w13[device * s:(device + 1) * s], self.slot_w2[device * s:(device + 1) * s]
-            offsets = grouped_offsets(counts_d, rows)
+            offsets = grouped_offsets(counts_d, rows, dtype=x.dtype)
             out[start:end] = stats.timed(device, lambda: grouped_swiglu(x_sorted[start:end], counts_d.tolist(),
                                                                        w13, w2, offsets))
             stats.tokens[device] += rows
             start = end
         bytes_per_row = x.shape[-1] * x.element_size()
-        stats.traffic += traffic_matrix(token_device, devices, bytes_per_row, self.placement.num_devices).cpu().numpy()
+        stats.traffic += traffic_matrix(token_device.cpu(), devices_cpu, bytes_per_row,
+                                        self.placement.num_devices).numpy()
         return combine(out, order, weights, x.dtype)

@@ -50,7 +50,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     for row, (p, gen) in enumerate(zip(params, generators)):
         if p.greedy:
             continue
-        scores = logits[row] / p.temperature
+        scores = logits[row].float().cpu() / p.temperature  # CPU generators: same draws on any device
         if p.top_k and p.top_k < scores.numel():
             kth = torch.topk(scores, p.top_k).values[-1]
             scores = scores.masked_fill(scores < kth, float("-inf"))

@@ -1,6 +1,6 @@
 """Iteration-level scheduling with chunked prefill, a token budget, and recompute preemption.
 
-Each step: running sequences first (decodes, then continuing prefill chunks), in policy order;
+Each step: running sequences first (decodes, then continuing prefill chunks, each in policy order);
 when the KV pool runs dry the lowest-ranked running sequence is preempted (its blocks freed,
 its tokens recomputed later). Waiting sequences are admitted only when nobody was preempted.
 """
@@ -55,8 +55,11 @@ class Scheduler:
         batch = ScheduledBatch()
         budget = knobs.max_num_batched_tokens
         self.running.sort(key=lambda s: s.sort_key(knobs.policy))
-        # running sequences beyond a lowered max_num_seqs wait their turn (not preempted)
-        for seq in list(self.running):
+        # decodes before continuing prefill chunks, so long prompts cannot starve generation;
+        # victims are still chosen by rank (the end of `running`). Sequences beyond a lowered
+        # max_num_seqs wait their turn (not preempted).
+        order = [s for s in self.running if s.remaining == 1] + [s for s in self.running if s.remaining > 1]
+        for seq in order:
             if budget <= 0 or len(batch.items) >= knobs.max_num_seqs:
                 break
             if seq not in self.running:  # preempted as a victim earlier in this loop

@@ -33,7 +33,7 @@ class Sequence:
         self.num_cached_prompt = 0  # prompt tokens served from the prefix cache at admission
         self.num_preemptions = 0
         self.home_device = 0  # emulated device that owns this sequence's tokens
-        self.output_text = ""
+        self.output_text: str | None = None  # set when finished (or cut at a stop string)
         self.arrival = time.monotonic() if arrival is None else arrival
         self.first_scheduled: float | None = None
         self.token_times: list[float] = []

@@ -237,3 +237,39 @@ def test_score_matches_uncached_forward_across_chunks(ckpt, ref_model):
     assert got.shape == want.shape
     assert ((got - want).abs().max() / want.abs().max()).item() < 1e-5
     assert engine.blocks.num_used == 0
+
+
+def test_stop_string_at_the_very_start_leaves_empty_text(ckpt, ref_model):
+    engine = make_engine(ckpt)
+    p = prompts(1, seed=3)[0]
+    first = engine.decode(reference_greedy(ref_model, p, 1))
+    assert first
+    out = engine.generate([p], SamplingParams(max_tokens=10, stop=(first[0],), ignore_eos=True))[0]
+    assert out.finish_reason == "stop" and out.text == ""
+
+
+def test_request_ids_are_unique_while_in_flight_and_reusable_after(ckpt):
+    engine = make_engine(ckpt)
+    engine.add_request([5, 6, 7], GREEDY, request_id="a")
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request([5, 6], GREEDY, request_id="a")
+    while engine.has_unfinished():
+        engine.step()
+    engine.add_request([5, 6], GREEDY, request_id="a")  # finished ids may be reused
+
+
+def test_stop_strings_without_a_tokenizer_are_refused(tmp_path):
+    ckpt = make_tiny_checkpoint(tmp_path / "notok", with_tokenizer=False)
+    engine = make_engine(ckpt)
+    with pytest.raises(ValueError, match="stop"):
+        engine.add_request([5, 6], SamplingParams(stop=("x",)))
+
+
+def test_decodes_are_scheduled_before_prefill_chunks(ckpt):
+    engine = make_engine(ckpt, knobs=SchedulerKnobs(max_num_batched_tokens=8, long_prefill_token_threshold=8))
+    engine.add_request(prompts(1, lo=4, hi=4)[0], SamplingParams(max_tokens=20, ignore_eos=True))
+    engine.step()  # its prompt fits one step: it decodes from now on
+    engine.add_request(prompts(1, seed=1, lo=40, hi=40)[0], GREEDY)
+    for _ in range(3):
+        engine.step()
+        assert engine.step_log[-1].decode_tokens == 1  # the long prompt never took the whole budget

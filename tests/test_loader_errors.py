@@ -161,3 +161,20 @@ def test_unused_checkpoint_tensor_is_refused(tmp_path):
     save_file(tensors, str(ckpt / "model.safetensors"))
     with pytest.raises(CheckpointError, match="o_proj.bias is not part of the MixtralForCausalLM layout"):
         load_model(ckpt)
+
+
+@pytest.mark.parametrize("change, field", [
+    ({"tie_word_embeddings": "false"}, "tie_word_embeddings"),
+    ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config"),
+    ({"rms_norm_eps": "small"}, "rms_norm_eps"),
+    ({"vocab_size": "300"}, "vocab_size"),
+    ({"rope_scaling": "yarn"}, "rope_scaling"),
+    ({"num_local_experts": "8"}, "num_experts"),
+])
+def test_wrongly_typed_config_values_name_the_field(change, field):
+    from engine.config import ConfigError, ModelConfig
+    from tests.engine_fixtures import TINY_MIXTRAL
+
+    with pytest.raises(ConfigError) as err:
+        ModelConfig.from_hf({**TINY_MIXTRAL, **change})
+    assert field in str(err.value) and "\n" not in str(err.value)
