@@ -353,7 +353,25 @@ def model_train(
 
 
 def main() -> None:
-    app()
+    """Entry point: usage errors (unknown option, bad value) become one line and exit code 2."""
+    try:  # newer typer vendors click
+        from typer._click.exceptions import NoArgsIsHelpError, UsageError
+    except ImportError:
+        from click.exceptions import NoArgsIsHelpError, UsageError
+
+    try:
+        code = app(standalone_mode=False)
+    except NoArgsIsHelpError as exc:
+        typer.echo(exc.ctx.get_help())
+        code = 0
+    except UsageError as exc:
+        where = f"{exc.ctx.command_path}: " if exc.ctx is not None else ""
+        typer.echo(f"moectl: error: {where}{exc.format_message().splitlines()[0]}", err=True)
+        code = 2
+    except typer.Abort:
+        typer.echo("moectl: error: aborted", err=True)
+        code = 1
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":

@@ -82,3 +82,10 @@ def test_real_process_has_no_traceback(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr and proc.stderr.strip().startswith("moectl: error: config.json")
+
+
+@pytest.mark.parametrize("args", [["generate", "--max-tokens", "abc", "x"], ["generate", "--bogus"], ["nope"]])
+def test_usage_errors_are_one_line_with_exit_2(args):
+    proc = subprocess.run([sys.executable, "-m", "console.cli", *args], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert len(proc.stderr.strip().splitlines()) == 1 and proc.stderr.startswith("moectl: error:")
