@@ -340,15 +340,18 @@ def plan_rebalance_cmd(
 @handles_errors
 def model_train(
     out: Path = typer.Option(SAMPLE_MODEL, "--out", help="Output directory (default: the embedded sample model)."),
-    steps: int = typer.Option(3000, "--steps"),
+    steps: Optional[int] = typer.Option(None, "--steps", help="Optimizer steps (default: the recipe's)."),
     seed: int = typer.Option(0, "--seed"),
-    time_budget: Optional[float] = typer.Option(None, "--time-budget", help="Seconds; stop and save when spent."),
+    time_budget: Optional[float] = typer.Option(None, "--time-budget",
+                                                help="Seconds; the schedule is fitted to it and the run saved when "
+                                                     "spent (then not bit-reproducible). The shipped model used 2640."),
     as_json: bool = JSON_OPT,
 ):
     """Re-train the sample model (tokenizer, model, model card) from the Python stdlib's source."""
     from engine.train import train_sample_model
 
-    stats = train_sample_model(out, steps=steps, seed=seed, time_budget_s=time_budget, log=_progress(as_json))
+    kw = {"steps": steps} if steps is not None else {}
+    stats = train_sample_model(out, seed=seed, time_budget_s=time_budget, log=_progress(as_json), **kw)
     _emit(stats, as_json)
 
 

@@ -135,8 +135,9 @@ def _block_prefix(lines: list[str], start: int, indent: str, max_chars: int) -> 
     out, size = [], 0
     for j in range(start, len(lines)):
         line = lines[j]
-        if j > start and line.strip() and not _deeper(line, indent) and not line.lstrip().startswith((")", "]", "}")):
-            break  # back at the def's own indentation (a closing bracket may still end its signature)
+        closes_bracket = line.lstrip().startswith((")", "]", "}"))  # e.g. the "):" ending a signature
+        if j > start and line.strip() and not _deeper(line, indent) and not closes_bracket:
+            break  # back at the def's own indentation: its block is over
         piece = line[len(indent):] if line.startswith(indent) else line.lstrip()
         if size + len(piece) + 1 > max_chars:
             break
