@@ -155,7 +155,18 @@ class ModelConfig:
             raise ConfigError(f"config.json: unreadable ({exc})") from None
         if not isinstance(raw, dict):
             raise ConfigError("config.json: top level must be an object")
-        return cls.from_hf(raw, dtype=dtype)
+        cfg = cls.from_hf(raw, dtype=dtype)
+        # generation_config.json may list more end-of-sequence ids (Qwen3 adds <|endoftext|>)
+        gen_path = Path(path) / "generation_config.json"
+        if gen_path.is_file():
+            try:
+                eos = json.loads(gen_path.read_text()).get("eos_token_id")
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+                raise ConfigError("generation_config.json: unreadable") from None
+            extra = eos if isinstance(eos, list) else [eos]
+            cfg.eos_token_ids = tuple(dict.fromkeys(
+                [*cfg.eos_token_ids, *(e for e in extra if isinstance(e, int) and 0 <= e < cfg.vocab_size)]))
+        return cfg
 
     @classmethod
     def from_hf(cls, raw: dict, dtype: str | torch.dtype | None = None) -> "ModelConfig":

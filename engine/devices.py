@@ -100,7 +100,9 @@ class LocalCluster:
         """Adds a step's routing to the window; returns a plan when auto mode says to rebalance."""
         self.window.add(routing.numpy())
         if self.auto.should_rebalance(step, self.balancedness()):
-            return self.preview()
+            plan = self.preview()
+            # an unreachable threshold must not re-plan and re-copy every step for nothing
+            return plan if plan.bytes_moved > 0 else None
         return None
 
     # -- per step

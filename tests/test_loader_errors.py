@@ -178,3 +178,15 @@ def test_wrongly_typed_config_values_name_the_field(change, field):
     with pytest.raises(ConfigError) as err:
         ModelConfig.from_hf({**TINY_MIXTRAL, **change})
     assert field in str(err.value) and "\n" not in str(err.value)
+
+
+def test_generation_config_adds_end_of_sequence_ids(tmp_path):
+    from engine.config import ConfigError, ModelConfig
+    from tests.engine_fixtures import TINY_MIXTRAL
+
+    (tmp_path / "config.json").write_text(json.dumps(TINY_MIXTRAL))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 7, 99999]}))
+    assert ModelConfig.from_dir(tmp_path).eos_token_ids == (1, 7)
+    (tmp_path / "generation_config.json").write_text("{nope")
+    with pytest.raises(ConfigError, match="generation_config.json"):
+        ModelConfig.from_dir(tmp_path)
