@@ -96,26 +96,16 @@ class PagedContext:
     cache: "object"  # engine.kv_cache.KVCache
     slot_mapping: torch.Tensor  # [N] cache slot of every token in the batch
     num_decodes: int = 0
-    decode_block_tables: torch.Tensor | None = None  # [B, max_blocks]
     decode_context_lens: torch.Tensor | None = None  # [B], including the new token
+    decode_groups: list[DecodeGroup] = field(default_factory=list)  # length-bucketed decodes
     prefills: list[PrefillSlice] = field(default_factory=list)
-    decode_groups: list[DecodeGroup] | None = None  # set by the runner: length-bucketed decodes
-    _decode_mask: torch.Tensor | None = None
 
     def attend(self, layer, q, k, v, scale):
         self.cache.write(layer, self.slot_mapping, k, v)
         out = torch.empty_like(q)
-        b = self.num_decodes
-        if b and self.decode_groups is not None:
-            for g in self.decode_groups:
-                keys, values = self.cache.gather_blocks(layer, g.blocks, g.end - g.start, g.width, q.dtype)
-                out[g.start:g.end] = _sdpa(q[g.start:g.end, None], keys, values, scale, mask=g.mask)[:, 0]
-        elif b:
-            keys, values = self.cache.gather(layer, self.decode_block_tables, q.dtype)
-            if self._decode_mask is None:
-                span = torch.arange(keys.shape[1], device=q.device)
-                self._decode_mask = (span[None, :] < self.decode_context_lens[:, None])[:, None, None, :]
-            out[:b] = _sdpa(q[:b, None], keys, values, scale, mask=self._decode_mask)[:, 0]
+        for g in self.decode_groups:
+            keys, values = self.cache.gather_blocks(layer, g.blocks, g.end - g.start, g.width, q.dtype)
+            out[g.start:g.end] = _sdpa(q[g.start:g.end, None], keys, values, scale, mask=g.mask)[:, 0]
         bs = self.cache.block_size
         for p in self.prefills:
             # 4-D [1, L, H, D] inputs: the CPU flash kernel takes them; 3-D ones fall back to the math path

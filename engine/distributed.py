@@ -279,14 +279,11 @@ def _i64(t: torch.Tensor) -> torch.Tensor:
 
 def pack_step(input_ids: torch.Tensor, positions: torch.Tensor, ctx: PagedContext) -> torch.Tensor:
     n, b = input_ids.numel(), ctx.num_decodes
-    tables = ctx.decode_block_tables if b else None
-    groups = ctx.decode_groups if b else None
-    head = [_MAGIC, n, b, 0 if tables is None else tables.shape[1], -1 if groups is None else len(groups),
-            len(ctx.prefills)]
+    head = [_MAGIC, n, b, len(ctx.decode_groups), len(ctx.prefills)]
     parts = [torch.tensor(head, dtype=torch.int64), _i64(input_ids), _i64(positions), _i64(ctx.slot_mapping)]
     if b:
-        parts += [_i64(tables), _i64(ctx.decode_context_lens)]
-    for g in groups or ():
+        parts.append(_i64(ctx.decode_context_lens))
+    for g in ctx.decode_groups:
         parts += [torch.tensor([g.start, g.end, g.width, int(g.mask is not None)], dtype=torch.int64), _i64(g.blocks)]
     for p in ctx.prefills:
         parts += [torch.tensor([p.start, p.end, p.cached_len, p.block_table.numel()], dtype=torch.int64),
@@ -303,7 +300,7 @@ def unpack_step(payload: torch.Tensor, cache: KVCache, device: torch.device):
         cur += count
         return out
 
-    magic, n, b, width, num_groups, num_prefills = take(6).tolist()
+    magic, n, b, num_groups, num_prefills = take(5).tolist()
     if magic != _MAGIC:
         raise DistributedError("distributed: corrupt step message from rank 0")
     ids, positions, slots = take(n).to(device), take(n).to(device), take(n).to(device)
@@ -311,18 +308,15 @@ def unpack_step(payload: torch.Tensor, cache: KVCache, device: torch.device):
     bs = cache.block_size
     if b:
         ctx.num_decodes = b
-        ctx.decode_block_tables = take(b * width).view(b, width).to(device)
         lens = take(b)
         ctx.decode_context_lens = lens.to(device)
-        if num_groups >= 0:
-            ctx.decode_groups = []
-            for _ in range(num_groups):
-                start, end, gw, has_mask = take(4).tolist()
-                blocks = take((end - start) * gw).to(device)
-                mask = None
-                if has_mask:
-                    mask = (torch.arange(gw * bs)[None, :] < lens[start:end, None])[:, None, None, :].to(device)
-                ctx.decode_groups.append(DecodeGroup(start, end, blocks, gw, mask))
+        for _ in range(num_groups):
+            start, end, gw, has_mask = take(4).tolist()
+            blocks = take((end - start) * gw).to(device)
+            mask = None
+            if has_mask:
+                mask = (torch.arange(gw * bs)[None, :] < lens[start:end, None])[:, None, None, :].to(device)
+            ctx.decode_groups.append(DecodeGroup(start, end, blocks, gw, mask))
     for _ in range(num_prefills):
         start, end, cached, tlen = take(4).tolist()
         ctx.prefills.append(PrefillSlice(start, end, cached, take(tlen).to(device)))

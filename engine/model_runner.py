@@ -86,12 +86,7 @@ class ModelRunner:
         dev = self.device
         ctx = PagedContext(cache=self.cache, slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev))
         if decodes:
-            width = max(len(s.block_table) for s, _ in decodes)
-            tables = np.zeros((len(decodes), width), dtype=np.int64)
-            for row, (seq, _) in enumerate(decodes):
-                tables[row, :len(seq.block_table)] = seq.block_table
             ctx.num_decodes = len(decodes)
-            ctx.decode_block_tables = torch.from_numpy(tables).to(dev)
             ctx.decode_context_lens = torch.tensor([s.num_computed + 1 for s, _ in decodes], device=dev)
             ctx.decode_groups = self._decode_groups(decodes)
         offset = len(decodes)

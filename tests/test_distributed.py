@@ -215,7 +215,7 @@ def test_head_layout_and_limits():
 def test_step_message_round_trip():
     cache = KVCache(1, 8, 4, 1, 2, torch.float32)
     ctx = PagedContext(cache=cache, slot_mapping=torch.tensor([5, 9, 10, 11]), num_decodes=2,
-                       decode_block_tables=torch.tensor([[1, 0], [2, 3]]), decode_context_lens=torch.tensor([2, 6]))
+                       decode_context_lens=torch.tensor([2, 6]))
     ctx.decode_groups = [DecodeGroup(0, 1, torch.tensor([1]), 1, torch.tensor([[[[True, True, False, False]]]])),
                          DecodeGroup(1, 2, torch.tensor([2, 3]), 2, None)]
     ctx.prefills = [PrefillSlice(2, 4, 0, torch.tensor([4]))]
@@ -223,7 +223,7 @@ def test_step_message_round_trip():
                                 cache, torch.device("cpu"))
     assert ids.tolist() == [7, 8, 9, 10] and pos.tolist() == [1, 5, 0, 1]
     assert got.slot_mapping.tolist() == [5, 9, 10, 11] and got.num_decodes == 2
-    assert got.decode_block_tables.tolist() == [[1, 0], [2, 3]] and got.decode_context_lens.tolist() == [2, 6]
+    assert got.decode_context_lens.tolist() == [2, 6]
     for a, b in zip(got.decode_groups, ctx.decode_groups):
         assert (a.start, a.end, a.width, a.blocks.tolist()) == (b.start, b.end, b.width, b.blocks.tolist())
         assert (a.mask is None and b.mask is None) or torch.equal(a.mask, b.mask)
