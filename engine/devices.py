@@ -128,7 +128,9 @@ class LocalCluster:
             "link_s_modeled": True,
         }
 
-    def memory(self) -> list[dict]:
-        """Accounted bytes per device by category (the real slot tensors)."""
+    def memory(self, kv_blocks_per_device: list[int], kv_bytes_per_block: int) -> list[dict]:
+        """Accounted bytes per device by category: its expert slot tensors, and the KV blocks its
+        sequences hold in the shared pool. (Attention and embedding weights, activations and
+        communication buffers are not yet attributed to devices.)"""
         slot_bytes = self.expert_slot_bytes(self.layers[0].slots_per_device)
-        return [{"expert_weights": slot_bytes} for _ in range(self.num_devices)]
+        return [{"expert_weights": slot_bytes, "kv_blocks": n * kv_bytes_per_block} for n in kv_blocks_per_device]

@@ -316,6 +316,16 @@ class LLMEngine:
             stream.put(out)
         return out
 
+    def _device_record(self) -> dict:
+        record = self.cluster.end_step()
+        held, seen = [0] * self.cluster.num_devices, set()
+        for seq in self.scheduler.running:  # a prefix block shared by several sequences counts once
+            fresh = set(seq.block_table) - seen
+            held[seq.home_device] += len(fresh)
+            seen |= fresh
+        record["memory"] = self.cluster.memory(held, self.kv_cache.nbytes() // self.blocks.num_blocks)
+        return record
+
     def _record_step(self, batch: ScheduledBatch, t_start: float) -> None:
         self.step_count += 1
         decode = sum(1 for _, n in batch.items if n == 1)
@@ -324,7 +334,7 @@ class LLMEngine:
             prefill_tokens=batch.num_tokens - decode, decode_tokens=decode, num_seqs=len(batch.items),
             request_ids=[s.request_id for s, _ in batch.items], preempted=[s.request_id for s in batch.preempted],
             kv_blocks_used=self.blocks.num_used, routing=self.runner.probe.counts.clone(),
-            devices=self.cluster.end_step() if self.cluster is not None else None))
+            devices=self._device_record() if self.cluster is not None else None))
         if self.cluster is not None:
             try:
                 plan = self.cluster.observe(self.step_count, self.step_log[-1].routing)

@@ -54,6 +54,12 @@ def test_step_device_stats_are_consistent(ckpt):
         assert ((busy > 0) == (np.array(dev["tokens"]) > 0)).all()
         # routing counts (the heat map) agree with the device loads
         assert int(step.routing.sum()) == rows
+        memory = dev["memory"]
+        slot_tensors = sum(layer.slot_w13.nbytes + layer.slot_w2.nbytes for layer in eng.cluster.layers)
+        assert sum(m["expert_weights"] for m in memory) == slot_tensors  # matches the real tensors
+        # every block in use belongs to exactly one device
+        assert step.kv_blocks_used * eng.kv_cache.nbytes() // eng.blocks.num_blocks == \
+            sum(m["kv_blocks"] for m in memory)
 
 
 def test_live_rebalance_keeps_outputs_identical(ckpt, single_device_outputs):
