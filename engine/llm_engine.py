@@ -345,6 +345,15 @@ class LLMEngine:
                 self._action("auto_rebalance_failed", {}, {"error": str(exc)})
 
     # -- conveniences
+    def fail_all(self, reason: str = "error") -> list[RequestOutput]:
+        """After step() raised: end every request (finish_reason `reason`) and free its blocks, so
+        no stream waits forever and the engine can serve again."""
+        outputs = self._drain_inbox()
+        for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
+            self.scheduler.finish(seq, reason)
+            outputs.append(self._emit(seq, []))
+        return outputs
+
     def has_unfinished(self) -> bool:
         with self._lock:
             pending = bool(self._inbox)
@@ -358,10 +367,14 @@ class LLMEngine:
             raise ValueError("params: one SamplingParams per prompt, or a single one for all")
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
         done: dict[str, RequestOutput] = {}
-        while len(done) < len(ids):
-            for out in self.step():
-                if out.finished:
-                    done[out.request_id] = out
+        try:
+            while len(done) < len(ids):
+                for out in self.step():
+                    if out.finished:
+                        done[out.request_id] = out
+        except BaseException:
+            self.fail_all()
+            raise
         return [done[i] for i in ids]
 
     def score(self, token_ids: list[int], probe=None) -> torch.Tensor:

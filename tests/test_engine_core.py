@@ -273,3 +273,19 @@ def test_decodes_are_scheduled_before_prefill_chunks(ckpt):
     for _ in range(3):
         engine.step()
         assert engine.step_log[-1].decode_tokens == 1  # the long prompt never took the whole budget
+
+
+def test_a_failing_step_ends_every_stream_and_frees_blocks(ckpt, monkeypatch):
+    engine = make_engine(ckpt)
+    streams = [engine.add_request(p, GREEDY, stream=True) for p in prompts(3)]
+    engine.step()
+    monkeypatch.setattr(engine.runner, "run", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom")))
+    with pytest.raises(RuntimeError, match="boom"):
+        engine.step()
+    engine.fail_all()
+    for stream in streams:
+        last = list(stream)[-1]
+        assert last.finished and last.finish_reason == "error"
+    assert engine.blocks.num_used == 0 and not engine.has_unfinished()
+    monkeypatch.undo()
+    assert len(engine.generate(prompts(1), GREEDY)[0].token_ids) == 10  # serves again
