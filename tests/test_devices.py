@@ -141,3 +141,23 @@ def test_operator_edits_one_expert(ckpt, single_device_outputs):
     assert [o.token_ids for o in outs] == single_device_outputs
     assert len(eng.cluster.placement.replicas(0, 0)) == 2 and eng.cluster.placement.is_pinned(0, 1)
     assert [a["kind"] for a in eng.actions] == ["replicate", "pin"]
+
+
+def test_planner_agrees_with_the_local_backend_accounting(ckpt):
+    """`plan memory` from config.json alone gives each device the expert bytes and KV bytes that
+    the local backend really holds for the same layout (EP over all devices, block-rounded KV)."""
+    from engine.memory_plan import plan_memory
+
+    devices, context = 4, 40
+    eng = engine(ckpt, devices=devices)
+    plan = plan_memory(ckpt, Topology(num_devices=devices), tp=1, ep=devices, context=context,
+                       batch=devices, dtype="fp32", block_size=4).as_dict()["bytes"]
+    # one sequence per device (round-robin homes), each holding `context` tokens of KV
+    for p in prompts(devices, seed=11, lo=context - 1, hi=context - 1):
+        eng.add_request(p, SamplingParams(max_tokens=3, ignore_eos=True))
+    eng.step()
+    while eng.step_log[-1].prefill_tokens:  # then one decode: each sequence holds `context` tokens
+        eng.step()
+    memory = eng.step_log[-1].devices["memory"]
+    assert all(m["expert_weights"] == plan["experts"] for m in memory)
+    assert [m["kv_blocks"] for m in memory] == [plan["kv_cache"]] * devices
