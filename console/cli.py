@@ -97,6 +97,9 @@ def generate(
                                           help="Emulated devices for the experts (local backend; default: one, "
                                                "no placement)."),
     hbm: str = HBM_OPT,
+    expert_cache: Optional[int] = typer.Option(None, "--expert-cache",
+                                               help="Tiered expert memory (with --devices): experts stay in host "
+                                                    "memory and each device caches this many in HBM."),
     backend: str = typer.Option("local", "--backend", help="local (emulated devices) or distributed."),
     nproc: Optional[int] = typer.Option(None, "--nproc", help="distributed: processes, one per device."),
     as_json: bool = JSON_OPT,
@@ -118,12 +121,15 @@ def generate(
         _generate_distributed(model_dir(model), inputs, params, nproc or devices or 2, dtype, as_json)
         return
     topology = None
+    if expert_cache is not None and devices is None:
+        raise BadInput("--expert-cache: needs --devices")
     if devices is not None:
         from engine.topology import Topology, parse_size
 
         topology = Topology(num_devices=devices, hbm_bytes=parse_size(hbm, "--hbm"))
     engine = LLMEngine(EngineConfig(model=str(model_dir(model)), dtype=dtype, device=device,
-                                    kv_cache_dtype=kv_cache_dtype, topology=topology))
+                                    kv_cache_dtype=kv_cache_dtype, topology=topology,
+                                    expert_cache_slots=expert_cache))
     for out in engine.generate(inputs, params):
         if as_json:
             typer.echo(json.dumps({"prompt_ids": out.prompt_ids, "token_ids": out.token_ids, "text": out.text,

@@ -22,8 +22,13 @@ from .topology import Topology, format_size
 class LocalCluster:
     def __init__(self, model: MoEForCausalLM, topology: Topology, placement: Placement | None = None,
                  policy: str = "locality", redundant_slots: int = 0, auto: AutoRebalancePolicy | None = None,
-                 window_steps: int = 64):
+                 window_steps: int = 64, expert_cache_slots: int | None = None):
+        """expert_cache_slots: tiered expert memory. Experts stay in the host tier and each device
+        keeps a cache of this many expert slots (shared by its layers) in HBM, filled by real
+        copies on a miss."""
         cfg = model.cfg
+        self.model = model
+        self.cache_slots = expert_cache_slots
         self.auto = auto or AutoRebalancePolicy()
         self.window = LoadWindow(cfg.num_layers, cfg.num_experts, size=window_steps)
         self.topology = topology
@@ -43,11 +48,23 @@ class LocalCluster:
         self.num_moe_layers = len(moe_layers)
         self.check(placement)
         for mlp in moe_layers:
-            placed = PlacedExperts(mlp.layer_idx, mlp.experts, placement, self.stats, policy, self.routing_state)
+            placed = PlacedExperts(mlp.layer_idx, mlp.experts, placement, self.stats, policy, self.routing_state,
+                                   tiered=expert_cache_slots is not None)
             mlp.experts = placed
             self.layers.append(placed)
         self.placement = placement
         self.bytes_moved_total = 0
+        self.caches = self._make_caches(placement) if expert_cache_slots is not None else None
+
+    def _make_caches(self, placement: Placement) -> list:
+        from .expert_cache import ExpertCache
+
+        device = next(self.model.parameters()).device
+        caches = [ExpertCache.for_device(self.model, placement, d, self.cache_slots, device, pin_host=False)
+                  for d in range(self.num_devices)]
+        for layer in self.layers:
+            layer.caches = caches
+        return caches
 
     @property
     def num_devices(self) -> int:
@@ -64,9 +81,12 @@ class LocalCluster:
         if self.layers and placement.slots_per_device != self.layers[0].slots_per_device:
             raise PlacementError(f"placement: {placement.slots_per_device} slots per device, the cluster has "
                                  f"{self.layers[0].slots_per_device}")
-        per_device = self.expert_slot_bytes(placement.slots_per_device)
+        if self.cache_slots is not None:
+            per_device, what = self.cache_slots * self.expert_bytes, "expert cache"
+        else:
+            per_device, what = self.expert_slot_bytes(placement.slots_per_device), "experts placed"
         if per_device > self.topology.hbm_bytes:
-            raise PlacementError(f"hbm: the experts placed on each device need {format_size(per_device)}, "
+            raise PlacementError(f"hbm: the {what} on each device need {format_size(per_device)}, "
                                  f"more than its {format_size(self.topology.hbm_bytes)} of HBM")
 
     def expert_slot_bytes(self, slots_per_device: int) -> int:
@@ -77,6 +97,8 @@ class LocalCluster:
         self.check(placement)
         moved = sum(layer.load(placement) for layer in self.layers)
         self.placement = placement
+        if self.caches is not None:  # each device now serves other experts
+            self.caches = self._make_caches(placement)
         self.bytes_moved_total += moved
         return moved
 
@@ -120,17 +142,27 @@ class LocalCluster:
                 seconds = s.traffic[src, dst] / (topo.link_gbps(src, dst) * 1e9)
                 link_s[src] += 2 * seconds
                 link_s[dst] += 2 * seconds
-        return {
+        record = {
             "tokens": s.tokens.tolist(),
             "busy_s": s.busy_s.tolist(),  # measured
             "traffic_bytes": s.traffic.tolist(),  # exact bytes of the dispatch all-to-all (combine: transpose)
             "link_s": link_s.tolist(),  # modeled from bytes and bandwidth
             "link_s_modeled": True,
         }
+        if self.caches is not None:
+            stats = [c.stats() for c in self.caches]
+            for c in self.caches:
+                c.reset_stats()
+            record["expert_cache"] = [{"hits": st["hits"], "misses": st["misses"], "bytes_copied": st["bytes_copied"],
+                                       "miss_wait_s": st["miss_wait_seconds"]} for st in stats]  # measured
+        return record
 
     def memory(self, kv_blocks_per_device: list[int], kv_bytes_per_block: int) -> list[dict]:
         """Accounted bytes per device by category: its expert slot tensors, and the KV blocks its
         sequences hold in the shared pool. (Attention and embedding weights, activations and
         communication buffers are not yet attributed to devices.)"""
+        if self.caches is not None:  # tiered: the device holds its cache; the experts are in the host tier
+            cache_bytes = self.caches[0].w13_cache.nbytes + self.caches[0].w2_cache.nbytes
+            return [{"expert_cache": cache_bytes, "kv_blocks": n * kv_bytes_per_block} for n in kv_blocks_per_device]
         slot_bytes = self.expert_slot_bytes(self.layers[0].slots_per_device)
         return [{"expert_weights": slot_bytes, "kv_blocks": n * kv_bytes_per_block} for n in kv_blocks_per_device]

@@ -67,6 +67,7 @@ class EngineConfig:
     routing_policy: str = "locality"  # how a token picks among an expert's replicas
     redundant_slots: int = 0  # extra expert slots per device, for replicas
     auto_rebalance: AutoRebalancePolicy = field(default_factory=AutoRebalancePolicy)  # manual by default
+    expert_cache_slots: int | None = None  # tiered expert memory: per-device cache size in experts
     num_threads: int | None = None  # torch intra-op threads for this process; None: leave torch's setting
 
     def __post_init__(self):
@@ -84,5 +85,7 @@ class EngineConfig:
         if self.routing_policy not in ROUTING_POLICIES:
             raise KnobError(f"routing_policy: must be one of {', '.join(ROUTING_POLICIES)}, got {self.routing_policy!r}")
         _int_in("redundant_slots", self.redundant_slots, 0, 1024)
+        if self.expert_cache_slots is not None:
+            _int_in("expert_cache_slots", self.expert_cache_slots, 1, 1 << 20)
         if isinstance(self.knobs, dict):
             self.knobs = SchedulerKnobs(**self.knobs)

@@ -100,7 +100,8 @@ class LLMEngine:
             from .devices import LocalCluster
 
             self.cluster = LocalCluster(self.model, config.topology, policy=config.routing_policy,
-                                        redundant_slots=config.redundant_slots, auto=config.auto_rebalance)
+                                        redundant_slots=config.redundant_slots, auto=config.auto_rebalance,
+                                        expert_cache_slots=config.expert_cache_slots)
         self.runner = (runner_factory or ModelRunner)(self.model, self.kv_cache, torch.device(config.device),
                                                       self.cluster)
         self._next_home = itertools.count()

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from .layers import swiglu
 from .moe import StackedExperts, combine, grouped_offsets, grouped_swiglu
 from .placement import Placement, RoutingState, traffic_matrix
 
@@ -60,7 +61,7 @@ class StepDeviceStats:
 
 class PlacedExperts(nn.Module):
     def __init__(self, layer_idx: int, logical: StackedExperts, placement: Placement,
-                 stats: StepDeviceStats, policy: str, routing_state: RoutingState):
+                 stats: StepDeviceStats, policy: str, routing_state: RoutingState, tiered: bool = False):
         super().__init__()
         self.layer_idx = layer_idx
         self.logical = logical  # the host tier: the source of every copy into a slot
@@ -69,16 +70,18 @@ class PlacedExperts(nn.Module):
         self.routing_state = routing_state
         num_devices, slots = placement.num_devices, placement.slots_per_device
         w13, w2 = logical.w13, logical.w2
-        self.slot_w13 = torch.zeros((num_devices * slots, *w13.shape[1:]), dtype=w13.dtype, device=w13.device)
-        self.slot_w2 = torch.zeros((num_devices * slots, *w2.shape[1:]), dtype=w2.dtype, device=w2.device)
+        # tiered: experts stay in the host tier (the logical stack) and each device computes from
+        # its ExpertCache (set by the cluster); no HBM slot tensors are allocated
+        self.tiered = tiered
+        self.caches = None
+        self.expert_bytes = w13[0].nbytes + w2[0].nbytes
+        rows = 0 if tiered else num_devices * slots
+        self.slot_w13 = torch.zeros((rows, *w13.shape[1:]), dtype=w13.dtype, device=w13.device)
+        self.slot_w2 = torch.zeros((rows, *w2.shape[1:]), dtype=w2.dtype, device=w2.device)
         self.slot_expert = np.full(num_devices * slots, -1, dtype=np.int64)
         self.slots_per_device = slots
         self.placement = placement
         self.load(placement)
-
-    @property
-    def expert_bytes(self) -> int:
-        return self.slot_w13[0].nbytes + self.slot_w2[0].nbytes
 
     def load(self, placement: Placement) -> int:
         """Make the slots hold `placement`'s layer: copies only the slots whose expert changes.
@@ -86,7 +89,7 @@ class PlacedExperts(nn.Module):
         wanted = placement.slots[self.layer_idx].reshape(-1)
         changed = np.nonzero(wanted != self.slot_expert)[0]
         with torch.no_grad():
-            for slot in changed:
+            for slot in () if self.tiered else changed:
                 expert = int(wanted[slot])
                 if expert >= 0:
                     self.slot_w13[slot].copy_(self.logical.w13[expert])
@@ -100,7 +103,22 @@ class PlacedExperts(nn.Module):
             if expert >= 0:
                 table[expert, slot // self.slots_per_device] = slot
         self.slot_of = torch.from_numpy(table).to(self.slot_w13.device)
+        if self.tiered:
+            return 0  # nothing moves between HBMs: caches refill from the host tier on demand
         return int(sum(1 for s in changed if wanted[s] >= 0)) * self.expert_bytes
+
+    def _from_cache(self, cache, x_rows: torch.Tensor, counts: list[int], slot_experts) -> torch.Tensor:
+        """One device's rows (grouped by its slots) computed from its expert cache; misses are
+        copied in from the host tier first (the copy time counts as this device's time too)."""
+        active = [i for i, n in enumerate(counts) if n]
+        cache_slots, _ = cache.lookup(self.layer_idx, [int(slot_experts[i]) for i in active])
+        out = torch.empty_like(x_rows)
+        start = 0
+        for i, slot in zip(active, cache_slots):
+            end = start + counts[i]
+            out[start:end] = swiglu(x_rows[start:end], cache.w13_cache[slot], cache.w2_cache[slot])
+            start = end
+        return out
 
     def dispatch(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, counts_t: torch.Tensor):
         stats = self.stats
@@ -111,7 +129,7 @@ class PlacedExperts(nn.Module):
         devices = devices_cpu.to(ids.device)
         slots = self.slot_of[ids, devices].flatten()
         order = torch.argsort(slots, stable=True)
-        slot_counts = torch.bincount(slots, minlength=self.slot_w13.shape[0])
+        slot_counts = torch.bincount(slots, minlength=len(self.slot_expert))
         x_sorted = x.index_select(0, order // ids.shape[1])
         out = torch.empty_like(x_sorted)
         per_device = slot_counts.view(-1, self.slots_per_device)
@@ -123,10 +141,15 @@ class PlacedExperts(nn.Module):
                 continue
             end = start + rows
             counts_d = per_device[device]
-            w13, w2 = self.slot_w13[device * s:(device + 1) * s], self.slot_w2[device * s:(device + 1) * s]
-            offsets = grouped_offsets(counts_d, rows, dtype=x.dtype)
-            out[start:end] = stats.timed(device, lambda: grouped_swiglu(x_sorted[start:end], counts_d.tolist(),
-                                                                       w13, w2, offsets))
+            if self.tiered:
+                experts = self.slot_expert[device * s:(device + 1) * s]
+                out[start:end] = stats.timed(device, lambda: self._from_cache(
+                    self.caches[device], x_sorted[start:end], counts_d.tolist(), experts))
+            else:
+                w13, w2 = self.slot_w13[device * s:(device + 1) * s], self.slot_w2[device * s:(device + 1) * s]
+                offsets = grouped_offsets(counts_d, rows, dtype=x.dtype)
+                out[start:end] = stats.timed(device, lambda: grouped_swiglu(x_sorted[start:end], counts_d.tolist(),
+                                                                           w13, w2, offsets))
             stats.tokens[device] += rows
             start = end
         bytes_per_row = x.shape[-1] * x.element_size()

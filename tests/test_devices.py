@@ -161,3 +161,26 @@ def test_planner_agrees_with_the_local_backend_accounting(ckpt):
     memory = eng.step_log[-1].devices["memory"]
     assert all(m["expert_weights"] == plan["experts"] for m in memory)
     assert [m["kv_blocks"] for m in memory] == [plan["kv_cache"]] * devices
+
+
+def test_tiered_expert_memory_gives_the_same_tokens(ckpt, single_device_outputs):
+    """Experts in the host tier, a 2-slot cache per device (half of what each device serves
+    across both layers): real misses, real copies, the same greedy tokens."""
+    eng = engine(ckpt, devices=4, expert_cache_slots=2)
+    assert [o.token_ids for o in eng.generate(prompts(6), GREEDY)] == single_device_outputs
+    caches = [step.devices["expert_cache"] for step in eng.step_log]
+    misses = sum(c["misses"] for step in caches for c in step)
+    hits = sum(c["hits"] for step in caches for c in step)
+    assert misses > 0 and hits > 0
+    expert_bytes = eng.cluster.expert_bytes
+    assert sum(c["bytes_copied"] for step in caches for c in step) == misses * expert_bytes
+    memory = eng.step_log[-1].devices["memory"]
+    assert all(m["expert_cache"] == 2 * expert_bytes and "expert_weights" not in m for m in memory)
+    assert all(layer.slot_w13.numel() == 0 for layer in eng.cluster.layers)  # no HBM copies of every expert
+
+
+def test_tiered_cache_too_small_or_too_big_is_refused(ckpt):
+    with pytest.raises(ValueError, match="cannot hold one layer's working set"):
+        engine(ckpt, devices=4, expert_cache_slots=1)
+    with pytest.raises(PlacementError, match="expert cache"):
+        engine(ckpt, devices=4, expert_cache_slots=4, hbm=1000)
