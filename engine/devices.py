@@ -153,7 +153,8 @@ class LocalCluster:
             stats = [c.stats() for c in self.caches]
             for c in self.caches:
                 c.reset_stats()
-            record["expert_cache"] = [{"hits": st["hits"], "misses": st["misses"], "bytes_copied": st["bytes_copied"],
+            record["expert_cache"] = [{"hits": st["hits"], "misses": st["misses"], "prefetched": st["prefetch_issued"],
+                                       "prefetch_useful": st["prefetch_useful"], "bytes_copied": st["bytes_copied"],
                                        "miss_wait_s": st["miss_wait_seconds"]} for st in stats]  # measured
         return record
 

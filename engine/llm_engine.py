@@ -104,6 +104,11 @@ class LLMEngine:
                                         expert_cache_slots=config.expert_cache_slots)
         self.runner = (runner_factory or ModelRunner)(self.model, self.kv_cache, torch.device(config.device),
                                                       self.cluster)
+        if self.cluster is not None and self.cluster.caches is not None and config.expert_prefetch == "router":
+            from .prefetch import CachePrefetcher, RouterPredictor
+
+            # the routing probe that also prefetches each device's next-layer experts
+            self.runner.probe = CachePrefetcher(self.model, self.cluster.caches, RouterPredictor(self.model))
         self._next_home = itertools.count()
         self._generators = _GeneratorFactory(torch.Generator().manual_seed(config.seed))
         self._lock = threading.Lock()
@@ -246,6 +251,8 @@ class LLMEngine:
         elif kind == "placement":
             placement, what = payload
             self.last_bytes_moved = self.cluster.apply(placement)
+            if hasattr(self.runner.probe, "caches"):  # the caches were rebuilt for the new placement
+                self.runner.probe.caches = list(self.cluster.caches)
             self._action(what, {}, {"bytes_moved": self.last_bytes_moved})
         else:
             self.scheduler.knobs = payload

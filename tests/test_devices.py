@@ -173,7 +173,8 @@ def test_tiered_expert_memory_gives_the_same_tokens(ckpt, single_device_outputs)
     hits = sum(c["hits"] for step in caches for c in step)
     assert misses > 0 and hits > 0
     expert_bytes = eng.cluster.expert_bytes
-    assert sum(c["bytes_copied"] for step in caches for c in step) == misses * expert_bytes
+    copies = misses + sum(c["prefetched"] for step in caches for c in step)
+    assert sum(c["bytes_copied"] for step in caches for c in step) == copies * expert_bytes
     memory = eng.step_log[-1].devices["memory"]
     assert all(m["expert_cache"] == 2 * expert_bytes and "expert_weights" not in m for m in memory)
     assert all(layer.slot_w13.numel() == 0 for layer in eng.cluster.layers)  # no HBM copies of every expert
@@ -184,3 +185,13 @@ def test_tiered_cache_too_small_or_too_big_is_refused(ckpt):
         engine(ckpt, devices=4, expert_cache_slots=1)
     with pytest.raises(PlacementError, match="expert cache"):
         engine(ckpt, devices=4, expert_cache_slots=4, hbm=1000)
+
+
+def test_router_prefetch_raises_the_hit_rate(ckpt, single_device_outputs):
+    rates = {}
+    for prefetch in ("none", "router"):
+        eng = engine(ckpt, devices=4, expert_cache_slots=2, expert_prefetch=prefetch)
+        assert [o.token_ids for o in eng.generate(prompts(6), GREEDY)] == single_device_outputs
+        caches = [c for step in eng.step_log for c in step.devices["expert_cache"]]
+        rates[prefetch] = sum(c["hits"] for c in caches) / sum(c["hits"] + c["misses"] for c in caches)
+    assert rates["router"] > rates["none"]
