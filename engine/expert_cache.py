@@ -504,16 +504,20 @@ class ExpertCache:
 
     def run_experts(self, layer: int, x_sorted: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
         """StackedExperts.forward on cached weights: x_sorted holds tokens grouped by expert in id
-        order, counts[e] of them for expert e (every expert with tokens must be served here).
-        Looks the active experts up first (copying the misses in)."""
+        order, counts[e] of them for expert e (every expert with tokens must be served here)."""
         active = [e for e, n in enumerate(counts) if n]
-        slots, _ = self.lookup(layer, active)
-        out = torch.empty_like(x_sorted)
+        return self.run_groups(layer, x_sorted, active, [counts[e] for e in active])
+
+    def run_groups(self, layer: int, x_grouped: torch.Tensor, experts: Sequence[int],
+                   rows: Sequence[int]) -> torch.Tensor:
+        """x_grouped holds rows[i] tokens for experts[i], group after group, in that order. Looks
+        the experts up first (copying the misses in), then runs each group on its cached weights."""
+        slots, _ = self.lookup(layer, experts)
+        out = torch.empty_like(x_grouped)
         start = 0
-        for e, slot in zip(active, slots):
-            end = start + counts[e]
-            out[start:end] = swiglu(x_sorted[start:end], self.w13_cache[slot], self.w2_cache[slot])
-            start = end
+        for slot, n in zip(slots, rows):
+            out[start:start + n] = swiglu(x_grouped[start:start + n], self.w13_cache[slot], self.w2_cache[slot])
+            start += n
         return out
 
 

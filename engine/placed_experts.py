@@ -15,7 +15,6 @@ import numpy as np
 import torch
 from torch import nn
 
-from .layers import swiglu
 from .moe import StackedExperts, combine, grouped_offsets, grouped_swiglu
 from .placement import Placement, RoutingState, traffic_matrix
 
@@ -107,19 +106,6 @@ class PlacedExperts(nn.Module):
             return 0  # nothing moves between HBMs: caches refill from the host tier on demand
         return int(sum(1 for s in changed if wanted[s] >= 0)) * self.expert_bytes
 
-    def _from_cache(self, cache, x_rows: torch.Tensor, counts: list[int], slot_experts) -> torch.Tensor:
-        """One device's rows (grouped by its slots) computed from its expert cache; misses are
-        copied in from the host tier first (the copy time counts as this device's time too)."""
-        active = [i for i, n in enumerate(counts) if n]
-        cache_slots, _ = cache.lookup(self.layer_idx, [int(slot_experts[i]) for i in active])
-        out = torch.empty_like(x_rows)
-        start = 0
-        for i, slot in zip(active, cache_slots):
-            end = start + counts[i]
-            out[start:end] = swiglu(x_rows[start:end], cache.w13_cache[slot], cache.w2_cache[slot])
-            start = end
-        return out
-
     def dispatch(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, counts_t: torch.Tensor):
         stats = self.stats
         token_device = stats.token_device
@@ -141,10 +127,12 @@ class PlacedExperts(nn.Module):
                 continue
             end = start + rows
             counts_d = per_device[device]
-            if self.tiered:
-                experts = self.slot_expert[device * s:(device + 1) * s]
-                out[start:end] = stats.timed(device, lambda: self._from_cache(
-                    self.caches[device], x_sorted[start:end], counts_d.tolist(), experts))
+            if self.tiered:  # misses are copied in from the host tier first: that time is the device's too
+                counts_list = counts_d.tolist()
+                active = [i for i, n in enumerate(counts_list) if n]
+                experts = [int(self.slot_expert[device * s + i]) for i in active]
+                out[start:end] = stats.timed(device, lambda: self.caches[device].run_groups(
+                    self.layer_idx, x_sorted[start:end], experts, [counts_list[i] for i in active]))
             else:
                 w13, w2 = self.slot_w13[device * s:(device + 1) * s], self.slot_w2[device * s:(device + 1) * s]
                 offsets = grouped_offsets(counts_d, rows, dtype=x.dtype)
