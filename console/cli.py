@@ -102,6 +102,9 @@ def generate(
                                                     "memory and each device caches this many in HBM."),
     backend: str = typer.Option("local", "--backend", help="local (emulated devices) or distributed."),
     nproc: Optional[int] = typer.Option(None, "--nproc", help="distributed: processes, one per device."),
+    device_stats: bool = typer.Option(False, "--device-stats",
+                                      help="With --devices: print each device's tokens, measured busy time, "
+                                           "modeled link time and expert-cache hits over the run (to stderr)."),
     as_json: bool = JSON_OPT,
 ):
     """Generate completions with the embedded engine (continuous batching over all prompts).
@@ -130,7 +133,10 @@ def generate(
     engine = LLMEngine(EngineConfig(model=str(model_dir(model)), dtype=dtype, device=device,
                                     kv_cache_dtype=kv_cache_dtype, topology=topology,
                                     expert_cache_slots=expert_cache))
-    for out in engine.generate(inputs, params):
+    outputs = engine.generate(inputs, params)
+    if device_stats and engine.cluster is not None:
+        _print_device_stats(engine)
+    for out in outputs:
         if as_json:
             typer.echo(json.dumps({"prompt_ids": out.prompt_ids, "token_ids": out.token_ids, "text": out.text,
                                    "finish_reason": out.finish_reason,
@@ -139,6 +145,26 @@ def generate(
             prompt_text = engine.decode(out.prompt_ids) if engine.tokenizer else str(out.prompt_ids)
             typer.echo(prompt_text + (out.text if engine.tokenizer else " -> " + str(out.token_ids)))
             typer.echo("")
+
+
+def _print_device_stats(engine) -> None:
+    """Totals over the run from the step records: measured and modeled columns kept apart."""
+    import numpy as np
+
+    records = [s.devices for s in engine.step_log]
+    tokens = np.sum([r["tokens"] for r in records], axis=0)
+    busy = np.sum([r["busy_s"] for r in records], axis=0)
+    link = np.sum([r["link_s"] for r in records], axis=0)
+    say = lambda line: typer.echo(line, err=True)  # noqa: E731
+    say(f"{'device':>6} {'tokens':>8} {'busy ms (measured)':>19} {'link ms (modeled)':>18} {'cache hits':>11}")
+    for d in range(len(tokens)):
+        cache = ""
+        if "expert_cache" in records[0]:
+            hits = sum(r["expert_cache"][d]["hits"] for r in records)
+            total = hits + sum(r["expert_cache"][d]["misses"] for r in records)
+            cache = f"{hits / total:.1%}" if total else "-"
+        say(f"{d:>6} {int(tokens[d]):>8} {busy[d] * 1e3:>19.2f} {link[d] * 1e3:>18.4f} {cache:>11}")
+    say(f"balancedness (mean/max device tokens): {tokens.mean() / max(tokens.max(), 1):.3f}")
 
 
 def _generate_distributed(path: Path, inputs: list, params, nproc: int, dtype, as_json: bool) -> None:

@@ -68,7 +68,7 @@ class EngineConfig:
     redundant_slots: int = 0  # extra expert slots per device, for replicas
     auto_rebalance: AutoRebalancePolicy = field(default_factory=AutoRebalancePolicy)  # manual by default
     expert_cache_slots: int | None = None  # tiered expert memory: per-device cache size in experts
-    expert_prefetch: str = "router"  # tiered mode: router (next layer's router on the hidden state) | none
+    expert_prefetch: str = "router"  # tiered mode: router (next layer's router on the hidden state) | coact | none
     num_threads: int | None = None  # torch intra-op threads for this process; None: leave torch's setting
 
     def __post_init__(self):
@@ -88,7 +88,7 @@ class EngineConfig:
         _int_in("redundant_slots", self.redundant_slots, 0, 1024)
         if self.expert_cache_slots is not None:
             _int_in("expert_cache_slots", self.expert_cache_slots, 1, 1 << 20)
-        if self.expert_prefetch not in ("router", "none"):
-            raise KnobError(f"expert_prefetch: must be router or none, got {self.expert_prefetch!r}")
+        if self.expert_prefetch not in ("router", "coact", "none"):
+            raise KnobError(f"expert_prefetch: must be router, coact or none, got {self.expert_prefetch!r}")
         if isinstance(self.knobs, dict):
             self.knobs = SchedulerKnobs(**self.knobs)

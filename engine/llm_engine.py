@@ -104,11 +104,12 @@ class LLMEngine:
                                         expert_cache_slots=config.expert_cache_slots)
         self.runner = (runner_factory or ModelRunner)(self.model, self.kv_cache, torch.device(config.device),
                                                       self.cluster)
-        if self.cluster is not None and self.cluster.caches is not None and config.expert_prefetch == "router":
-            from .prefetch import CachePrefetcher, RouterPredictor
+        if self.cluster is not None and self.cluster.caches is not None and config.expert_prefetch != "none":
+            from .prefetch import CachePrefetcher, CoactivationPredictor, RouterPredictor
 
+            predictor = (RouterPredictor if config.expert_prefetch == "router" else CoactivationPredictor)(self.model)
             # the routing probe that also prefetches each device's next-layer experts
-            self.runner.probe = CachePrefetcher(self.model, self.cluster.caches, RouterPredictor(self.model))
+            self.runner.probe = CachePrefetcher(self.model, self.cluster.caches, predictor)
         self._next_home = itertools.count()
         self._generators = _GeneratorFactory(torch.Generator().manual_seed(config.seed))
         self._lock = threading.Lock()

@@ -89,3 +89,14 @@ def test_usage_errors_are_one_line_with_exit_2(args):
     proc = subprocess.run([sys.executable, "-m", "console.cli", *args], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert len(proc.stderr.strip().splitlines()) == 1 and proc.stderr.startswith("moectl: error:")
+
+
+def test_generate_on_devices_prints_measured_and_modeled_apart(ckpt):
+    res = run("generate", "--model", ckpt, "--prompt-ids", "1,2,3", "--max-tokens", 4, "--ignore-eos",
+              "--devices", 4, "--expert-cache", 2, "--device-stats", "--json")
+    assert res.exit_code == 0, res.output
+    assert len(res.stdout.splitlines()) == 1  # stdout stays one JSON row per prompt
+    lines = res.stderr.splitlines()
+    assert "busy ms (measured)" in lines[0] and "link ms (modeled)" in lines[0]
+    assert len(lines) == 1 + 4 + 1 and lines[-1].startswith("balancedness")
+    assert run("generate", "--model", ckpt, "x", "--expert-cache", 2).exit_code == 2  # needs --devices

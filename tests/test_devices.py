@@ -195,3 +195,9 @@ def test_router_prefetch_raises_the_hit_rate(ckpt, single_device_outputs):
         caches = [c for step in eng.step_log for c in step.devices["expert_cache"]]
         rates[prefetch] = sum(c["hits"] for c in caches) / sum(c["hits"] + c["misses"] for c in caches)
     assert rates["router"] > rates["none"]
+
+
+def test_coactivation_prefetch_runs_live(ckpt, single_device_outputs):
+    eng = engine(ckpt, devices=4, expert_cache_slots=2, expert_prefetch="coact")
+    assert [o.token_ids for o in eng.generate(prompts(6), GREEDY)] == single_device_outputs
+    assert sum(c["prefetched"] for s in eng.step_log for c in s.devices["expert_cache"]) > 0
