@@ -268,9 +268,11 @@ class LLMEngine:
         self.runner.probe.reset()
         logits = self.runner.run(batch.items)
         samplers = [s for s, n in batch.items if s.num_computed + n == s.num_tokens]
+        # a decode runs a generated token; a 1-token prompt remainder (after a prefix hit) is prefill
+        decodes = sum(1 for s, n in batch.items if n == 1 and s.num_computed >= s.num_prompt_tokens)
         tokens = sample(logits, [s.params for s in samplers], [s.generator for s in samplers])
         outputs += self._postprocess(batch, dict(zip(map(id, samplers), tokens)))
-        self._record_step(batch, t_start)
+        self._record_step(batch, t_start, decodes)
         return outputs
 
     def _postprocess(self, batch: ScheduledBatch, new_tokens: dict[int, int]) -> list[RequestOutput]:
@@ -335,9 +337,8 @@ class LLMEngine:
         record["memory"] = self.cluster.memory(held, self.kv_cache.nbytes() // self.blocks.num_blocks)
         return record
 
-    def _record_step(self, batch: ScheduledBatch, t_start: float) -> None:
+    def _record_step(self, batch: ScheduledBatch, t_start: float, decode: int) -> None:
         self.step_count += 1
-        decode = sum(1 for _, n in batch.items if n == 1)
         self.step_log.append(StepStats(
             step=self.step_count, t_start=t_start, t_end=time.monotonic(),
             prefill_tokens=batch.num_tokens - decode, decode_tokens=decode, num_seqs=len(batch.items),

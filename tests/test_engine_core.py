@@ -289,3 +289,15 @@ def test_a_failing_step_ends_every_stream_and_frees_blocks(ckpt, monkeypatch):
     assert engine.blocks.num_used == 0 and not engine.has_unfinished()
     monkeypatch.undo()
     assert len(engine.generate(prompts(1), GREEDY)[0].token_ids) == 10  # serves again
+
+
+def test_a_one_token_prompt_remainder_counts_as_prefill(ckpt):
+    engine = make_engine(ckpt)
+    shared = prompts(1, seed=5, lo=28, hi=28)[0]
+    engine.generate([shared + [7, 8]], GREEDY)
+    engine.add_request(shared + [9], GREEDY)  # 28 tokens from the prefix cache, 1 left to run
+    engine.step()
+    step = engine.step_log[-1]
+    assert (step.prefill_tokens, step.decode_tokens) == (1, 0)
+    engine.step()
+    assert (engine.step_log[-1].prefill_tokens, engine.step_log[-1].decode_tokens) == (0, 1)
