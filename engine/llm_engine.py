@@ -297,14 +297,20 @@ class LLMEngine:
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.model_config.eos_token_ids):
             return "stop"
         if p.stop and self.tokenizer is not None:
+            # a stop string of L characters ends within the last L tokens (+ a few for split UTF-8):
+            # look there each step, and decode the whole output only once one is seen
+            tail = self.decode(seq.output_ids[-(max(map(len, p.stop)) + 4):])
+            if not any(s in tail for s in p.stop):
+                return "length" if self._at_length(seq) else None
             text = self.decode(seq.output_ids)
             cut = min((i for i in (text.find(s) for s in p.stop) if i >= 0), default=-1)
             if cut >= 0:
                 seq.output_text = text[:cut]  # may be "" when the output starts with the stop string
                 return "stop"
-        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
-            return "length"
-        return None
+        return "length" if self._at_length(seq) else None
+
+    def _at_length(self, seq: Sequence) -> bool:
+        return seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len
 
     def _emit(self, seq: Sequence, new: list[int]) -> RequestOutput:
         finished = seq.finished
