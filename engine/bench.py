@@ -366,11 +366,12 @@ def run_serve(model_dir: str | Path | None = None, *, spec: WorkloadSpec, dtype:
     engine.generate([items[0].prompt_ids[:8]], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
     res = run_workload(engine, items, realtime=realtime)
     s = res.summary
-    log(f"{s['completed']}/{s['requests']} requests in {s['duration_s']:.1f}s: {s['output_throughput']:.1f} "
-        f"output tok/s, {s['request_throughput']:.2f} req/s, TTFT p50/p90/p99 "
-        f"{s['ttft']['p50']:.3f}/{s['ttft']['p90']:.3f}/{s['ttft']['p99']:.3f}s, TPOT p50/p90/p99 "
-        f"{s['tpot']['p50'] * 1e3:.1f}/{s['tpot']['p90'] * 1e3:.1f}/{s['tpot']['p99'] * 1e3:.1f}ms, "
-        f"mean batch {s['mean_batch_size']:.1f}")
+    ttft, tpot = s["ttft"], s["tpot"]
+    log(f"{s['completed']}/{s['requests']} requests in {_f(s['duration_s'], digits=1)}s: "
+        f"{_f(s['output_throughput'], digits=1)} output tok/s, {_f(s['request_throughput'])} req/s, TTFT p50/p90/p99 "
+        f"{_f(ttft['p50'], digits=3)}/{_f(ttft['p90'], digits=3)}/{_f(ttft['p99'], digits=3)}s, TPOT p50/p90/p99 "
+        f"{_f(tpot['p50'], 1e3, 1)}/{_f(tpot['p90'], 1e3, 1)}/{_f(tpot['p99'], 1e3, 1)}ms, "
+        f"mean batch {_f(s['mean_batch_size'], digits=1)}")
     return {"workload": spec.describe(), "summary": s}
 
 
