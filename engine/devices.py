@@ -38,7 +38,7 @@ class LocalCluster:
         placement = placement or Placement.contiguous(cfg.num_layers, cfg.num_experts, topology.num_devices,
                                                       redundant_slots)
         self.layers: list[PlacedExperts] = []
-        self.layers_of_model = model.layers
+        self.num_layers = cfg.num_layers
         self.num_experts = cfg.num_experts
         moe_layers = [layer.mlp for layer in model.layers if isinstance(layer.mlp, MoEBlock)]
         if not moe_layers:
@@ -76,8 +76,8 @@ class LocalCluster:
             raise PlacementError(f"placement: has {placement.num_devices} devices, the cluster {self.num_devices}")
         if placement.num_experts != self.num_experts:
             raise PlacementError(f"placement: has {placement.num_experts} experts, the model {self.num_experts}")
-        if placement.num_layers != len(self.layers_of_model):
-            raise PlacementError(f"placement: has {placement.num_layers} layers, the model {len(self.layers_of_model)}")
+        if placement.num_layers != self.num_layers:
+            raise PlacementError(f"placement: has {placement.num_layers} layers, the model {self.num_layers}")
         if self.layers and placement.slots_per_device != self.layers[0].slots_per_device:
             raise PlacementError(f"placement: {placement.slots_per_device} slots per device, the cluster has "
                                  f"{self.layers[0].slots_per_device}")
