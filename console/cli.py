@@ -100,7 +100,9 @@ def generate(
     expert_cache: Optional[int] = typer.Option(None, "--expert-cache",
                                                help="Tiered expert memory (with --devices): experts stay in host "
                                                     "memory and each device caches this many in HBM."),
-    backend: str = typer.Option("local", "--backend", help="local (emulated devices) or distributed."),
+    backend: str = typer.Option("local", "--backend",
+                                help="local (devices emulated on --device), multi-gpu (device d's experts on "
+                                     "cuda:d, attention on cuda:0, real copies) or distributed."),
     nproc: Optional[int] = typer.Option(None, "--nproc", help="distributed: processes, one per device."),
     device_stats: bool = typer.Option(False, "--device-stats",
                                       help="With --devices: print each device's tokens, measured busy time, "
@@ -118,8 +120,8 @@ def generate(
         raise BadInput("give a PROMPT or --prompt-ids")
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                             seed=seed, stop=tuple(stop or ()), ignore_eos=ignore_eos)
-    if backend not in ("local", "distributed"):
-        raise BadInput(f"--backend: must be local or distributed, got {backend!r}")
+    if backend not in ("local", "multi-gpu", "distributed"):
+        raise BadInput(f"--backend: must be local, multi-gpu or distributed, got {backend!r}")
     if backend == "distributed":
         _generate_distributed(model_dir(model), inputs, params, nproc or devices or 2, dtype, as_json)
         return
@@ -130,9 +132,17 @@ def generate(
         from engine.topology import Topology, parse_size
 
         topology = Topology(num_devices=devices, hbm_bytes=parse_size(hbm, "--hbm"))
+    expert_devices = None
+    if backend == "multi-gpu":
+        import torch
+
+        have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if devices is None or devices > have:
+            raise BadInput(f"--backend multi-gpu: needs --devices N with N <= the {have} CUDA devices here")
+        expert_devices, device = tuple(f"cuda:{d}" for d in range(devices)), "cuda:0"
     engine = LLMEngine(EngineConfig(model=str(model_dir(model)), dtype=dtype, device=device,
                                     kv_cache_dtype=kv_cache_dtype, topology=topology,
-                                    expert_cache_slots=expert_cache))
+                                    expert_cache_slots=expert_cache, expert_devices=expert_devices))
     outputs = engine.generate(inputs, params)
     if device_stats and engine.cluster is not None:
         _print_device_stats(engine)
@@ -151,19 +161,30 @@ def _print_device_stats(engine) -> None:
     """Totals over the run from the step records: measured and modeled columns kept apart."""
     import numpy as np
 
+    from engine.topology import format_size
+
     records = [s.devices for s in engine.step_log]
     tokens = np.sum([r["tokens"] for r in records], axis=0)
     busy = np.sum([r["busy_s"] for r in records], axis=0)
     link = np.sum([r["link_s"] for r in records], axis=0)
     say = lambda line: typer.echo(line, err=True)  # noqa: E731
-    say(f"{'device':>6} {'tokens':>8} {'busy ms (measured)':>19} {'link ms (modeled)':>18} {'cache hits':>11}")
+    say(f"{'device':>6} {'tokens':>8} {'busy ms (measured)':>19} {'link ms (modeled)':>18} {'cache hits':>11} "
+        f"{'peak HBM (accounted)':>21}")
+    hbm = records[0]["memory_capacity"]["hbm"]
     for d in range(len(tokens)):
+        peak = max(sum(r["memory"][d].values()) for r in records)
         cache = ""
         if "expert_cache" in records[0]:
             hits = sum(r["expert_cache"][d]["hits"] for r in records)
             total = hits + sum(r["expert_cache"][d]["misses"] for r in records)
             cache = f"{hits / total:.1%}" if total else "-"
-        say(f"{d:>6} {int(tokens[d]):>8} {busy[d] * 1e3:>19.2f} {link[d] * 1e3:>18.4f} {cache:>11}")
+        say(f"{d:>6} {int(tokens[d]):>8} {busy[d] * 1e3:>19.2f} {link[d] * 1e3:>18.4f} {cache:>11} "
+            f"{format_size(peak) + ' / ' + format_size(hbm):>21}")
+    tiered = records[-1]["tiered_experts"]
+    if tiered != "off":
+        slots = engine.cluster.cache_slots
+        why = " (chosen: HBM cannot hold the placed experts)" if tiered == "auto" else ""
+        say(f"experts: host tier, a {slots}-expert cache per device{why}")
     say(f"balancedness (mean/max device tokens): {tokens.mean() / max(tokens.max(), 1):.3f}")
 
 

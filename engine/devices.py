@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .memory_ledger import MemoryLedger
 from .model import MoEForCausalLM
 from .moe import MoEBlock
 from .placed_experts import PlacedExperts, StepDeviceStats
@@ -22,13 +23,22 @@ from .topology import Topology, format_size
 class LocalCluster:
     def __init__(self, model: MoEForCausalLM, topology: Topology, placement: Placement | None = None,
                  policy: str = "locality", redundant_slots: int = 0, auto: AutoRebalancePolicy | None = None,
-                 window_steps: int = 64, expert_cache_slots: int | None = None):
+                 window_steps: int = 64, expert_cache_slots: int | None = None, ledger: MemoryLedger | None = None,
+                 knobs=None, torch_devices: list[str] | None = None):
         """expert_cache_slots: tiered expert memory. Experts stay in the host tier and each device
         keeps a cache of this many expert slots (shared by its layers) in HBM, filled by real
-        copies on a miss."""
+        copies on a miss. None: tiered only if the ledger finds that a device's HBM cannot hold
+        its placed experts next to everything else, with the largest cache that fits.
+        ledger (with the engine's knobs): the per-device memory accounting that enforces HBM.
+        torch_devices: multi-GPU in one process: device d's experts (slots or cache) live on
+        torch_devices[d], e.g. cuda:d, and the dispatch/combine copies to it are real."""
         cfg = model.cfg
         self.model = model
-        self.cache_slots = expert_cache_slots
+        if torch_devices is not None and len(torch_devices) != topology.num_devices:
+            raise PlacementError(f"devices: {len(torch_devices)} torch devices for {topology.num_devices} devices")
+        self.torch_devices = None if torch_devices is None else [torch.device(d) for d in torch_devices]
+        self.ledger = ledger
+        self.knobs = knobs
         self.auto = auto or AutoRebalancePolicy()
         self.window = LoadWindow(cfg.num_layers, cfg.num_experts, size=window_steps)
         self.topology = topology
@@ -46,22 +56,47 @@ class LocalCluster:
         logical = moe_layers[0].experts
         self.expert_bytes = logical.w13[0].nbytes + logical.w2[0].nbytes
         self.num_moe_layers = len(moe_layers)
+        self.host_expert_bytes = self.expert_bytes * cfg.num_experts * self.num_moe_layers
+        self.tiered_auto = False
+        if expert_cache_slots is None and ledger is not None:
+            expert_cache_slots = self._cache_slots_if_experts_overflow(placement)
+        self.cache_slots = expert_cache_slots
         self.check(placement)
         for mlp in moe_layers:
             placed = PlacedExperts(mlp.layer_idx, mlp.experts, placement, self.stats, policy, self.routing_state,
-                                   tiered=expert_cache_slots is not None)
+                                   tiered=expert_cache_slots is not None, torch_devices=self.torch_devices)
             mlp.experts = placed
             self.layers.append(placed)
         self.placement = placement
         self.bytes_moved_total = 0
         self.caches = self._make_caches(placement) if expert_cache_slots is not None else None
+        if ledger is not None:
+            ledger.expert_category = "expert_weights" if self.caches is None else "expert_cache"
+            ledger.expert_bytes = (self.expert_slot_bytes(placement.slots_per_device) if self.caches is None
+                                   else self.caches[0].w13_cache.nbytes + self.caches[0].w2_cache.nbytes)
+
+    def _cache_slots_if_experts_overflow(self, placement: Placement) -> int | None:
+        budget = self.ledger.expert_budget(self.knobs)
+        if self.expert_slot_bytes(placement.slots_per_device) <= budget:
+            return None
+        self.tiered_auto = True
+        return max(1, budget // self.expert_bytes)  # the cache's own check refuses one too small
 
     def _make_caches(self, placement: Placement) -> list:
         from .expert_cache import ExpertCache
 
-        device = next(self.model.parameters()).device
-        caches = [ExpertCache.for_device(self.model, placement, d, self.cache_slots, device, pin_host=False)
-                  for d in range(self.num_devices)]
+        engine_device = next(self.model.parameters()).device
+        devices = self.torch_devices or [engine_device] * self.num_devices
+        try:  # pinned host memory only when copies really go host -> GPU
+            caches = [ExpertCache.for_device(self.model, placement, d, self.cache_slots, devices[d],
+                                             pin_host=devices[d].type == "cuda" and engine_device.type == "cpu")
+                      for d in range(self.num_devices)]
+        except ValueError as exc:
+            if not self.tiered_auto:
+                raise
+            raise PlacementError(f"hbm: the experts placed on each device need "
+                                 f"{format_size(self.expert_slot_bytes(placement.slots_per_device))} and the "
+                                 f"{self.cache_slots}-slot cache that fits instead is too small ({exc})") from None
         for layer in self.layers:
             layer.caches = caches
         return caches
@@ -85,9 +120,16 @@ class LocalCluster:
             per_device, what = self.cache_slots * self.expert_bytes, "expert cache"
         else:
             per_device, what = self.expert_slot_bytes(placement.slots_per_device), "experts placed"
-        if per_device > self.topology.hbm_bytes:
+        if self.ledger is not None:
+            self.ledger.check(self.knobs, per_device, what="with the " + what + ", ")
+        elif per_device > self.topology.hbm_bytes:
             raise PlacementError(f"hbm: the {what} on each device need {format_size(per_device)}, "
                                  f"more than its {format_size(self.topology.hbm_bytes)} of HBM")
+
+    def check_knobs(self, knobs) -> None:
+        """Refuse knobs whose largest step would not fit next to what the devices hold."""
+        if self.ledger is not None:
+            self.ledger.check(knobs, what=f"at max_num_batched_tokens {knobs.max_num_batched_tokens}, ")
 
     def expert_slot_bytes(self, slots_per_device: int) -> int:
         return slots_per_device * self.expert_bytes * self.num_moe_layers
@@ -143,6 +185,7 @@ class LocalCluster:
                 link_s[src] += 2 * seconds
                 link_s[dst] += 2 * seconds
         record = {
+            "backend": "multi-gpu" if self.torch_devices is not None else "emulated",
             "tokens": s.tokens.tolist(),
             "busy_s": s.busy_s.tolist(),  # measured
             "traffic_bytes": s.traffic.tolist(),  # exact bytes of the dispatch all-to-all (combine: transpose)
@@ -158,12 +201,12 @@ class LocalCluster:
                                        "miss_wait_s": st["miss_wait_seconds"]} for st in stats]  # measured
         return record
 
-    def memory(self, kv_blocks_per_device: list[int], kv_bytes_per_block: int) -> list[dict]:
-        """Accounted bytes per device by category: its expert slot tensors, and the KV blocks its
-        sequences hold in the shared pool. (Attention and embedding weights, activations and
-        communication buffers are not yet attributed to devices.)"""
-        if self.caches is not None:  # tiered: the device holds its cache; the experts are in the host tier
-            cache_bytes = self.caches[0].w13_cache.nbytes + self.caches[0].w2_cache.nbytes
-            return [{"expert_cache": cache_bytes, "kv_blocks": n * kv_bytes_per_block} for n in kv_blocks_per_device]
-        slot_bytes = self.expert_slot_bytes(self.layers[0].slots_per_device)
-        return [{"expert_weights": slot_bytes, "kv_blocks": n * kv_bytes_per_block} for n in kv_blocks_per_device]
+    def memory(self, work: list[dict], kv_blocks_used: list[int]) -> dict:
+        """The ledger's HBM bytes per device by category for this step, each device's capacity,
+        and the host tier (the logical experts: the source of every slot or cache fill)."""
+        ledger = self.ledger
+        return {"memory": ledger.step(work, kv_blocks_used),
+                "memory_capacity": {"hbm": self.topology.hbm_bytes,
+                                    "kv_blocks": [ledger.kv_capacity(d) for d in range(self.num_devices)]},
+                "tiers": {"host": {"expert_weights": self.host_expert_bytes}},
+                "tiered_experts": "auto" if self.tiered_auto else ("on" if self.caches is not None else "off")}

@@ -24,6 +24,19 @@ def _int_in(name: str, value, lo: int, hi: int) -> None:
         raise KnobError(f"{name}: must be an integer in [{lo}, {hi}], got {value!r}")
 
 
+def _check_torch_devices(names) -> None:
+    import torch
+
+    for name in names:
+        try:
+            dev = torch.device(name)
+        except (RuntimeError, TypeError):
+            raise KnobError(f"expert_devices: {name!r} is not a torch device") from None
+        if dev.type == "cuda" and (not torch.cuda.is_available() or (dev.index or 0) >= torch.cuda.device_count()):
+            raise KnobError(f"expert_devices: {name} does not exist here "
+                            f"({torch.cuda.device_count() if torch.cuda.is_available() else 0} CUDA devices)")
+
+
 @dataclass(frozen=True)
 class SchedulerKnobs:
     max_num_seqs: int = 64  # sequences in one batch
@@ -69,6 +82,8 @@ class EngineConfig:
     auto_rebalance: AutoRebalancePolicy = field(default_factory=AutoRebalancePolicy)  # manual by default
     expert_cache_slots: int | None = None  # tiered expert memory: per-device cache size in experts
     expert_prefetch: str = "router"  # tiered mode: router (next layer's router on the hidden state) | coact | none
+    # multi-GPU in one process: the torch device of each device's experts (e.g. cuda:0..cuda:N-1)
+    expert_devices: tuple[str, ...] | None = None
     num_threads: int | None = None  # torch intra-op threads for this process; None: leave torch's setting
 
     def __post_init__(self):
@@ -90,5 +105,10 @@ class EngineConfig:
             _int_in("expert_cache_slots", self.expert_cache_slots, 1, 1 << 20)
         if self.expert_prefetch not in ("router", "coact", "none"):
             raise KnobError(f"expert_prefetch: must be router, coact or none, got {self.expert_prefetch!r}")
+        if self.expert_devices is not None:
+            self.expert_devices = tuple(self.expert_devices)
+            if self.topology is None or len(self.expert_devices) != self.topology.num_devices:
+                raise KnobError("expert_devices: needs a topology with one device per entry")
+            _check_torch_devices(self.expert_devices)
         if isinstance(self.knobs, dict):
             self.knobs = SchedulerKnobs(**self.knobs)

@@ -93,15 +93,22 @@ class LLMEngine:
         num_blocks = config.num_kv_blocks or max(1, config.kv_cache_memory // per_block)
         self.kv_cache = KVCache(cfg.num_layers, num_blocks, config.block_size, kv_heads, cfg.head_dim,
                                 cfg.dtype, quantized, config.device)
-        self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        # emulated devices: one KV pool per device, each sized and enforced by the memory ledger
+        pools = config.topology.num_devices if config.topology is not None else 1
+        self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, num_pools=pools)
         self.scheduler = Scheduler(self.blocks, config.knobs)
         self.cluster = None
         if config.topology is not None:
             from .devices import LocalCluster
+            from .memory_ledger import MemoryLedger
 
+            ledger = MemoryLedger(self.model, config.topology, kv_pool_blocks=self.blocks.pool_sizes,
+                                  kv_bytes_per_block=self.kv_cache.nbytes() // num_blocks,
+                                  block_size=config.block_size, max_model_len=self.max_model_len)
             self.cluster = LocalCluster(self.model, config.topology, policy=config.routing_policy,
                                         redundant_slots=config.redundant_slots, auto=config.auto_rebalance,
-                                        expert_cache_slots=config.expert_cache_slots)
+                                        expert_cache_slots=config.expert_cache_slots, ledger=ledger,
+                                        knobs=config.knobs, torch_devices=config.expert_devices)
         self.runner = (runner_factory or ModelRunner)(self.model, self.kv_cache, torch.device(config.device),
                                                       self.cluster)
         if self.cluster is not None and self.cluster.caches is not None and config.expert_prefetch != "none":
@@ -151,16 +158,19 @@ class LLMEngine:
             raise ValueError(f"prompt: {len(ids)} tokens plus max_tokens {params.max_tokens} exceed the "
                              f"context of {self.max_model_len} tokens")
         blocks_needed = -(-(len(ids) + params.max_tokens) // self.config.block_size)
-        if blocks_needed > self.blocks.num_blocks:
-            raise ValueError(f"prompt: needs {blocks_needed} KV blocks but the cache has {self.blocks.num_blocks}")
+        if blocks_needed > self.blocks.largest_pool:
+            where = "a device's KV pool" if self.blocks.num_pools > 1 else "the cache"
+            raise ValueError(f"prompt: needs {blocks_needed} KV blocks but {where} has {self.blocks.largest_pool}")
         if not isinstance(priority, int):
             raise ValueError("priority: must be an integer")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop: stop strings need a tokenizer.json; use stop_token_ids")
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         seq = Sequence(request_id, ids, params, priority, arrival, self._generators.for_params(params))
-        if self.cluster is not None:  # the device whose attention would serve it (DP-attention style)
-            seq.home_device = next(self._next_home) % self.cluster.num_devices
+        if self.cluster is not None:  # the device whose attention would serve it (DP-attention style),
+            # round robin over the devices whose KV pool can hold it
+            fits = [d for d, size in enumerate(self.blocks.pool_sizes) if size >= blocks_needed]
+            seq.home_device = fits[next(self._next_home) % len(fits)]
         out = RequestStream(request_id) if stream else None
         with self._lock:
             if request_id in self._ids_in_use:
@@ -221,6 +231,11 @@ class LLMEngine:
         with self._lock:
             pending = [p for k, p in self._inbox if k == "knobs"]
             new = (pending[-1] if pending else self.scheduler.knobs).updated(**changes)
+            if self.cluster is not None:  # the largest step the knobs allow must fit every device's HBM
+                try:
+                    self.cluster.check_knobs(new)
+                except ValueError as exc:
+                    raise KnobError(str(exc)) from None
             self._inbox.append(("knobs", new))
         return new
 
@@ -257,6 +272,8 @@ class LLMEngine:
             self._action(what, {}, {"bytes_moved": self.last_bytes_moved})
         else:
             self.scheduler.knobs = payload
+            if self.cluster is not None:
+                self.cluster.knobs = payload
 
     # -- the step loop
     def step(self) -> list[RequestOutput]:
@@ -333,14 +350,16 @@ class LLMEngine:
             stream.put(out)
         return out
 
-    def _device_record(self) -> dict:
-        record = self.cluster.end_step()
-        held, seen = [0] * self.cluster.num_devices, set()
-        for seq in self.scheduler.running:  # a prefix block shared by several sequences counts once
-            fresh = set(seq.block_table) - seen
-            held[seq.home_device] += len(fresh)
-            seen |= fresh
-        record["memory"] = self.cluster.memory(held, self.kv_cache.nbytes() // self.blocks.num_blocks)
+    def _device_record(self, batch: ScheduledBatch) -> dict:
+        cluster = self.cluster
+        record = cluster.end_step()
+        work = [{"tokens": 0, "seqs": 0, "context": 0, "recv_rows": int(rows)} for rows in cluster.stats.peak_rows]
+        for seq, n in batch.items:  # after postprocess: num_computed includes this step's tokens
+            w = work[seq.home_device]
+            w["tokens"] += n
+            w["seqs"] += 1
+            w["context"] = max(w["context"], seq.num_computed)
+        record.update(cluster.memory(work, self.blocks.used_per_pool()))
         return record
 
     def _record_step(self, batch: ScheduledBatch, t_start: float, decode: int) -> None:
@@ -350,7 +369,7 @@ class LLMEngine:
             prefill_tokens=batch.num_tokens - decode, decode_tokens=decode, num_seqs=len(batch.items),
             request_ids=[s.request_id for s, _ in batch.items], preempted=[s.request_id for s in batch.preempted],
             kv_blocks_used=self.blocks.num_used, routing=self.runner.probe.counts.clone(),
-            devices=self._device_record() if self.cluster is not None else None))
+            devices=self._device_record(batch) if self.cluster is not None else None))
         if self.cluster is not None:
             try:
                 plan = self.cluster.observe(self.step_count, self.step_log[-1].routing)

@@ -224,7 +224,7 @@ class PlanModel:
                                        dtype, quantized)
 
 
-def _from_model_config(cfg: ModelConfig, name: str, notes: list[str]) -> PlanModel:
+def plan_model_of(cfg: ModelConfig, name: str, notes: list[str]) -> PlanModel:
     return PlanModel(
         name=name, hf_architecture=cfg.hf_architecture, family=cfg.architecture, vocab_size=cfg.vocab_size,
         hidden_size=cfg.hidden_size, num_layers=cfg.num_layers, num_heads=cfg.num_heads,
@@ -256,7 +256,7 @@ def _parse_runnable(raw: dict, name: str) -> PlanModel:
         used = ", ".join(k for k in _RUNTIME_ONLY if raw.get(k))
         notes.append(f"config uses {used}, which the engine cannot run; sizes do not depend on it, "
                      "so it is planned as if absent")
-    return _from_model_config(cfg, name, notes)
+    return plan_model_of(cfg, name, notes)
 
 
 def _parse_mla(raw: dict, arch: str, name: str) -> PlanModel:
@@ -637,6 +637,46 @@ def _attention_activations(m: PlanModel, tp: int, t: int, context: int, block_si
     return {"attention_proj": proj, "attention_kernel": kernel}
 
 
+def step_activations(m: PlanModel, *, tp: int, tokens: int, recv_rows: int, context: int, seqs: int,
+                     block_size: int, act_bytes: int, attn_impl: str) -> tuple[dict[str, int], str]:
+    """Live activation bytes at the peak operator of one step on one device: `tokens` tokens of
+    its own sequences (`seqs` of them, the longest `context` tokens) and `recv_rows` expert rows it
+    computes. Returns (bytes by tensor group, the peak stage). The planner sizes a worst step with
+    it; the local backend's ledger applies it to each real step's shapes."""
+    t, a, h, k = tokens, act_bytes, m.hidden_size, m.top_k
+    if t == 0 and recv_rows == 0:
+        return {}, "idle"
+    t_moe = _cdiv(t, tp)
+    act = {"residual": 2 * t * h * a}
+    stages = {"attention": _attention_activations(m, tp, t, max(context, 1), block_size, seqs, a, attn_impl)}
+    moe = {"router": t_moe * m.num_experts * (a + 4) + t_moe * k * 12,
+           "moe_dispatch": t_moe * k * h * a + t_moe * k * h * a + t_moe * h * a,
+           "expert_ffn": recv_rows * (3 * m.expert_intermediate_size + h) * a}
+    if m.shared_intermediate_size:
+        moe["shared_expert"] = t * (3 * _cdiv(m.shared_intermediate_size, tp) + h) * a
+    stages["moe"] = moe
+    if m.num_dense:
+        stages["dense_mlp"] = {"dense_mlp": t * (3 * _cdiv(m.dense_intermediate_size, tp) + h) * a}
+    rows = min(t, seqs)
+    stages["logits"] = {"logits": rows * _cdiv(m.vocab_size, tp) * a + rows * m.vocab_size * 4}
+    peak_stage = max(stages, key=lambda s: sum(stages[s].values()))
+    act.update(stages[peak_stage])
+    return act, peak_stage
+
+
+def comm_buffers(m: PlanModel, *, tp: int, ep: int, tokens: int, recv_rows: int, act_bytes: int) -> dict[str, int]:
+    """Receive buffers of one step's collectives on one device: the EP all-to-all (rows it
+    receives to compute, and its tokens' expert outputs coming back) and the TP all-reduce."""
+    comm = {}
+    h, a = m.hidden_size, act_bytes
+    if ep > 1:
+        comm["ep_dispatch"] = recv_rows * h * a
+        comm["ep_combine"] = _cdiv(tokens, tp) * m.top_k * h * a
+    if tp > 1:
+        comm["tp_all_reduce"] = tokens * h * a
+    return comm
+
+
 def plan_memory(config: str | Path | dict | PlanModel, topology: Topology, *, tp: int = 1, ep: int | None = None,
                 context: int, batch: int = 1, dtype: str = "bf16", kv_dtype: str = "auto",
                 max_batched_tokens: int | None = None, block_size: int = 16, attn_impl: str = "flash",
@@ -679,32 +719,13 @@ def plan_memory(config: str | Path | dict | PlanModel, topology: Topology, *, tp
     mbt = max_batched_tokens or SchedulerKnobs().max_num_batched_tokens
     seqs_max = _cdiv(batch, dp)
     t = min(mbt, seqs_max * context)
-    t_moe = _cdiv(t, tp)
-    h, k = m.hidden_size, m.top_k
-    recv = int(-(-t_moe * k * ep_capacity // 1))
+    recv = int(-(-_cdiv(t, tp) * m.top_k * ep_capacity // 1))
     blocks_per_seq = _cdiv(context, block_size)
 
     # per-device activations and buffers are the same on every device (sized for the fullest DP group)
-    act = {"residual": 2 * t * h * a}
-    stages = {"attention": _attention_activations(m, tp, t, context, block_size, seqs_max, a, attn_impl)}
-    moe = {"router": t_moe * m.num_experts * (a + 4) + t_moe * k * 12,
-           "moe_dispatch": t_moe * k * h * a + t_moe * k * h * a + t_moe * h * a,
-           "expert_ffn": recv * (3 * m.expert_intermediate_size + h) * a}
-    if m.shared_intermediate_size:
-        moe["shared_expert"] = t * (3 * _cdiv(m.shared_intermediate_size, tp) + h) * a
-    stages["moe"] = moe
-    if m.num_dense:
-        stages["dense_mlp"] = {"dense_mlp": t * (3 * _cdiv(m.dense_intermediate_size, tp) + h) * a}
-    rows = min(t, seqs_max)
-    stages["logits"] = {"logits": rows * _cdiv(m.vocab_size, tp) * a + rows * m.vocab_size * 4}
-    peak_stage = max(stages, key=lambda s: sum(stages[s].values()))
-    act.update(stages[peak_stage])
-    comm = {}
-    if ep > 1:
-        comm["ep_dispatch"] = recv * h * a
-        comm["ep_combine"] = t_moe * k * h * a
-    if tp > 1:
-        comm["tp_all_reduce"] = t * h * a
+    act, peak_stage = step_activations(m, tp=tp, tokens=t, recv_rows=recv, context=context, seqs=seqs_max,
+                                       block_size=block_size, act_bytes=a, attn_impl=attn_impl)
+    comm = comm_buffers(m, tp=tp, ep=ep, tokens=t, recv_rows=recv, act_bytes=a)
 
     kv_dtype_t = act_dtype  # auto KV: the activation dtype (bf16 under fp8 weights)
     per_block = m.kv_bytes_per_block(tp, block_size, kv_dtype_t, quantized)

@@ -5,6 +5,10 @@ logical (host-tier) stacked weights. A token's choice goes to one replica of its
 by the routing policy; each device then runs its own slots on its own tokens, and that work is
 timed: a device's busy time is measured, not modeled. Moving tokens between devices is the part
 one machine cannot measure: its bytes are exact, its time is modeled from link bandwidth.
+
+Multi-GPU in one process (`torch_devices`): device d's slots live on a real torch device, the
+dispatch and combine copies between devices are real, and busy time is timed with CUDA events
+on that device. Attention and the KV cache stay on the engine's device.
 """
 
 from __future__ import annotations
@@ -31,18 +35,21 @@ class StepDeviceStats:
     def reset(self) -> None:
         d = self.num_devices
         self.tokens = np.zeros(d, dtype=np.int64)  # (token, choice) rows each device computed
+        self.peak_rows = np.zeros(d, dtype=np.int64)  # the most rows it computed in one layer (sizes buffers)
         self.busy_s = np.zeros(d)  # measured expert compute time per device
         self.traffic = np.zeros((d, d), dtype=np.int64)  # dispatch bytes, src x dst
         self._events: list[tuple[int, torch.cuda.Event, torch.cuda.Event]] = []
 
-    def timed(self, device: int, fn):
-        """Run fn as `device`'s work and add its time; CUDA events on GPU (resolved at step end,
-        no sync per span), perf counters on CPU."""
-        if self.cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            out = fn()
-            end.record()
+    def timed(self, device: int, fn, torch_device: torch.device | None = None):
+        """Run fn as `device`'s work and add its time; CUDA events on GPU (recorded on the stream
+        of the GPU doing the work, resolved at step end: no sync per span), perf counters on CPU."""
+        on = torch_device if torch_device is not None and torch_device.type == "cuda" else None
+        if self.cuda or on is not None:
+            with torch.cuda.device(on if on is not None else torch.cuda.current_device()):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                out = fn()
+                end.record()
             self._events.append((device, start, end))
             return out
         t0 = time.perf_counter()
@@ -52,15 +59,16 @@ class StepDeviceStats:
 
     def resolve(self) -> None:
         if self._events:
-            torch.cuda.synchronize()
             for device, start, end in self._events:
+                end.synchronize()  # each on its own GPU; a plain synchronize() waits on one device only
                 self.busy_s[device] += start.elapsed_time(end) / 1e3
             self._events.clear()
 
 
 class PlacedExperts(nn.Module):
     def __init__(self, layer_idx: int, logical: StackedExperts, placement: Placement,
-                 stats: StepDeviceStats, policy: str, routing_state: RoutingState, tiered: bool = False):
+                 stats: StepDeviceStats, policy: str, routing_state: RoutingState, tiered: bool = False,
+                 torch_devices: list[torch.device] | None = None):
         super().__init__()
         self.layer_idx = layer_idx
         self.logical = logical  # the host tier: the source of every copy into a slot
@@ -74,9 +82,18 @@ class PlacedExperts(nn.Module):
         self.tiered = tiered
         self.caches = None
         self.expert_bytes = w13[0].nbytes + w2[0].nbytes
-        rows = 0 if tiered else num_devices * slots
-        self.slot_w13 = torch.zeros((rows, *w13.shape[1:]), dtype=w13.dtype, device=w13.device)
-        self.slot_w2 = torch.zeros((rows, *w2.shape[1:]), dtype=w2.dtype, device=w2.device)
+        self.torch_devices = torch_devices  # None: every device emulated on the weights' device
+        if torch_devices is None:  # one tensor for all devices' slots; each device a view of its rows
+            rows = 0 if tiered else num_devices * slots
+            self.slot_w13 = torch.zeros((rows, *w13.shape[1:]), dtype=w13.dtype, device=w13.device)
+            self.slot_w2 = torch.zeros((rows, *w2.shape[1:]), dtype=w2.dtype, device=w2.device)
+            self.device_w13 = [self.slot_w13[d * slots:(d + 1) * slots] for d in range(num_devices)]
+            self.device_w2 = [self.slot_w2[d * slots:(d + 1) * slots] for d in range(num_devices)]
+        else:
+            rows = 0 if tiered else slots
+            self.device_w13 = [torch.zeros((rows, *w13.shape[1:]), dtype=w13.dtype, device=dev) for dev in torch_devices]
+            self.device_w2 = [torch.zeros((rows, *w2.shape[1:]), dtype=w2.dtype, device=dev) for dev in torch_devices]
+            self.slot_w13 = self.slot_w2 = torch.zeros(0, device=w13.device)  # no slots on the engine's device
         self.slot_expert = np.full(num_devices * slots, -1, dtype=np.int64)
         self.slots_per_device = slots
         self.placement = placement
@@ -91,8 +108,9 @@ class PlacedExperts(nn.Module):
             for slot in () if self.tiered else changed:
                 expert = int(wanted[slot])
                 if expert >= 0:
-                    self.slot_w13[slot].copy_(self.logical.w13[expert])
-                    self.slot_w2[slot].copy_(self.logical.w2[expert])
+                    device, local = divmod(int(slot), self.slots_per_device)
+                    self.device_w13[device][local].copy_(self.logical.w13[expert])
+                    self.device_w2[device][local].copy_(self.logical.w2[expert])
         self.slot_expert = wanted.copy()
         self.placement = placement
         # (expert, device) -> global slot, for routing a chosen replica to its slot
@@ -101,7 +119,7 @@ class PlacedExperts(nn.Module):
         for slot, expert in enumerate(wanted):
             if expert >= 0:
                 table[expert, slot // self.slots_per_device] = slot
-        self.slot_of = torch.from_numpy(table).to(self.slot_w13.device)
+        self.slot_of = torch.from_numpy(table).to(self.logical.w13.device)
         if self.tiered:
             return 0  # nothing moves between HBMs: caches refill from the host tier on demand
         return int(sum(1 for s in changed if wanted[s] >= 0)) * self.expert_bytes
@@ -127,18 +145,24 @@ class PlacedExperts(nn.Module):
                 continue
             end = start + rows
             counts_d = per_device[device]
+            rows_in = x_sorted[start:end]
+            real = self.torch_devices[device] if self.torch_devices is not None else None
+            if real is not None:  # a real dispatch copy to the GPU that holds these slots
+                rows_in, counts_d = rows_in.to(real, non_blocking=True), counts_d.to(real)
             if self.tiered:  # misses are copied in from the host tier first: that time is the device's too
                 counts_list = counts_d.tolist()
                 active = [i for i, n in enumerate(counts_list) if n]
                 experts = [int(self.slot_expert[device * s + i]) for i in active]
-                out[start:end] = stats.timed(device, lambda: self.caches[device].run_groups(
-                    self.layer_idx, x_sorted[start:end], experts, [counts_list[i] for i in active]))
+                result = stats.timed(device, lambda: self.caches[device].run_groups(
+                    self.layer_idx, rows_in, experts, [counts_list[i] for i in active]), real)
             else:
-                w13, w2 = self.slot_w13[device * s:(device + 1) * s], self.slot_w2[device * s:(device + 1) * s]
+                w13, w2 = self.device_w13[device], self.device_w2[device]
                 offsets = grouped_offsets(counts_d, rows, dtype=x.dtype)
-                out[start:end] = stats.timed(device, lambda: grouped_swiglu(x_sorted[start:end], counts_d.tolist(),
-                                                                           w13, w2, offsets))
+                result = stats.timed(device, lambda: grouped_swiglu(rows_in, counts_d.tolist(), w13, w2, offsets),
+                                     real)
+            out[start:end] = result  # on a real device: the combine copy back
             stats.tokens[device] += rows
+            stats.peak_rows[device] = max(stats.peak_rows[device], rows)
             start = end
         bytes_per_row = x.shape[-1] * x.element_size()
         stats.traffic += traffic_matrix(token_device.cpu(), devices_cpu, bytes_per_row,

@@ -1,7 +1,7 @@
 """Iteration-level scheduling with chunked prefill, a token budget, and recompute preemption.
 
 Each step: running sequences first (decodes, then continuing prefill chunks, each in policy order);
-when the KV pool runs dry the lowest-ranked running sequence is preempted (its blocks freed,
+when the KV pool runs dry the lowest-ranked running sequence of that pool is preempted (its blocks freed,
 its tokens recomputed later). Waiting sequences are admitted only when nobody was preempted.
 """
 
@@ -66,7 +66,7 @@ class Scheduler:
                 continue
             n = self._chunk(seq, budget)
             while not self.blocks.can_grow(seq, n):
-                victim = self.running[-1]
+                victim = self._lowest_ranked_sharing_pool(seq)
                 self._preempt(victim, batch)
                 if victim is seq:
                     break
@@ -93,6 +93,11 @@ class Scheduler:
             batch.items.append((seq, n))
             budget -= n
         return batch
+
+    def _lowest_ranked_sharing_pool(self, seq: Sequence) -> Sequence:
+        # only a sequence whose blocks come from seq's pool (its device's KV) can make room for it
+        pool = self.blocks.pool_of(seq)
+        return next(s for s in reversed(self.running) if self.blocks.pool_of(s) == pool)
 
     def _chunk_for_admission(self, seq: Sequence, budget: int) -> int:
         # before the prefix lookup we do not know the cached part; ask for the largest chunk the

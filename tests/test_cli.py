@@ -98,5 +98,6 @@ def test_generate_on_devices_prints_measured_and_modeled_apart(ckpt):
     assert len(res.stdout.splitlines()) == 1  # stdout stays one JSON row per prompt
     lines = res.stderr.splitlines()
     assert "busy ms (measured)" in lines[0] and "link ms (modeled)" in lines[0]
-    assert len(lines) == 1 + 4 + 1 and lines[-1].startswith("balancedness")
+    assert len(lines) == 1 + 4 + 2 and lines[-1].startswith("balancedness")
+    assert lines[-2] == "experts: host tier, a 2-expert cache per device"
     assert run("generate", "--model", ckpt, "x", "--expert-cache", 2).exit_code == 2  # needs --devices

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from engine.engine_config import EngineConfig
 from engine.llm_engine import LLMEngine
@@ -201,3 +202,34 @@ def test_coactivation_prefetch_runs_live(ckpt, single_device_outputs):
     eng = engine(ckpt, devices=4, expert_cache_slots=2, expert_prefetch="coact")
     assert [o.token_ids for o in eng.generate(prompts(6), GREEDY)] == single_device_outputs
     assert sum(c["prefetched"] for s in eng.step_log for c in s.devices["expert_cache"]) > 0
+
+
+def test_experts_on_separate_torch_devices_give_the_same_tokens(ckpt, single_device_outputs):
+    """The multi-GPU-in-one-process path (each device's slots its own tensor on its own torch
+    device, rows copied there and back), run here with CPU devices; same greedy tokens."""
+    eng = engine(ckpt, devices=2, expert_devices=("cpu", "cpu"), redundant_slots=1)
+    layer = eng.cluster.layers[0]
+    assert layer.slot_w13.numel() == 0 and layer.device_w13[0].data_ptr() != layer.device_w13[1].data_ptr()
+    assert [o.token_ids for o in eng.generate(prompts(6), GREEDY)] == single_device_outputs
+    record = eng.step_log[-1].devices
+    assert record["backend"] == "multi-gpu" and all(b > 0 for b, t in zip(record["busy_s"], record["tokens"]) if t)
+
+
+def test_missing_cuda_devices_are_refused(ckpt):
+    from engine.engine_config import KnobError
+
+    missing = f"cuda:{torch.cuda.device_count()}"
+    with pytest.raises(KnobError, match=f"{missing} does not exist here"):
+        engine(ckpt, devices=2, expert_devices=("cpu", missing))
+    with pytest.raises(KnobError, match="one device per entry"):
+        engine(ckpt, devices=2, expert_devices=("cpu",))
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_real_gpus_in_one_process_give_the_same_tokens(ckpt, single_device_outputs):
+    eng = LLMEngine(EngineConfig(model=str(ckpt), block_size=4, num_kv_blocks=128, device="cuda:0",
+                                 topology=Topology(num_devices=2), expert_devices=("cuda:0", "cuda:1")))
+    assert eng.cluster.layers[0].device_w13[1].device == torch.device("cuda:1")
+    assert [o.token_ids for o in eng.generate(prompts(6), GREEDY)] == single_device_outputs
+    busy = [b for step in eng.step_log for b in step.devices["busy_s"]]
+    assert sum(busy) > 0
