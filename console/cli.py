@@ -272,7 +272,7 @@ def _progress(as_json: bool):
 def bench(
     compare: Optional[str] = typer.Option(None, "--compare", help="'hf': this engine vs transformers' generate."),
     suite: Optional[str] = typer.Option(None, "--suite",
-                                        help="compare-hf | serve | kv-int8 | limits (default: compare-hf)."),
+                                        help="compare-hf | serve | kv-int8 | profiler | limits (default: compare-hf)."),
     model: Optional[Path] = MODEL_OPT,
     workload: Optional[str] = typer.Option(None, "--workload",
                                            help="serve suite: a JSONL file or 'rate=4,prompt=32-512,output=16-256,"
@@ -313,13 +313,17 @@ def bench(
         text_ids, prompts = default_eval_inputs(path)
         # fp32 by default: the accuracy cost is then INT8's alone, not bf16 rounding on top of it
         result = run_kv_int8_eval(str(path), text_ids, prompts, dtype=dtype or "float32", log=log)
+    elif name == "profiler":
+        from profiler.overhead_bench import run_profiler_overhead
+
+        result = run_profiler_overhead(path, dtype=dtype, log=log)
     elif name == "limits":
         from engine import machine_limits
 
         result = machine_limits.measure(dtype or "float32")
         log(machine_limits.format_limits(result))
     else:
-        raise BadInput(f"--suite: {name!r} is not one of compare-hf, serve, kv-int8, limits")
+        raise BadInput(f"--suite: {name!r} is not one of compare-hf, serve, kv-int8, profiler, limits")
     _emit(result, as_json)
 
 
@@ -406,6 +410,9 @@ def model_train(
     kw = {"steps": steps} if steps is not None else {}
     stats = train_sample_model(out, seed=seed, time_budget_s=time_budget, log=_progress(as_json), **kw)
     _emit(stats, as_json)
+
+
+from console import trace_cli  # noqa: E402,F401 - registers `record` and `trace`
 
 
 def main() -> None:

@@ -44,6 +44,7 @@ class LocalCluster:
         self.topology = topology
         self.policy = policy
         self.stats = StepDeviceStats(topology.num_devices, next(model.parameters()).device)
+        self.stats.link_seconds = self.link_seconds
         self.routing_state = RoutingState(topology.devices_per_node)
         placement = placement or Placement.contiguous(cfg.num_layers, cfg.num_experts, topology.num_devices,
                                                       redundant_slots)
@@ -169,6 +170,18 @@ class LocalCluster:
             return plan if plan.bytes_moved > 0 else None
         return None
 
+    def link_seconds(self, traffic: np.ndarray) -> np.ndarray:
+        """Modeled seconds each device's links are busy for one all-to-all of `traffic` bytes
+        (src x dst): every off-diagonal transfer over its link's bandwidth (within or between
+        nodes), counted on both ends; links are full-duplex."""
+        out = np.zeros(self.num_devices)
+        for src, dst in zip(*np.nonzero(traffic)):
+            if src != dst:
+                seconds = traffic[src, dst] / (self.topology.link_gbps(src, dst) * 1e9)
+                out[src] += seconds
+                out[dst] += seconds
+        return out
+
     # -- per step
     def begin_step(self, token_device: torch.Tensor) -> None:
         self.stats.reset()
@@ -177,18 +190,12 @@ class LocalCluster:
     def end_step(self) -> dict:
         s = self.stats
         s.resolve()
-        topo = self.topology
-        link_s = np.zeros(self.num_devices)
-        for src, dst in zip(*np.nonzero(s.traffic)):
-            if src != dst:  # dispatch src->dst, then combine dst->src: full-duplex, both phases
-                seconds = s.traffic[src, dst] / (topo.link_gbps(src, dst) * 1e9)
-                link_s[src] += 2 * seconds
-                link_s[dst] += 2 * seconds
+        link_s = 2 * self.link_seconds(s.traffic)  # dispatch, then combine (the same bytes back)
         record = {
             "backend": "multi-gpu" if self.torch_devices is not None else "emulated",
             "tokens": s.tokens.tolist(),
             "busy_s": s.busy_s.tolist(),  # measured
-            "traffic_bytes": s.traffic.tolist(),  # exact bytes of the dispatch all-to-all (combine: transpose)
+            "traffic_bytes": s.traffic.copy(),  # exact bytes of the dispatch all-to-all (combine: transpose)
             "link_s": link_s.tolist(),  # modeled from bytes and bandwidth
             "link_s_modeled": True,
         }

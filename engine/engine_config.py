@@ -84,6 +84,7 @@ class EngineConfig:
     expert_prefetch: str = "router"  # tiered mode: router (next layer's router on the hidden state) | coact | none
     # multi-GPU in one process: the torch device of each device's experts (e.g. cuda:0..cuda:N-1)
     expert_devices: tuple[str, ...] | None = None
+    profile_spans: bool = True  # always-on spans (profiler/spans.py) in every step record
     num_threads: int | None = None  # torch intra-op threads for this process; None: leave torch's setting
 
     def __post_init__(self):

@@ -13,6 +13,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from .block_manager import BlockManager
@@ -25,6 +26,7 @@ from .model_runner import ModelRunner
 from .sampling import SamplingParams, _GeneratorFactory, sample
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import Sequence
+from .telemetry import DeepCapture, Telemetry
 from .tokenizer import Tokenizer
 
 
@@ -71,6 +73,29 @@ class StepStats:
     kv_blocks_used: int
     routing: torch.Tensor  # [layers, experts] token counts this step
     devices: dict | None = None  # emulated devices: tokens, busy_s (measured), traffic, link_s (modeled)
+    spans: dict | None = None
+    kernels: dict | None = None  # deep capture only
+    requests: list = field(default_factory=list)
+    cache: dict = field(default_factory=dict)
+    process: dict = field(default_factory=dict)
+    knobs: dict = field(default_factory=dict)
+
+    def as_record(self) -> dict:
+        """The step record of profiler/records.py (the stream every consumer reads)."""
+        wall = max(self.t_end - self.t_start, 1e-12)
+        devices = self.devices
+        if devices is not None:
+            devices = {**devices, "util": [b / wall for b in devices["busy_s"]]}
+        record = {
+            "step": self.step, "t_start": self.t_start, "t_end": self.t_end,
+            "batch": {"prefill_tokens": self.prefill_tokens, "decode_tokens": self.decode_tokens,
+                      "num_seqs": self.num_seqs, "request_ids": self.request_ids, "preempted": self.preempted},
+            "routing": self.routing.numpy().astype(np.int32), "knobs": self.knobs, "cache": self.cache,
+            "process": self.process, "requests": self.requests, "spans": self.spans, "devices": devices,
+        }
+        if self.kernels is not None:
+            record["kernels"] = self.kernels
+        return record
 
 
 class LLMEngine:
@@ -131,6 +156,11 @@ class LLMEngine:
         self.finished_metrics: deque[dict] = deque(maxlen=4096)
         self.num_aborted = 0
         self.actions: deque[dict] = deque(maxlen=4096)  # operator and automatic actions, with their time
+        num_devices = self.cluster.num_devices if self.cluster is not None else 0
+        self.telemetry = Telemetry(num_devices, torch.device(config.device).type == "cuda", config.profile_spans)
+        self.model.tracer = self.telemetry.tracer
+        if self.cluster is not None:
+            self.cluster.stats.tracer = self.telemetry.tracer
 
     # -- requests
     def encode(self, prompt: str | list[int]) -> list[int]:
@@ -223,20 +253,41 @@ class LLMEngine:
         return plan
 
     def _action(self, kind: str, args: dict, result) -> None:
-        self.actions.append({"time": time.monotonic(), "step": self.step_count, "kind": kind, "args": args,
-                             "result": result})
+        action = {"time": time.monotonic(), "step": self.step_count, "kind": kind, "args": args, "result": result}
+        self.actions.append(action)
+        self.telemetry.publish_action(action)
+
+    def capture(self, steps: int) -> None:
+        """Deep capture: torch.profiler over the next `steps` steps; their records carry `kernels`."""
+        if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= 1000:
+            raise ValueError(f"capture: steps must be an integer in [1, 1000], got {steps!r}")
+        with self._lock:
+            self._inbox.append(("capture", steps))
+
+    def add_listener(self, on_step=None, on_action=None) -> None:
+        """on_step(StepStats) after every step, on_action(dict) after every action, both on the
+        engine thread: they must return at once (hand the record to a queue or a slot)."""
+        if on_step is not None:
+            self.telemetry.step_listeners.append(on_step)
+        if on_action is not None:
+            self.telemetry.action_listeners.append(on_action)
+
+    def remove_listener(self, on_step=None, on_action=None) -> None:
+        for listeners, fn in ((self.telemetry.step_listeners, on_step), (self.telemetry.action_listeners, on_action)):
+            if fn in listeners:
+                listeners.remove(fn)
 
     def update_knobs(self, **changes) -> SchedulerKnobs:
         """Validated against the newest pending knobs; takes effect at the next step."""
         with self._lock:
-            pending = [p for k, p in self._inbox if k == "knobs"]
+            pending = [p for k, (p, _) in ((k, v) for k, v in self._inbox if k == "knobs")]
             new = (pending[-1] if pending else self.scheduler.knobs).updated(**changes)
             if self.cluster is not None:  # the largest step the knobs allow must fit every device's HBM
                 try:
                     self.cluster.check_knobs(new)
                 except ValueError as exc:
                     raise KnobError(str(exc)) from None
-            self._inbox.append(("knobs", new))
+            self._inbox.append(("knobs", (new, changes)))
         return new
 
     @property
@@ -258,6 +309,11 @@ class LLMEngine:
         if kind == "add":
             self._seqs[payload.request_id] = payload
             self.scheduler.add(payload)
+            self.telemetry.request(payload.request_id, "arrived", payload.arrival,
+                                   prompt_tokens=payload.num_prompt_tokens)
+        elif kind == "capture":
+            self.telemetry.capture = DeepCapture(payload)
+            self._action("capture", {"steps": payload}, {})
         elif kind == "abort":
             seq = self._seqs.get(payload)
             if seq is not None and not seq.finished:
@@ -269,11 +325,13 @@ class LLMEngine:
             self.last_bytes_moved = self.cluster.apply(placement)
             if hasattr(self.runner.probe, "caches"):  # the caches were rebuilt for the new placement
                 self.runner.probe.caches = list(self.cluster.caches)
-            self._action(what, {}, {"bytes_moved": self.last_bytes_moved})
+            self._action(what, {}, {"bytes_moved": self.last_bytes_moved, "placement": placement.to_dict()})
         else:
-            self.scheduler.knobs = payload
+            knobs, changes = payload
+            self.scheduler.knobs = knobs
             if self.cluster is not None:
-                self.cluster.knobs = payload
+                self.cluster.knobs = knobs
+            self._action("knobs", dict(changes), knobs.as_dict())
 
     # -- the step loop
     def step(self) -> list[RequestOutput]:
@@ -282,12 +340,17 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch.empty:
             return outputs
+        self.telemetry.begin_step(t_start)
+        tracer = self.telemetry.tracer
         self.runner.probe.reset()
         logits = self.runner.run(batch.items)
         samplers = [s for s, n in batch.items if s.num_computed + n == s.num_tokens]
         # a decode runs a generated token; a 1-token prompt remainder (after a prefix hit) is prefill
         decodes = sum(1 for s, n in batch.items if n == 1 and s.num_computed >= s.num_prompt_tokens)
+        mark = tracer.mark() if tracer is not None else None
         tokens = sample(logits, [s.params for s in samplers], [s.generator for s in samplers])
+        if tracer is not None:
+            tracer.close(mark, "sampler")
         outputs += self._postprocess(batch, dict(zip(map(id, samplers), tokens)))
         self._record_step(batch, t_start, decodes)
         return outputs
@@ -303,6 +366,8 @@ class LLMEngine:
                 continue  # a prefill chunk that does not reach the end of the prompt
             seq.token_ids.append(token)
             seq.token_times.append(now)
+            if seq.num_output_tokens == 1:
+                self.telemetry.request(seq.request_id, "first_token", now)
             reason = self._finish_reason(seq, token)
             if reason is not None:
                 self.scheduler.finish(seq, reason)
@@ -334,8 +399,12 @@ class LLMEngine:
         if finished:
             if seq.output_text is None:
                 seq.output_text = self.decode(seq.output_ids)
+            metrics = seq.metrics()
             self.finished_metrics.append({"request_id": seq.request_id, "finish_reason": seq.finish_reason,
-                                          **seq.metrics()})
+                                          **metrics})
+            self.telemetry.request(seq.request_id, "finished", seq.finished_at, reason=seq.finish_reason,
+                                   prompt_tokens=metrics["prompt_tokens"], output_tokens=metrics["output_tokens"],
+                                   ttft_s=metrics["ttft"], tpot_s=metrics["tpot"])
             del self._seqs[seq.request_id]
         with self._lock:
             if finished:  # the stream goes first, then the id may be reused
@@ -364,12 +433,25 @@ class LLMEngine:
 
     def _record_step(self, batch: ScheduledBatch, t_start: float, decode: int) -> None:
         self.step_count += 1
+        tel = self.telemetry
+        for seq in batch.preempted:
+            tel.request(seq.request_id, "preempted")
+        for seq, _ in batch.items:
+            if seq.first_scheduled is not None and seq.first_scheduled >= t_start and seq.num_preemptions == 0:
+                tel.request(seq.request_id, "scheduled", seq.first_scheduled)
+        devices = self._device_record(batch) if self.cluster is not None else None
+        spans, kernels = tel.end_step(t_start)
+        b = self.blocks
         self.step_log.append(StepStats(
             step=self.step_count, t_start=t_start, t_end=time.monotonic(),
             prefill_tokens=batch.num_tokens - decode, decode_tokens=decode, num_seqs=len(batch.items),
             request_ids=[s.request_id for s, _ in batch.items], preempted=[s.request_id for s in batch.preempted],
-            kv_blocks_used=self.blocks.num_used, routing=self.runner.probe.counts.clone(),
-            devices=self._device_record(batch) if self.cluster is not None else None))
+            kv_blocks_used=b.num_used, routing=self.runner.probe.counts.clone(), devices=devices,
+            spans=spans, kernels=kernels, requests=tel.take_request_events(),
+            cache={"kv_blocks_used": b.num_used, "kv_blocks_total": b.num_blocks, "prefix_queries": b.prefix_queries,
+                   "prefix_hits": b.prefix_hits, "preemptions": self.scheduler.num_preemptions},
+            process=tel.process_memory(), knobs=self.scheduler.knobs.as_dict()))
+        tel.publish_step(self.step_log[-1])
         if self.cluster is not None:
             try:
                 plan = self.cluster.observe(self.step_count, self.step_log[-1].routing)

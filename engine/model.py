@@ -28,10 +28,21 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = DenseMLP(cfg.hidden_size, cfg.dense_intermediate_size)
 
-    def forward(self, x, positions, ctx, probe=None):
+    def forward(self, x, positions, ctx, probe=None, tracer=None):
+        if tracer is None:
+            x = x + self.attn(self.input_norm(x), positions, ctx)
+            h = self.post_norm(x)
+            return x + (self.mlp(h, probe) if isinstance(self.mlp, MoEBlock) else self.mlp(h))
+        mark = tracer.mark()
         x = x + self.attn(self.input_norm(x), positions, ctx)
+        tracer.close(mark, "attention", 0, self.attn.layer_idx)
         h = self.post_norm(x)
-        return x + (self.mlp(h, probe) if isinstance(self.mlp, MoEBlock) else self.mlp(h))
+        if isinstance(self.mlp, MoEBlock):
+            return x + self.mlp(h, probe, tracer)
+        mark = tracer.mark()
+        out = x + self.mlp(h)
+        tracer.close(mark, "dense_mlp", 0, self.attn.layer_idx)
+        return out
 
 
 class MoEForCausalLM(nn.Module):
@@ -43,6 +54,7 @@ class MoEForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(i, cfg, rope) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tracer = None  # a profiler.spans.SpanRecorder while the engine records spans
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
 
@@ -52,7 +64,7 @@ class MoEForCausalLM(nn.Module):
         if probe is not None:
             probe.on_hidden(0, x)
         for i, layer in enumerate(self.layers):
-            x = layer(x, positions, ctx, probe)
+            x = layer(x, positions, ctx, probe, self.tracer)
             if probe is not None:
                 probe.on_hidden(i + 1, x)
         return self.norm(x)

@@ -116,14 +116,28 @@ class MoEBlock(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return logits, weights, ids
 
-    def forward(self, x: torch.Tensor, probe=None) -> torch.Tensor:
-        """x: [N, H] flat tokens."""
+    def forward(self, x: torch.Tensor, probe=None, tracer=None) -> torch.Tensor:
+        """x: [N, H] flat tokens. tracer: spans for the router and the expert work."""
+        if tracer is not None:
+            mark = tracer.mark()
+            logits, weights, ids = self.route(x)
+            counts_t = torch.bincount(ids.flatten(), minlength=self.num_experts)
+            tracer.close(mark, "router", 0, self.layer_idx)
+            if probe is not None:
+                probe.on_routing(self.layer_idx, counts_t, ids)
+            mark = tracer.mark()
+            out = self._experts_and_shared(x, weights, ids, counts_t)
+            tracer.close(mark, "experts", 0, self.layer_idx)
+            return out
         logits, weights, ids = self.route(x)
         if self.training:
             self.last_aux_loss = self.aux_loss(logits, ids)
         counts_t = torch.bincount(ids.flatten(), minlength=self.num_experts)
         if probe is not None:
             probe.on_routing(self.layer_idx, counts_t, ids)
+        return self._experts_and_shared(x, weights, ids, counts_t)
+
+    def _experts_and_shared(self, x, weights, ids, counts_t) -> torch.Tensor:
         out = self.experts.dispatch(x, weights, ids, counts_t)
         if self.shared_w13 is not None:
             shared = swiglu(x, self.shared_w13, self.shared_w2)

@@ -30,6 +30,8 @@ class StepDeviceStats:
         self.num_devices = num_devices
         self.cuda = device.type == "cuda"
         self.token_device = torch.zeros(0, dtype=torch.int64)
+        self.tracer = None  # profiler.spans.SpanRecorder while spans are recorded
+        self.link_seconds = None  # traffic [D, D] bytes -> each device's modeled seconds (set by the cluster)
         self.reset()
 
     def reset(self) -> None:
@@ -40,11 +42,11 @@ class StepDeviceStats:
         self.traffic = np.zeros((d, d), dtype=np.int64)  # dispatch bytes, src x dst
         self._events: list[tuple[int, torch.cuda.Event, torch.cuda.Event]] = []
 
-    def timed(self, device: int, fn, torch_device: torch.device | None = None):
+    def timed(self, device: int, fn, torch_device: torch.device | None = None, layer: int = -1):
         """Run fn as `device`'s work and add its time; CUDA events on GPU (recorded on the stream
         of the GPU doing the work, resolved at step end: no sync per span), perf counters on CPU."""
         on = torch_device if torch_device is not None and torch_device.type == "cuda" else None
-        if self.cuda or on is not None:
+        if self.cuda or on is not None:  # (device spans are CPU-only: events on several GPUs share no clock)
             with torch.cuda.device(on if on is not None else torch.cuda.current_device()):
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
@@ -52,9 +54,12 @@ class StepDeviceStats:
                 end.record()
             self._events.append((device, start, end))
             return out
-        t0 = time.perf_counter()
+        t0 = time.monotonic()
         out = fn()
-        self.busy_s[device] += time.perf_counter() - t0
+        t1 = time.monotonic()
+        self.busy_s[device] += t1 - t0
+        if self.tracer is not None:
+            self.tracer.add_measured("experts", 1 + device, layer, t0, t1)
         return out
 
     def resolve(self) -> None:
@@ -126,6 +131,7 @@ class PlacedExperts(nn.Module):
 
     def dispatch(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, counts_t: torch.Tensor):
         stats = self.stats
+        t_dispatch = time.monotonic()
         token_device = stats.token_device
         # replica tables live on the CPU; route there, then bring the choice to the compute device
         devices_cpu = self.placement.assign_replicas(self.layer_idx, ids.cpu(), token_device.cpu(), self.policy,
@@ -154,17 +160,28 @@ class PlacedExperts(nn.Module):
                 active = [i for i, n in enumerate(counts_list) if n]
                 experts = [int(self.slot_expert[device * s + i]) for i in active]
                 result = stats.timed(device, lambda: self.caches[device].run_groups(
-                    self.layer_idx, rows_in, experts, [counts_list[i] for i in active]), real)
+                    self.layer_idx, rows_in, experts, [counts_list[i] for i in active]), real, self.layer_idx)
             else:
                 w13, w2 = self.device_w13[device], self.device_w2[device]
                 offsets = grouped_offsets(counts_d, rows, dtype=x.dtype)
                 result = stats.timed(device, lambda: grouped_swiglu(rows_in, counts_d.tolist(), w13, w2, offsets),
-                                     real)
+                                     real, self.layer_idx)
             out[start:end] = result  # on a real device: the combine copy back
             stats.tokens[device] += rows
             stats.peak_rows[device] = max(stats.peak_rows[device], rows)
             start = end
         bytes_per_row = x.shape[-1] * x.element_size()
-        stats.traffic += traffic_matrix(token_device.cpu(), devices_cpu, bytes_per_row,
-                                        self.placement.num_devices).numpy()
+        traffic = traffic_matrix(token_device.cpu(), devices_cpu, bytes_per_row, self.placement.num_devices).numpy()
+        stats.traffic += traffic
+        if stats.tracer is not None and stats.link_seconds is not None:
+            self._link_spans(stats, traffic, t_dispatch, time.monotonic())
         return combine(out, order, weights, x.dtype)
+
+    def _link_spans(self, stats: StepDeviceStats, traffic: np.ndarray, t_dispatch: float, t_combine: float) -> None:
+        """This layer's all-to-all on each device's link lane: its length is modeled, not measured
+        (on one machine nothing crosses a link), and its span says so."""
+        seconds = stats.link_seconds(traffic)  # combine moves the same bytes back (the transpose)
+        lanes = 1 + stats.num_devices
+        for d in np.nonzero(seconds)[0]:
+            stats.tracer.add_modeled("all_to_all dispatch", lanes + int(d), self.layer_idx, t_dispatch, seconds[d])
+            stats.tracer.add_modeled("all_to_all combine", lanes + int(d), self.layer_idx, t_combine, seconds[d])

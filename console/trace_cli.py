@@ -1,0 +1,208 @@
+"""`moectl record` and `moectl trace info | export | diff`: traces from the command line."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from console.cli import HBM_OPT, JSON_OPT, MODEL_OPT, BadInput, app, handles_errors, model_dir
+
+trace_app = typer.Typer(no_args_is_help=True, help="Inspect, export and compare recorded traces.")
+app.add_typer(trace_app, name="trace")
+
+DEFAULT_RECORD_WORKLOAD = "rate=6,prompt=32-256,output=32-128,duration=86400"
+
+
+class _Enough(Exception):
+    """Raised from the step callback when the recording's length is reached."""
+
+
+def open_trace(path: Path):
+    from profiler.trace_store import TraceReader
+
+    if not Path(path).is_file():
+        raise BadInput(f"{path}: no such trace file")
+    return TraceReader(path)
+
+
+@app.command()
+@handles_errors
+def record(
+    trace: Path = typer.Argument(..., help="Trace file to write (SQLite)."),
+    steps: Optional[int] = typer.Option(None, "--steps", help="Stop after this many engine steps."),
+    seconds: Optional[float] = typer.Option(None, "--seconds", help="Stop after this many seconds."),
+    model: Optional[Path] = MODEL_OPT,
+    devices: int = typer.Option(4, "--devices", "-d", help="Emulated devices (local backend)."),
+    hbm: str = HBM_OPT,
+    expert_cache: Optional[int] = typer.Option(None, "--expert-cache", help="Tiered expert memory: cache slots "
+                                                                             "per device."),
+    redundant: int = typer.Option(0, "--redundant", help="Redundant expert slots per device."),
+    workload: str = typer.Option(DEFAULT_RECORD_WORKLOAD, "--workload",
+                                 help="key=value list (rate, prompt, output, requests, duration, seed) or a "
+                                      ".jsonl file; arrivals in real time."),
+    kv_blocks: Optional[int] = typer.Option(None, "--kv-blocks", help="KV cache blocks in all (default: from "
+                                                                         "the engine's KV memory)."),
+    rebalance_at: Optional[int] = typer.Option(None, "--rebalance-at", help="At this step, preview and apply a "
+                                                                              "rebalance (an operator action)."),
+    capture: Optional[int] = typer.Option(None, "--capture", help="Deep capture (torch.profiler) of this many "
+                                                                  "steps at the start."),
+    dtype: Optional[str] = typer.Option(None, "--dtype"),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing trace file."),
+    as_json: bool = JSON_OPT,
+):
+    """Run the engine headless on a workload and record every step and action to TRACE."""
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from engine.engine_config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from engine.topology import Topology, parse_size
+    from engine.workload import WorkloadSpec, run_workload, workload_for_engine
+    from profiler.recorder import TraceRecorder
+
+    if (steps is None) == (seconds is None):
+        raise BadInput("give --steps N or --seconds S (one of them)")
+    if steps is not None and steps < 1:
+        raise BadInput("--steps: must be >= 1")
+    if seconds is not None and not 0 < seconds < math.inf:
+        raise BadInput("--seconds: must be a positive number")
+    if Path(trace).exists() and not overwrite:
+        raise BadInput(f"{trace}: exists (use --overwrite to replace it)")
+    spec = WorkloadSpec.from_option(workload)
+    engine = LLMEngine(EngineConfig(model=str(model_dir(model)), dtype=dtype, redundant_slots=redundant,
+                                    topology=Topology(num_devices=devices, hbm_bytes=parse_size(hbm, "--hbm")),
+                                    expert_cache_slots=expert_cache, num_kv_blocks=kv_blocks))
+    items = workload_for_engine(spec, engine)
+    recorder = TraceRecorder(engine, trace, overwrite=overwrite)
+    if capture:
+        engine.capture(capture)
+    t0 = time.monotonic()
+    total = steps if steps is not None else seconds
+    progress = Progress(TextColumn("recording"), BarColumn(), TextColumn("{task.fields[what]}"), TimeElapsedColumn(),
+                        console=Console(stderr=True), transient=as_json)
+    task = progress.add_task("record", total=total, what="")
+
+    def on_step(_outputs) -> None:
+        if rebalance_at is not None and engine.step_count == rebalance_at:
+            plan = engine.rebalance_preview()
+            engine.apply_placement(plan.placement, kind="rebalance_apply")
+        done = recorder.steps if steps is not None else time.monotonic() - t0
+        progress.update(task, completed=min(done, total), what=f"{recorder.steps} steps")
+        if done >= total:
+            raise _Enough
+
+    try:
+        with progress:
+            run_workload(engine, items, realtime=True, on_step=on_step)
+    except _Enough:
+        pass
+    finally:
+        engine.fail_all("abort")
+        recorder.close()
+    result = {"trace": str(trace), "steps": recorder.steps, "dropped": recorder.dropped,
+              "seconds": round(time.monotonic() - t0, 3), "bytes": Path(trace).stat().st_size}
+    if as_json:
+        typer.echo(json.dumps(result))
+    else:
+        typer.echo(f"{trace}: {result['steps']} steps in {result['seconds']:.1f} s, {result['bytes']:,} bytes, "
+                   f"{result['dropped']} dropped")
+
+
+@trace_app.command("info")
+@handles_errors
+def trace_info(trace: Path = typer.Argument(..., help="A trace file."), as_json: bool = JSON_OPT):
+    """Format version, model, devices, steps, duration and completeness of a trace."""
+    with open_trace(trace) as reader:
+        header = reader.header
+        model = header.get("model", {})
+        devices = header.get("devices") or {}
+        info = {"trace": str(trace), "format_version": header.get("format_version"),
+                "record_format": header.get("record_format"), "steps": reader.num_steps,
+                "first_step": reader.first_step, "last_step": reader.last_step,
+                "duration_s": reader.duration_s, "actions": reader.num_actions, "dropped": reader.dropped,
+                "complete": reader.complete, "model": model.get("name"), "architecture": model.get("architecture"),
+                "devices": (devices.get("topology") or {}).get("num_devices"), "backend": devices.get("backend"),
+                "bytes": Path(trace).stat().st_size, "software": header.get("software", {})}
+    if as_json:
+        typer.echo(json.dumps(info, default=str))
+        return
+    typer.echo(f"{trace}: moectl trace format {info['format_version']}, {info['steps']} steps "
+               f"({info['first_step']}-{info['last_step']}) over {info['duration_s']:.2f} s, {info['actions']} actions, "
+               f"{info['bytes']:,} bytes")
+    typer.echo(f"model {info['model']} ({info['architecture']}), {info['devices'] or 1} device(s) "
+               f"[{info['backend'] or 'single'}]; {'complete' if info['complete'] else 'not closed (partial)'}, "
+               f"{info['dropped']} records dropped while recording")
+
+
+@trace_app.command("export")
+@handles_errors
+def trace_export(
+    trace: Path = typer.Argument(..., help="A trace file."),
+    fmt: str = typer.Option("chrome", "--format", help="chrome: Chrome Trace Event JSON (Perfetto, chrome://tracing)."),
+    out: Path = typer.Option(..., "--output", "-o", help="Output file."),
+    start: Optional[int] = typer.Option(None, "--from-step", help="First step to export."),
+    stop: Optional[int] = typer.Option(None, "--to-step", help="Export up to (not including) this step."),
+    as_json: bool = JSON_OPT,
+):
+    """Export a range of a trace: a process per device, a thread per lane, memory counters, and
+    modeled spans marked in their args."""
+    from profiler.chrome_export import write_chrome_trace
+
+    if fmt != "chrome":
+        raise BadInput(f"--format: only 'chrome' is supported, got {fmt!r}")
+    with open_trace(trace) as reader:
+        records = list(reader.steps(start, stop))
+        if not records:
+            raise BadInput(f"{trace}: no steps in the range {start}..{stop}")
+        t_lo, t_hi = records[0]["t_start"], records[-1]["t_end"]
+        actions = list(reader.actions(t_lo, t_hi))
+        write_chrome_trace(records, out, header=reader.header, actions=actions)
+    result = {"output": str(out), "steps": len(records), "actions": len(actions), "bytes": Path(out).stat().st_size}
+    typer.echo(json.dumps(result) if as_json else f"{out}: {len(records)} steps, {len(actions)} actions, "
+                                                  f"{result['bytes']:,} bytes")
+
+
+def trace_summary(reader) -> dict:
+    """The figures `trace diff` compares, computed from a trace's records."""
+    from profiler import analysis
+
+    records = list(reader.steps())
+    if not records:
+        raise BadInput("trace has no steps")
+    wall = records[-1]["t_end"] - records[0]["t_start"]
+    tokens = sum(r["batch"]["decode_tokens"] + r["batch"]["prefill_tokens"] for r in records)
+    latency = analysis.latency_percentiles(records)
+    balance = analysis.balancedness(records)
+    breakdown = analysis.step_breakdown(records)
+    return {"steps": len(records), "wall_s": wall, "tokens_per_s": tokens / wall if wall > 0 else 0.0,
+            "latency": latency, "balancedness": balance.get("overall"), "breakdown": breakdown}
+
+
+@trace_app.command("diff")
+@handles_errors
+def trace_diff(a: Path = typer.Argument(..., help="Baseline trace."), b: Path = typer.Argument(..., help="Other trace."),
+               as_json: bool = JSON_OPT):
+    """Compare two traces: throughput, latency percentiles, balancedness, step-time breakdown."""
+    with open_trace(a) as ra, open_trace(b) as rb:
+        sa, sb = trace_summary(ra), trace_summary(rb)
+    if as_json:
+        typer.echo(json.dumps({"a": sa, "b": sb}, default=float))
+        return
+    rows = [("steps", sa["steps"], sb["steps"]), ("tokens/s", sa["tokens_per_s"], sb["tokens_per_s"]),
+            ("balancedness", sa["balancedness"], sb["balancedness"])]
+    for key in ("ttft", "tpot"):
+        for q in ("p50", "p99"):
+            rows.append((f"{key} {q} (s)", (sa["latency"].get(key) or {}).get(q), (sb["latency"].get(key) or {}).get(q)))
+    for name, value in sa["breakdown"].get("totals", {}).items():
+        rows.append((f"{name} (s)", value, sb["breakdown"].get("totals", {}).get(name)))
+    typer.echo(f"{'':<28}{str(a):>18}{str(b):>18}{'ratio':>9}")
+    for name, va, vb in rows:
+        ratio = f"{vb / va:.3f}" if isinstance(va, (int, float)) and isinstance(vb, (int, float)) and va else "-"
+        fa = "-" if va is None else (f"{va:.4g}" if isinstance(va, float) else str(va))
+        fb = "-" if vb is None else (f"{vb:.4g}" if isinstance(vb, float) else str(vb))
+        typer.echo(f"{name:<28}{fa:>18}{fb:>18}{ratio:>9}")

@@ -1,0 +1,120 @@
+"""What the engine tells the rest of the world each step: spans, request events, cache and
+process memory, deep captures, and the listeners that receive step and action records.
+
+The engine calls in here a few times per step; everything per token or per layer goes through
+the preallocated SpanRecorder. Listeners run on the engine thread and must be cheap (a trace
+writer's put_nowait, a console's "newest record" slot): they never block the step loop.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import numpy as np
+import psutil
+import torch
+
+from profiler.records import PROCESS_SAMPLE_S
+from profiler.spans import SpanRecorder
+
+MAX_KERNEL_EVENTS = 20000  # per captured step; a deep capture of a huge step keeps the first ones
+
+
+class DeepCapture:
+    """torch.profiler over the next N steps, one profiler session per step, its events put on the
+    engine clock so they line up with the spans (kineto gives wall-clock start + microseconds)."""
+
+    def __init__(self, steps: int):
+        self.remaining = steps
+        self._prof = None
+
+    def begin(self) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        self._prof = profile(activities=activities)
+        self._prof.__enter__()
+
+    def end(self) -> dict:
+        prof, self._prof = self._prof, None
+        prof.__exit__(None, None, None)
+        self.remaining -= 1
+        wall_minus_clock = time.time() - time.monotonic()
+        base = prof.profiler.kineto_results.trace_start_ns() / 1e9 - wall_minus_clock
+        lanes: dict[str, int] = {}
+        names: dict[str, int] = {}
+        rows = []
+        for event in list(prof.events())[:MAX_KERNEL_EVENTS]:
+            on_gpu = str(event.device_type).endswith("CUDA")
+            lane = f"cuda kernels (device {event.device_index})" if on_gpu else f"cpu ops (thread {event.thread})"
+            lane_id = lanes.setdefault(lane, len(lanes))
+            name_id = names.setdefault(event.name, len(names))
+            rows.append((lane_id, name_id, base + event.time_range.start / 1e6,
+                         (event.time_range.end - event.time_range.start) / 1e6))
+        lane, name, start, dur = zip(*rows) if rows else ((), (), (), ())
+        return {"lanes": list(lanes), "names": list(names), "lane": np.asarray(lane, dtype=np.int16),
+                "name": np.asarray(name, dtype=np.int32), "start_abs": np.asarray(start, dtype=np.float64),
+                "dur_s": np.asarray(dur, dtype=np.float64)}
+
+
+class Telemetry:
+    def __init__(self, num_devices: int, cuda: bool, spans: bool = True):
+        self.tracer = SpanRecorder(num_devices, cuda) if spans else None
+        self.request_events: list[dict] = []
+        self.step_listeners: list[Callable] = []
+        self.action_listeners: list[Callable] = []
+        self.capture: DeepCapture | None = None
+        self._process = psutil.Process()
+        self._process_sample: dict | None = None
+        self._cuda = cuda
+
+    # -- request events (engine thread)
+    def request(self, request_id: str, event: str, t: float | None = None, **extra) -> None:
+        self.request_events.append({"id": request_id, "event": event,
+                                    "t": time.monotonic() if t is None else t, **extra})
+
+    def take_request_events(self) -> list[dict]:
+        events, self.request_events = self.request_events, []
+        return events
+
+    # -- per step
+    def begin_step(self, t_start: float) -> None:
+        if self.tracer is not None:
+            self.tracer.begin_step(t_start)
+        if self.capture is not None:
+            self.capture.begin()
+
+    def end_step(self, t_start: float) -> tuple[dict | None, dict | None]:
+        """(spans, kernels) of the step; kernels only while a deep capture runs."""
+        kernels = None
+        if self.capture is not None:
+            kernels = self.capture.end()
+            kernels["start_s"] = kernels.pop("start_abs") - t_start
+            if self.capture.remaining <= 0:
+                self.capture = None
+        return (self.tracer.collect() if self.tracer is not None else None), kernels
+
+    def process_memory(self) -> dict:
+        """RSS, system memory and CUDA allocator figures, sampled at most every PROCESS_SAMPLE_S."""
+        now = time.monotonic()
+        sample = self._process_sample
+        if sample is None or now - sample["sampled_at"] >= PROCESS_SAMPLE_S:
+            system = psutil.virtual_memory()
+            cuda = None
+            if self._cuda:
+                cuda = {"allocated": torch.cuda.memory_allocated(), "reserved": torch.cuda.memory_reserved(),
+                        "max_allocated": torch.cuda.max_memory_allocated()}
+            sample = self._process_sample = {
+                "rss_bytes": self._process.memory_info().rss, "sys_used_bytes": system.total - system.available,
+                "sys_total_bytes": system.total, "sampled_at": now, "cuda": cuda}
+        return sample
+
+    # -- listeners
+    def publish_step(self, stats) -> None:
+        for listener in self.step_listeners:
+            listener(stats)
+
+    def publish_action(self, action: dict) -> None:
+        for listener in self.action_listeners:
+            listener(action)

@@ -1,0 +1,67 @@
+"""`moectl bench --suite profiler`: the cost of profiling, measured in one run.
+
+The same workload runs with the profiler off (no spans, no listeners) and with everything on
+(spans, request events, process memory, and a TraceRecorder writing every record to a trace
+file), alternating so that drift of a noisy machine hits both alike. Each round is a fresh
+engine on the same weights; the figure is the median over rounds of on/off throughput.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+from engine.engine_config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.sampling import SamplingParams
+from engine.topology import Topology
+from engine.workload import WorkloadSpec, run_workload, workload_for_engine
+
+TARGET_OVERHEAD = 0.03
+
+
+def _one_run(model_dir: str, dtype, profiled: bool, devices: int, spec: WorkloadSpec, trace_dir: Path,
+             round_no: int) -> dict:
+    from .recorder import TraceRecorder
+
+    # a fresh model per run: placing experts on devices wraps the model's MoE layers
+    engine = LLMEngine(EngineConfig(model=model_dir, dtype=dtype, profile_spans=profiled,
+                                    topology=Topology(num_devices=devices)))
+    engine.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
+    items = workload_for_engine(spec, engine)
+    recorder = TraceRecorder(engine, trace_dir / f"round{round_no}.trace") if profiled else None
+    t0 = time.perf_counter()
+    result = run_workload(engine, items, realtime=False)
+    wall = time.perf_counter() - t0
+    dropped = 0
+    if recorder is not None:
+        recorder.close()
+        dropped = recorder.dropped
+    tokens = sum((r.get("output_tokens") or 0) + r["prompt_tokens"] for r in result.requests)
+    return {"tokens_per_s": tokens / wall, "steps": engine.step_count, "wall_s": wall, "dropped": dropped}
+
+
+def run_profiler_overhead(model_dir: str | Path, *, rounds: int = 5, devices: int = 4, requests: int = 24,
+                          dtype: str | None = None, log: Callable[[str], None] = print) -> dict:
+    model_dir = str(model_dir)
+    spec = WorkloadSpec(num_requests=requests, prompt_len=(32, 128), output_len=(32, 64), seed=7)
+    off, on, dropped = [], [], 0
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(rounds):
+            for profiled in ((False, True) if r % 2 == 0 else (True, False)):
+                run = _one_run(model_dir, dtype, profiled, devices, spec, Path(tmp), r)
+                (on if profiled else off).append(run["tokens_per_s"])
+                dropped += run["dropped"]
+            log(f"round {r + 1}/{rounds}: off {off[-1]:.0f} tok/s, on {on[-1]:.0f} tok/s")
+    ratios = [b / a for a, b in zip(off, on)]
+    ratio = statistics.median(ratios)
+    overhead = 1.0 - ratio
+    log(f"profiler on/off throughput: {ratio:.4f} (median of {rounds} rounds; overhead {overhead:+.2%}, "
+        f"target <= {TARGET_OVERHEAD:.0%}: {'met' if overhead <= TARGET_OVERHEAD else 'NOT met'}); "
+        f"{dropped} records dropped")
+    return {"rounds": rounds, "devices": devices, "requests": requests, "off_tokens_per_s": off,
+            "on_tokens_per_s": on, "ratio_on_off": ratio, "overhead": overhead, "target_overhead": TARGET_OVERHEAD,
+            "met": overhead <= TARGET_OVERHEAD, "dropped": dropped, "ratios": ratios}

@@ -1,0 +1,80 @@
+"""Recording a running engine to a trace file: its header, then every step and action record.
+
+The engine's listeners only hand each record to the TraceWriter's bounded queue; encoding and
+SQLite writes happen on the writer's thread, so recording never blocks the step loop (a full
+queue drops the record and counts it).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from .records import FORMAT_VERSION
+from .trace_store import TraceWriter
+
+
+def engine_header(engine) -> dict:
+    """What a trace needs to be understood without the engine: model, devices, placement, config."""
+    cfg = engine.config
+    cluster = engine.cluster
+    model_cfg = engine.model_config
+    config = {k: v for k, v in asdict(cfg).items() if k not in ("topology", "knobs", "auto_rebalance")}
+    header = {
+        "record_format": FORMAT_VERSION,
+        "clock_origin": {"monotonic": time.monotonic(), "unix": time.time()},
+        "model": {"path": str(cfg.model), "name": Path(str(cfg.model)).name,
+                  "architecture": model_cfg.hf_architecture, "num_layers": model_cfg.num_layers,
+                  "num_experts": model_cfg.num_experts, "top_k": model_cfg.top_k,
+                  "hidden_size": model_cfg.hidden_size, "vocab_size": model_cfg.vocab_size,
+                  "sparse_layers": list(model_cfg.sparse_layers)},
+        "engine_config": config,
+        "knobs": engine.knobs.as_dict(),
+        "devices": None,
+    }
+    if cluster is not None:
+        header["devices"] = {
+            "backend": "multi-gpu" if cluster.torch_devices is not None else "emulated",
+            "topology": cluster.topology.as_dict(), "placement": cluster.placement.to_dict(),
+            "expert_bytes": cluster.expert_bytes, "redundant_slots": cluster.redundant_slots,
+            "routing_policy": cluster.policy, "tiered_experts": cluster.cache_slots is not None,
+            "expert_cache_slots": cluster.cache_slots, "link_time": "modeled",
+        }
+    return header
+
+
+class TraceRecorder:
+    """Attach to an engine, write everything it emits to `path` until close()."""
+
+    def __init__(self, engine, path, *, overwrite: bool = False, queue_size: int = 4096):
+        self.engine = engine
+        self.path = Path(path)
+        self.writer = TraceWriter(self.path, engine_header(engine), queue_size=queue_size, overwrite=overwrite)
+        self.steps = 0
+        engine.add_listener(on_step=self._on_step, on_action=self._on_action)
+        self.writer.write_action({"time": time.monotonic(), "step": engine.step_count, "kind": "record_start",
+                                  "args": {"path": str(self.path)}, "result": {}})
+
+    def _on_step(self, stats) -> None:
+        self.steps += 1
+        self.writer.write_step(stats.as_record())
+
+    def _on_action(self, action: dict) -> None:
+        self.writer.write_action(action)
+
+    @property
+    def dropped(self) -> int:
+        return self.writer.dropped
+
+    def close(self) -> None:
+        self.engine.remove_listener(on_step=self._on_step, on_action=self._on_action)
+        self.writer.write_action({"time": time.monotonic(), "step": self.engine.step_count, "kind": "record_stop",
+                                  "args": {}, "result": {"steps": self.steps, "dropped": self.writer.dropped}})
+        self.writer.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
