@@ -361,31 +361,48 @@ def plan_memory_cmd(
 @plan_app.command("rebalance")
 @handles_errors
 def plan_rebalance_cmd(
-    loads_file: Optional[Path] = typer.Argument(None, help="Per-layer x per-expert loads (.npy or .json)."),
+    loads_file: Optional[Path] = typer.Argument(None, help="A recorded trace (moectl record), or per-layer x "
+                                                           "per-expert loads (.npy or .json)."),
     synthetic: bool = typer.Option(False, "--synthetic", help="Plan for synthetic skewed (Zipf) loads."),
     layers: int = typer.Option(61, "--layers"),
     experts: int = typer.Option(384, "--experts"),
     skew: float = typer.Option(1.0, "--skew", help="Zipf exponent of the synthetic loads."),
-    devices: int = DEVICES_OPT,
+    devices: Optional[int] = typer.Option(None, "--devices", "-d",
+                                          help="Number of devices (default: the trace's, else 8)."),
     devices_per_node: int = typer.Option(8, "--devices-per-node"),
     redundant: int = typer.Option(1, "--redundant", help="Redundant expert slots per device."),
     expert_bytes: Optional[str] = typer.Option(None, "--expert-bytes",
-                                               help="Bytes of one expert, for bytes_moved (default: a "
-                                                    "DeepSeek-V3 FP8 expert, 42 MiB)."),
+                                               help="Bytes of one expert, for bytes_moved (default: the trace's "
+                                                    "model, else a DeepSeek-V3 FP8 expert, 42 MiB)."),
     seed: int = typer.Option(0, "--seed"),
     as_json: bool = JSON_OPT,
 ):
     """Compute an EPLB-style expert placement offline: replicate hot experts, pack them in balance
-    (by node when there are nodes), and report balancedness before/after and bytes moved."""
+    (by node when there are nodes), and report balancedness before/after and bytes moved. From a
+    trace, the loads are its recorded routing and "before" is the placement it was recorded with
+    (exact: routing does not depend on placement)."""
     from engine.rebalancer import DEFAULT_EXPERT_BYTES, load_loads_file, run_plan_rebalance, synthetic_loads
     from engine.topology import parse_size
 
     if synthetic == (loads_file is not None):
-        raise BadInput("give a loads FILE or --synthetic (one of them)")
-    loads = synthetic_loads(layers, experts, seed=seed, skew=skew) if synthetic else load_loads_file(loads_file)
-    result = run_plan_rebalance(loads, devices, redundant, devices_per_node=devices_per_node,
-                                expert_bytes=DEFAULT_EXPERT_BYTES if expert_bytes is None
-                                else parse_size(expert_bytes, "--expert-bytes"))
+        raise BadInput("give a TRACE or loads FILE, or --synthetic (one of them)")
+    current, size = None, DEFAULT_EXPERT_BYTES
+    if synthetic:
+        loads = synthetic_loads(layers, experts, seed=seed, skew=skew)
+    elif loads_file.suffix in (".npy", ".json"):
+        loads = load_loads_file(loads_file)
+    else:
+        from console.trace_cli import trace_routing
+
+        loads, current, trace_devices, trace_bytes = trace_routing(loads_file)
+        size = trace_bytes or size
+        if devices is None or devices == trace_devices:
+            devices = trace_devices
+        else:
+            current = None  # another device count: no recorded placement to compare against
+    result = run_plan_rebalance(loads, devices or 8, redundant, devices_per_node=devices_per_node,
+                                expert_bytes=size if expert_bytes is None else parse_size(expert_bytes, "--expert-bytes"),
+                                current=current)
     if as_json:
         typer.echo(json.dumps(result, default=str))
         return

@@ -30,6 +30,25 @@ def open_trace(path: Path):
     return TraceReader(path)
 
 
+def trace_routing(path: Path):
+    """(summed routing [layers, experts], the placement recorded in the header or None,
+    its device count or None, bytes of one expert or None) of a trace."""
+    import numpy as np
+
+    from engine.placement import Placement
+
+    with open_trace(path) as reader:
+        loads = None
+        for record in reader.steps():
+            loads = record["routing"].astype(np.int64) if loads is None else loads + record["routing"]
+        devices = reader.header.get("devices") or {}
+    if loads is None:
+        raise BadInput(f"{path}: the trace has no steps")
+    placement = Placement.from_dict(devices["placement"]) if devices.get("placement") else None
+    num_devices = (devices.get("topology") or {}).get("num_devices")
+    return loads, placement, num_devices, devices.get("expert_bytes")
+
+
 @app.command()
 @handles_errors
 def record(
@@ -195,11 +214,14 @@ def trace_diff(a: Path = typer.Argument(..., help="Baseline trace."), b: Path = 
         return
     rows = [("steps", sa["steps"], sb["steps"]), ("tokens/s", sa["tokens_per_s"], sb["tokens_per_s"]),
             ("balancedness", sa["balancedness"], sb["balancedness"])]
-    for key in ("ttft", "tpot"):
+    for key in ("ttft_s", "tpot_s"):
         for q in ("p50", "p99"):
-            rows.append((f"{key} {q} (s)", (sa["latency"].get(key) or {}).get(q), (sb["latency"].get(key) or {}).get(q)))
-    for name, value in sa["breakdown"].get("totals", {}).items():
-        rows.append((f"{name} (s)", value, sb["breakdown"].get("totals", {}).get(name)))
+            rows.append((f"{key[:-2]} {q} (s)", (sa["latency"].get(key) or {}).get(q),
+                         (sb["latency"].get(key) or {}).get(q)))
+    for name, value in sa["breakdown"]["measured_mean_s"].items():
+        rows.append((f"step {name} (s, measured)", value, sb["breakdown"]["measured_mean_s"].get(name)))
+    rows.append(("step comm (s, modeled)", sa["breakdown"].get("communication_modeled_mean_s"),
+                 sb["breakdown"].get("communication_modeled_mean_s")))
     typer.echo(f"{'':<28}{str(a):>18}{str(b):>18}{'ratio':>9}")
     for name, va, vb in rows:
         ratio = f"{vb / va:.3f}" if isinstance(va, (int, float)) and isinstance(vb, (int, float)) and va else "-"

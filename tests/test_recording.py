@@ -143,3 +143,39 @@ def test_a_missing_trace_and_a_bad_record_request_exit_2(tmp_path):
     assert run("trace", "info", tmp_path / "nope.trace").exit_code == 2
     res = run("record", tmp_path / "x.trace")
     assert res.exit_code == 2 and "--steps" in res.stderr
+
+
+def test_plan_rebalance_from_a_trace_uses_its_routing_and_placement(ckpt, tmp_path):
+    """The recorded routing under the recorded placement gives 'before' exactly; the plan's
+    'after' is the counterfactual balancedness of the same routing."""
+    eng = engine(ckpt)
+    path = tmp_path / "plan.trace"
+    with TraceRecorder(eng, path):
+        eng.generate(prompts(6), GREEDY)
+    res = run("plan", "rebalance", path, "--redundant", 1, "--json")
+    assert res.exit_code == 0, res.output
+    result = json.loads(res.stdout)
+    loads = sum(s.routing for s in eng.step_log).numpy()
+    assert result["devices"] == 4 and result["expert_bytes"] == eng.cluster.expert_bytes
+    assert result["balancedness_before"] == pytest.approx(eng.cluster.placement.balancedness(loads)[1])
+    assert result["balancedness_after"] >= result["balancedness_before"]
+
+
+def test_trace_export_and_diff_from_the_command_line(ckpt, tmp_path):
+    a, b = tmp_path / "a.trace", tmp_path / "b.trace"
+    for path, steps in ((a, 12), (b, 16)):
+        res = run("record", path, "--model", ckpt, "--steps", steps, "--devices", 2, "--workload",
+                  "rate=50,prompt=4-12,output=4-8,duration=30,source=random")
+        assert res.exit_code == 0, res.output
+    out = tmp_path / "a.json"
+    res = run("trace", "export", a, "--format", "chrome", "-o", out, "--from-step", 3, "--to-step", 9)
+    assert res.exit_code == 0, res.output
+    events = json.loads(out.read_text())["traceEvents"]
+    steps = {e["args"]["step"] for e in events if e.get("ph") == "X"}
+    assert steps == set(range(3, 9))
+    assert any(e.get("cat") == "modeled" and e["args"]["modeled"] for e in events)
+    res = run("trace", "diff", a, b, "--json")
+    assert res.exit_code == 0, res.output
+    diff = json.loads(res.stdout)
+    assert diff["a"]["steps"] == 12 and diff["b"]["steps"] == 16 and diff["a"]["tokens_per_s"] > 0
+    assert run("trace", "export", a, "--format", "pprof", "-o", out).exit_code == 2

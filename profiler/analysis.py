@@ -1,0 +1,552 @@
+"""Analyses over a range of step records (profiler/records.py): pure functions of plain dicts.
+
+The console, the CLI and the tests call the same functions. Each takes a list (or any iterable)
+of step records and returns plain Python values (dicts, lists, floats), ready for JSON.
+
+Replica rule. Where a Placement maps routing to devices, an expert's tokens are split evenly over
+its replicas: that is what the engine's replica policies achieve on average and what the
+rebalancer plans with (Placement.device_loads). One step's real split may differ by a few tokens;
+the records' devices.tokens hold what each device really computed.
+
+Measured and modeled figures are kept apart: busy_s and spans with modeled=False are measured;
+link_s and modeled spans come from bytes and bandwidth (local backend) and are never added to a
+measured total.
+
+Balancedness is mean device load / max device load (1.0 when there is no load). Over several
+layers or steps it is sum of means / sum of maxes: each layer of each step waits for its busiest
+device, so that is the fraction of the MoE time spent on useful work (engine.placement).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import numpy as np
+
+from engine.placement import Placement, balancedness as _balance
+from engine.rebalancer import plan_rebalance
+from engine.topology import Topology
+
+from .records import ENGINE_LANE
+
+# ---- alert thresholds ------------------------------------------------------------------------
+BALANCEDNESS_WARN = 0.8  # window balancedness below this: imbalance alert
+BALANCEDNESS_CRITICAL = 0.5
+ALERT_TOP_EXPERTS = 2  # experts named in an imbalance alert
+KV_USAGE_WARN = 0.9  # peak kv_blocks_used / kv_blocks_total, alerted only with preemptions
+CACHE_HIT_RATE_WARN = 0.5  # tiered expert cache hits / (hits + misses) over the window
+TTFT_TAIL_RATIO = 10.0  # p99 TTFT over p50 TTFT
+TTFT_TAIL_MIN_REQUESTS = 10  # fewer finished requests say nothing about a p99
+LEAK_MIN_R2 = 0.8  # memory_growth: how straight the rss line must be ...
+LEAK_MIN_GROWTH = 0.05  # ... and how much it must grow over the range, as a fraction of the first sample
+
+# span name keywords -> wall-clock category (engine lane); first match wins
+_CATEGORY_KEYWORDS = (("attention", "attention"), ("router", "moe"), ("dispatch", "moe"),
+                      ("combine", "moe"), ("experts", "moe"), ("moe", "moe"), ("sampler", "sampler"))
+CATEGORIES = ("attention", "moe", "sampler", "other")
+
+
+class AnalysisError(ValueError):
+    """Records that do not fit the analysis (e.g. routing of another shape than the placement)."""
+
+
+# ---- small accessors ---------------------------------------------------------------------------
+
+def _wall(rec: dict) -> float:
+    return float(rec["t_end"]) - float(rec["t_start"])
+
+
+def _routing(rec: dict) -> np.ndarray | None:
+    r = rec.get("routing")
+    return None if r is None else np.asarray(r, dtype=np.float64)
+
+
+def _summed_routing(records: list[dict]) -> np.ndarray | None:
+    """[L, E] tokens over the range (None when no record has routing)."""
+    total = None
+    for rec in records:
+        r = _routing(rec)
+        if r is not None:
+            total = r.copy() if total is None else total + r
+    return total
+
+
+def _check_shape(routing: np.ndarray, placement: Placement) -> None:
+    if routing.shape[-2:] != (placement.num_layers, placement.num_experts):
+        raise AnalysisError(f"routing is [{routing.shape[-2]} layers, {routing.shape[-1]} experts], the placement "
+                            f"[{placement.num_layers}, {placement.num_experts}]")
+
+
+def _device_loads(placement: Placement, routing: np.ndarray) -> np.ndarray:
+    """[..., L, E] tokens -> [..., L, D] device loads under the replica rule (module doc)."""
+    _check_shape(routing, placement)
+    share = routing / placement.replica_counts()
+    share = np.concatenate([share, np.zeros(share.shape[:-1] + (1,))], axis=-1)  # index -1: empty slot
+    layer = np.arange(placement.num_layers)[:, None, None]
+    return share[..., layer, placement.slots].sum(-1)
+
+
+def _copies_on(placement: Placement, device: int) -> np.ndarray:
+    """[L, E] replicas of each expert that `device` holds."""
+    L, E = placement.num_layers, placement.num_experts
+    out = np.zeros((L, E + 1))
+    np.add.at(out, (np.arange(L)[:, None], placement.slots[:, device, :] + 1), 1)
+    return out[:, 1:]
+
+
+def _expert_shares_on(placement: Placement, routing: np.ndarray, device: int, top: int) -> list[dict]:
+    """The (layer, expert) pairs that bring `device` most of its tokens under `routing` [L, E]."""
+    carried = routing * _copies_on(placement, device) / placement.replica_counts()
+    total = carried.sum()
+    flat = carried.ravel()
+    order = np.lexsort((np.arange(flat.size), -flat))[:top]  # heaviest first, ties by (layer, expert)
+    E = placement.num_experts
+    return [{"layer": int(i // E), "expert": int(i % E), "tokens": float(flat[i]),
+             "share": float(flat[i] / total) if total > 0 else 0.0}
+            for i in order if flat[i] > 0]
+
+
+def _percentiles(values: list[float], q) -> dict:
+    if not values:
+        return {f"p{p:g}": None for p in q}
+    return {f"p{p:g}": float(np.percentile(values, p)) for p in q}
+
+
+def _fit_line(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+    """Least-squares slope of y over x and the fit's R^2 (1.0 for a flat y: nothing unexplained)."""
+    xc, yc = x - x.mean(), y - y.mean()
+    sxx = float((xc * xc).sum())
+    slope = float((xc * yc).sum() / sxx) if sxx > 0 else 0.0
+    ss_tot = float((yc * yc).sum())
+    ss_res = float(((yc - slope * xc) ** 2).sum())
+    return slope, (1.0 - ss_res / ss_tot) if ss_tot > 0 else 1.0
+
+
+# ---- balance ---------------------------------------------------------------------------------
+
+def balancedness(records: Iterable[dict], placement: Placement | None = None) -> dict:
+    """Balancedness of the range, overall, per layer and per step.
+
+    With a placement: each record's routing mapped to devices through it (replica rule); per layer
+    and overall over the window's summed routing (the figure plan_rebalance reports as "before"
+    for the same loads and placement). Without one: each step's devices.tokens (all layers
+    together, so per_layer is None). source is "placement", "devices" or None (nothing to measure).
+    """
+    records = list(records)
+    if placement is not None:
+        steps = [(rec["step"], _routing(rec)) for rec in records if rec.get("routing") is not None]
+        if not steps:
+            return {"source": "placement", "overall": 1.0, "per_layer": [1.0] * placement.num_layers,
+                    "per_step": [], "steps": []}
+        stack = np.stack([r for _, r in steps])
+        per_step = [_balance(dl)[1] for dl in _device_loads(placement, stack)]
+        per_layer, overall = _balance(_device_loads(placement, stack.sum(0)))
+        return {"source": "placement", "overall": overall, "per_layer": per_layer.tolist(),
+                "per_step": per_step, "steps": [int(s) for s, _ in steps]}
+    with_devices = [rec for rec in records if rec.get("devices")]
+    if not with_devices:
+        return {"source": None, "overall": None, "per_layer": None, "per_step": [], "steps": []}
+    tokens = [np.asarray(rec["devices"]["tokens"], dtype=np.float64) for rec in with_devices]
+    per_step = [_balance(t)[1] for t in tokens]
+    means = sum(t.mean() for t in tokens)
+    peaks = sum(t.max() for t in tokens)
+    return {"source": "devices", "overall": float(means / peaks) if peaks > 0 else 1.0, "per_layer": None,
+            "per_step": per_step, "steps": [int(rec["step"]) for rec in with_devices]}
+
+
+def counterfactual(records: Iterable[dict], placement: Placement) -> dict:
+    """What the recorded routing would have put on each device under another placement.
+
+    Routing (which experts each token picks) does not depend on where experts sit, so this is
+    exact up to the replica rule (module doc): device_loads [L][D] and device_totals [D] in tokens
+    over the range, with balancedness per layer, overall and per step.
+    """
+    records = list(records)
+    bal = balancedness(records, placement)
+    total = _summed_routing(records)
+    if total is None:
+        loads = np.zeros((placement.num_layers, placement.num_devices))
+    else:
+        loads = _device_loads(placement, total)
+    return {"device_loads": loads.tolist(), "device_totals": loads.sum(0).tolist(),
+            "per_layer": bal["per_layer"], "overall": bal["overall"], "per_step": bal["per_step"]}
+
+
+def utilisation(records: Iterable[dict]) -> dict:
+    """Per device sum(busy_s) / sum(step wall time) over the steps that have devices (measured).
+    A device missing from a record counts neither its busy nor its wall time there."""
+    busy, wall = np.zeros(0), np.zeros(0)
+    steps = 0
+    for rec in records:
+        dev = rec.get("devices")
+        if not dev:
+            continue
+        b = np.asarray(dev["busy_s"], dtype=np.float64)
+        if b.size > busy.size:
+            busy, wall = np.pad(busy, (0, b.size - busy.size)), np.pad(wall, (0, b.size - wall.size))
+        busy[:b.size] += b
+        wall[:b.size] += _wall(rec)
+        steps += 1
+    util = np.divide(busy, wall, out=np.zeros_like(busy), where=wall > 0)
+    return {"per_device": util.tolist(), "busy_s": busy.tolist(), "wall_s": wall.tolist(), "steps": steps}
+
+
+def stragglers(records: Iterable[dict], placement: Placement | None = None, top: int = 3) -> list[dict]:
+    """For each step with devices, the busiest device (largest measured busy_s): its margin over
+    the median device, the rows it computed, and (with a placement) the `top` (layer, expert)
+    pairs that brought it most of its tokens that step, each with its share of the device's
+    tokens under the replica rule."""
+    out = []
+    for rec in records:
+        dev = rec.get("devices")
+        if not dev:
+            continue
+        busy = np.asarray(dev["busy_s"], dtype=np.float64)
+        if busy.size == 0:
+            continue
+        d = int(busy.argmax())
+        median = float(np.median(busy))
+        item = {"step": int(rec["step"]), "device": d, "busy_s": float(busy[d]), "median_busy_s": median,
+                "margin_s": float(busy[d] - median), "tokens": int(dev["tokens"][d])}
+        routing = _routing(rec)
+        if placement is not None and routing is not None:
+            item["experts"] = _expert_shares_on(placement, routing, d, top)
+        out.append(item)
+    return out
+
+
+def hottest_experts(records: Iterable[dict], top: int = 10) -> list[dict]:
+    """The `top` (layer, expert) pairs by tokens over the range, with their share of their layer's tokens."""
+    total = _summed_routing(list(records))
+    if total is None:
+        return []
+    per_layer = total.sum(1)
+    flat = total.ravel()
+    E = total.shape[1]
+    order = np.lexsort((np.arange(flat.size), -flat))[:top]
+    return [{"layer": int(i // E), "expert": int(i % E), "tokens": float(flat[i]),
+             "share": float(flat[i] / per_layer[i // E])}
+            for i in order if flat[i] > 0]
+
+
+# ---- time --------------------------------------------------------------------------------------
+
+def _category(name: str) -> str | None:
+    low = name.lower()
+    for keyword, category in _CATEGORY_KEYWORDS:
+        if keyword in low:
+            return category
+    return None
+
+
+def _union_length(starts: np.ndarray, ends: np.ndarray) -> float:
+    """Length of the union of intervals (overlaps counted once)."""
+    if starts.size == 0:
+        return 0.0
+    order = np.argsort(starts, kind="stable")
+    total, cur_s, cur_e = 0.0, starts[order[0]], ends[order[0]]
+    for s, e in zip(starts[order[1:]], ends[order[1:]]):
+        if s > cur_e:
+            total += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    return float(total + cur_e - cur_s)
+
+
+def _step_categories(rec: dict) -> tuple[dict, float, dict]:
+    """One step's measured seconds by category, modeled seconds, and measured busy seconds per
+    device lane.
+
+    Every instant of the step goes to one category: the innermost categorised measured span of
+    the engine lane covering it (spans nest, e.g. "router" inside "moe layer 3"); where no engine
+    span covers it, a measured device-lane span makes it moe (device work the engine lane did not
+    wrap); otherwise it is other. Device work nested inside an engine "dispatch"/"experts" span is
+    so never counted twice. Spans are clipped to the step."""
+    wall = max(_wall(rec), 0.0)
+    spans = rec.get("spans")
+    seconds = dict.fromkeys(CATEGORIES, 0.0)
+    if not spans or len(spans.get("lane", ())) == 0:
+        seconds["other"] = wall
+        return seconds, 0.0, {}
+    lanes, names = spans["lanes"], spans["names"]
+    lane = np.asarray(spans["lane"], dtype=np.int64)
+    name = np.asarray(spans["name"], dtype=np.int64)
+    start = np.clip(np.asarray(spans["start_s"], dtype=np.float64), 0.0, wall)
+    end = np.clip(np.asarray(spans["start_s"], dtype=np.float64) + np.asarray(spans["dur_s"], dtype=np.float64),
+                  0.0, wall)
+    modeled = np.asarray(spans["modeled"], dtype=bool)
+    lane_name = np.array([lanes[i] for i in lane], dtype=object)
+    on_engine = (lane_name == ENGINE_LANE) & ~modeled
+    on_device = np.array([str(n).startswith("device ") for n in lane_name], dtype=bool) & ~modeled
+
+    device_busy = {}
+    for ln in sorted(set(lane_name[on_device]), key=lambda s: int(s.split()[1])):
+        pick = lane_name == ln
+        device_busy[int(ln.split()[1])] = _union_length(start[pick & on_device], end[pick & on_device])
+    modeled_s = _union_length(start[modeled], end[modeled])
+
+    cats = [_category(names[i]) if on_engine[k] else ("moe" if on_device[k] else None) for k, i in enumerate(name)]
+    code = np.array([-1 if c is None else CATEGORIES.index(c) for c in cats], dtype=np.int64)
+    use = (code >= 0) & (end > start)
+    if use.any():
+        s, e, c = start[use], end[use], code[use]
+        bounds = np.unique(np.concatenate([s, e]))
+        lo, hi = np.searchsorted(bounds, s), np.searchsorted(bounds, e)
+        # paint the elementary pieces between span boundaries, outer spans first so the inner
+        # ones win; device spans rank past any engine span (clipped to the step) and go first
+        rank = np.where(on_engine[use], e - s, 2 * wall + 1)
+        piece = np.full(bounds.size - 1, -1, dtype=np.int64)
+        for k in np.argsort(-rank, kind="stable"):
+            piece[lo[k]:hi[k]] = c[k]
+        painted = piece >= 0
+        by_code = np.bincount(piece[painted], weights=np.diff(bounds)[painted], minlength=len(CATEGORIES))
+        for i, category in enumerate(CATEGORIES[:-1]):
+            seconds[category] = float(by_code[i])
+    seconds["other"] = max(wall - seconds["attention"] - seconds["moe"] - seconds["sampler"], 0.0)
+    return seconds, modeled_s, device_busy
+
+
+def step_breakdown(records: Iterable[dict]) -> dict:
+    """Seconds by category over the range, totals and per-step means.
+
+    measured_s: attention, moe (router, dispatch, expert work, combine), sampler, and other = wall
+    time minus those (see _step_categories for how nested spans count once). Modeled spans (the
+    link lanes on the local backend) go to communication_modeled_s only, the wall-clock union of
+    the step's modeled spans: a modeled figure is never added to a measured one. device_busy_s:
+    measured expert-work seconds per device (device lanes), beside the wall-clock categories.
+    """
+    totals = dict.fromkeys(CATEGORIES, 0.0)
+    modeled = 0.0
+    device_busy: dict[int, float] = {}
+    wall = 0.0
+    n = 0
+    for rec in records:
+        seconds, modeled_s, busy = _step_categories(rec)
+        for k in CATEGORIES:
+            totals[k] += seconds[k]
+        for d, b in busy.items():
+            device_busy[d] = device_busy.get(d, 0.0) + b
+        modeled += modeled_s
+        wall += max(_wall(rec), 0.0)
+        n += 1
+    devices = [device_busy.get(d, 0.0) for d in range(max(device_busy, default=-1) + 1)]
+    mean = (lambda x: x / n) if n else (lambda x: 0.0)
+    return {"steps": n, "wall_s": wall, "wall_mean_s": mean(wall),
+            "measured_s": totals, "measured_mean_s": {k: mean(v) for k, v in totals.items()},
+            "communication_modeled_s": modeled, "communication_modeled_mean_s": mean(modeled),
+            "device_busy_s": devices, "device_busy_mean_s": [mean(b) for b in devices]}
+
+
+def latency_percentiles(records: Iterable[dict], q=(50, 90, 99)) -> dict:
+    """TTFT, TPOT and end-to-end percentiles of the requests that finished in the range, and the
+    output throughput.
+
+    ttft_s/tpot_s come from "finished" events (None skipped); e2e is finished.t - arrived.t for
+    requests whose arrival is in the range too. Output tokens = batch.decode_tokens summed plus
+    one per "first_token" event (the token a prefill samples), over max(t_end) - min(t_start).
+    """
+    records = list(records)
+    ttft, tpot, e2e = [], [], []
+    arrived = {}
+    out_tokens = 0
+    for rec in records:
+        out_tokens += int((rec.get("batch") or {}).get("decode_tokens", 0))
+        for ev in rec.get("requests") or ():
+            kind = ev.get("event")
+            if kind == "arrived":
+                arrived[ev["id"]] = float(ev["t"])
+            elif kind == "first_token":
+                out_tokens += 1
+            elif kind == "finished":
+                if ev.get("ttft_s") is not None:
+                    ttft.append(float(ev["ttft_s"]))
+                if ev.get("tpot_s") is not None:
+                    tpot.append(float(ev["tpot_s"]))
+                if ev["id"] in arrived:
+                    e2e.append(float(ev["t"]) - arrived[ev["id"]])
+    span = (max(float(r["t_end"]) for r in records) - min(float(r["t_start"]) for r in records)) if records else 0.0
+    return {"ttft_s": _percentiles(ttft, q), "tpot_s": _percentiles(tpot, q), "e2e_s": _percentiles(e2e, q),
+            "counts": {"ttft": len(ttft), "tpot": len(tpot), "e2e": len(e2e)},
+            "output_tokens": out_tokens, "wall_s": span,
+            "throughput_tok_s": out_tokens / span if span > 0 else None}
+
+
+# ---- memory --------------------------------------------------------------------------------------
+
+def memory_growth(records: Iterable[dict]) -> dict:
+    """Least-squares slope of process.rss_bytes over time (bytes/s, against sampled_at) and over
+    steps (bytes/step), with the number of distinct samples and the time fit's R^2.
+
+    The process block is sampled at most every PROCESS_SAMPLE_S, so records repeat a sample: each
+    sampled_at counts once, at the first step that carries it. leak_suspected: the time slope is
+    positive, its R^2 > LEAK_MIN_R2 (steady growth, not noise) and the fitted growth over the
+    range exceeds LEAK_MIN_GROWTH of the first sample (not a few pages). Needs 3 samples.
+    """
+    seen, t, step, rss = set(), [], [], []
+    for rec in records:
+        proc = rec.get("process")
+        if not proc or proc.get("rss_bytes") is None:
+            continue
+        at = float(proc.get("sampled_at", rec["t_end"]))
+        if at in seen:
+            continue
+        seen.add(at)
+        t.append(at)
+        step.append(float(rec["step"]))
+        rss.append(float(proc["rss_bytes"]))
+    n = len(rss)
+    result = {"samples": n, "slope_bytes_per_s": None, "slope_bytes_per_step": None, "r2": None,
+              "r2_steps": None, "growth_bytes": None, "first_bytes": rss[0] if n else None, "leak_suspected": False}
+    if n < 2:
+        return result
+    t, step, rss = np.array(t), np.array(step), np.array(rss)
+    slope_t, r2 = _fit_line(t, rss)
+    slope_s, r2_s = _fit_line(step, rss)
+    growth = slope_t * float(t.max() - t.min())
+    result.update(slope_bytes_per_s=slope_t, slope_bytes_per_step=slope_s, r2=r2, r2_steps=r2_s,
+                  growth_bytes=growth)
+    result["leak_suspected"] = bool(n >= 3 and slope_t > 0 and r2 > LEAK_MIN_R2
+                                    and growth > LEAK_MIN_GROWTH * rss[0])
+    return result
+
+
+# ---- alerts ----------------------------------------------------------------------------------
+
+def _alert(kind: str, severity: str, message: str, action: str, predicted: dict) -> dict:
+    return {"kind": kind, "severity": severity, "message": message, "action": action, "predicted": predicted}
+
+
+def _join(items: list[str]) -> str:
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
+
+
+def _spare_slots(placement: Placement) -> int:
+    return max(placement.slots_per_device - -(-placement.num_experts // placement.num_devices), 0)
+
+
+def _imbalance_alert(records, placement, topology, expert_bytes, redundant) -> dict | None:
+    bal = balancedness(records, placement)
+    overall = bal["overall"]
+    if overall is None or overall >= BALANCEDNESS_WARN:
+        return None
+    util = utilisation(records)["per_device"]
+    routing = _summed_routing(records)
+    if util:
+        device = int(np.argmax(util))
+        head = f"device {device} at {util[device]:.0%} utilisation (balancedness {overall:.2f})"
+    else:  # placement but no device records: the busiest device by modeled load
+        totals = _device_loads(placement, routing).sum(0)
+        device = int(totals.argmax())
+        head = f"device {device} carries {totals[device] / totals.sum():.0%} of the routed tokens " \
+               f"(balancedness {overall:.2f})"
+    predicted = {"device": device, "balancedness": overall}
+    parts = [head]
+    if placement is not None and routing is not None:
+        hot = _expert_shares_on(placement, routing, device, ALERT_TOP_EXPERTS)
+        if hot:
+            share = sum(h["share"] for h in hot)
+            names = [f"L{h['layer']}/E{h['expert']}" for h in hot]
+            parts.append(f": {_join(names)} {'carry' if len(hot) > 1 else 'carries'} {share:.0%} of its tokens")
+            predicted["experts"] = [[h["layer"], h["expert"]] for h in hot]
+            predicted["experts_share"] = share
+    action = "preview a rebalance"
+    if topology is not None and routing is not None:
+        slots = redundant if redundant is not None else (_spare_slots(placement) if placement is not None else 0)
+        try:
+            plan = plan_rebalance(routing, topology, slots, current=placement, expert_bytes=expert_bytes or 0)
+        except ValueError as exc:  # PlacementError/RebalanceError: a mismatched topology or budget
+            predicted["error"] = str(exc)
+        else:
+            s = plan.summary()
+            predicted.update(balancedness_before=s["balancedness_before"], balancedness_after=s["balancedness_after"],
+                             bytes_moved=s["bytes_moved"], moves=s["moves"], redundant_per_device=slots)
+            parts.append(f"; rebalancing with {slots} redundant slot{'s' if slots != 1 else ''} per device is "
+                         f"predicted to raise balancedness from {s['balancedness_before']:.2f} to "
+                         f"{s['balancedness_after']:.2f}")
+            action = f"rebalance ({s['moves']} expert moves)"
+    severity = "critical" if overall < BALANCEDNESS_CRITICAL else "warning"
+    return _alert("imbalance", severity, "".join(parts) + ".", action, predicted)
+
+
+def _kv_alert(records) -> dict | None:
+    peak, preempted = 0.0, 0
+    for rec in records:
+        cache = rec.get("cache") or {}
+        total = cache.get("kv_blocks_total") or 0
+        if total:
+            peak = max(peak, cache.get("kv_blocks_used", 0) / total)
+        preempted += len((rec.get("batch") or {}).get("preempted") or ())
+    if peak <= KV_USAGE_WARN or preempted == 0:
+        return None
+    return _alert("kv_pressure", "warning",
+                  f"KV cache at {peak:.0%} of its blocks with {preempted} preemption{'s' if preempted != 1 else ''} "
+                  f"in the window: preempted requests recompute their prefill.",
+                  "lower max_num_seqs or max_num_batched_tokens, or give the KV cache more memory",
+                  {"kv_usage_peak": peak, "preemptions": preempted})
+
+
+def _cache_alert(records) -> dict | None:
+    hits = misses = None
+    for rec in records:
+        caches = (rec.get("devices") or {}).get("expert_cache")
+        if not caches:
+            continue
+        h = np.array([c["hits"] for c in caches], dtype=np.float64)
+        m = np.array([c["misses"] for c in caches], dtype=np.float64)
+        hits, misses = (h, m) if hits is None else (hits + h, misses + m)
+    if hits is None or hits.sum() + misses.sum() == 0:
+        return None
+    rate = float(hits.sum() / (hits.sum() + misses.sum()))
+    if rate >= CACHE_HIT_RATE_WARN:
+        return None
+    per = np.divide(hits, hits + misses, out=np.ones_like(hits), where=hits + misses > 0)
+    worst = int(per.argmin())
+    return _alert("expert_cache", "warning",
+                  f"expert cache hit rate {rate:.0%} (device {worst}: {per[worst]:.0%}): most expert calls "
+                  f"wait for weights from the host tier.",
+                  "give the expert cache more slots, or rebalance so each device's working set fits",
+                  {"hit_rate": rate, "worst_device": worst, "worst_hit_rate": float(per[worst])})
+
+
+def _leak_alert(records) -> dict | None:
+    g = memory_growth(records)
+    if not g["leak_suspected"]:
+        return None
+    return _alert("memory_leak", "warning",
+                  f"process memory grows steadily: {g['slope_bytes_per_s'] / 2**20:.1f} MiB/s "
+                  f"(R^2 {g['r2']:.2f}, +{g['growth_bytes'] / g['first_bytes']:.0%} over the window).",
+                  "record a longer trace and look for state kept per request or per step",
+                  {"slope_bytes_per_s": g["slope_bytes_per_s"], "r2": g["r2"], "growth_bytes": g["growth_bytes"]})
+
+
+def _ttft_alert(records) -> dict | None:
+    lat = latency_percentiles(records, q=(50, 99))
+    p50, p99 = lat["ttft_s"]["p50"], lat["ttft_s"]["p99"]
+    if lat["counts"]["ttft"] < TTFT_TAIL_MIN_REQUESTS or not p50 or p99 <= TTFT_TAIL_RATIO * p50:
+        return None
+    return _alert("ttft_tail", "warning",
+                  f"p99 TTFT {p99 * 1e3:.0f} ms is {p99 / p50:.0f}x the p50 ({p50 * 1e3:.0f} ms): some requests "
+                  f"wait long for their first token.",
+                  "lower long_prefill_token_threshold so long prefills are chunked, or lower max_num_seqs",
+                  {"ttft_p50_s": p50, "ttft_p99_s": p99, "ratio": p99 / p50})
+
+
+def alerts(records: Iterable[dict], placement: Placement | None = None, topology: Topology | None = None,
+           expert_bytes: int | None = None, redundant: int | None = None) -> list[dict]:
+    """Plain-language alerts over the range: [{"kind", "severity", "message", "action", "predicted"}].
+
+    imbalance: balancedness (see balancedness()) below BALANCEDNESS_WARN; names the busiest device,
+      and with a placement the experts that load it. With a topology the prediction is the real
+      plan_rebalance on the window's summed routing from `placement` (contiguous when None) with
+      `redundant` slots per device (default: the placement's spare slots, else 0).
+    kv_pressure: peak KV usage above KV_USAGE_WARN with preemptions in the window.
+    expert_cache: tiered expert cache hit rate below CACHE_HIT_RATE_WARN.
+    memory_leak: memory_growth()'s leak rule.
+    ttft_tail: p99 TTFT above TTFT_TAIL_RATIO x p50 (at least TTFT_TAIL_MIN_REQUESTS requests).
+    """
+    records = list(records)
+    checks = (lambda: _imbalance_alert(records, placement, topology, expert_bytes, redundant),
+              lambda: _kv_alert(records), lambda: _cache_alert(records), lambda: _leak_alert(records),
+              lambda: _ttft_alert(records))
+    return [a for a in (check() for check in checks) if a is not None]

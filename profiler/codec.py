@@ -1,0 +1,251 @@
+"""Record codec: one trace record (a nested dict) <-> one compressed bytes payload.
+
+Payload = 1 version byte + zlib( u32 skeleton length | JSON skeleton | array bytes ).
+The skeleton is the record with every array replaced by {"\\u0000nd": i}; the array table
+beside it gives each array's dtype, shape and how its bytes were stored. Arrays go in as raw
+bytes because routing for a big model (61 x 384 int32 per step) would be ~5x bigger as JSON text.
+
+Before zlib, integer arrays are shrunk losslessly: values become (x - min) / gcd in the narrowest
+unsigned dtype that holds them, so token counts fit in 1-2 bytes and byte-traffic matrices (all
+multiples of the bytes per token) come down to token counts; a constant array costs no bytes.
+Multi-byte values are then byte-shuffled (all first bytes, then all second bytes...), which puts
+the near-constant high bytes next to each other where zlib can collapse them.
+
+Exact round trip: dtype, shape and values of arrays (numpy scalars come back as numpy scalars),
+dict key order, and Python int/float/str/bool/None leaves. Long rectangular lists of Python ints or
+floats are stored as arrays too and come back as the same lists. Tuples come back as lists. torch
+tensors are stored through .numpy() and come back as numpy arrays (bfloat16 as float32).
+Subclasses of str/int/float (IntEnum, torch's version string) are stored as the base type.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import zlib
+
+import numpy as np
+
+CODEC_VERSION = 1
+ZLIB_LEVEL = 6  # 9 saves ~1% on routing-shaped records at ~2x the CPU
+# Z_FILTERED favours Huffman coding over short matches: 5-8% smaller on noisy counts (routing),
+# 1-3% larger on the JSON skeleton; 3% smaller on whole big-model records (bench/trace_store_bench.py)
+ZLIB_STRATEGY = zlib.Z_FILTERED
+
+# Marker keys in the skeleton. A NUL-prefixed key cannot collide with a real one: a record dict
+# that happens to use one is written in the escaped key/value-pairs form like non-str keys are.
+_ARRAY = "\x00nd"
+_PAIRS = "\x00kv"
+
+_PACK_LIST_MIN = 8  # shorter numeric lists stay JSON: an array entry's own overhead is ~40 bytes
+_ARRAY_KINDS = "biufcmMSU"
+_UNSIGNED = [np.dtype(t) for t in ("<u1", "<u2", "<u4", "<u8")]
+_U64 = 2**64
+
+
+class TraceError(ValueError):
+    """A trace or record that cannot be read or written; the message is one line."""
+
+
+def encode(record: dict, *, level: int = ZLIB_LEVEL) -> bytes:
+    if not isinstance(record, dict):
+        raise TraceError(f"a record must be a dict, not {type(record).__name__}")
+    table: list[dict] = []
+    blobs: list[bytes] = []
+    skeleton = _strip(record, table, blobs, "record")
+    head = json.dumps({"r": skeleton, "a": table}, separators=(",", ":")).encode()
+    body = b"".join([struct.pack("<I", len(head)), head, *blobs])
+    z = zlib.compressobj(level, zlib.DEFLATED, zlib.MAX_WBITS, 8, ZLIB_STRATEGY)
+    return bytes([CODEC_VERSION]) + z.compress(body) + z.flush()
+
+
+def decode(data: bytes) -> dict:
+    if not data:
+        raise TraceError("corrupt record payload: empty")
+    if data[0] != CODEC_VERSION:
+        raise TraceError(f"unknown record codec version {data[0]} (this moectl reads {CODEC_VERSION})")
+    try:
+        # bytearray: arrays built on it are writable, like the ones that were written
+        body = bytearray(zlib.decompress(memoryview(data)[1:]))
+        (n,) = struct.unpack_from("<I", body)
+        head = json.loads(bytes(body[4:4 + n]))
+        arrays = _unpack_arrays(head["a"], memoryview(body)[4 + n:])
+        record = _rebuild(head["r"], arrays)
+    except TraceError:
+        raise
+    except Exception as e:  # zlib.error, json, struct, malformed table: all mean a damaged payload
+        raise TraceError(f"corrupt record payload: {type(e).__name__}: {e}") from None
+    if not isinstance(record, dict):
+        raise TraceError("corrupt record payload: top level is not a dict")
+    return record
+
+
+# --- encode side ----------------------------------------------------------------------------
+
+def _strip(obj, table, blobs, where):
+    """obj with arrays swapped for references into table/blobs; `where` names obj in errors."""
+    t = type(obj)
+    if obj is None or t in (str, int, float, bool):
+        return obj
+    if isinstance(obj, dict):
+        if all(type(k) is str and k not in (_ARRAY, _PAIRS) for k in obj):
+            return {k: _strip(v, table, blobs, k) for k, v in obj.items()}
+        return {_PAIRS: [[_key(k, where), _strip(v, table, blobs, str(k))] for k, v in obj.items()]}
+    if isinstance(obj, (list, tuple)):
+        packed = _pack_list(obj, table, blobs) if len(obj) >= 2 else None
+        if packed is not None:
+            return packed
+        return [_strip(x, table, blobs, where) for x in obj]
+    if isinstance(obj, np.ndarray):
+        return _add_array(obj, table, blobs, where)
+    if isinstance(obj, np.generic):
+        return _add_array(np.asarray(obj), table, blobs, where, scalar=True)
+    if hasattr(obj, "detach") and hasattr(obj, "numpy"):  # torch.Tensor, without importing torch
+        tensor = obj.detach().cpu()
+        if str(tensor.dtype) in ("torch.bfloat16", "torch.float8_e4m3fn", "torch.float8_e5m2"):
+            tensor = tensor.float()  # no numpy dtype for these; float32 holds them exactly
+        return _add_array(tensor.numpy(), table, blobs, where)
+    for base in (str, int, float):  # subclasses (IntEnum, torch's version string) as their base
+        if isinstance(obj, base):
+            return base(obj)
+    raise TraceError(f"cannot store a value of type {t.__name__} in a trace record (at {where!r})")
+
+
+def _key(k, where):
+    if k is None or type(k) in (str, int, float, bool):
+        return k
+    if type(k) is tuple and all(x is None or type(x) in (str, int, float, bool) for x in k):
+        return {_PAIRS: list(k)}  # a tuple key: come back as a tuple, not a (unhashable) list
+    raise TraceError(f"cannot store a dict key of type {type(k).__name__} (in {where!r})")
+
+
+def _pack_list(obj, table, blobs):
+    """An array reference for a long rectangular list of exact ints or floats, else None."""
+    leaf = _leaf_type(obj)
+    if leaf is None:
+        return None
+    try:
+        a = np.array(obj, dtype=np.int64 if leaf is int else np.float64)
+    except (OverflowError, ValueError):  # ints past int64: leave them to JSON
+        return None
+    if a.size < _PACK_LIST_MIN:
+        return None
+    ref = _add_array(a, table, blobs, "")
+    table[-1]["l"] = 1
+    return ref
+
+
+def _leaf_type(obj):
+    if type(obj) not in (list, tuple) or not obj:
+        return None
+    first = obj[0]
+    if type(first) in (list, tuple):
+        n, leaf = len(first), None
+        for x in obj:
+            if type(x) not in (list, tuple) or len(x) != n:
+                return None
+            lt = _leaf_type(x)
+            if lt is None or (leaf is not None and lt is not leaf):
+                return None
+            leaf = lt
+        return leaf
+    t = type(first)
+    if t not in (int, float) or any(type(x) is not t for x in obj):
+        return None
+    return t
+
+
+def _add_array(a: np.ndarray, table, blobs, where, scalar=False):
+    dt = a.dtype
+    if dt.kind not in _ARRAY_KINDS or dt.fields is not None or dt.hasobject:
+        raise TraceError(f"cannot store an array of dtype {dt} (at {where!r})")
+    if not a.flags.c_contiguous:
+        a = a.copy(order="C")  # not np.ascontiguousarray: that turns a 0-d array into 1-d
+    spec = {"d": dt.str, "s": list(a.shape)}
+    stored = a
+    if dt.kind in "iu" and a.size:
+        stored = _shrink_int(a, spec)
+    if stored.dtype.itemsize > 1 and stored.size > 1:
+        k = stored.dtype.itemsize
+        raw = np.frombuffer(stored.tobytes(), np.uint8).reshape(-1, k).T.tobytes()
+        spec["sh"] = 1
+    else:
+        raw = stored.tobytes()
+    spec["n"] = len(raw)
+    if scalar:
+        spec["sc"] = 1
+    table.append(spec)
+    blobs.append(raw)
+    return {_ARRAY: len(table) - 1}
+
+
+def _shrink_int(a: np.ndarray, spec: dict) -> np.ndarray:
+    lo, hi = int(a.min()), int(a.max())
+    # All arithmetic in uint64, which wraps: x - lo is exact mod 2**64 and fits since hi - lo < 2**64.
+    off = a.astype(np.uint64) - np.uint64(lo % _U64)
+    g = int(np.gcd.reduce(off.ravel())) if hi > lo else 1
+    span = (hi - lo) // g
+    if span == 0:
+        spec.update(q="const", lo=lo)
+        return np.empty(0, np.uint8)
+    q = next(u for u in _UNSIGNED if span < 2 ** (8 * u.itemsize))
+    if q.itemsize >= a.dtype.itemsize:
+        return a
+    spec.update(q=q.str, lo=lo, g=g)
+    return (off // np.uint64(g)).astype(q)
+
+
+# --- decode side ----------------------------------------------------------------------------
+
+def _unpack_arrays(table: list, buf: memoryview) -> list:
+    out, pos = [], 0
+    for spec in table:
+        dt, shape, n = np.dtype(spec["d"]), tuple(spec["s"]), spec["n"]
+        count = int(np.prod(shape, dtype=np.int64))
+        if pos + n > len(buf):
+            raise TraceError("corrupt record payload: array bytes are cut short")
+        raw = buf[pos:pos + n]
+        pos += n
+        q = spec.get("q")
+        if q == "const":
+            a = np.full(count, spec["lo"], dtype=np.uint64 if spec["lo"] >= 0 else np.int64).astype(dt)
+        else:
+            sdt = np.dtype(q) if q else dt
+            if spec.get("sh"):
+                k = sdt.itemsize
+                stored = np.frombuffer(raw, np.uint8).reshape(k, -1).T.copy().view(sdt)
+            else:
+                stored = np.frombuffer(raw, sdt)
+            if stored.size != count:
+                raise TraceError("corrupt record payload: array size does not match its shape")
+            if q:
+                a = (stored.astype(np.uint64) * np.uint64(spec["g"]) + np.uint64(spec["lo"] % _U64)).astype(dt)
+            else:
+                a = stored
+        a = a.reshape(shape)
+        if spec.get("l"):
+            out.append(a.tolist())
+        elif spec.get("sc"):
+            out.append(a[()])
+        else:
+            out.append(a)
+    if pos != len(buf):
+        raise TraceError("corrupt record payload: trailing bytes after the arrays")
+    return out
+
+
+def _rebuild(node, arrays):
+    if type(node) is list:
+        return [_rebuild(x, arrays) for x in node]
+    if type(node) is not dict:
+        return node
+    if len(node) == 1:
+        if _ARRAY in node:
+            return arrays[node[_ARRAY]]
+        if _PAIRS in node:
+            return {_unkey(k): _rebuild(v, arrays) for k, v in node[_PAIRS]}
+    return {k: _rebuild(v, arrays) for k, v in node.items()}
+
+
+def _unkey(k):
+    return tuple(k[_PAIRS]) if type(k) is dict else k
