@@ -19,8 +19,10 @@ class KVCache:
         self.quantized = quantized
         shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
         store = torch.int8 if quantized else dtype
-        self.k = torch.zeros(shape, dtype=store, device=device)
-        self.v = torch.zeros(shape, dtype=store, device=device)
+        # zeros, then written: a zeroed allocation is mapped lazily, so without the fill the
+        # process would grow as blocks are first used and look like a leak in the memory curves
+        self.k = torch.zeros(shape, dtype=store, device=device).fill_(0)
+        self.v = torch.zeros(shape, dtype=store, device=device).fill_(0)
         if quantized:
             self.k_scale = torch.ones(num_layers, num_blocks, num_kv_heads, dtype=torch.float32, device=device)
             self.v_scale = torch.ones_like(self.k_scale)
