@@ -228,3 +228,110 @@ def trace_diff(a: Path = typer.Argument(..., help="Baseline trace."), b: Path = 
         fa = "-" if va is None else (f"{va:.4g}" if isinstance(va, float) else str(va))
         fb = "-" if vb is None else (f"{vb:.4g}" if isinstance(vb, float) else str(vb))
         typer.echo(f"{name:<28}{fa:>18}{fb:>18}{ratio:>9}")
+
+
+def placement_in_force(reader, step: int | None):
+    """The placement of the trace at `step`: the header's, replaced by each placement-changing
+    action before it. Returns (placement or None, steps at which it changed later in the trace)."""
+    from engine.placement import Placement
+
+    devices = reader.header.get("devices") or {}
+    if not devices.get("placement"):
+        return None, []
+    current, later = Placement.from_dict(devices["placement"]), []
+    for action in reader.actions():
+        raw = (action.get("result") or {}).get("placement")
+        if raw is None:
+            continue
+        if step is None or action["step"] < step:
+            current = Placement.from_dict(raw)
+        else:
+            later.append(action["step"])
+    return current, later
+
+
+@trace_app.command("report")
+@handles_errors
+def trace_report(
+    trace: Path = typer.Argument(..., help="A trace file."),
+    start: Optional[int] = typer.Option(None, "--from-step", help="First step of the range."),
+    stop: Optional[int] = typer.Option(None, "--to-step", help="End of the range (exclusive)."),
+    placement_file: Optional[Path] = typer.Option(None, "--placement",
+                                                  help="Counterfactual: a placement JSON (Placement.to_dict, as "
+                                                       "in a rebalance action) to replay the recorded routing on."),
+    as_json: bool = JSON_OPT,
+):
+    """Analyses of a trace range: balancedness, utilisation, stragglers, hottest experts, step-time
+    breakdown (measured; modeled communication apart), latency percentiles, memory growth and
+    alerts with a suggested action; with --placement, what the same routing does under it."""
+    from engine.placement import Placement
+    from engine.topology import Topology
+    from profiler import analysis
+
+    with open_trace(trace) as reader:
+        records = list(reader.steps(start, stop))
+        if not records:
+            raise BadInput(f"{trace}: no steps in the range {start}..{stop}")
+        placement, changes = placement_in_force(reader, records[0]["step"])
+        devices = reader.header.get("devices") or {}
+    changes = [s for s in changes if s < records[-1]["step"]]
+    topology = Topology.from_mapping(devices["topology"]) if devices.get("topology") else None
+    stragglers = analysis.stragglers(records, placement)
+    counts: dict[int, int] = {}
+    for s in stragglers:
+        counts[s["device"]] = counts.get(s["device"], 0) + 1
+    report = {
+        "steps": [records[0]["step"], records[-1]["step"]], "placement_changes_in_range": changes,
+        "balancedness": analysis.balancedness(records, placement),
+        "utilisation": analysis.utilisation(records),
+        "straggler_steps_per_device": counts,
+        "hottest_experts": analysis.hottest_experts(records, top=5),
+        "breakdown": analysis.step_breakdown(records),
+        "latency": analysis.latency_percentiles(records),
+        "memory_growth": analysis.memory_growth(records),
+        "alerts": analysis.alerts(records, placement, topology, devices.get("expert_bytes"),
+                                  devices.get("redundant_slots") or None),
+    }
+    if placement_file is not None:
+        try:
+            other = Placement.from_dict(json.loads(Path(placement_file).read_text()))
+        except (OSError, json.JSONDecodeError) as exc:
+            raise BadInput(f"--placement: cannot read {placement_file} ({exc})") from None
+        report["counterfactual"] = analysis.counterfactual(records, other)
+    if as_json:
+        typer.echo(json.dumps(report, default=float))
+        return
+    _print_report(report)
+
+
+def _print_report(r: dict) -> None:
+    say = typer.echo
+    lo, hi = r["steps"]
+    bal = r["balancedness"]
+    say(f"steps {lo}-{hi}" + (f" (placement changed at steps {r['placement_changes_in_range']}: figures use the "
+                              f"one in force at step {lo})" if r["placement_changes_in_range"] else ""))
+    if bal.get("overall") is not None:
+        per_layer = ", ".join(f"{b:.2f}" for b in bal["per_layer"] or [])
+        say(f"balancedness {bal['overall']:.3f}" + (f" (per layer: {per_layer})" if per_layer else ""))
+    util = r["utilisation"]["per_device"]
+    if util:
+        say("utilisation (measured expert busy / step wall): " + ", ".join(f"d{d} {u:.0%}" for d, u in enumerate(util)))
+        say("straggler steps per device: " + ", ".join(f"d{d} {n}" for d, n in sorted(r["straggler_steps_per_device"].items())))
+    say("hottest experts: " + ", ".join(f"L{e['layer']}/E{e['expert']} {e['share']:.0%}" for e in r["hottest_experts"]))
+    b = r["breakdown"]
+    say("step time, mean (measured): " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in b["measured_mean_s"].items())
+        + f"; communication (modeled) {b['communication_modeled_mean_s'] * 1e3:.4f} ms")
+    lat = r["latency"]
+    for key in ("ttft_s", "tpot_s"):
+        p = lat.get(key) or {}
+        if p.get("p50") is not None:
+            say(f"{key[:-2].upper()} p50/p90/p99: " + "/".join(f"{p[q] * 1e3:.1f}" for q in ("p50", "p90", "p99")) + " ms")
+    say(f"throughput {lat.get('throughput_tok_s') or 0:.1f} tok/s")
+    mem = r["memory_growth"]
+    if mem.get("samples"):
+        say(f"process memory slope {mem['slope_bytes_per_s'] / 2**20:+.2f} MiB/s over {mem['samples']} samples"
+            + (" (leak suspected)" if mem["leak_suspected"] else ""))
+    for a in r["alerts"]:
+        say(f"[{a['severity']}] {a['message']} -> {a['action']}")
+    if "counterfactual" in r:
+        say(f"counterfactual placement: balancedness {r['counterfactual']['overall']:.3f} on the same routing")

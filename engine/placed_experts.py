@@ -131,7 +131,9 @@ class PlacedExperts(nn.Module):
 
     def dispatch(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, counts_t: torch.Tensor):
         stats = self.stats
+        tracer = stats.tracer
         t_dispatch = time.monotonic()
+        mark = tracer.mark() if tracer is not None else None
         token_device = stats.token_device
         # replica tables live on the CPU; route there, then bring the choice to the compute device
         devices_cpu = self.placement.assign_replicas(self.layer_idx, ids.cpu(), token_device.cpu(), self.policy,
@@ -144,6 +146,8 @@ class PlacedExperts(nn.Module):
         out = torch.empty_like(x_sorted)
         per_device = slot_counts.view(-1, self.slots_per_device)
         device_rows = per_device.sum(1).tolist()
+        if tracer is not None:  # replica choice, sort by slot, gather: the dispatch's local half
+            tracer.close(mark, "dispatch", 0, self.layer_idx)
         start = 0
         s = self.slots_per_device
         for device, rows in enumerate(device_rows):
@@ -173,9 +177,14 @@ class PlacedExperts(nn.Module):
         bytes_per_row = x.shape[-1] * x.element_size()
         traffic = traffic_matrix(token_device.cpu(), devices_cpu, bytes_per_row, self.placement.num_devices).numpy()
         stats.traffic += traffic
-        if stats.tracer is not None and stats.link_seconds is not None:
+        if tracer is None:
+            return combine(out, order, weights, x.dtype)
+        if stats.link_seconds is not None:
             self._link_spans(stats, traffic, t_dispatch, time.monotonic())
-        return combine(out, order, weights, x.dtype)
+        mark = tracer.mark()
+        result = combine(out, order, weights, x.dtype)
+        tracer.close(mark, "combine", 0, self.layer_idx)
+        return result
 
     def _link_spans(self, stats: StepDeviceStats, traffic: np.ndarray, t_dispatch: float, t_combine: float) -> None:
         """This layer's all-to-all on each device's link lane: its length is modeled, not measured

@@ -39,6 +39,9 @@ TTFT_TAIL_RATIO = 10.0  # p99 TTFT over p50 TTFT
 TTFT_TAIL_MIN_REQUESTS = 10  # fewer finished requests say nothing about a p99
 LEAK_MIN_R2 = 0.8  # memory_growth: how straight the rss line must be ...
 LEAK_MIN_GROWTH = 0.05  # ... and how much it must grow over the range, as a fraction of the first sample
+# ... over at least this long: allocator pools and first-touched buffers grow for the first
+# seconds of any run, and a short window cannot tell that warm-up from a leak
+LEAK_MIN_SECONDS = 60.0
 
 # span name keywords -> wall-clock category (engine lane); first match wins
 _CATEGORY_KEYWORDS = (("attention", "attention"), ("router", "moe"), ("dispatch", "moe"),
@@ -381,7 +384,8 @@ def memory_growth(records: Iterable[dict]) -> dict:
     The process block is sampled at most every PROCESS_SAMPLE_S, so records repeat a sample: each
     sampled_at counts once, at the first step that carries it. leak_suspected: the time slope is
     positive, its R^2 > LEAK_MIN_R2 (steady growth, not noise) and the fitted growth over the
-    range exceeds LEAK_MIN_GROWTH of the first sample (not a few pages). Needs 3 samples.
+    range exceeds LEAK_MIN_GROWTH of the first sample (not a few pages). Needs 3 samples spanning
+    at least LEAK_MIN_SECONDS.
     """
     seen, t, step, rss = set(), [], [], []
     for rec in records:
@@ -407,7 +411,7 @@ def memory_growth(records: Iterable[dict]) -> dict:
     result.update(slope_bytes_per_s=slope_t, slope_bytes_per_step=slope_s, r2=r2, r2_steps=r2_s,
                   growth_bytes=growth)
     result["leak_suspected"] = bool(n >= 3 and slope_t > 0 and r2 > LEAK_MIN_R2
-                                    and growth > LEAK_MIN_GROWTH * rss[0])
+                                    and growth > LEAK_MIN_GROWTH * rss[0] and t[-1] - t[0] >= LEAK_MIN_SECONDS)
     return result
 
 

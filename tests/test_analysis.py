@@ -231,15 +231,18 @@ def test_latency_percentiles_and_throughput():
 # --- memory ---------------------------------------------------------------------------------------
 
 def test_memory_growth_linear_leak():
-    # 1 GB growing 100 MB/s; samples every 0.1 s (one step each)
-    records = [make_record(s, wall=0.1, rss=1e9 + 1e8 * (s * 0.1)) for s in range(1, 11)]
+    # 1 GB growing 10 MB/s; samples every 10 s (one step each): 90 s of steady growth
+    records = [make_record(s, wall=10.0, rss=1e9 + 1e7 * (s * 10.0)) for s in range(1, 11)]
     out = analysis.memory_growth(records)
     assert out["samples"] == 10
-    assert out["slope_bytes_per_s"] == pytest.approx(1e8)
-    assert out["slope_bytes_per_step"] == pytest.approx(1e7)
+    assert out["slope_bytes_per_s"] == pytest.approx(1e7)
+    assert out["slope_bytes_per_step"] == pytest.approx(1e8)
     assert out["r2"] == pytest.approx(1.0)
-    assert out["growth_bytes"] == pytest.approx(0.9e8)  # > 5% of the first sample
+    assert out["growth_bytes"] == pytest.approx(9e8)  # > 5% of the first sample
     assert out["leak_suspected"] is True
+    # the same growth within 0.9 s is a warm-up as far as anyone can tell: not a leak
+    short = [make_record(s, wall=0.1, rss=1e9 + 1e9 * (s * 0.1)) for s in range(1, 11)]
+    assert analysis.memory_growth(short)["leak_suspected"] is False
 
 
 def test_memory_growth_counts_each_sample_once_and_ignores_small_growth():
@@ -320,7 +323,7 @@ def test_kv_cache_and_leak_and_ttft_alerts():
     assert a["kind"] == "expert_cache" and a["predicted"]["hit_rate"] == pytest.approx(7 / 15)
     assert a["predicted"]["worst_device"] == 0
 
-    leak = analysis.alerts([make_record(s, rss=1e9 + 1e8 * s * 0.1) for s in range(1, 11)])
+    leak = analysis.alerts([make_record(s, wall=10.0, rss=1e9 + 1e8 * s) for s in range(1, 11)])
     assert [a["kind"] for a in leak] == ["memory_leak"]
 
     finished = [{"id": str(i), "event": "finished", "t": 101.0, "reason": "stop", "prompt_tokens": 1,

@@ -42,7 +42,7 @@ def test_spans_cover_every_layer_and_device_and_flag_modeled_links(ckpt):
         lanes = np.array(spans["lanes"])[spans["lane"]]
         for layer in range(cfg.num_layers):
             on_layer = names[(spans["layer"] == layer) & (lanes == "engine")]
-            assert {"attention", "router", "experts"} <= set(on_layer)
+            assert {"attention", "router", "experts", "dispatch", "combine"} <= set(on_layer)
         assert list(names).count("sampler") == 1
         # a device's expert spans are its measured busy time
         for d, busy in enumerate(stats.devices["busy_s"]):
@@ -179,3 +179,25 @@ def test_trace_export_and_diff_from_the_command_line(ckpt, tmp_path):
     diff = json.loads(res.stdout)
     assert diff["a"]["steps"] == 12 and diff["b"]["steps"] == 16 and diff["a"]["tokens_per_s"] > 0
     assert run("trace", "export", a, "--format", "pprof", "-o", out).exit_code == 2
+
+
+def test_trace_report_analyses_a_sample_trace_and_its_counterfactual(tmp_path):
+    from pathlib import Path
+
+    trace = Path(__file__).resolve().parent.parent / "sample_traces" / "steady_rebalance.trace"
+    res = run("trace", "report", trace, "--to-step", 300, "--json")
+    assert res.exit_code == 0, res.output
+    report = json.loads(res.stdout)
+    assert report["steps"] == [1, 299] and report["balancedness"]["overall"] < 0.8
+    imbalance = next(a for a in report["alerts"] if a["kind"] == "imbalance")
+    assert "predicted to raise balancedness" in imbalance["message"]
+    assert imbalance["predicted"]["balancedness_after"] > 0.95
+    with TraceReader(trace) as reader:
+        applied = next(a for a in reader.actions() if a["kind"] == "rebalance_apply")
+    placement = tmp_path / "placement.json"
+    placement.write_text(json.dumps(applied["result"]["placement"], default=int))
+    res = run("trace", "report", trace, "--to-step", 300, "--placement", placement, "--json")
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["counterfactual"]["overall"] > 0.9
+    res = run("trace", "report", trace, "--placement", tmp_path / "missing.json")
+    assert res.exit_code == 2
