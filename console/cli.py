@@ -13,7 +13,7 @@ from typing import Optional
 
 import typer
 
-app = typer.Typer(name="moectl", no_args_is_help=True, add_completion=True, pretty_exceptions_enable=False,
+app = typer.Typer(name="moectl", no_args_is_help=False, invoke_without_command=True, add_completion=True, pretty_exceptions_enable=False,
                   help="Control console for Mixture-of-Experts LLM inference: an embedded MoE engine, "
                        "its verification against transformers, benchmarks and the sample model.")
 model_app = typer.Typer(no_args_is_help=True, help="Inspect or train models.")
@@ -429,7 +429,18 @@ def model_train(
     _emit(stats, as_json)
 
 
-from console import trace_cli  # noqa: E402,F401 - registers `record` and `trace`
+from console import console_cli, trace_cli  # noqa: E402,F401 - registers run/replay, record and trace
+
+
+@app.callback()
+def _default(ctx: typer.Context, theme: Optional[str] = typer.Option(None, "--theme", help="With no command: the "
+                                                                            "console's theme (dark, light, high-contrast).")) -> None:
+    """With no command, `moectl` opens the live console (`moectl run` with its defaults)."""
+    if ctx.invoked_subcommand is None:
+        console_cli.run(model=None, devices=4, hbm="80GiB", redundant=1, expert_cache=None,
+                        workload=console_cli.DEMO_WORKLOAD, dtype=None, threads=1, theme=theme or "dark")
+    elif theme is not None:
+        raise typer.BadParameter("--theme: give it after the command, e.g. `moectl replay T --theme light`")
 
 
 def main() -> None:

@@ -1,0 +1,203 @@
+"""Experts: the routing heat map, per-device expert load, balancedness over time, the placement,
+and the rebalancing controls (preview / apply, auto mode, single-expert edits)."""
+
+from __future__ import annotations
+
+from textual.app import ComposeResult
+from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.widgets import Button, Input, Label, Select, Static, Switch
+from textual_plotext import PlotextPlot
+
+from console.widgets import ColourLegend, HeatMap
+
+from .common import ActionRequested
+
+EDITS = ("move", "replicate", "drop_replica", "pin", "unpin")
+SEGMENT_STYLES = ("bold #4EA8DE", "bold #F4A261", "bold #52B788", "bold #B08BD9", "bold #E5614E", "bold #E9C46A")
+SEGMENT_GLYPHS = "█▓▒░▚▞"  # each segment has its own glyph too: the stack reads without colour
+
+
+class ExpertsPanel(VerticalScroll):
+    def compose(self) -> ComposeResult:
+        yield Static("Routing heat map (tokens per layer x expert over the window)", classes="section-title")
+        yield HeatMap(id="ex-heatmap")
+        yield ColourLegend(id="ex-legend")
+        yield Static(id="ex-cell")
+        with Horizontal(classes="row"):
+            with Vertical():
+                yield Static("Expert load per device (top experts stacked)", classes="section-title")
+                yield Static(id="ex-stacked")
+            with Vertical():
+                yield Static("Balancedness over time", classes="section-title")
+                yield PlotextPlot(id="ex-balance-plot")
+        yield Static(id="ex-placement-title", classes="section-title")
+        yield Static(id="ex-placement")
+        yield Static("Rebalance", classes="section-title")
+        with Horizontal(classes="controls"):
+            yield Button("Preview", id="ex-preview", variant="primary")
+            yield Button("Apply", id="ex-apply", variant="warning", disabled=True)
+            yield Static(id="ex-preview-result")
+        with Horizontal(classes="controls"):
+            yield Label("auto")
+            yield Switch(id="ex-auto", value=False)
+            yield Label("below")
+            yield Input(placeholder="0.90", id="ex-threshold", classes="small")
+            yield Label("or every")
+            yield Input(placeholder="0", id="ex-every", classes="small")
+            yield Label("steps")
+        with Horizontal(classes="controls"):
+            yield Select([(e, e) for e in EDITS], value="move", id="ex-edit", allow_blank=False)
+            yield Input(placeholder="layer", id="ex-layer", classes="small")
+            yield Input(placeholder="expert", id="ex-expert", classes="small")
+            yield Input(placeholder="device", id="ex-device", classes="small")
+            yield Input(placeholder="to device", id="ex-to", classes="small")
+            yield Button("Do it", id="ex-do")
+        yield Static(id="ex-error", classes="error")
+
+    def on_mount(self) -> None:
+        self.selected = (0, 0)
+        self.plan = None
+
+    def show(self, state) -> None:
+        heat = self.query_one(HeatMap)
+        routing = state.routing_window()
+        heat.set_data(routing)
+        legend = self.query_one(ColourLegend)
+        legend.lo, legend.hi, legend.unit = 0, float(routing.max()) if routing.size else 0.0, "tokens"
+        legend.scale_name = heat.scale_name
+        self._show_cell(state)
+        self._show_stacked(state)
+        plot = self.query_one("#ex-balance-plot", PlotextPlot)
+        steps = [h["step"] for h in state.history]
+        plt = plot.plt
+        plt.clear_data()
+        if steps:
+            plt.plot(steps, [h["balancedness"] for h in state.history], marker="braille")
+            plt.ylim(0, 1.05)
+        plot.refresh()
+        self._show_placement(state)
+
+    def _show_cell(self, state) -> None:
+        layer, expert = self.selected
+        placement = state.placement_shown
+        if placement is None or layer >= state.num_layers or expert >= state.num_experts:
+            self.query_one("#ex-cell", Static).update("")
+            return
+        tokens = int(state.routing_window()[layer, expert])
+        where = placement.replicas(layer, expert)
+        devices = ", ".join(f"d{d}" for d, _ in where) or "nowhere"
+        pinned = "  pinned" if placement.is_pinned(layer, expert) else ""
+        self.query_one("#ex-cell", Static).update(
+            f"L{layer}/E{expert}: {tokens:,} tokens in the window; on {devices} "
+            f"({len(where)} replica{'s' if len(where) != 1 else ''}){pinned}")
+
+    def _show_stacked(self, state) -> None:
+        from rich.text import Text
+
+        loads = state.device_loads()
+        top = max(float(loads.max()) if len(loads) else 0.0, 1.0)
+        width = max(self.size.width // 2 - 14, 20)
+        out = Text()
+        for d in range(len(loads)):
+            out.append(f"d{d:<3}")
+            used = 0
+            for i, (layer, expert, tokens) in enumerate(state.device_experts(d, top=len(SEGMENT_STYLES))):
+                n = round(tokens / top * width)
+                out.append(SEGMENT_GLYPHS[i] * n, style=SEGMENT_STYLES[i])
+                used += n
+            rest = round(float(loads[d]) / top * width) - used
+            out.append("·" * max(rest, 0), style="dim")
+            names = " ".join(f"L{la}/E{e}" for la, e, _ in state.device_experts(d, top=3))
+            out.append(f" {loads[d]:,.0f}  {names}\n")
+        self.query_one("#ex-stacked", Static).update(out if len(loads) else "no devices")
+
+    def _show_placement(self, state) -> None:
+        placement = state.placement_shown
+        layer = self.selected[0]
+        label = "counterfactual placement" if state.counterfactual is not None else "placement"
+        self.query_one("#ex-placement-title", Static).update(f"{label.capitalize()}, layer {layer} "
+                                                             "(select a heat-map row to change layer)")
+        if placement is None:
+            self.query_one("#ex-placement", Static).update("[dim]no devices[/]")
+            return
+        counts = placement.replica_counts()
+        lines = []
+        for d in range(placement.num_devices):
+            cells = []
+            for e in placement.slots[layer, d]:
+                if e < 0:
+                    cells.append("  -  ")
+                else:
+                    mark = "*" if counts[layer, e] > 1 else ("^" if placement.is_pinned(layer, e) else " ")
+                    cells.append(f"E{e:<3}{mark}")
+            lines.append(f"d{d:<3} " + " ".join(cells))
+        lines.append("[dim]* replicated  ^ pinned  - empty slot[/]")
+        self.query_one("#ex-placement", Static).update("\n".join(lines))
+
+    def show_preview(self, summary: dict | None, error: str | None = None) -> None:
+        result = self.query_one("#ex-preview-result", Static)
+        if error:
+            result.update(f"[red]{error}[/]")
+            self.query_one("#ex-apply", Button).disabled = True
+            return
+        result.update(f"predicted balancedness {summary['balancedness_before']:.3f} -> "
+                      f"{summary['balancedness_after']:.3f}, {summary['bytes_moved']:,} bytes to move "
+                      f"({summary['moves']} moves)")
+        self.query_one("#ex-apply", Button).disabled = False
+
+    def on_heat_map_cell_selected(self, event: HeatMap.CellSelected) -> None:
+        self.selected = (event.layer, event.expert)
+        self.query_one("#ex-layer", Input).value = str(event.layer)
+        self.query_one("#ex-expert", Input).value = str(event.expert)
+        self.app.refresh_panels()
+
+    def on_button_pressed(self, event: Button.Pressed) -> None:
+        if event.button.id == "ex-preview":
+            self.post_message(ActionRequested("rebalance_preview"))
+        elif event.button.id == "ex-apply":
+            self.post_message(ActionRequested("rebalance_apply"))
+            event.button.disabled = True
+        elif event.button.id == "ex-do":
+            self._request_edit()
+
+    def on_switch_changed(self, event: Switch.Changed) -> None:
+        self._request_auto(event.value)
+
+    def _number(self, widget_id: str, kind=int, required: bool = True):
+        text = self.query_one(widget_id, Input).value.strip()
+        if not text:
+            if required:
+                raise ValueError(f"{self.query_one(widget_id, Input).placeholder}: required")
+            return None
+        try:
+            return kind(text)
+        except ValueError:
+            raise ValueError(f"{self.query_one(widget_id, Input).placeholder}: {text!r} is not a number") from None
+
+    def _request_auto(self, enabled: bool) -> None:
+        try:
+            threshold = self._number("#ex-threshold", float, required=False)
+            every = self._number("#ex-every", int, required=False) or 0
+        except ValueError as exc:
+            self.show_error(str(exc))
+            return
+        self.post_message(ActionRequested("auto_rebalance", enabled=enabled,
+                                          threshold=threshold if threshold is not None else (0.9 if enabled else None),
+                                          every_k_steps=every))
+
+    def _request_edit(self) -> None:
+        edit = self.query_one("#ex-edit", Select).value
+        try:
+            layer, expert = self._number("#ex-layer"), self._number("#ex-expert")
+            args = {"layer": layer, "expert": expert}
+            if edit == "move":
+                args.update(src_device=self._number("#ex-device"), dst_device=self._number("#ex-to"))
+            elif edit in ("replicate", "drop_replica"):
+                args.update(device=self._number("#ex-device"))
+        except ValueError as exc:
+            self.show_error(str(exc))
+            return
+        self.post_message(ActionRequested("edit", edit=edit, **args))
+
+    def show_error(self, message: str | None) -> None:
+        self.query_one("#ex-error", Static).update(f"[red]{message}[/]" if message else "")

@@ -1,0 +1,107 @@
+"""Memory: HBM over time per device, the categories each device holds now, the host tier, KV
+blocks, expert-cache hit rates, and the memory planner's table for this layout."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.table import Table
+from textual.app import ComposeResult
+from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.widgets import Static
+from textual_plotext import PlotextPlot
+
+from .common import fmt_bytes
+
+
+class MemoryPanel(VerticalScroll):
+    def compose(self) -> ComposeResult:
+        with Horizontal(classes="row"):
+            with Vertical():
+                yield Static("HBM over time per device (MiB, accounted)", classes="section-title")
+                yield PlotextPlot(id="mem-plot")
+            with Vertical():
+                yield Static("HBM by category, now", classes="section-title")
+                yield Static(id="mem-categories")
+        yield Static(id="mem-tiers")
+        yield Static("Memory plan for this layout (moectl plan memory)", classes="section-title")
+        yield Static(id="mem-plan")
+
+    def on_mount(self) -> None:
+        self._plan_text: str | None = None
+
+    def show(self, state) -> None:
+        plot = self.query_one("#mem-plot", PlotextPlot)
+        plt = plot.plt
+        plt.clear_data()
+        history = [h for h in state.history if h["memory"]]
+        if history:
+            steps = [h["step"] for h in history]
+            shown = min(len(history[-1]["memory"]), 8)  # beyond 8 lines a plot is unreadable
+            for d in range(shown):
+                plt.plot(steps, [h["memory"][d] / 2**20 if d < len(h["memory"]) else 0 for h in history],
+                         label=f"d{d}", marker="braille")
+            if state.hbm_bytes:
+                plt.hline(state.hbm_bytes / 2**20)
+        plot.refresh()
+        self.query_one("#mem-categories", Static).update(self._categories(state))
+        self.query_one("#mem-tiers", Static).update(self._tiers(state))
+        if self._plan_text is None:
+            self._plan_text = self._plan(state)
+        self.query_one("#mem-plan", Static).update(self._plan_text)
+
+    @staticmethod
+    def _categories(state) -> Table | str:
+        memory = state.memory()
+        if not memory:
+            return "[dim]no per-device accounting (start with --devices N)[/]"
+        shown = memory[:16]
+        table = Table(box=None, pad_edge=False, expand=False)
+        table.add_column("category")
+        for d in range(len(shown)):
+            table.add_column(f"d{d}", justify="right")
+        categories = sorted({c for m in shown for c in m}, key=lambda c: -sum(m.get(c, 0) for m in shown))
+        for c in categories:
+            table.add_row(c, *(fmt_bytes(m.get(c, 0)) for m in shown))
+        table.add_row("[b]total[/b]", *(f"[b]{fmt_bytes(sum(m.values()))}[/b]" for m in shown))
+        table.add_row("HBM", *(fmt_bytes(state.hbm_bytes) for _ in shown))
+        return table
+
+    @staticmethod
+    def _tiers(state) -> str:
+        devices = (state.latest or {}).get("devices") or {}
+        host = (devices.get("tiers") or {}).get("host") or {}
+        cache = state.cache()
+        lines = [f"host tier: {', '.join(f'{k} {fmt_bytes(v)}' for k, v in host.items()) or '-'}   "
+                 f"experts tiered: {devices.get('tiered_experts', 'off')}",
+                 f"KV blocks: {cache['kv_used']} used, {cache['kv_total'] - cache['kv_used']} free of {cache['kv_total']}"
+                 f" ({cache['kv_usage']:.0%})   prefix hit rate {cache['prefix_hit_rate']:.0%}"]
+        rates = state.expert_cache_hit_rate()
+        if rates is not None:
+            lines.append("expert cache hit rate (window): " + "  ".join(f"d{d} {r:.0%}" for d, r in enumerate(rates)))
+        proc = (state.latest or {}).get("process") or {}
+        if proc:
+            lines.append(f"process RSS {fmt_bytes(proc.get('rss_bytes'))}, system {fmt_bytes(proc.get('sys_used_bytes'))}"
+                         f" of {fmt_bytes(proc.get('sys_total_bytes'))}"
+                         + (f", CUDA allocated {fmt_bytes(proc['cuda']['allocated'])}" if proc.get("cuda") else ""))
+        return "\n".join(lines)
+
+    @staticmethod
+    def _plan(state) -> str:
+        from engine.memory_plan import PlanError, plan_memory
+        from engine.topology import Topology
+
+        model = (state.header.get("model") or {}).get("path")
+        topo = (state.header.get("devices") or {}).get("topology")
+        if not model or not (Path(model) / "config.json").is_file() or not topo:
+            return "[dim]not available: needs the model's config.json and a device topology[/]"
+        config = state.header.get("engine_config") or {}
+        knobs = state.header.get("knobs") or {}
+        try:
+            plan = plan_memory(model, Topology.from_mapping(topo), tp=1, ep=int(topo["num_devices"]),
+                               context=int(config.get("max_model_len") or 2048), batch=int(topo["num_devices"]),
+                               max_batched_tokens=knobs.get("max_num_batched_tokens"),
+                               block_size=int(config.get("block_size", 16)), attn_impl="eager")
+        except (PlanError, ValueError) as exc:
+            return f"[dim]not available: {exc}[/]"
+        return plan.format_table()

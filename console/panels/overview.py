@@ -1,0 +1,71 @@
+"""Overview: the model and devices, the serving figures, per-device load and HBM, and alerts."""
+
+from __future__ import annotations
+
+from textual.app import ComposeResult
+from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.widgets import Button, Static
+
+from .common import ActionRequested, bars, fmt_bytes, fmt_s
+
+
+class OverviewPanel(VerticalScroll):
+    def compose(self) -> ComposeResult:
+        yield Static(id="ov-title")
+        with Horizontal(id="ov-error-box", classes="hidden"):
+            yield Static(id="ov-error")
+            yield Button("Restart engine", id="ov-restart", variant="error")
+        yield Static(id="ov-metrics")
+        with Horizontal(id="ov-bars"):
+            with Vertical():
+                yield Static("Expert load per device (window tokens)", classes="section-title")
+                yield Static(id="ov-load")
+            with Vertical():
+                yield Static("HBM per device (accounted)", classes="section-title")
+                yield Static(id="ov-hbm")
+        yield Static("Alerts", classes="section-title")
+        yield Static(id="ov-alerts")
+
+    def show(self, state, source_error: str | None = None) -> None:
+        latest = state.latest or {}
+        devices = latest.get("devices") or {}
+        backend = devices.get("backend") or state.backend
+        kind = {"emulated": "emulated on one torch device", "multi-gpu": "real GPUs in one process",
+                "distributed": "one process per device"}.get(backend, backend)
+        self.query_one("#ov-title", Static).update(
+            f"[b]{state.model_name}[/b]  {state.num_layers} layers x {state.num_experts} experts  |  "
+            f"{state.num_devices or 1} device(s), {kind}  |  {state.mode}"
+            + ("  |  link time modeled" if backend == "emulated" else ""))
+        box = self.query_one("#ov-error-box")
+        box.set_class(source_error is None, "hidden")
+        if source_error is not None:
+            self.query_one("#ov-error", Static).update(f"[b red]engine failed:[/] {source_error}")
+        lat, cache, counts = state.latency(), state.cache(), state.request_counts()
+        self.query_one("#ov-metrics", Static).update(
+            f"throughput [b]{state.throughput():.0f}[/b] tok/s   "
+            f"TTFT p50/p99 {fmt_s(lat['ttft']['p50'])} / {fmt_s(lat['ttft']['p99'])}   "
+            f"TPOT p50/p99 {fmt_s(lat['tpot']['p50'])} / {fmt_s(lat['tpot']['p99'])}\n"
+            f"queue {counts['waiting']}   running {counts['running']}   "
+            f"KV {cache['kv_used']}/{cache['kv_total']} blocks ({cache['kv_usage']:.0%})   "
+            f"prefix hits {cache['prefix_hit_rate']:.0%}   preemptions {cache['preemptions']}   "
+            f"balancedness {state.balancedness()['overall']:.2f}")
+        width = max(self.size.width // 2 - 2, 30)
+        loads = state.device_loads()
+        top = max(float(loads.max()) if len(loads) else 0.0, 1.0)
+        util = state.utilisation()
+        rows = [(f"d{d}", float(v) / top, f"{v:,.0f} tok  busy {util[d] if d < len(util) else 0:.0%}")
+                for d, v in enumerate(loads)]
+        self.query_one("#ov-load", Static).update(bars(rows, width, warn=2.0, crit=2.0) if rows else "no devices")
+        memory = state.memory()
+        hbm = state.hbm_bytes or 1
+        rows = [(f"d{d}", sum(m.values()) / hbm, f"{fmt_bytes(sum(m.values()))} / {fmt_bytes(hbm)}")
+                for d, m in enumerate(memory)]
+        self.query_one("#ov-hbm", Static).update(bars(rows, width) if rows else "no accounting yet")
+        alerts = state.alerts
+        self.query_one("#ov-alerts", Static).update(
+            "\n".join(f"[b]{a['severity']}[/b] {a['message']}  [dim]-> {a['action']}[/]" for a in alerts)
+            or "[dim]none[/]")
+
+    def on_button_pressed(self, event: Button.Pressed) -> None:
+        if event.button.id == "ov-restart":
+            self.post_message(ActionRequested("restart"))

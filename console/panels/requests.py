@@ -1,0 +1,123 @@
+"""Requests: running, waiting and finished requests, latency histograms, the batching knobs
+(editable live), and the demo workload's rate, lengths and pause."""
+
+from __future__ import annotations
+
+from textual.app import ComposeResult
+from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.widgets import Button, DataTable, Input, Label, Select, Static, Switch
+from textual_plotext import PlotextPlot
+
+from .common import ActionRequested, fmt_s
+
+KNOBS = (("max_num_seqs", "max seqs"), ("max_num_batched_tokens", "max batched tokens"),
+         ("long_prefill_token_threshold", "prefill chunk"))
+SHOWN_ROWS = 200
+
+
+class RequestsPanel(VerticalScroll):
+    def compose(self) -> ComposeResult:
+        yield Static(id="rq-counts")
+        yield DataTable(id="rq-table", zebra_stripes=True, cursor_type="row")
+        with Horizontal(classes="row"):
+            with Vertical():
+                yield Static("TTFT (ms), finished requests", classes="section-title")
+                yield PlotextPlot(id="rq-ttft")
+            with Vertical():
+                yield Static("TPOT (ms), finished requests", classes="section-title")
+                yield PlotextPlot(id="rq-tpot")
+        yield Static("Batching knobs (applied at the next step)", classes="section-title")
+        with Horizontal(classes="controls"):
+            for name, label in KNOBS:
+                yield Label(label)
+                yield Input(id=f"rq-{name}", classes="small")
+            yield Label("policy")
+            yield Select([("fcfs", "fcfs"), ("priority", "priority")], id="rq-policy", allow_blank=False, value="fcfs")
+            yield Button("Apply knobs", id="rq-apply", variant="primary")
+        yield Static("Workload generator", classes="section-title")
+        with Horizontal(classes="controls"):
+            yield Label("rate (req/s)")
+            yield Input(id="rq-rate", classes="small")
+            yield Label("prompt")
+            yield Input(id="rq-prompt", classes="small")
+            yield Label("output")
+            yield Input(id="rq-output", classes="small")
+            yield Label("pause")
+            yield Switch(id="rq-pause")
+            yield Button("Apply workload", id="rq-workload")
+        yield Static(id="rq-error", classes="error")
+
+    def on_mount(self) -> None:
+        table = self.query_one(DataTable)
+        table.add_columns("request", "state", "prompt", "output", "TTFT", "TPOT", "finish")
+        self._filled = False
+
+    def fill_forms(self, knobs: dict, load) -> None:
+        """Put the current values in the forms once (later edits are the operator's)."""
+        if self._filled:
+            return
+        for name, _ in KNOBS:
+            self.query_one(f"#rq-{name}", Input).value = str(knobs.get(name, ""))
+        self.query_one("#rq-policy", Select).value = knobs.get("policy", "fcfs")
+        if load is not None:
+            self.query_one("#rq-rate", Input).value = f"{load.rate:g}"
+            self.query_one("#rq-prompt", Input).value = load.prompt_len
+            self.query_one("#rq-output", Input).value = load.output_len
+            self.query_one("#rq-pause", Switch).value = load.paused
+        self._filled = True
+
+    def show(self, state) -> None:
+        counts = state.request_counts()
+        self.query_one("#rq-counts", Static).update(
+            f"running {counts['running']}   waiting {counts['waiting']}   finished (kept) {counts['finished']}   "
+            f"knobs: " + ", ".join(f"{k}={v}" for k, v in state.knobs.items()))
+        table = self.query_one(DataTable)
+        rows = list(state.requests.values())
+        order = {"running": 0, "waiting": 1, "finished": 2}
+        rows.sort(key=lambda r: (order[r["state"]], -r["arrived"]))
+        table.clear()
+        for r in rows[:SHOWN_ROWS]:
+            table.add_row(r["id"], r["state"], str(r["prompt_tokens"] or "-"), str(r["output_tokens"] or 0),
+                          fmt_s(r["ttft"]), fmt_s(r["tpot"]), r["reason"] or "")
+        for plot_id, values in (("#rq-ttft", state.ttft), ("#rq-tpot", state.tpot)):
+            plot = self.query_one(plot_id, PlotextPlot)
+            plot.plt.clear_data()
+            if values:
+                plot.plt.hist([v * 1e3 for v in values], bins=20)
+            plot.refresh()
+
+    def on_button_pressed(self, event: Button.Pressed) -> None:
+        if event.button.id == "rq-apply":
+            try:
+                changes = {}
+                for name, label in KNOBS:
+                    text = self.query_one(f"#rq-{name}", Input).value.strip()
+                    try:
+                        changes[name] = int(text)
+                    except ValueError:
+                        raise ValueError(f"{label}: {text!r} is not an integer") from None
+                changes["policy"] = self.query_one("#rq-policy", Select).value
+            except ValueError as exc:
+                self.show_error(str(exc))
+                return
+            self.post_message(ActionRequested("knobs", **changes))
+        elif event.button.id == "rq-workload":
+            self._request_workload()
+
+    def on_switch_changed(self, event: Switch.Changed) -> None:
+        if event.switch.id == "rq-pause":
+            self.post_message(ActionRequested("workload", paused=event.value))
+
+    def _request_workload(self) -> None:
+        text = self.query_one("#rq-rate", Input).value.strip()
+        try:
+            rate = float(text)
+        except ValueError:
+            self.show_error(f"rate: {text!r} is not a number")
+            return
+        self.post_message(ActionRequested("workload", rate=rate,
+                                          prompt_len=self.query_one("#rq-prompt", Input).value.strip(),
+                                          output_len=self.query_one("#rq-output", Input).value.strip()))
+
+    def show_error(self, message: str | None) -> None:
+        self.query_one("#rq-error", Static).update(f"[red]{message}[/]" if message else "")

@@ -1,0 +1,400 @@
+"""Where the console's records come from, and where its actions go.
+
+One interface, several sources (../shared/DESIGN.md): `poll()` hands over the step and action
+records that arrived since the last call; `act(kind, **args)` asks for an operator action and
+returns its result, or raises ActionRefused with a one-line reason when this source cannot do it.
+
+* LiveSource: the embedded engine, stepped by its own thread. The engine thread appends records
+  to a bounded deque (it never waits on the UI); actions run on the engine thread between steps.
+* ReplaySource: a trace file with a transport (play, pause, speed, step, seek). Its rebalance
+  acts on the counterfactual: what the recorded routing would have done under the new placement.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+from engine.workload import WorkloadSpec, make_workload
+
+RECORD_BUFFER = 4096  # records kept for a UI that falls behind (the oldest are dropped)
+
+
+class ActionRefused(ValueError):
+    """An action this source cannot carry out, or bad arguments for it; the message says why."""
+
+
+class Source:
+    mode = "?"
+    header: dict = {}
+    capabilities: frozenset = frozenset()
+
+    def poll(self) -> tuple[list[dict], list[dict]]:
+        raise NotImplementedError
+
+    def act(self, kind: str, **args):
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+    @property
+    def error(self) -> str | None:
+        return None
+
+
+# -- live
+
+@dataclass(frozen=True)
+class DemoLoad:
+    """The live demo's workload, editable while it runs."""
+    rate: float = 4.0  # requests per second (Poisson)
+    prompt_len: str = "32-256"
+    output_len: str = "32-128"
+    paused: bool = False
+
+    def spec(self, seed: int, count: int) -> WorkloadSpec:
+        return WorkloadSpec(num_requests=count, rate=self.rate, prompt_len=self.prompt_len,
+                            output_len=self.output_len, seed=seed)
+
+
+class DemoWorkload:
+    """An endless Poisson stream of corpus prompts: batches of make_workload, one seed each."""
+
+    BATCH = 32
+
+    def __init__(self, engine, load: DemoLoad):
+        self.engine = engine
+        self.load = load
+        self.seed = 0
+        self.queue: deque = deque()
+        self.t0 = time.monotonic()
+
+    def update(self, load: DemoLoad) -> None:
+        load.spec(0, 1)  # validates (ValueError names the field)
+        self.load = load
+        self.queue.clear()  # the new rate and lengths apply from now on
+        self.t0 = time.monotonic()
+
+    def due(self) -> list:
+        if self.load.paused:
+            self.t0 = time.monotonic()
+            return []
+        now = time.monotonic() - self.t0
+        if not self.queue:
+            self.seed += 1
+            items = make_workload(self.load.spec(self.seed, self.BATCH), self.engine.tokenizer,
+                                  self.engine.model_config.vocab_size)
+            self.queue.extend(items)
+        out = []
+        while self.queue and self.queue[0].arrival_s <= now:
+            out.append(self.queue.popleft())
+        if not self.queue:  # the next batch's arrivals start after this one's
+            self.t0 += now
+        return out
+
+
+class LiveSource(Source):
+    mode = "live"
+    capabilities = frozenset({"knobs", "rebalance_preview", "rebalance_apply", "auto_rebalance", "edit",
+                              "workload", "capture", "restart"})
+
+    def __init__(self, make_engine, load: DemoLoad | None = None):
+        """make_engine(): builds a fresh LLMEngine (also used by restart)."""
+        from profiler.recorder import engine_header
+
+        self._make_engine = make_engine
+        self._load = load or DemoLoad()
+        self._records: deque = deque(maxlen=RECORD_BUFFER)
+        self._actions: deque = deque(maxlen=RECORD_BUFFER)
+        self._commands: deque = deque()
+        self._stop = threading.Event()
+        self._error: str | None = None
+        self.engine = make_engine()
+        self.header = engine_header(self.engine)
+        self._attach(self.engine)
+        self.workload = DemoWorkload(self.engine, self._load)
+        self._thread = threading.Thread(target=self._loop, name="moectl-engine", daemon=True)
+        self._thread.start()
+
+    def _attach(self, engine) -> None:
+        engine.add_listener(on_step=lambda stats: self._records.append(stats.as_record()),
+                            on_action=self._actions.append)
+
+    @property
+    def error(self) -> str | None:
+        return self._error
+
+    # the engine thread
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self._run_commands()
+            if self._error is not None:
+                time.sleep(0.05)
+                continue
+            try:
+                for item in self.workload.due():
+                    try:
+                        self.engine.add_request(item.prompt_ids, item.params)
+                    except ValueError:
+                        pass  # a prompt too long for this KV cache: skipped, like a rejected request
+                if self.engine.has_unfinished():
+                    self.engine.step()
+                else:
+                    time.sleep(0.005)
+            except Exception as exc:  # noqa: BLE001 - shown in the console, which offers a restart
+                self._error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                try:
+                    self.engine.fail_all("error")
+                except Exception:  # noqa: BLE001
+                    pass
+
+    def _run_commands(self) -> None:
+        while self._commands:
+            fn, future = self._commands.popleft()
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                    future.set_exception(exc)
+
+    def _on_engine_thread(self, fn) -> Future:
+        future: Future = Future()
+        self._commands.append((fn, future))
+        return future
+
+    # the UI side
+    def poll(self) -> tuple[list[dict], list[dict]]:
+        records = [self._records.popleft() for _ in range(len(self._records))]
+        actions = [self._actions.popleft() for _ in range(len(self._actions))]
+        return records, actions
+
+    def act(self, kind: str, **args) -> Future:
+        """Validates what it can at once (ActionRefused), then runs on the engine thread between
+        steps; the Future holds the result or the one-line error."""
+        engine = self.engine
+        if kind == "knobs":
+            try:
+                engine.update_knobs(**args)
+            except ValueError as exc:
+                raise ActionRefused(str(exc)) from None
+            return self._done({"knobs": args})
+        if kind == "workload":
+            try:
+                load = replace(self._load, **args)
+                load.spec(0, 1)  # validates rate and lengths now
+            except (TypeError, ValueError) as exc:
+                raise ActionRefused(f"workload: {exc}") from None
+            self._load = load
+            return self._on_engine_thread(lambda: self.workload.update(load) or {"workload": args})
+        if kind == "restart":
+            return self._on_engine_thread(self._restart)
+        if engine.cluster is None and kind in ("rebalance_preview", "rebalance_apply", "auto_rebalance", "edit"):
+            raise ActionRefused(f"{kind}: this engine runs without devices (start with --devices N)")
+        if kind == "rebalance_preview":
+            return self._on_engine_thread(lambda: engine.rebalance_preview())
+        if kind == "rebalance_apply":
+            plan = args.get("plan")
+            if plan is None:
+                raise ActionRefused("rebalance_apply: preview a plan first")
+            engine.apply_placement(plan.placement, kind="rebalance_apply")
+            return self._done({"placement": plan.placement})
+        if kind == "auto_rebalance":
+            from engine.rebalancer import AutoRebalancePolicy, RebalanceError
+
+            try:
+                policy = AutoRebalancePolicy(mode="auto" if args.get("enabled") else "manual",
+                                             every_k_steps=int(args.get("every_k_steps", 0)),
+                                             threshold=args.get("threshold"))
+            except RebalanceError as exc:
+                raise ActionRefused(f"auto rebalance: {exc}") from None
+
+            def set_policy():
+                engine.cluster.auto = policy
+                engine._action("auto_rebalance", {"mode": policy.mode, "threshold": policy.threshold,
+                                                  "every_k_steps": policy.every_k_steps}, {})
+                return {"mode": policy.mode}
+            return self._on_engine_thread(set_policy)
+        if kind == "edit":
+            try:
+                new = engine.edit_experts(args.pop("edit"), **args)
+            except (ValueError, KeyError) as exc:
+                raise ActionRefused(str(exc)) from None
+            return self._done({"placement": new})
+        if kind == "capture":
+            try:
+                engine.capture(int(args.get("steps", 1)))
+            except ValueError as exc:
+                raise ActionRefused(str(exc)) from None
+            return self._done({"capture": args})
+        raise ActionRefused(f"{kind}: not an action of the live engine")
+
+    @staticmethod
+    def _done(result) -> Future:
+        future: Future = Future()
+        future.set_result(result)
+        return future
+
+    def _restart(self) -> dict:
+        """A fresh engine after a failure (engine thread): same config, a new workload stream."""
+        engine = self._make_engine()
+        self._attach(engine)
+        self.engine = engine
+        self.workload = DemoWorkload(engine, self._load)
+        self._error = None
+        return {"restarted": True}
+
+    @property
+    def load(self) -> DemoLoad:
+        return self._load
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+# -- replay
+
+class ReplaySource(Source):
+    mode = "replay"
+    capabilities = frozenset({"rebalance_preview", "rebalance_apply", "transport"})
+    MAX_PER_POLL = 256  # records handed over per poll when playing fast
+
+    def __init__(self, path: str | Path):
+        from profiler.trace_store import TraceReader
+
+        self.reader = TraceReader(path)
+        self.path = Path(path)
+        self.header = self.reader.header
+        self.steps, self.t_start, self.t_end = self.reader.step_times()
+        if not len(self.steps):
+            self.reader.close()
+            raise ActionRefused(f"{path}: the trace has no steps")
+        self.all_actions = list(self.reader.actions())
+        self.playing = False
+        self.speed = 1.0
+        self.index = -1  # index of the last step handed over
+        self._clock = None  # (wall time, trace time) when play started
+        self._pending_reset = False
+
+    @property
+    def first_step(self) -> int:
+        return int(self.steps[0])
+
+    @property
+    def last_step(self) -> int:
+        return int(self.steps[-1])
+
+    @property
+    def position(self) -> int:
+        return int(self.steps[max(self.index, 0)])
+
+    @property
+    def trace_time(self) -> float:
+        return float(self.t_start[max(self.index, 0)] - self.t_start[0])
+
+    def markers(self) -> list[tuple[int, str]]:
+        return [(int(a["step"]), a["kind"]) for a in self.all_actions if a["kind"] not in ("record_start", "record_stop")]
+
+    # transport
+    def play(self) -> None:
+        self.playing = True
+        self._clock = (time.monotonic(), float(self.t_start[max(self.index, 0)]))
+
+    def pause(self) -> None:
+        self.playing = False
+
+    def set_speed(self, speed: float) -> None:
+        if isinstance(speed, bool) or not isinstance(speed, (int, float)) or not 0.05 <= speed <= 1000:
+            raise ActionRefused(f"speed: must be between 0.05 and 1000, got {speed!r}")
+        self.speed = float(speed)
+        if self.playing:
+            self.play()
+
+    def step_forward(self, n: int = 1) -> None:
+        self.pause()
+        self._target = min(self.index + n, len(self.steps) - 1)
+
+    def seek_step(self, step: int) -> None:
+        """Jump to `step` (the nearest recorded one at or after it); the state is rebuilt from the
+        window before it."""
+        if isinstance(step, bool) or not isinstance(step, (int, np.integer)):
+            raise ActionRefused(f"seek: step must be an integer, got {step!r}")
+        if not self.first_step <= step <= self.last_step:
+            raise ActionRefused(f"seek: step {step} is outside the trace ({self.first_step}-{self.last_step})")
+        self.index = int(np.searchsorted(self.steps, step)) - 1
+        self._target = self.index + 1
+        self._pending_reset = True
+        if self.playing:
+            self.play()
+
+    def seek_time(self, seconds: float) -> None:
+        """Jump to `seconds` after the trace's first step."""
+        if not isinstance(seconds, (int, float)) or math.isnan(seconds) or seconds < 0:
+            raise ActionRefused(f"seek: time must be >= 0 seconds, got {seconds!r}")
+        t = self.t_start[0] + seconds
+        i = int(np.searchsorted(self.t_start, t, side="right")) - 1
+        self.seek_step(int(self.steps[min(max(i, 0), len(self.steps) - 1)]))
+
+    def poll(self) -> tuple[list[dict], list[dict]]:
+        from .state import WINDOW_STEPS
+
+        self.needs_reset = False
+        target = getattr(self, "_target", None)
+        if self.playing and target is None:
+            wall0, trace0 = self._clock
+            now = trace0 + (time.monotonic() - wall0) * self.speed
+            target = int(np.searchsorted(self.t_start, now, side="right")) - 1
+            if target >= len(self.steps) - 1:
+                target = len(self.steps) - 1
+                self.playing = False
+        self._target = None
+        if target is None or target <= self.index and not self._pending_reset:
+            return [], []
+        target = max(target, 0)
+        lo = self.index + 1
+        reset = self._pending_reset or target - lo > self.MAX_PER_POLL
+        if reset:  # refill the window before the target instead of streaming everything
+            lo = max(target - WINDOW_STEPS + 1, 0)
+        records = list(self.reader.steps(int(self.steps[lo]), int(self.steps[target]) + 1))
+        t_lo = float(self.t_start[lo]) if not reset else float(self.t_start[0])
+        t_hi = float(self.t_end[target])
+        actions = [a for a in self.all_actions if (a["time"] <= t_hi and (reset or a["time"] > t_lo))]
+        self.index = target
+        self._pending_reset = False
+        self.needs_reset = reset
+        return records, actions
+
+    def act(self, kind: str, **args):
+        """Replay changes nothing recorded: rebalancing is answered by counterfactual_plan (the
+        console does it); every other action is refused with the reason."""
+        raise ActionRefused(f"{kind}: a replayed trace cannot change the recorded engine "
+                            f"(rebalance works here as a counterfactual)")
+
+    def close(self) -> None:
+        self.reader.close()
+
+
+def counterfactual_plan(state, redundant: int | None = None):
+    """A rebalance plan for the state's window routing, from the placement in force: what the
+    recorded routing would have done under it (exact: routing does not depend on placement)."""
+    from engine.rebalancer import plan_rebalance
+    from engine.topology import Topology
+
+    topology = (state.header.get("devices") or {}).get("topology")
+    if not topology or state.placement is None:
+        raise ActionRefused("rebalance: this trace was recorded without devices")
+    loads = state.routing_window()
+    if not loads.any():
+        raise ActionRefused("rebalance: no routing in the window yet")
+    slots = state.placement.slots_per_device
+    spare = slots - -(-state.num_experts // state.num_devices)
+    return plan_rebalance(loads, Topology.from_mapping(topology), spare if redundant is None else redundant,
+                          current=state.placement, expert_bytes=state.expert_bytes or 0)

@@ -1,0 +1,219 @@
+"""What the console knows: one state object filled from step and action records.
+
+Live, replay and attach sources all feed the same records into `ConsoleState.apply`, so every
+panel works the same in every mode (the way dolphie's replay fills the state its live mode
+fills). Panels only read this object; nothing here touches the engine.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+
+import numpy as np
+
+from engine.placement import Placement
+from engine.workload import percentile
+
+WINDOW_STEPS = 64  # the moving window behind the heat map, loads, balancedness and throughput
+HISTORY_STEPS = 600  # curves over time
+KEEP_FINISHED = 200  # finished requests kept for the table
+KEEP_LATENCIES = 2000
+
+
+class ConsoleState:
+    def __init__(self, header: dict, mode: str):
+        self.header = header
+        self.mode = mode  # live | replay | attach
+        model = header.get("model") or {}
+        self.model_name = model.get("name", "?")
+        self.num_layers = int(model.get("num_layers", 0))
+        self.num_experts = int(model.get("num_experts", 0))
+        devices = header.get("devices") or {}
+        topology = devices.get("topology") or {}
+        self.num_devices = int(topology.get("num_devices", 0))
+        self.hbm_bytes = int(topology.get("hbm_bytes", 0))
+        self.backend = devices.get("backend", "single device")
+        self.expert_bytes = devices.get("expert_bytes")
+        self.redundant_slots = devices.get("redundant_slots") or 0
+        self.recorded_placement = Placement.from_dict(devices["placement"]) if devices.get("placement") else None
+        self.counterfactual: Placement | None = None  # replay: the placement a rebalance would have used
+        self.knobs: dict = dict(header.get("knobs") or {})
+        self.error: str | None = None
+        self.alerts: list[dict] = []
+        self.preview: dict | None = None  # the last rebalance preview's summary
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every record (a replay seek refills the window from the new position)."""
+        self.latest: dict | None = None
+        self.window: deque[dict] = deque(maxlen=WINDOW_STEPS)
+        self.history: deque[dict] = deque(maxlen=HISTORY_STEPS)
+        self.requests: OrderedDict[str, dict] = OrderedDict()
+        self.ttft: deque[float] = deque(maxlen=KEEP_LATENCIES)
+        self.tpot: deque[float] = deque(maxlen=KEEP_LATENCIES)
+        self.actions: list[dict] = []
+        self.placement = self.recorded_placement
+        self.steps_seen = 0
+        self.version = 0
+
+    # -- feeding
+    def apply(self, records: list[dict], actions: list[dict] = ()) -> None:
+        events = sorted([("a", a["time"], a) for a in actions] + [("s", r["t_start"], r) for r in records],
+                        key=lambda e: e[1])
+        for kind, _, item in events:
+            if kind == "a":
+                self._apply_action(item)
+            else:
+                self._apply_step(item)
+        if records or actions:
+            self.version += 1
+
+    def _apply_action(self, action: dict) -> None:
+        self.actions.append(action)
+        result = action.get("result") or {}
+        if result.get("placement") is not None:
+            self.placement = Placement.from_dict(result["placement"])
+            self.counterfactual = None
+        if action["kind"] == "knobs":
+            self.knobs = dict(result)
+        if action["kind"] == "rebalance_preview":
+            self.preview = dict(result)
+
+    def _apply_step(self, record: dict) -> None:
+        self.latest = record
+        self.window.append(record)
+        self.steps_seen += 1
+        if record.get("knobs"):
+            self.knobs = record["knobs"]
+        for event in record.get("requests") or ():
+            self._request_event(event)
+        cache = record.get("cache") or {}
+        devices = record.get("devices") or {}
+        self.history.append({
+            "step": record["step"], "t": record["t_end"], "tok_s": self.throughput(),
+            "balancedness": self.balancedness()["overall"],
+            "kv_usage": cache.get("kv_blocks_used", 0) / max(cache.get("kv_blocks_total", 1), 1),
+            "rss": (record.get("process") or {}).get("rss_bytes"),
+            "memory": [sum(m.values()) for m in devices.get("memory") or ()],
+        })
+
+    def _request_event(self, e: dict) -> None:
+        rid, kind = e["id"], e["event"]
+        req = self.requests.get(rid)
+        if req is None:
+            req = self.requests[rid] = {"id": rid, "state": "waiting", "prompt_tokens": e.get("prompt_tokens"),
+                                        "output_tokens": 0, "arrived": e["t"], "ttft": None, "tpot": None,
+                                        "reason": None, "preemptions": 0}
+        if kind == "scheduled":
+            req["state"] = "running"
+        elif kind == "first_token":
+            req["state"] = "running"
+        elif kind == "preempted":
+            req["state"] = "waiting"
+            req["preemptions"] += 1
+        elif kind == "finished":
+            req.update(state="finished", reason=e.get("reason"), output_tokens=e.get("output_tokens"),
+                       prompt_tokens=e.get("prompt_tokens", req["prompt_tokens"]), ttft=e.get("ttft_s"),
+                       tpot=e.get("tpot_s"))
+            if e.get("ttft_s") is not None:
+                self.ttft.append(e["ttft_s"])
+            if e.get("tpot_s") is not None:
+                self.tpot.append(e["tpot_s"])
+            self._trim_finished()
+
+    def _trim_finished(self) -> None:
+        finished = [rid for rid, r in self.requests.items() if r["state"] == "finished"]
+        for rid in finished[:max(0, len(finished) - KEEP_FINISHED)]:
+            del self.requests[rid]
+
+    # -- what the panels show
+    @property
+    def placement_shown(self) -> Placement | None:
+        """The counterfactual placement in replay after a rebalance, else the one in force."""
+        return self.counterfactual or self.placement
+
+    def routing_window(self) -> np.ndarray:
+        if not self.window:
+            return np.zeros((self.num_layers, self.num_experts), dtype=np.int64)
+        return np.sum([r["routing"] for r in self.window], axis=0, dtype=np.int64)
+
+    def throughput(self) -> float:
+        """Tokens (prefill + decode) per second over the window."""
+        if not self.window:
+            return 0.0
+        first, last = self.window[0], self.window[-1]
+        span = last["t_end"] - first["t_start"]
+        tokens = sum(r["batch"]["prefill_tokens"] + r["batch"]["decode_tokens"] for r in self.window)
+        return tokens / span if span > 0 else 0.0
+
+    def device_loads(self, placement: Placement | None = None) -> np.ndarray:
+        """Tokens per device over the window: the routing mapped through a placement (replicas
+        share their expert's load evenly), or the recorded per-device rows without one."""
+        placement = placement or self.placement_shown
+        if placement is not None and self.window:
+            return placement.device_loads(self.routing_window()).sum(axis=0)
+        return np.sum([r["devices"]["tokens"] for r in self.window if r.get("devices")], axis=0) \
+            if any(r.get("devices") for r in self.window) else np.zeros(self.num_devices)
+
+    def balancedness(self, placement: Placement | None = None) -> dict:
+        """mean / max device load over the window, overall and per layer (1.0 when idle)."""
+        placement = placement or self.placement_shown
+        if placement is None or not self.window:
+            return {"overall": 1.0, "per_layer": [1.0] * self.num_layers}
+        per_layer, overall = placement.balancedness(self.routing_window())
+        return {"overall": float(overall), "per_layer": [float(x) for x in per_layer]}
+
+    def device_experts(self, device: int, top: int = 8) -> list[tuple[int, int, float]]:
+        """(layer, expert, tokens) of the experts bringing `device` most of its window load."""
+        placement = self.placement_shown
+        if placement is None or not self.window:
+            return []
+        routing = self.routing_window()
+        copies = placement.replica_counts()
+        out = []
+        for layer in range(placement.num_layers):
+            for expert in placement.experts_on(layer, device):
+                share = routing[layer, expert] / max(copies[layer, expert], 1)
+                if share:
+                    out.append((layer, expert, float(share)))
+        return sorted(out, key=lambda x: -x[2])[:top]
+
+    def utilisation(self) -> list[float]:
+        recs = [r for r in self.window if r.get("devices")]
+        if not recs:
+            return [0.0] * self.num_devices
+        busy = np.sum([r["devices"]["busy_s"] for r in recs], axis=0)
+        wall = sum(r["t_end"] - r["t_start"] for r in recs)
+        return (busy / wall).tolist() if wall > 0 else [0.0] * len(busy)
+
+    def latency(self) -> dict:
+        return {name: {f"p{q}": percentile(list(values), q) for q in (50, 99)}
+                for name, values in (("ttft", self.ttft), ("tpot", self.tpot))}
+
+    def request_counts(self) -> dict:
+        counts = {"waiting": 0, "running": 0, "finished": 0}
+        for r in self.requests.values():
+            counts[r["state"]] += 1
+        return counts
+
+    def cache(self) -> dict:
+        cache = (self.latest or {}).get("cache") or {}
+        total = cache.get("kv_blocks_total", 0)
+        queries = cache.get("prefix_queries", 0)
+        return {"kv_used": cache.get("kv_blocks_used", 0), "kv_total": total,
+                "kv_usage": cache.get("kv_blocks_used", 0) / total if total else 0.0,
+                "prefix_hit_rate": cache.get("prefix_hits", 0) / queries if queries else 0.0,
+                "preemptions": cache.get("preemptions", 0)}
+
+    def expert_cache_hit_rate(self) -> list[float] | None:
+        recs = [r["devices"]["expert_cache"] for r in self.window if (r.get("devices") or {}).get("expert_cache")]
+        if not recs:
+            return None
+        hits = np.sum([[c["hits"] for c in step] for step in recs], axis=0)
+        misses = np.sum([[c["misses"] for c in step] for step in recs], axis=0)
+        total = hits + misses
+        return [float(h / t) if t else 0.0 for h, t in zip(hits, total)]
+
+    def memory(self) -> list[dict]:
+        """The newest record's HBM bytes per device by category."""
+        return list(((self.latest or {}).get("devices") or {}).get("memory") or [])

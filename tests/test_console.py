@@ -1,0 +1,247 @@
+"""The console through Textual's Pilot: every panel shows the state, and every control acts on
+the engine (live) or on the counterfactual (replay)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from console.app import MoectlApp
+from console.sources import DemoLoad, LiveSource, ReplaySource
+from engine.engine_config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.topology import Topology
+from tests.engine_fixtures import make_tiny_checkpoint
+
+TRACES = Path(__file__).resolve().parent.parent / "sample_traces"
+SIZE = (160, 50)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("console"))
+
+
+def live(ckpt, **kw) -> LiveSource:
+    config = EngineConfig(model=str(ckpt), block_size=4, num_kv_blocks=256, topology=Topology(num_devices=4),
+                          redundant_slots=1, num_threads=1, **kw)
+    return LiveSource(lambda: LLMEngine(config), DemoLoad(rate=40.0, prompt_len="8-24", output_len="8-16"))
+
+
+def run_app(app: MoectlApp, body, size=SIZE):
+    async def main():
+        async with app.run_test(size=size) as pilot:
+            await body(app, pilot)
+    asyncio.run(main())
+
+
+async def until(pilot, condition, timeout: float = 20.0):
+    """Let the app run until condition() holds (the engine runs in its own thread)."""
+    for _ in range(int(timeout / 0.05)):
+        if condition():
+            return
+        await pilot.pause(0.05)
+    raise AssertionError("condition not reached")
+
+
+def text_of(app, selector: str) -> str:
+    """The plain text a Static shows (markup, Text or any Rich renderable such as a Table)."""
+    from rich.console import Console
+    from rich.text import Text
+
+    content = app.query_one(selector).content
+    if isinstance(content, str):
+        return Text.from_markup(content).plain
+    if isinstance(content, Text):
+        return content.plain
+    console = Console(width=200, record=True, file=open("/dev/null", "w"))
+    console.print(content)
+    return console.export_text()
+
+
+def test_overview_shows_serving_figures_and_devices(ckpt):
+    async def body(app, pilot):
+        await until(pilot, lambda: app.state.steps_seen > 5 and app.state.throughput() > 0)
+        await pilot.pause(0.3)
+        metrics = text_of(app, "#ov-metrics")
+        assert "tok/s" in metrics and "KV" in metrics and "balancedness" in metrics
+        assert text_of(app, "#ov-load").count("d") >= 4  # a bar per device
+        assert "HBM" not in text_of(app, "#ov-hbm") or "/" in text_of(app, "#ov-hbm")
+        assert "emulated" in text_of(app, "#ov-title")
+    run_app(MoectlApp(live(ckpt)), body)
+
+
+def test_rebalance_preview_then_apply_changes_the_engines_placement(ckpt):
+    source = live(ckpt)
+
+    async def body(app, pilot):
+        before = source.engine.cluster.placement
+        await until(pilot, lambda: app.state.steps_seen > 5)
+        await pilot.press("2")
+        await pilot.press("r")
+        await until(pilot, lambda: app.plan is not None)
+        assert "predicted balancedness" in text_of(app, "#ex-preview-result")
+        await pilot.press("A")
+        await until(pilot, lambda: source.engine.cluster.placement != before)
+        await until(pilot, lambda: app.state.placement == source.engine.cluster.placement)
+    run_app(MoectlApp(source), body)
+
+
+def test_knobs_edit_the_scheduler_and_bad_values_change_nothing(ckpt):
+    source = live(ckpt)
+
+    async def body(app, pilot):
+        await pilot.press("5")
+        await until(pilot, lambda: app.query_one("#rq-max_num_seqs").value != "")
+        app.query_one("#rq-max_num_seqs").value = "0"
+        app.query_one("#rq-apply").press()
+        await pilot.pause(0.3)
+        assert "max_num_seqs" in text_of(app, "#rq-error")
+        assert source.engine.scheduler.knobs.max_num_seqs == 64
+        app.query_one("#rq-max_num_seqs").value = "abc"
+        app.query_one("#rq-apply").press()
+        await pilot.pause(0.2)
+        assert "not an integer" in text_of(app, "#rq-error")
+        app.query_one("#rq-max_num_seqs").value = "8"
+        app.query_one("#rq-apply").press()
+        await until(pilot, lambda: source.engine.scheduler.knobs.max_num_seqs == 8)
+        assert text_of(app, "#rq-error").strip() == ""
+    run_app(MoectlApp(source), body)
+
+
+def test_workload_controls_pause_and_change_the_rate(ckpt):
+    source = live(ckpt)
+
+    async def body(app, pilot):
+        await pilot.press("5")
+        await pilot.pause(0.3)
+        app.query_one("#rq-pause").value = True
+        await until(pilot, lambda: source.workload.load.paused)
+        app.query_one("#rq-rate").value = "-3"
+        app.query_one("#rq-workload").press()
+        await pilot.pause(0.2)
+        assert "rate" in text_of(app, "#rq-error") and source.workload.load.rate == 40.0
+        app.query_one("#rq-rate").value = "7.5"
+        app.query_one("#rq-workload").press()
+        await until(pilot, lambda: source.workload.load.rate == 7.5)
+    run_app(MoectlApp(source), body)
+
+
+def test_expert_edits_and_auto_rebalance_reach_the_engine(ckpt):
+    source = live(ckpt)
+
+    async def body(app, pilot):
+        await pilot.press("2")
+        await pilot.pause(0.2)
+        panel = app.query_one("#panel-experts")
+        app.query_one("#ex-edit").value = "pin"
+        app.query_one("#ex-layer").value = "0"
+        app.query_one("#ex-expert").value = "99"
+        app.query_one("#ex-do").press()
+        await pilot.pause(0.3)
+        assert "expert" in text_of(app, "#ex-error")  # out of range: refused inline
+        app.query_one("#ex-expert").value = "1"
+        app.query_one("#ex-do").press()
+        await until(pilot, lambda: source.engine.cluster.placement.is_pinned(0, 1))
+        app.query_one("#ex-threshold").value = "0.85"
+        app.query_one("#ex-auto").value = True
+        await until(pilot, lambda: source.engine.cluster.auto.mode == "auto")
+        assert source.engine.cluster.auto.threshold == 0.85
+        assert panel is not None
+    run_app(MoectlApp(source), body)
+
+
+def test_heat_map_selection_shows_the_cell_and_its_devices(ckpt):
+    async def body(app, pilot):
+        await pilot.press("2")
+        await until(pilot, lambda: app.state.steps_seen > 3)
+        app.query_one("#ex-heatmap").focus()
+        await pilot.press("right", "down")
+        await pilot.pause(0.3)
+        cell = text_of(app, "#ex-cell")
+        assert cell.startswith("L1/E1:") and "tokens" in cell and "on d" in cell
+        assert "layer 1" in text_of(app, "#ex-placement-title")
+    run_app(MoectlApp(live(ckpt)), body)
+
+
+def test_memory_and_timeline_panels_show_records(ckpt):
+    source = live(ckpt)
+
+    async def body(app, pilot):
+        await until(pilot, lambda: app.state.steps_seen > 3)
+        await pilot.press("3")
+        await pilot.pause(0.3)
+        assert "kv_blocks" in text_of(app, "#mem-categories") or "total" in text_of(app, "#mem-categories")
+        assert "KV blocks" in text_of(app, "#mem-tiers")
+        await pilot.press("4")
+        await until(pilot, lambda: app.query_one("#tl-timeline").span_count > 0)
+        assert "per step (measured)" in text_of(app, "#tl-breakdown")
+        app.query_one("#tl-capture").press()
+        await until(pilot, lambda: any(r.get("kernels") for r in app.state.window))
+    run_app(MoectlApp(source), body)
+
+
+def test_themes_switch_live_and_the_help_screen_opens(ckpt):
+    async def body(app, pilot):
+        assert app.theme == "moectl-light"
+        await pilot.press("t")
+        assert app.theme == "moectl-high-contrast" and app.query_one("#ex-heatmap").scale_name == "grey"
+        await pilot.press("question_mark")
+        await pilot.pause(0.1)
+        assert app.screen.__class__.__name__ == "HelpScreen"
+        await pilot.press("escape")
+        assert app.screen.__class__.__name__ != "HelpScreen"
+    run_app(MoectlApp(live(ckpt), theme="light"), body)
+
+
+def test_an_engine_failure_is_shown_and_restart_recovers(ckpt):
+    source = live(ckpt)
+
+    def broken_step():
+        raise RuntimeError("simulated device fault")
+
+    async def body(app, pilot):
+        await until(pilot, lambda: app.state.steps_seen > 2)
+        source.engine.step = broken_step
+        await until(pilot, lambda: source.error is not None)
+        await pilot.pause(0.3)
+        assert "simulated device fault" in text_of(app, "#ov-error")
+        app.query_one("#ov-restart").press()
+        await until(pilot, lambda: source.error is None)
+        steps = app.state.steps_seen
+        await until(pilot, lambda: app.state.steps_seen > steps + 2)
+    run_app(MoectlApp(source), body)
+
+
+def test_replay_transport_and_counterfactual_rebalance():
+    source = ReplaySource(TRACES / "steady_rebalance.trace")
+
+    async def body(app, pilot):
+        await pilot.pause(0.2)
+        app.query_one("#tr-seek-step").value = "200"
+        await pilot.click("#tr-seek-step")
+        await pilot.press("enter")
+        await pilot.pause(0.3)
+        assert source.position == 200 and app.state.latest["step"] == 200
+        assert len(app.state.window) == 64  # the window was refilled from before the seek
+        recorded = app.state.placement
+        app.set_focus(None)  # keys now go to the app's bindings, not the seek field
+        await pilot.press("2")
+        await pilot.press("r")
+        await pilot.pause(0.2)
+        await pilot.press("A")
+        await pilot.pause(0.3)
+        assert app.state.counterfactual is not None and app.state.placement == recorded
+        assert app.state.balancedness()["overall"] > app.state.balancedness(recorded)["overall"]
+        assert "counterfactual" in text_of(app, "#ex-placement-title").lower()
+        await pilot.press("5")
+        app.query_one("#rq-max_num_seqs").value = "8"
+        app.query_one("#rq-apply").press()
+        await pilot.pause(0.2)
+        assert "cannot change the recorded engine" in text_of(app, "#rq-error")
+        await pilot.press("space")
+        await pilot.pause(0.5)
+        assert source.position > 200
+    run_app(MoectlApp(source), body)
