@@ -96,7 +96,7 @@ class ExpertsPanel(VerticalScroll):
 
         loads = state.device_loads()
         top = max(float(loads.max()) if len(loads) else 0.0, 1.0)
-        width = max(self.size.width // 2 - 14, 20)
+        width = max(self.size.width // 2 - 34, 16)
         out = Text()
         for d in range(len(loads)):
             out.append(f"d{d:<3}")

@@ -41,7 +41,8 @@ class MemoryPanel(VerticalScroll):
             for d in range(shown):
                 plt.plot(steps, [h["memory"][d] / 2**20 if d < len(h["memory"]) else 0 for h in history],
                          label=f"d{d}", marker="braille")
-            if state.hbm_bytes:
+            peak = max(max(h["memory"]) for h in history)
+            if state.hbm_bytes and peak > 0.25 * state.hbm_bytes:  # else the capacity line flattens the curves
                 plt.hline(state.hbm_bytes / 2**20)
         plot.refresh()
         self.query_one("#mem-categories", Static).update(self._categories(state))

@@ -75,10 +75,14 @@ class RequestsPanel(VerticalScroll):
         rows = list(state.requests.values())
         order = {"running": 0, "waiting": 1, "finished": 2}
         rows.sort(key=lambda r: (order[r["state"]], -r["arrived"]))
+        cursor, scroll = table.cursor_row, table.scroll_y
         table.clear()
         for r in rows[:SHOWN_ROWS]:
             table.add_row(r["id"], r["state"], str(r["prompt_tokens"] or "-"), str(r["output_tokens"] or 0),
                           fmt_s(r["ttft"]), fmt_s(r["tpot"]), r["reason"] or "")
+        if table.row_count:  # the operator's place in the table survives the refresh
+            table.move_cursor(row=min(cursor, table.row_count - 1), animate=False)
+            table.scroll_y = scroll
         for plot_id, values in (("#rq-ttft", state.ttft), ("#rq-tpot", state.tpot)):
             plot = self.query_one(plot_id, PlotextPlot)
             plot.plt.clear_data()

@@ -33,6 +33,8 @@ def spans_of(records: list[dict]) -> tuple[list[str], list[Span]]:
             if not cols:
                 continue
             names, lane_names = cols["names"], cols["lanes"]
+            for name in lane_names:  # the record's lane order: engine, devices, links, then kernels
+                lane_id(name)
             layers = cols.get("layer")
             modeled = cols.get("modeled")
             for i in range(len(cols["name"])):
