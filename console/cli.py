@@ -14,7 +14,8 @@ from typing import Optional
 import typer
 
 app = typer.Typer(name="moectl", no_args_is_help=False, invoke_without_command=True, add_completion=True, pretty_exceptions_enable=False,
-                  help="Control console for Mixture-of-Experts LLM inference: an embedded MoE engine, "
+                  help="Control console for Mixture-of-Experts LLM inference: with no command, the live "
+                       "Textual console on the embedded sample model; an embedded MoE engine, "
                        "its verification against transformers, benchmarks and the sample model.")
 model_app = typer.Typer(no_args_is_help=True, help="Inspect or train models.")
 app.add_typer(model_app, name="model")

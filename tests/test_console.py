@@ -245,3 +245,17 @@ def test_replay_transport_and_counterfactual_rebalance():
         await pilot.pause(0.5)
         assert source.position > 200
     run_app(MoectlApp(source), body)
+
+
+def test_replay_of_an_unreadable_trace_is_a_one_line_error(tmp_path):
+    from typer.testing import CliRunner
+
+    from console.cli import app
+
+    bad = tmp_path / "bad.trace"
+    bad.write_bytes(b"\x00garbage" * 64)
+    for args in (["replay", str(bad)], ["replay", str(tmp_path / "missing.trace")],
+                 ["replay", str(TRACES / "kv_pressure.trace"), "--theme", "sepia"]):
+        res = CliRunner().invoke(app, args)
+        assert res.exit_code == 2, res.output
+        assert res.stderr.count("\n") == 1 and "Traceback" not in res.output
