@@ -14,6 +14,7 @@ from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.command import Hit, Hits, Provider
 from textual.containers import VerticalScroll
+from textual.css.query import NoMatches
 from textual.screen import ModalScreen
 from textual.widgets import Footer, Header, Static, TabbedContent, TabPane
 
@@ -155,12 +156,15 @@ class MoectlApp(App):
     def refresh_panels(self) -> None:
         active = self.query_one(TabbedContent).active
         panel = self.query_one(f"#panel-{active}")
-        if active == "overview":
-            panel.show(self.state, self.source.error)
-        else:
-            panel.show(self.state)
-        if active == "requests":
-            panel.fill_forms(self.state.knobs, getattr(self.source, "load", None))
+        try:
+            if active == "overview":
+                panel.show(self.state, self.source.error)
+            else:
+                panel.show(self.state)
+            if active == "requests":
+                panel.fill_forms(self.state.knobs, getattr(self.source, "load", None))
+        except NoMatches:  # a tab switched to just now is still composing; the next tick shows it
+            pass
         if self.replay:
             self.query_one(TransportBar).show(self.source)
 
@@ -292,6 +296,7 @@ class MoectlApp(App):
         except ActionRefused as exc:
             self.query_one(TransportBar).show(src, str(exc))
             return
+        self.query_one(TransportBar).error = None
         self.tick()
 
     def palette_commands(self) -> list[tuple[str, str, object]]:

@@ -259,3 +259,61 @@ def test_replay_of_an_unreadable_trace_is_a_one_line_error(tmp_path):
         res = CliRunner().invoke(app, args)
         assert res.exit_code == 2, res.output
         assert res.stderr.count("\n") == 1 and "Traceback" not in res.output
+
+
+@pytest.mark.parametrize("name", ["kv_pressure.trace", "offload_prefetch.trace"])
+def test_every_panel_shows_each_sample_trace_in_replay(name):
+    source = ReplaySource(TRACES / name)
+
+    async def body(app, pilot):
+        source.seek_step(source.last_step // 2)
+        app.tick()
+        for key in "12345":
+            await pilot.press(key)
+            await pilot.pause(0.1)
+        assert app.state.latest["step"] == source.position
+        if name == "offload_prefetch.trace":
+            await pilot.press("3")
+            await pilot.pause(0.1)
+            assert "expert cache hit rate" in text_of(app, "#mem-tiers")
+        else:
+            assert app.state.cache()["preemptions"] > 0 or app.state.cache()["kv_usage"] > 0.5
+    run_app(MoectlApp(source), body, size=(120, 40))
+
+
+def test_transport_and_timeline_inputs_refuse_bad_values():
+    source = ReplaySource(TRACES / "kv_pressure.trace")
+
+    async def body(app, pilot):
+        app.query_one("#tr-speed").value = "fast"
+        await pilot.click("#tr-speed")
+        await pilot.press("enter")
+        await pilot.pause(0.1)
+        assert "not a number" in text_of(app, "#tr-status") and source.speed == 1.0
+        app.query_one("#tr-speed").value = "0"
+        await pilot.press("enter")
+        await pilot.pause(0.1)
+        assert "speed" in text_of(app, "#tr-status") and source.speed == 1.0
+        app.query_one("#tr-seek-step").value = "99999"
+        await pilot.click("#tr-seek-step")
+        await pilot.press("enter")
+        await pilot.pause(0.1)
+        assert "outside the trace" in text_of(app, "#tr-status")
+        app.query_one("#tr-seek-time").value = "0.5"
+        await pilot.click("#tr-seek-time")
+        await pilot.press("enter")
+        await pilot.pause(0.2)
+        assert source.trace_time <= 0.5 and source.position > source.first_step
+        app.set_focus(None)
+        await pilot.press("4")
+        await pilot.pause(0.2)
+        app.query_one("#tl-steps").value = "500"
+        await pilot.click("#tl-steps")
+        await pilot.press("enter")
+        await pilot.pause(0.1)
+        assert "[1, 64]" in text_of(app, "#tl-status")
+        app.query_one("#tl-steps").value = "3"
+        await pilot.press("enter")
+        await pilot.pause(0.3)
+        assert text_of(app, "#tl-breakdown").startswith(f"steps {source.position - 2}-{source.position}")
+    run_app(MoectlApp(source), body, size=(160, 50))

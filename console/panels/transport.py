@@ -31,12 +31,17 @@ class TransportBar(Vertical):
             yield Input(id="tr-seek-time", classes="small")
             yield Static(id="tr-status")
 
+    error: str | None = None  # the last refused command's reason, shown until one succeeds
+
     def setup(self, source) -> None:
         scrub = self.query_one(ScrubBar)
         scrub.set_range(source.first_step, source.last_step)
         scrub.markers = source.markers()
 
     def show(self, source, message: str | None = None) -> None:
+        if message is not None:
+            self.error = message
+        message = self.error
         self.query_one(ScrubBar).position = source.position
         self.query_one("#tr-play", Button).label = "❚❚ Pause" if source.playing else "▶ Play"
         status = f"step {source.position} of {source.first_step}-{source.last_step}, " \
@@ -56,7 +61,8 @@ class TransportBar(Vertical):
         try:
             value = int(event.value) if command == "seek_step" else float(event.value)
         except ValueError:
-            self.query_one("#tr-status", Static).update(f"[red]{command}: {event.value!r} is not a number[/]")
+            self.error = f"{command}: {event.value!r} is not a number"
+            self.query_one("#tr-status", Static).update(f"[red]{self.error}[/]")
             return
         self.post_message(self.Command(command, value))
 
