@@ -79,3 +79,58 @@ def replay(trace: Path = typer.Argument(..., help="A trace recorded by `moectl r
         raise BadInput(f"{trace}: no such trace file")
     source = ReplaySource(trace)
     MoectlApp(source, theme=theme).run()
+
+
+@app.command()
+@handles_errors
+def attach(url: str = typer.Argument(..., help="A running `moectl serve`, e.g. http://127.0.0.1:8000"),
+           token: Optional[str] = typer.Option(None, "--token", help="Bearer token: lets the console's controls act "
+                                                                      "on the remote engine (read-only without)."),
+           theme: str = THEME_OPT):
+    """Open the console on a remote engine (`moectl serve`): its telemetry stream live; with the
+    server's token, rebalancing and knobs act on it."""
+    from themes import check_theme
+
+    from .app import MoectlApp
+    from .sources import AttachSource
+
+    check_theme(theme)
+    source = AttachSource(url, token)
+    MoectlApp(source, theme=theme).run()
+
+
+@app.command()
+@handles_errors
+def serve(
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to bind; anything but loopback needs --token."),
+    port: int = typer.Option(8000, "--port"),
+    token: Optional[str] = typer.Option(None, "--token", help="Bearer token for /v1/control/* (and required for "
+                                                              "a non-loopback bind)."),
+    model: Optional[Path] = MODEL_OPT,
+    devices: int = typer.Option(4, "--devices", "-d", help="Emulated devices (local backend)."),
+    hbm: str = HBM_OPT,
+    redundant: int = typer.Option(1, "--redundant"),
+    expert_cache: Optional[int] = typer.Option(None, "--expert-cache"),
+    dtype: Optional[str] = typer.Option(None, "--dtype"),
+    threads: Optional[int] = typer.Option(None, "--threads", help="torch threads for the engine."),
+):
+    """An OpenAI-compatible server (/v1/completions, /v1/chat/completions, /v1/models, /health),
+    Prometheus /metrics, the /v1/telemetry record stream, and /v1/control/* for operators."""
+    from engine.engine_config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from engine.topology import Topology, parse_size
+    from server.app import check_bind, run_server
+
+    from .sources import LiveSource
+
+    if not 0 < port < 65536:
+        raise BadInput(f"--port: must be in 1-65535, got {port}")
+    check_bind(host, token)  # before loading anything: a public bind without a token is refused
+    config = EngineConfig(model=str(model_dir(model)), dtype=dtype, redundant_slots=redundant,
+                          topology=Topology(num_devices=devices, hbm_bytes=parse_size(hbm, "--hbm")),
+                          expert_cache_slots=expert_cache, num_threads=threads)
+    source = LiveSource(lambda: LLMEngine(config), demo=False)
+    try:
+        run_server(source, host=host, port=port, token=token)
+    finally:
+        source.close()

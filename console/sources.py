@@ -106,12 +106,14 @@ class LiveSource(Source):
     capabilities = frozenset({"knobs", "rebalance_preview", "rebalance_apply", "auto_rebalance", "edit",
                               "workload", "capture", "restart"})
 
-    def __init__(self, make_engine, load: DemoLoad | None = None):
-        """make_engine(): builds a fresh LLMEngine (also used by restart)."""
+    def __init__(self, make_engine, load: DemoLoad | None = None, *, demo: bool = True):
+        """make_engine(): builds a fresh LLMEngine (also used by restart). demo=False: no demo
+        workload; requests come only from engine.add_request (e.g. a server's clients)."""
         from profiler.recorder import engine_header
 
         self._make_engine = make_engine
-        self._load = load or DemoLoad()
+        self._load = (load or DemoLoad()) if demo else DemoLoad(paused=True)
+        self.demo = demo
         self._records: deque = deque(maxlen=RECORD_BUFFER)
         self._actions: deque = deque(maxlen=RECORD_BUFFER)
         self._commands: deque = deque()
@@ -187,6 +189,8 @@ class LiveSource(Source):
                 raise ActionRefused(str(exc)) from None
             return self._done({"knobs": args})
         if kind == "workload":
+            if not self.demo:
+                raise ActionRefused("workload: this engine serves clients; it runs no demo workload")
             try:
                 load = replace(self._load, **args)
                 load.spec(0, 1)  # validates rate and lengths now
@@ -398,3 +402,152 @@ def counterfactual_plan(state, redundant: int | None = None):
     spare = slots - -(-state.num_experts // state.num_devices)
     return plan_rebalance(loads, Topology.from_mapping(topology), spare if redundant is None else redundant,
                           current=state.placement, expert_bytes=state.expert_bytes or 0)
+
+
+# -- attach
+
+class RemotePlan:
+    """A rebalance plan previewed on a remote server: its summary here, the plan itself there."""
+
+    def __init__(self, plan_id: str, summary: dict):
+        self.plan_id = plan_id
+        self._summary = summary
+        self.placement = None
+
+    def summary(self) -> dict:
+        return self._summary
+
+
+class AttachSource(Source):
+    """A remote `moectl serve`: records from its /v1/telemetry websocket, actions through its
+    /v1/control endpoints (bearer token). Network I/O runs on a background thread with its own
+    event loop, so the console's loop never waits on the network."""
+
+    mode = "attach"
+
+    def __init__(self, url: str, token: str | None = None, timeout_s: float = 10.0):
+        import asyncio
+
+        self.url = url.rstrip("/")
+        if not self.url.startswith(("http://", "https://")):
+            raise ActionRefused(f"attach: {url!r} is not an http(s) URL")
+        self.token = token
+        self.capabilities = frozenset({"knobs", "rebalance_preview", "rebalance_apply", "auto_rebalance", "edit",
+                                       "capture"} if token else set())
+        self._records: deque = deque(maxlen=RECORD_BUFFER)
+        self._actions: deque = deque(maxlen=RECORD_BUFFER)
+        self._error: str | None = None
+        self._closed = False
+        self._hello = threading.Event()
+        self.header: dict = {}
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="moectl-attach", daemon=True)
+        self._thread.start()
+        self._session = self._call(self._open_session()).result(timeout_s)
+        self._reader = asyncio.run_coroutine_threadsafe(self._read_telemetry(), self._loop)
+        if not self._hello.wait(timeout_s):
+            reason = self._error or f"no telemetry from {self.url} within {timeout_s:g} s"
+            self.close()
+            raise ActionRefused(f"attach: {reason}")
+
+    def _call(self, coro) -> Future:
+        import asyncio
+
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    async def _open_session(self):
+        import aiohttp
+
+        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        return aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=60))
+
+    async def _read_telemetry(self) -> None:
+        import aiohttp
+
+        ws_url = self.url.replace("http", "ws", 1) + "/v1/telemetry"
+        while not self._closed:
+            try:
+                async with self._session.ws_connect(ws_url, heartbeat=20) as ws:
+                    self._error = None
+                    async for msg in ws:
+                        if msg.type != aiohttp.WSMsgType.TEXT:
+                            break
+                        self._on_message(msg.json())
+            except Exception as exc:  # noqa: BLE001 - shown in the console; we reconnect
+                self._error = f"telemetry: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            if not self._closed:
+                if self._error is None:
+                    self._error = "telemetry: the server closed the stream"
+                import asyncio
+
+                await asyncio.sleep(1.0)
+
+    def _on_message(self, message: dict) -> None:
+        kind = message.get("type")
+        if kind == "hello":
+            self.header = message.get("header") or {}
+            self._records.extend(_arrays(r) for r in message.get("recent") or ())
+            self._actions.extend(message.get("actions") or ())
+            self._hello.set()
+        elif kind == "step":
+            self._records.append(_arrays(message["record"]))
+        elif kind == "action":
+            self._actions.append(message["record"])
+
+    @property
+    def error(self) -> str | None:
+        return self._error
+
+    def poll(self) -> tuple[list[dict], list[dict]]:
+        records = [self._records.popleft() for _ in range(len(self._records))]
+        actions = [self._actions.popleft() for _ in range(len(self._actions))]
+        return records, actions
+
+    def act(self, kind: str, **args) -> Future:
+        if not self.token:
+            raise ActionRefused(f"{kind}: attached read-only; reattach with --token to control the remote engine")
+        routes = {"knobs": "knobs", "rebalance_preview": "rebalance/preview", "rebalance_apply": "rebalance/apply",
+                  "auto_rebalance": "auto_rebalance", "edit": "edit", "capture": "capture"}
+        if kind not in routes:
+            raise ActionRefused(f"{kind}: not available on an attached engine")
+        if kind == "rebalance_apply":
+            plan = args.pop("plan", None)
+            if not isinstance(plan, RemotePlan):
+                raise ActionRefused("rebalance_apply: preview a plan first")
+            args = {"plan_id": plan.plan_id}
+        return self._call(self._post(kind, routes[kind], args))
+
+    async def _post(self, kind: str, route: str, body: dict):
+        async with self._session.post(f"{self.url}/v1/control/{route}", json=body) as resp:
+            try:
+                data = await resp.json(content_type=None)
+            except ValueError:
+                data = {}
+            if resp.status != 200:
+                message = (data.get("error") or {}).get("message") if isinstance(data, dict) else None
+                raise ActionRefused(message or f"{kind}: the server answered HTTP {resp.status}")
+        if kind == "rebalance_preview":
+            return RemotePlan(data["plan_id"], data["summary"])
+        return data
+
+    def close(self) -> None:
+        self._closed = True
+        try:
+            if getattr(self, "_session", None) is not None:
+                self._call(self._session.close()).result(5)
+        except Exception:  # noqa: BLE001 - closing anyway
+            pass
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+
+
+def _arrays(record: dict) -> dict:
+    """JSON lists back to the numpy arrays the console's code expects where it does arithmetic."""
+    if "routing" in record and record["routing"] is not None:
+        record["routing"] = np.asarray(record["routing"], dtype=np.int64)
+    spans = record.get("spans")
+    if spans:
+        for key in ("lane", "name", "layer", "start_s", "dur_s", "modeled"):
+            if key in spans:
+                spans[key] = np.asarray(spans[key])
+    return record

@@ -19,10 +19,17 @@ WIDTH=120
 HEIGHT=40
 SOCKET="moectl-check-$$"
 SESSION="moectl"
+STATUS_FILE=""
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/moectl-tmux.XXXXXX")
 KEEP=${KEEP:-}
 FAILED=0
 CAPTURES=0
+
+# COLUMNS / LINES in the environment override the terminal's real size for Textual (through
+# shutil.get_terminal_size), and tmux would hand them to the panes. Some parents export stale
+# ones: under pytest, GNU readline's initialisation puts COLUMNS=80 LINES=24 into the C
+# environment (invisible in os.environ), and the console then draws 80x24 in a 120x40 pane.
+unset COLUMNS LINES
 
 command -v tmux >/dev/null 2>&1 || { echo "FAIL tmux is not installed"; exit 2; }
 [ -x "$MOECTL" ] || { echo "FAIL $MOECTL not found (run scripts/setup.sh)"; exit 2; }
@@ -91,12 +98,14 @@ wait_gone() {
     return 1
 }
 
-# wait_exit SECONDS: until the program in the pane has exited; prints its exit status
+# wait_exit SECONDS: until the program in the pane has exited; prints its exit status. The
+# status comes from the wrapper in start(), not from tmux: in some environments the tmux server
+# misses the SIGCHLD and never reaps the pane's process (pane_dead 1, no pane_dead_status).
 wait_exit() {
     local limit=$1 waited=0
     while [ "$waited" -lt $((limit * 10)) ]; do
-        if [ "$(tm display-message -p -t "$SESSION" '#{pane_dead}' 2>/dev/null)" = "1" ]; then
-            tm display-message -p -t "$SESSION" '#{pane_dead_status}'
+        if [ -s "$STATUS_FILE" ]; then
+            cat "$STATUS_FILE"
             return 0
         fi
         sleep 0.2
@@ -113,9 +122,23 @@ check() {
 
 send() { tm send-keys -t "$SESSION" "$@"; }
 
-start() {  # start COMMAND... in a fresh session
+start() {  # start NAME COMMAND... in a fresh session; its exit status goes to $WORK/NAME.status
+    local name=$1
+    shift
+    STATUS_FILE="$WORK/$name.status"
+    rm -f "$STATUS_FILE"
     tm kill-session -t "$SESSION" >/dev/null 2>&1
-    tm new-session -d -s "$SESSION" -x "$WIDTH" -y "$HEIGHT" -c "$ROOT" "$@"
+    # The wrapper records the terminal size the program starts with, runs it, and writes its
+    # exit status to $STATUS_FILE.
+    tm new-session -d -s "$SESSION" -x "$WIDTH" -y "$HEIGHT" -c "$ROOT" \
+        sh -c 'stty size >"$0.size"; "$@"; echo $? >"$0"' "$STATUS_FILE" "$@"
+    local waited=0
+    while [ ! -s "$STATUS_FILE.size" ] && [ "$waited" -lt 50 ]; do sleep 0.1; waited=$((waited + 1)); done
+    if [ "$(cat "$STATUS_FILE.size" 2>/dev/null)" = "$HEIGHT $WIDTH" ]; then
+        pass "$name: the terminal is ${WIDTH}x${HEIGHT}"
+    else
+        fail "$name: the terminal is not ${WIDTH}x${HEIGHT} (stty size: $(cat "$STATUS_FILE.size" 2>/dev/null))"
+    fi
 }
 
 quit_and_check() {  # q, then the program must exit with status 0
@@ -124,7 +147,18 @@ quit_and_check() {  # q, then the program must exit with status 0
     if status=$(wait_exit 10); then
         if [ "$status" = "0" ]; then pass "$name: q exits (status 0)"; else fail "$name: q exited with status $status"; fi
     else
+        local pid child
+        pid=$(tm display-message -p -t "$SESSION" '#{pane_pid}' 2>/dev/null)
         fail "$name: still running 10 s after q"
+        if [ -n "$pid" ]; then  # what is left of it (the pane runs sh, sh runs moectl)
+            ps -o pid,ppid,stat,etime,args -p "$pid" --ppid "$pid" 2>/dev/null | sed 's/^/  /'
+            for child in $(ps -o pid= --ppid "$pid" 2>/dev/null); do
+                for task in /proc/"$child"/task/*; do
+                    echo "  $child thread $(cat "$task/comm" 2>/dev/null) state" \
+                         "$(cut -d' ' -f3 "$task/stat" 2>/dev/null) wchan $(cat "$task/wchan" 2>/dev/null)"
+                done
+            done
+        fi
     fi
     keep "$name-exit"
 }
@@ -132,9 +166,12 @@ quit_and_check() {  # q, then the program must exit with status 0
 T0=$(date +%s)
 
 # -- replay -----------------------------------------------------------------------------------
-start "$MOECTL" replay "$TRACE"
+start replay "$MOECTL" replay "$TRACE"
 check "replay start" "Overview" 20
 check "replay overview" "Expert load per device" 5
+# the app draws on the whole terminal: its widest line (the tabs' underline) is $WIDTH wide
+drawn=$(screen | while IFS= read -r line; do printf '%s' "$line" | LC_ALL=C.UTF-8 wc -m; done | sort -n | tail -1)
+if [ "$drawn" = "$WIDTH" ]; then pass "replay: the app draws $WIDTH columns"; else fail "replay: the app draws $drawn columns, not $WIDTH"; fi
 check "replay transport" "Play" 5
 
 send Space
@@ -170,7 +207,7 @@ keep "help-closed"
 quit_and_check "replay"
 
 # -- live -------------------------------------------------------------------------------------
-start "$MOECTL"
+start live "$MOECTL"
 check "live start" "tok/s" 45
 if wait_gone "throughput 0 tok/s" 20; then
     pass "live: throughput is non-zero ($(screen | grep -o 'throughput [0-9,]* tok/s' | head -1))"

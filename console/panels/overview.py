@@ -38,8 +38,10 @@ class OverviewPanel(VerticalScroll):
             + ("  |  link time modeled" if backend == "emulated" else ""))
         box = self.query_one("#ov-error-box")
         box.set_class(source_error is None, "hidden")
+        self.query_one("#ov-restart", Button).display = state.mode == "live"
         if source_error is not None:
-            self.query_one("#ov-error", Static).update(f"[b red]engine failed:[/] {source_error}")
+            what = "engine failed" if state.mode == "live" else "connection"
+            self.query_one("#ov-error", Static).update(f"[b red]{what}:[/] {source_error}")
         lat, cache, counts = state.latency(), state.cache(), state.request_counts()
         self.query_one("#ov-metrics", Static).update(
             f"throughput [b]{state.throughput():.0f}[/b] tok/s   "

@@ -1,0 +1,224 @@
+"""Prometheus metrics, vLLM-style names with a `moectl:` prefix, on the server's own registry.
+
+Everything that happens (a token, a finished request, a cache hit, a rebalance) is read from the
+record stream (profiler/records.py), which the server's one consumer task hands to observe_step
+and observe_action. What *is* (requests running and waiting, KV cache usage) is read from the
+engine when scraped instead: no step record comes while the engine is idle, so a gauge fed only
+by records would keep showing the last busy step (an abort while idle frees blocks silently).
+
+No label names a request or an expert, so the series count is fixed: the only labels are
+finished_reason (stop, length, abort, error) and the balancedness quantile (0, 0.5, 1).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict, deque
+
+import numpy as np
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.process_collector import ProcessCollector
+
+from engine.placement import Placement, PlacementError
+
+log = logging.getLogger(__name__)
+
+PREFIX = "moectl:"
+BALANCE_WINDOW_STEPS = 64  # steps of routing the balancedness quantiles are computed over
+BALANCE_QUANTILES = (0.0, 0.5, 1.0)
+MAX_TRACKED_REQUESTS = 65536  # arrival times kept for e2e; the oldest are forgotten beyond this
+FINISH_REASONS = ("stop", "length", "abort", "error")
+PLACEMENT_KINDS = ("placement", "rebalance_apply", "move", "swap", "replicate", "drop_replica", "pin", "unpin")
+
+# vLLM's buckets, with finer ones at the bottom for small models on a CPU
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+                 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+               60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+REBALANCE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class ServerMetrics:
+    def __init__(self, header: dict):
+        self.registry = CollectorRegistry()  # never the global one: tests and embedders get their own
+        r = self.registry
+
+        def hist(name, doc, buckets):
+            return Histogram(PREFIX + name, doc, buckets=buckets, registry=r)
+
+        self.ttft = hist("time_to_first_token_seconds", "Time to first token: arrival to first token.", TTFT_BUCKETS)
+        self.itl = hist("inter_token_latency_seconds", "Time between consecutive output tokens of a request "
+                        "(step end to step end).", TOKEN_BUCKETS)
+        self.tpot = hist("request_time_per_output_token_seconds", "Mean time per output token after the first, "
+                         "per finished request.", TOKEN_BUCKETS)
+        self.e2e = hist("e2e_request_latency_seconds", "Arrival to finish, per request that finished with "
+                        "stop or length.", E2E_BUCKETS)
+        self.kv_usage = Gauge(PREFIX + "kv_cache_usage_perc", "KV cache usage (1 = all blocks in use).", registry=r)
+        self.running = Gauge(PREFIX + "num_requests_running", "Requests scheduled on the engine.", registry=r)
+        self.waiting = Gauge(PREFIX + "num_requests_waiting", "Requests waiting to be scheduled.", registry=r)
+        self.prefix_queries = Counter(PREFIX + "prefix_cache_queries", "Prompt tokens looked up in the prefix "
+                                      "cache.", registry=r)
+        self.prefix_hits = Counter(PREFIX + "prefix_cache_hits", "Prompt tokens served from the prefix cache.",
+                                   registry=r)
+        self.preemptions = Counter(PREFIX + "num_preemptions", "Requests preempted (KV cache full).", registry=r)
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens of finished requests.", registry=r)
+        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Output tokens of finished requests.",
+                                         registry=r)
+        self.finished = Counter(PREFIX + "request_success", "Finished requests by finish reason.",
+                                ["finished_reason"], registry=r)
+        self.balancedness = Gauge(PREFIX + "expert_balancedness", "Per-layer expert balancedness (mean device load "
+                                  f"/ busiest device's) over the last {BALANCE_WINDOW_STEPS} steps: quantiles over "
+                                  "the MoE layers (0 = the worst layer, 1 = the best).", ["quantile"], registry=r)
+        self.cache_hits = Counter(PREFIX + "expert_cache_hits", "Expert cache hits, all devices (tiered experts).",
+                                  registry=r)
+        self.cache_misses = Counter(PREFIX + "expert_cache_misses", "Expert cache misses, all devices (tiered "
+                                    "experts).", registry=r)
+        self.rebalances = Counter(PREFIX + "rebalances", "Rebalances applied (operator and automatic).", registry=r)
+        self.rebalance_seconds = hist("rebalance_seconds", "Wall seconds to apply a rebalance between steps: the "
+                                      "engine's own figure when its record has one, else from the end of the "
+                                      "step (or the request) before it to its record.", REBALANCE_BUCKETS)
+        self.telemetry_dropped = Counter(PREFIX + "telemetry_dropped_messages", "Telemetry messages dropped for "
+                                         "websocket clients that fell behind.", registry=r)
+        ProcessCollector(registry=r)  # process_resident_memory_bytes and friends: leaks show here
+        for reason in FINISH_REASONS:  # every series exists from the start
+            self.finished.labels(finished_reason=reason)
+
+        model = header.get("model") or {}
+        self._sparse = np.asarray(model.get("sparse_layers") or [], dtype=bool)
+        devices = header.get("devices") or {}
+        self._placement = _placement(devices.get("placement"))
+        self._routing: deque = deque(maxlen=BALANCE_WINDOW_STEPS)
+        self._routing_sum: np.ndarray | None = None
+        self._balance_stale = False
+        self._arrivals: OrderedDict[str, float] = OrderedDict()  # request id -> arrival (engine clock)
+        self._last_token: dict[str, float] = {}  # request id -> end of the step of its last token
+        self._cumulative: dict[str, float] = {}  # last seen cumulative cache counters
+        self._placement_start = float("-inf")  # when the newest placement change could start
+
+    # -- the record stream (the event loop, from the consumer task)
+    def observe_step(self, rec: dict) -> None:
+        t_end = rec["t_end"]
+        # a token per request in the batch that already had one (a decode step); before the
+        # events, so a request's first-token step does not count as a gap
+        for rid in rec["batch"]["request_ids"]:
+            last = self._last_token.get(rid)
+            if last is not None:
+                self.itl.observe(t_end - last)
+                self._last_token[rid] = t_end
+        for event in rec.get("requests") or ():
+            self._request_event(event, t_end)
+        cache = rec.get("cache") or {}
+        self._count_cumulative("prefix_queries", cache.get("prefix_queries"), self.prefix_queries)
+        self._count_cumulative("prefix_hits", cache.get("prefix_hits"), self.prefix_hits)
+        self._count_cumulative("preemptions", cache.get("preemptions"), self.preemptions)
+        devices = rec.get("devices") or {}
+        for per_device in devices.get("expert_cache") or ():  # per step, not cumulative
+            self.cache_hits.inc(per_device.get("hits", 0))
+            self.cache_misses.inc(per_device.get("misses", 0))
+        routing = rec.get("routing")
+        if routing is not None:
+            self._add_routing(np.asarray(routing, dtype=np.float64))
+        self._placement_start = max(self._placement_start, t_end)
+
+    def _request_event(self, event: dict, t_end: float) -> None:
+        rid, kind = event["id"], event["event"]
+        if kind == "arrived":
+            self._arrivals[rid] = event["t"]
+            if len(self._arrivals) > MAX_TRACKED_REQUESTS:
+                self._arrivals.popitem(last=False)
+        elif kind == "first_token":
+            arrival = self._arrivals.get(rid)
+            if arrival is not None:
+                self.ttft.observe(event["t"] - arrival)
+            self._last_token[rid] = t_end
+        elif kind == "preempted":
+            # its recompute runs prefill steps without tokens: stop measuring its gaps
+            self._last_token.pop(rid, None)
+        elif kind == "finished":
+            reason = event.get("reason")
+            self._last_token.pop(rid, None)
+            arrival = self._arrivals.pop(rid, None)
+            self.finished.labels(finished_reason=reason if reason in FINISH_REASONS else "error").inc()
+            self.prompt_tokens.inc(event.get("prompt_tokens") or 0)
+            self.generation_tokens.inc(event.get("output_tokens") or 0)
+            if reason in ("stop", "length"):  # an aborted request's latency is not a serving latency
+                if arrival is not None:
+                    self.e2e.observe(event["t"] - arrival)
+                if event.get("tpot_s") is not None:
+                    self.tpot.observe(event["tpot_s"])
+
+    def _count_cumulative(self, key: str, value, counter: Counter) -> None:
+        if value is None:
+            return
+        last = self._cumulative.get(key, 0)
+        counter.inc(value - last if value >= last else value)  # a restarted engine counts from 0
+        self._cumulative[key] = value
+
+    def _add_routing(self, routing: np.ndarray) -> None:
+        if self._routing_sum is None or self._routing_sum.shape != routing.shape:
+            self._routing.clear()
+            self._routing_sum = np.zeros_like(routing)
+        if len(self._routing) == self._routing.maxlen:
+            self._routing_sum -= self._routing[0]
+        self._routing.append(routing)
+        self._routing_sum += routing
+        self._balance_stale = True
+
+    def observe_action(self, action: dict) -> None:
+        kind, result = action.get("kind"), action.get("result") or {}
+        if kind == "auto_rebalance_plan":  # the automatic apply starts at the next step
+            self._placement_start = max(self._placement_start, action["time"])
+        if kind in PLACEMENT_KINDS and isinstance(result.get("placement"), dict):
+            placement = _placement(result["placement"])
+            if placement is not None:
+                self._placement = placement
+                self._balance_stale = True
+        if kind == "rebalance_apply":
+            self.rebalances.inc()
+            seconds = result.get("seconds")
+            if seconds is None and self._placement_start > float("-inf"):
+                seconds = action["time"] - self._placement_start
+            if seconds is not None and seconds >= 0:
+                self.rebalance_seconds.observe(seconds)
+
+    def placement_requested(self, t: float) -> None:
+        """The server asked for a placement change at engine-clock time t (time.monotonic())."""
+        self._placement_start = max(self._placement_start, t)
+
+    def dropped_telemetry(self, n: int) -> None:
+        self.telemetry_dropped.inc(n)
+
+    # -- a scrape
+    def render(self, engine_stats: dict | None) -> bytes:
+        if engine_stats is not None:
+            self.running.set(engine_stats["running"])
+            self.waiting.set(engine_stats["waiting"])
+            self.kv_usage.set(engine_stats["kv_usage"])
+        if self._balance_stale:
+            self._update_balancedness()
+        return generate_latest(self.registry)
+
+    def _update_balancedness(self) -> None:
+        self._balance_stale = False
+        if self._placement is None or self._routing_sum is None:
+            return
+        try:
+            per_layer, _ = self._placement.balancedness(self._routing_sum)
+        except PlacementError as exc:  # a placement of another shape (an engine restart)
+            log.debug("balancedness: %s", exc)
+            return
+        if self._sparse.shape == per_layer.shape and self._sparse.any():
+            per_layer = per_layer[self._sparse]  # dense layers have no experts to balance
+        for q, value in zip(BALANCE_QUANTILES, np.quantile(per_layer, BALANCE_QUANTILES)):
+            self.balancedness.labels(quantile=f"{q:g}").set(float(value))
+
+
+def _placement(raw) -> Placement | None:
+    if not isinstance(raw, dict):
+        return None
+    try:
+        return Placement.from_dict(raw)
+    except (PlacementError, ValueError, KeyError, TypeError):
+        return None

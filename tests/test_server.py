@@ -1,0 +1,534 @@
+"""The HTTP server (server/): the OpenAI API through the official client, /metrics, the telemetry
+websocket, auth and controls, malformed requests, client disconnects, and a bounded load test.
+
+Each server runs on its own thread (ServerThread) over a LiveSource on a tiny checkpoint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+import logging
+import time
+import urllib.error
+import urllib.request
+
+import psutil
+import pytest
+
+aiohttp = pytest.importorskip("aiohttp")
+openai = pytest.importorskip("openai")
+pytest.importorskip("prometheus_client")
+
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+from console.sources import LiveSource  # noqa: E402
+from engine.engine_config import EngineConfig  # noqa: E402
+from engine.llm_engine import LLMEngine, RequestOutput, RequestStream  # noqa: E402
+from engine.topology import Topology  # noqa: E402
+from server.app import STATE, ServerThread, check_bind, run_server  # noqa: E402
+from server.streams import EngineBridge, TextDeltas  # noqa: E402
+from server.telemetry import CLIENT_QUEUE, TelemetryClient  # noqa: E402
+from tests.engine_fixtures import make_tiny_checkpoint  # noqa: E402
+
+TOKEN = "s3cret-token"
+PROMPT = "def add(a, b):\n    return"
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("server_ckpt"))
+
+
+def _source(checkpoint) -> LiveSource:
+    return LiveSource(lambda: LLMEngine(EngineConfig(model=str(checkpoint), block_size=4, num_kv_blocks=256,
+                                                     topology=Topology(num_devices=2), num_threads=1)), demo=False)
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint):
+    """No token: loopback only, control refused."""
+    source = _source(checkpoint)
+    with ServerThread(source) as srv:
+        srv.source = source
+        yield srv
+    source.close()
+
+
+@pytest.fixture(scope="module")
+def secured(checkpoint):
+    source = _source(checkpoint)
+    with ServerThread(source, token=TOKEN) as srv:
+        srv.source = source
+        yield srv
+    source.close()
+
+
+def http(method: str, url: str, body=None, *, token: str | None = None, raw: bytes | None = None):
+    """(status, parsed JSON body)."""
+    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+    headers = {"Content-Type": "application/json"}
+    if token is not None:
+        headers["Authorization"] = f"Bearer {token}"
+    req = urllib.request.Request(url, data=data, method=method, headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status, json.loads(resp.read() or b"null")
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read() or b"null")
+
+
+def assert_error(status_body, status: int, param: str | None = None) -> dict:
+    got_status, body = status_body
+    assert got_status == status, body
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    if param is not None:
+        assert error["param"] == param, error
+    return error
+
+
+def wait_until(predicate, timeout: float = 10.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def wait_idle(srv) -> None:
+    engine = srv.source.engine
+    wait_until(lambda: engine.stats()["running"] == 0 and engine.stats()["waiting"] == 0
+               and not engine.has_unfinished(), what="the engine to go idle")
+
+
+def scrape(srv, token: str | None = None) -> dict:
+    req = urllib.request.Request(srv.url + "/metrics", headers={"Authorization": f"Bearer {token}"} if token else {})
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        return {f.name: f for f in text_string_to_metric_families(resp.read().decode())}
+
+
+def sample(families: dict, name: str, suffix: str = "", **labels) -> float:
+    for s in families[name].samples:
+        if s.name == name + suffix and all(s.labels.get(k) == v for k, v in labels.items()):
+            return s.value
+    raise KeyError(f"{name}{suffix} {labels}")
+
+
+def client(srv, api_key: str = "unused") -> "openai.OpenAI":
+    return openai.OpenAI(base_url=srv.url + "/v1", api_key=api_key, max_retries=0, timeout=60)
+
+
+# -- the OpenAI API, through the official client
+
+def test_models_and_health(server):
+    name = server.app[STATE].model_name
+    assert [m.id for m in client(server).models.list().data] == [name]
+    status, body = http("GET", server.url + "/health")
+    assert status == 200 and body["status"] == "ok" and body["kv_blocks_total"] == 256
+
+
+def test_completion_streamed_equals_unstreamed(server):
+    c = client(server)
+    name = server.app[STATE].model_name
+    full = c.completions.create(model=name, prompt=PROMPT, max_tokens=12, temperature=0)
+    text = full.choices[0].text
+    assert full.choices[0].finish_reason in ("stop", "length")
+    assert full.usage.completion_tokens <= 12
+    assert full.usage.total_tokens == full.usage.prompt_tokens + full.usage.completion_tokens
+
+    chunks = list(c.completions.create(model=name, prompt=PROMPT, max_tokens=12, temperature=0, stream=True,
+                                       stream_options={"include_usage": True}))
+    streamed = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+    assert streamed == text
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == full.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.model_dump() == full.usage.model_dump()
+
+    # a prompt of token ids is the same prompt
+    ids = server.source.engine.encode(PROMPT)
+    by_ids = c.completions.create(model=name, prompt=ids, max_tokens=12, temperature=0)
+    assert by_ids.choices[0].text == text and by_ids.usage.prompt_tokens == len(ids)
+
+
+def test_stop_string_cuts_streamed_and_unstreamed_alike(server):
+    c = client(server)
+    name = server.app[STATE].model_name
+    text = c.completions.create(model=name, prompt=PROMPT, max_tokens=16,
+                                extra_body={"ignore_eos": True}).choices[0].text
+    stop = next((ch for ch in text[2:] if ch != "\ufffd"), None)
+    if stop is None:
+        pytest.skip("the tiny model's output has no usable stop character")
+    expected = text[:text.find(stop)]
+    cut = c.completions.create(model=name, prompt=PROMPT, max_tokens=16, stop=[stop], extra_body={"ignore_eos": True})
+    assert cut.choices[0].text == expected and cut.choices[0].finish_reason == "stop"
+    streamed = "".join(ch.choices[0].text for ch in c.completions.create(
+        model=name, prompt=PROMPT, max_tokens=16, stop=stop, stream=True, extra_body={"ignore_eos": True}))
+    assert streamed == expected
+
+
+def test_chat_streamed_equals_unstreamed(server):
+    c = client(server)
+    name = server.app[STATE].model_name
+    messages = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "Add two numbers."}]
+    full = c.chat.completions.create(model=name, messages=messages, max_tokens=10, temperature=0)
+    msg = full.choices[0].message
+    assert msg.role == "assistant" and full.usage.completion_tokens <= 10
+    # the documented template, token for token
+    template = "<|system|>\nYou write Python.\n<|user|>\nAdd two numbers.\n<|assistant|>\n"
+    assert full.usage.prompt_tokens == len(server.source.engine.encode(template))
+
+    chunks = list(c.chat.completions.create(model=name, messages=messages, max_tokens=10, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    streamed = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert streamed == msg.content
+    assert chunks[-1].usage.model_dump() == full.usage.model_dump()
+
+
+# -- /metrics
+
+def test_metrics_histograms_fill_and_series_stay_bounded(server):
+    c = client(server)
+    name = server.app[STATE].model_name
+
+    def run(n):
+        for i in range(n):
+            c.completions.create(model=name, prompt=f"{PROMPT} {i}", max_tokens=6, extra_body={"ignore_eos": True})
+
+    before = scrape(server)
+    ttft0 = sample(before, "moectl:time_to_first_token_seconds", "_count")
+    run(4)
+    wait_until(lambda: sample(scrape(server), "moectl:e2e_request_latency_seconds", "_count") >= ttft0 + 4,
+               what="the metrics to see the requests")
+    fams = scrape(server)
+    for hist in ("time_to_first_token_seconds", "inter_token_latency_seconds",
+                 "request_time_per_output_token_seconds", "e2e_request_latency_seconds"):
+        assert fams["moectl:" + hist].type == "histogram"
+        assert sample(fams, "moectl:" + hist, "_count") > 0, hist
+    assert sample(fams, "moectl:time_to_first_token_seconds", "_count") >= ttft0 + 4
+    assert sample(fams, "moectl:request_success", "_total", finished_reason="length") >= 4
+    assert sample(fams, "moectl:generation_tokens", "_total") >= 24
+    assert sample(fams, "moectl:prefix_cache_queries", "_total") >= sample(fams, "moectl:prefix_cache_hits", "_total")
+    assert sample(fams, "moectl:prefix_cache_queries", "_total") > 0
+    assert sample(fams, "moectl:num_requests_running") == 0
+    assert 0 <= sample(fams, "moectl:kv_cache_usage_perc") <= 1
+    balance = sorted(s.labels["quantile"] for s in fams["moectl:expert_balancedness"].samples)
+    assert balance == ["0", "0.5", "1"]
+    assert all(0 < s.value <= 1 for s in fams["moectl:expert_balancedness"].samples)
+    for name_ in ("expert_cache_hits", "expert_cache_misses", "rebalances", "num_preemptions"):
+        assert "moectl:" + name_ in fams
+    assert "moectl:rebalance_seconds" in fams and "process_resident_memory_bytes" in fams
+
+    def series(f):
+        return sum(len(fam.samples) for fam in f.values())
+    count = series(fams)
+    run(6)
+    time.sleep(0.2)
+    assert series(scrape(server)) == count
+
+
+# -- /v1/telemetry
+
+def test_telemetry_websocket_hello_then_matching_steps(server):
+    async def main():
+        async with aiohttp.ClientSession() as session:
+            async with session.ws_connect(server.url + "/v1/telemetry") as ws:
+                hello = await ws.receive_json(timeout=10)
+                assert hello["type"] == "hello"
+                assert hello["header"]["model"]["num_experts"] == 8
+                assert isinstance(hello["recent"], list) and isinstance(hello["actions"], list)
+
+                async def complete(i):
+                    async with session.post(server.url + "/v1/completions",
+                                            json={"prompt": f"{PROMPT} {i}", "max_tokens": 5, "ignore_eos": True}) as r:
+                        return await r.json()
+                done = await asyncio.gather(*(complete(i) for i in range(3)))
+                wanted = {d["id"]: d["usage"]["completion_tokens"] for d in done}
+                finished, seen_in_batch = {}, set()
+                async with asyncio.timeout(15):
+                    while set(finished) != set(wanted):
+                        msg = await ws.receive_json()
+                        if msg["type"] != "step":
+                            continue
+                        rec = msg["record"]
+                        assert isinstance(rec["routing"], list) and len(rec["routing"]) == 2
+                        seen_in_batch |= set(rec["batch"]["request_ids"]) & set(wanted)
+                        for ev in rec["requests"]:
+                            if ev["event"] == "finished" and ev["id"] in wanted:
+                                finished[ev["id"]] = ev["output_tokens"]
+                assert finished == wanted and seen_in_batch == set(wanted)
+
+                # a client that does not read: the hub drops its oldest messages and says so
+                hub = server.app[STATE].hub
+                n = CLIENT_QUEUE + 100
+                server.call(lambda: [hub.publish("action", {"time": 0.0, "step": 0, "kind": "test", "args": {},
+                                                           "result": {"i": i}}) for i in range(n)])
+                async with asyncio.timeout(10):
+                    while True:
+                        msg = await ws.receive_json()
+                        if msg["type"] == "dropped":
+                            assert msg["count"] >= 100
+                            break
+    asyncio.run(main())
+    assert sample(scrape(server), "moectl:telemetry_dropped_messages", "_total") >= 100
+
+
+def test_telemetry_disconnects_a_stuck_client(server, monkeypatch, caplog):
+    import server.telemetry as telemetry
+
+    monkeypatch.setattr(telemetry, "STUCK_S", 0.5)
+    caplog.set_level(logging.INFO, logger="server.telemetry")
+    hub = server.app[STATE].hub
+    big = {"time": 0.0, "step": 0, "kind": "test", "args": {}, "result": {"blob": "x" * (1 << 20)}}
+
+    async def main():
+        async with aiohttp.ClientSession() as session:
+            async with session.ws_connect(server.url + "/v1/telemetry"):
+                # never read: the client's buffer fills, then the sockets', then the server's send waits
+                wait_until(lambda: server.call(lambda: len(hub.clients)) == 1, what="the client to register")
+                server.call(lambda: [hub.publish("action", big) for _ in range(48)])
+                await asyncio.to_thread(wait_until, lambda: server.call(lambda: len(hub.clients)) == 0, 20,
+                                        "the stuck client to be dropped")
+    asyncio.run(main())
+    assert "stuck" in caplog.text
+    server.call(lambda: hub.actions.clear())  # keep later hellos small
+
+
+def test_telemetry_client_queue_is_bounded():
+    client_ = TelemetryClient(ws=None)
+    for i in range(CLIENT_QUEUE + 7):
+        client_.offer(str(i))
+    assert len(client_.queue) == CLIENT_QUEUE and client_.dropped == 7
+    assert client_.queue[0] == "7"  # the oldest went first
+
+
+# -- auth and control
+
+def test_binding_beyond_loopback_needs_a_token(server):
+    with pytest.raises(ValueError, match="--token"):
+        check_bind("0.0.0.0", None)
+    with pytest.raises(ValueError, match="--token"):
+        run_server(server.source, host="0.0.0.0", port=1, token=None)  # refused before binding
+    check_bind("127.0.0.1", None)
+    check_bind("::1", None)
+    check_bind("0.0.0.0", TOKEN)
+
+
+def test_control_refused_without_token_configured(server):
+    assert_error(http("GET", server.url + "/v1/control/knobs"), 403)
+    err = assert_error(http("POST", server.url + "/v1/control/knobs", {"max_num_seqs": 3}, token="anything"), 403)
+    assert "--token" in err["message"]
+
+
+def test_token_required_and_checked(secured):
+    url = secured.url
+    assert http("GET", url + "/health")[0] == 200  # probes need no token
+    assert_error(http("GET", url + "/v1/models"), 401)
+    assert_error(http("GET", url + "/v1/models", token="wrong"), 401)
+    assert http("GET", url + "/v1/models", token=TOKEN)[0] == 200
+    assert_error(http("GET", url + "/v1/control/knobs"), 401)
+    assert_error(http("POST", url + "/v1/control/knobs", {"max_num_seqs": 3}, token="wrong"), 401)
+    with pytest.raises(openai.AuthenticationError):
+        client(secured, "wrong").completions.create(model=secured.app[STATE].model_name, prompt="x", max_tokens=2)
+    out = client(secured, TOKEN).completions.create(model=secured.app[STATE].model_name, prompt="x", max_tokens=2)
+    assert out.usage.completion_tokens >= 1
+
+
+def test_control_knobs_change_the_engine(secured):
+    url, engine = secured.url + "/v1/control/knobs", secured.source.engine
+    status, body = http("GET", url, token=TOKEN)
+    assert status == 200 and body["knobs"]["max_num_seqs"] == engine.knobs.max_num_seqs
+    status, body = http("POST", url, {"max_num_seqs": 7}, token=TOKEN)
+    assert status == 200 and body["knobs"]["max_num_seqs"] == 7
+    wait_until(lambda: engine.knobs.max_num_seqs == 7, what="the knob change")
+    assert "max_num_seqs" in assert_error(http("POST", url, {"max_num_seqs": 0}, token=TOKEN), 400)["message"]
+    assert "bogus" in assert_error(http("POST", url, {"bogus": 1}, token=TOKEN), 400)["message"]
+    assert_error(http("POST", url, raw=b"{nope", token=TOKEN), 400)
+    assert http("POST", url, {"max_num_seqs": 64}, token=TOKEN)[0] == 200
+
+
+def test_control_rebalance_capture_edit_and_recording(secured, tmp_path):
+    base, name = secured.url + "/v1/control", secured.app[STATE].model_name
+    client(secured, TOKEN).completions.create(model=name, prompt=PROMPT, max_tokens=8)  # routing to plan from
+    status, preview = http("POST", base + "/rebalance/preview", token=TOKEN)
+    assert status == 200 and {"balancedness_before", "balancedness_after"} <= set(preview["summary"])
+    assert_error(http("POST", base + "/rebalance/apply", {"plan_id": "plan-nope"}, token=TOKEN), 400, "plan_id")
+    status, applied = http("POST", base + "/rebalance/apply", {"plan_id": preview["plan_id"]}, token=TOKEN)
+    assert status == 200 and applied["plan_id"] == preview["plan_id"]
+    assert_error(http("POST", base + "/rebalance/apply", {"plan_id": preview["plan_id"]}, token=TOKEN), 400)
+    wait_until(lambda: sample(scrape(secured, TOKEN), "moectl:rebalances", "_total") == 1, what="the rebalance")
+    assert sample(scrape(secured, TOKEN), "moectl:rebalance_seconds", "_count") == 1
+
+    assert http("POST", base + "/capture", {"steps": 2}, token=TOKEN)[0] == 200
+    assert_error(http("POST", base + "/capture", {"steps": "2"}, token=TOKEN), 400, "steps")
+    assert_error(http("POST", base + "/capture", {"steps": 0}, token=TOKEN), 400)
+
+    status, edited = http("POST", base + "/edit", {"edit": "pin", "layer": 0, "expert": 1}, token=TOKEN)
+    assert status == 200 and [0, 1] in edited["placement"]["pinned"]
+    assert_error(http("POST", base + "/edit", {"edit": "pin", "layer": 99, "expert": 1}, token=TOKEN), 400)
+    assert_error(http("POST", base + "/edit", {"edit": "teleport"}, token=TOKEN), 400)
+    assert http("POST", base + "/auto_rebalance", {"enabled": False}, token=TOKEN)[0] == 200
+    assert_error(http("POST", base + "/auto_rebalance", {"enabled": True, "threshold": 7}, token=TOKEN), 400)
+
+    trace = tmp_path / "served.trace"
+    assert http("POST", base + "/recording/start", {"path": str(trace)}, token=TOKEN)[0] == 200
+    assert_error(http("POST", base + "/recording/start", {"path": str(tmp_path / "b")}, token=TOKEN), 400)
+    client(secured, TOKEN).completions.create(model=name, prompt=PROMPT, max_tokens=4)
+    status, stopped = http("POST", base + "/recording/stop", token=TOKEN)
+    assert status == 200 and stopped["steps"] >= 1 and trace.is_file()
+    assert_error(http("POST", base + "/recording/stop", token=TOKEN), 400)
+    assert_error(http("POST", base + "/recording/start", {"path": str(trace)}, token=TOKEN), 400, "path")
+
+
+# -- malformed requests
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": PROMPT, "max_tokens": -1}, "max_tokens"),
+    ({"prompt": PROMPT, "max_tokens": 5000}, "max_tokens"),
+    ({"prompt": PROMPT, "max_tokens": "8"}, "max_tokens"),
+    ({"prompt": PROMPT, "max_tokens": True}, "max_tokens"),
+    ({"prompt": PROMPT, "temperature": "hot"}, "temperature"),
+    ({"prompt": PROMPT, "top_p": 0}, "top_p"),
+    ({"prompt": PROMPT, "stop": [1]}, "stop"),
+    ({"prompt": PROMPT, "seed": -3}, "seed"),
+    ({"prompt": PROMPT, "stream": "yes"}, "stream"),
+    ({"prompt": PROMPT, "stream_options": {"include_usage": True}}, "stream_options"),
+    ({"prompt": PROMPT, "n": 2}, "n"),
+    ({"prompt": PROMPT, "model": "gpt-4"}, "model"),
+    ({"prompt": 123}, "prompt"),
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": [1, 2, 100000]}, "prompt"),
+    ({"prompt": ["a", "b"]}, "prompt"),
+    ({"prompt": list(range(2, 302)) * 2, "max_tokens": 16}, "prompt"),  # 600 tokens: over the 512 context
+])
+def test_bad_completion_requests_get_400(server, body, param):
+    assert_error(http("POST", server.url + "/v1/completions", body), 400, param)
+
+
+def test_malformed_bodies_and_routes(server):
+    url = server.url
+    assert "JSON" in assert_error(http("POST", url + "/v1/completions", raw=b'{"prompt": '), 400)["message"]
+    assert_error(http("POST", url + "/v1/completions", raw=b"[1, 2]"), 400)
+    assert_error(http("POST", url + "/v1/chat/completions", {"messages": []}), 400, "messages")
+    assert_error(http("POST", url + "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}),
+                 400, "messages")
+    assert_error(http("POST", url + "/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}),
+                 400, "messages")
+    too_big = json.dumps({"prompt": "x" * (server.app[STATE].max_request_bytes + 10)}).encode()
+    assert_error(http("POST", url + "/v1/completions", raw=too_big), 413)
+    assert_error(http("GET", url + "/v1/completions"), 405)
+    assert_error(http("GET", url + "/v1/nothing-here"), 404)
+    with pytest.raises(openai.BadRequestError):
+        client(server).completions.create(model="not-this-one", prompt="x", max_tokens=2)
+
+
+# -- disconnects and load
+
+def test_client_disconnect_aborts_and_frees_kv_blocks(server):
+    engine = server.source.engine
+    wait_idle(server)
+    aborted = engine.num_aborted
+    body = {"prompt": PROMPT, "max_tokens": 480, "ignore_eos": True}
+
+    async def main():
+        async with aiohttp.ClientSession() as session:
+            resp = await session.post(server.url + "/v1/completions", json={**body, "stream": True})
+            assert resp.status == 200
+            await resp.content.readline()  # the first chunk: the request is running
+            resp.close()  # drop the connection mid-stream
+            try:  # a non-streamed request whose client gives up
+                async with asyncio.timeout(0.3):
+                    await session.post(server.url + "/v1/completions", json=body)
+            except TimeoutError:
+                pass
+    asyncio.run(main())
+    wait_until(lambda: engine.num_aborted >= aborted + 2, what="both requests to be aborted")
+    wait_idle(server)
+    assert engine.blocks.num_used == 0
+    engine.blocks.check_invariants()
+
+
+async def _stream_completion(session, url: str, i: int, max_tokens: int) -> tuple[str, dict | None, bool]:
+    body = {"prompt": f"{PROMPT} {i}", "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True}}
+    text, usage, done = "", None, False
+    async with session.post(url + "/v1/completions", json=body) as resp:
+        assert resp.status == 200, await resp.text()
+        async for line in resp.content:
+            line = line.strip()
+            if not line.startswith(b"data: "):
+                continue
+            if line == b"data: [DONE]":
+                done = True
+                continue
+            chunk = json.loads(line[6:])
+            assert "error" not in chunk, chunk
+            if chunk["choices"]:
+                text += chunk["choices"][0]["text"]
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+    return text, usage, done
+
+
+def _load_round(url: str, n: int, max_tokens: int) -> list:
+    async def main():
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+            return await asyncio.gather(*(_stream_completion(session, url, i, max_tokens) for i in range(n)),
+                                        return_exceptions=True)
+    return asyncio.run(main())
+
+
+def test_load_200_concurrent_streams_no_errors_no_leaks(server):
+    engine, n, max_tokens = server.source.engine, 200, 8
+    process = psutil.Process()
+    _load_round(server.url, n, max_tokens)  # warm-up: allocator pools, connections, caches
+    wait_idle(server)
+    gc.collect()
+    baseline = process.memory_info().rss
+
+    results = _load_round(server.url, n, max_tokens)
+    errors = [r for r in results if isinstance(r, BaseException)]
+    assert not errors, errors[:3]
+    assert all(done and usage and usage["completion_tokens"] == max_tokens for _, usage, done in results)
+    wait_idle(server)
+    assert engine.blocks.num_used == 0
+    engine.blocks.check_invariants()
+    gc.collect()
+    assert process.memory_info().rss - baseline < 64 << 20
+
+
+# -- the pieces
+
+def test_text_deltas_add_up_to_the_engine_text(server):
+    engine = server.source.engine
+    text = "héllo wörld ✓ naïve – done"
+    ids = engine.encode(text)
+    deltas = TextDeltas(engine.decode)
+    streamed = "".join(deltas.update(ids[:i]) for i in range(1, len(ids) + 1))
+    assert "\ufffd" not in streamed
+    assert streamed + deltas.finish(engine.decode(ids)) == engine.decode(ids)
+    # a stop string: the engine finishes at the step that completes it and cuts its text there;
+    # nothing past the cut is sent before that
+    deltas = TextDeltas(engine.decode, ("done",))
+    running = [ids[:i] for i in range(1, len(ids) + 1) if "done" not in engine.decode(ids[:i])]
+    streamed = "".join(deltas.update(prefix) for prefix in running)
+    cut = engine.decode(ids).find("done")
+    assert len(streamed) <= cut
+    assert streamed + deltas.finish(engine.decode(ids)[:cut]) == engine.decode(ids)[:cut]
+
+
+def test_bridge_keeps_outputs_put_before_it_took_over():
+    def output(n, finished):
+        return RequestOutput("r", [1], list(range(n)), [n - 1], "", finished, "length" if finished else None)
+
+    async def main():
+        bridge = EngineBridge(asyncio.get_running_loop())
+        stream = RequestStream("r")
+        stream.put(output(1, False))  # the engine got there first
+        outputs = bridge.attach(stream)
+        await asyncio.to_thread(stream.put, output(2, True))  # from another thread, as the engine does
+        first, last = await outputs.get(5), await outputs.get(5)
+        assert (len(first.token_ids), len(last.token_ids)) == (1, 2) and outputs.finished
+    asyncio.run(main())
