@@ -39,7 +39,8 @@ class HelpScreen(ModalScreen):
         lines = ["[b]moectl console keys[/b]", ""]
         for binding in app.BINDINGS:
             if isinstance(binding, Binding) and binding.description:
-                lines.append(f"  [b]{binding.key:<14}[/b] {binding.description}")
+                keys = " / ".join(app.get_key_display(Binding(k, "")) for k in binding.key.split(","))
+                lines.append(f"  [b]{keys:<14}[/b] {binding.description}")
         lines += ["", "  [b]arrows[/b]         move the heat-map cursor / pan the timeline",
                   "  [b]+ / - / 0[/b]      zoom the timeline in / out / to fit",
                   "  [b]tab[/b]            next control; [b]enter[/b] presses a button or submits a field",
@@ -90,6 +91,7 @@ class MoectlApp(App):
         self.replay = isinstance(source, ReplaySource)
         self._alerts_at = 0.0
         self._alerts_running = False
+        self._shown_version, self._shown_error = -1, None
         self.sub_title = f"{source.mode} · {self.state.model_name}"
 
     def compose(self) -> ComposeResult:
@@ -128,13 +130,18 @@ class MoectlApp(App):
         if self.replay and getattr(self.source, "needs_reset", False):
             self.state.reset()
         self.state.apply(records, actions)
+        if self.state.version == self._shown_version and self.source.error == self._shown_error:
+            if self.replay:  # play/pause and position still change the transport's line
+                self.query_one(TransportBar).show(self.source)
+            return  # nothing new: leave the UI thread to the keyboard
         if time.monotonic() - self._alerts_at > ALERT_EVERY_S and self.state.window and not self._alerts_running:
             self._alerts_at = time.monotonic()
             self._alerts_running = True
             self.compute_alerts(list(self.state.window), self.state.placement_shown)
         self.refresh_panels()
 
-    @work(thread=True, exclusive=True, group="alerts")
+    # a fixed description: Textual would otherwise repr() the arguments (the whole window) on the UI thread
+    @work(thread=True, exclusive=True, group="alerts", description="alerts")
     def compute_alerts(self, records: list[dict], placement) -> None:
         from engine.topology import Topology
         from profiler.analysis import alerts
@@ -151,9 +158,11 @@ class MoectlApp(App):
 
     def _set_alerts(self, found: list[dict]) -> None:
         self.state.alerts = found
+        self.state.version += 1
         self._alerts_running = False
 
     def refresh_panels(self) -> None:
+        self._shown_version, self._shown_error = self.state.version, self.source.error
         active = self.query_one(TabbedContent).active
         panel = self.query_one(f"#panel-{active}")
         try:
@@ -192,7 +201,7 @@ class MoectlApp(App):
         self._clear_errors(kind)
         self.wait_for(kind, future)
 
-    @work(thread=True, group="actions")
+    @work(thread=True, group="actions", description="action")
     def wait_for(self, kind: str, future) -> None:
         try:
             result = future.result(timeout=60)
@@ -204,7 +213,7 @@ class MoectlApp(App):
     def _done(self, kind: str, result) -> None:
         if kind == "rebalance_preview":
             self.plan = result
-            self.query_one(ExpertsPanel).show_preview(result.summary())
+            self._show_preview(result.summary())
         elif kind == "rebalance_apply":
             self.plan = None
             self.notify("rebalance applied between steps")
@@ -215,6 +224,12 @@ class MoectlApp(App):
         else:
             self.notify(f"{kind}: done")
         self.refresh_panels()
+
+    def _show_preview(self, summary: dict, counterfactual: bool = False) -> None:
+        self.query_one(ExpertsPanel).show_preview(summary)
+        what = "counterfactual " if counterfactual else ""
+        self.notify(f"{what}balancedness {summary['balancedness_before']:.3f} -> {summary['balancedness_after']:.3f}, "
+                    f"{summary['bytes_moved']:,} bytes to move; press A to apply", title="rebalance preview")
 
     def _refused(self, kind: str, reason: str) -> None:
         if kind in ("knobs", "workload"):
@@ -236,7 +251,7 @@ class MoectlApp(App):
         try:
             if kind == "rebalance_preview":
                 self.plan = counterfactual_plan(self.state)
-                self.query_one(ExpertsPanel).show_preview(self.plan.summary())
+                self._show_preview(self.plan.summary(), counterfactual=True)
             elif kind == "rebalance_apply":
                 if self.plan is None:
                     raise ActionRefused("preview a rebalance first")

@@ -530,11 +530,21 @@ class AttachSource(Source):
             return RemotePlan(data["plan_id"], data["summary"])
         return data
 
+    async def _shutdown(self) -> None:
+        import asyncio
+
+        current = asyncio.current_task()
+        tasks = [t for t in asyncio.all_tasks() if t is not current]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if getattr(self, "_session", None) is not None:
+            await self._session.close()
+
     def close(self) -> None:
         self._closed = True
         try:
-            if getattr(self, "_session", None) is not None:
-                self._call(self._session.close()).result(5)
+            self._call(self._shutdown()).result(5)
         except Exception:  # noqa: BLE001 - closing anyway
             pass
         self._loop.call_soon_threadsafe(self._loop.stop)

@@ -133,9 +133,12 @@ class ConsoleState:
         return self.counterfactual or self.placement
 
     def routing_window(self) -> np.ndarray:
-        if not self.window:
-            return np.zeros((self.num_layers, self.num_experts), dtype=np.int64)
-        return np.sum([r["routing"] for r in self.window], axis=0, dtype=np.int64)
+        """Tokens per (layer, expert) over the window; computed once per state version."""
+        if getattr(self, "_routing_cache", (None,))[0] != (self.version, len(self.window)):
+            total = (np.sum([r["routing"] for r in self.window], axis=0, dtype=np.int64) if self.window
+                     else np.zeros((self.num_layers, self.num_experts), dtype=np.int64))
+            self._routing_cache = ((self.version, len(self.window)), total)
+        return self._routing_cache[1]
 
     def throughput(self) -> float:
         """Tokens (prefill + decode) per second over the window."""
@@ -165,18 +168,30 @@ class ConsoleState:
 
     def device_experts(self, device: int, top: int = 8) -> list[tuple[int, int, float]]:
         """(layer, expert, tokens) of the experts bringing `device` most of its window load."""
+        return self.top_experts_per_device(top)[device] if self.placement_shown is not None and self.window else []
+
+    def top_experts_per_device(self, top: int = 8) -> list[list[tuple[int, int, float]]]:
+        """For every device at once (one vectorised pass, cached per version): its `top` experts
+        by the window tokens they bring it, replicas sharing their expert's tokens evenly."""
         placement = self.placement_shown
-        if placement is None or not self.window:
-            return []
-        routing = self.routing_window()
-        copies = placement.replica_counts()
+        key = (self.version, len(self.window), id(placement), top)
+        if getattr(self, "_top_cache", (None,))[0] == key:
+            return self._top_cache[1]
+        routing = self.routing_window().astype(np.float64)
+        slots = placement.slots  # [layers, devices, slots_per_device], -1 = empty
+        copies = np.maximum(placement.replica_counts(), 1)
+        share = np.where(slots >= 0, (routing / copies)[np.arange(slots.shape[0])[:, None, None],
+                                                          np.maximum(slots, 0)], 0.0)
+        per_device = share.transpose(1, 0, 2).reshape(slots.shape[1], -1)  # [devices, layers * slots]
+        order = np.argsort(-per_device, axis=1)[:, :top]
+        s = slots.shape[2]
         out = []
-        for layer in range(placement.num_layers):
-            for expert in placement.experts_on(layer, device):
-                share = routing[layer, expert] / max(copies[layer, expert], 1)
-                if share:
-                    out.append((layer, expert, float(share)))
-        return sorted(out, key=lambda x: -x[2])[:top]
+        for d, picks in enumerate(order):
+            row = [(int(i // s), int(slots[i // s, d, i % s]), float(per_device[d, i])) for i in picks
+                   if per_device[d, i] > 0]
+            out.append(row)
+        self._top_cache = (key, out)
+        return out
 
     def utilisation(self) -> list[float]:
         recs = [r for r in self.window if r.get("devices")]

@@ -48,9 +48,28 @@ class RequestStream:
     def __init__(self, request_id: str):
         self.request_id = request_id
         self._queue: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
+        self._sink = None
+        self._sink_lock = threading.Lock()
 
     def put(self, out: RequestOutput) -> None:
-        self._queue.put(out)
+        with self._sink_lock:
+            sink = self._sink
+            if sink is None:
+                self._queue.put(out)
+                return
+        sink(out)
+
+    def set_sink(self, sink) -> None:
+        """Send outputs to sink(out) instead of the iterator: first those already queued, in
+        order, then each new one as the engine thread produces it (so sink must return at once;
+        an event loop's bridge, for example)."""
+        with self._sink_lock:
+            while True:
+                try:
+                    sink(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            self._sink = sink
 
     def __iter__(self):
         while True:
@@ -322,10 +341,13 @@ class LLMEngine:
                 outputs.append(self._emit(seq, []))
         elif kind == "placement":
             placement, what = payload
+            t0 = time.perf_counter()
             self.last_bytes_moved = self.cluster.apply(placement)
+            seconds = time.perf_counter() - t0
             if hasattr(self.runner.probe, "caches"):  # the caches were rebuilt for the new placement
                 self.runner.probe.caches = list(self.cluster.caches)
-            self._action(what, {}, {"bytes_moved": self.last_bytes_moved, "placement": placement.to_dict()})
+            self._action(what, {}, {"bytes_moved": self.last_bytes_moved, "seconds": seconds,
+                                    "placement": placement.to_dict()})
         else:
             knobs, changes = payload
             self.scheduler.knobs = knobs

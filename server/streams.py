@@ -1,9 +1,9 @@
 """From the engine thread to the event loop: request outputs, and the text they stream.
 
-The engine hands each RequestOutput to its RequestStream with `stream.put(out)` on the engine
-thread; iterating the stream blocks. Blocking a thread per request would cost a thread for each
-of hundreds of open streams, so instead the bridge takes over `put`: the engine thread appends
-the output to one shared list, and at most one `call_soon_threadsafe` per burst wakes the loop,
+The engine hands each RequestOutput to its RequestStream on the engine thread; iterating the
+stream blocks. Blocking a thread per request would cost a thread for each of hundreds of open
+streams, so instead the bridge becomes the stream's sink (RequestStream.set_sink): the engine
+thread appends the output to one shared list, and at most one `call_soon_threadsafe` per burst wakes the loop,
 which sorts the outputs into per-request async streams. No thread waits, and the loop never
 calls into the engine per token.
 """
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import queue
 import threading
 from collections import deque
 from functools import partial
@@ -37,17 +36,6 @@ class AsyncRequestStream:
             self._engine_stream = None  # nothing more can arrive; drop the reference cycle
         self._ready.set()
 
-    def take_stragglers(self) -> None:
-        """Outputs the engine put on the stream's own queue before the bridge took over `put`
-        (it may have run a whole step in between). Consumers use cumulative token ids, so one
-        found late, after newer outputs, changes nothing."""
-        inner = getattr(self._engine_stream, "_queue", None)
-        while inner is not None:
-            try:
-                self.push(inner.get_nowait())
-            except queue.Empty:
-                return
-
     async def get(self, timeout: float):
         """The next output, or None when none came within `timeout` seconds (the caller checks
         its client is still there, then waits again)."""
@@ -57,9 +45,7 @@ class AsyncRequestStream:
                 async with asyncio.timeout(timeout):
                     await self._ready.wait()
             except TimeoutError:
-                self.take_stragglers()
-                if not self._items:
-                    return None
+                return None
         return self._items.popleft()
 
 
@@ -75,9 +61,8 @@ class EngineBridge:
     def attach(self, engine_stream) -> AsyncRequestStream:
         """Call on the loop right after engine.add_request(..., stream=True)."""
         target = AsyncRequestStream(engine_stream.request_id, engine_stream)
-        # an instance attribute shadows RequestStream.put: the engine calls this from now on
-        engine_stream.put = partial(self._hand_over, target)
-        target.take_stragglers()
+        # outputs already queued arrive first, in order; the engine calls the bridge from now on
+        engine_stream.set_sink(partial(self._hand_over, target))
         return target
 
     def _hand_over(self, target: AsyncRequestStream, out) -> None:

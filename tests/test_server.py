@@ -27,7 +27,9 @@ from console.sources import LiveSource  # noqa: E402
 from engine.engine_config import EngineConfig  # noqa: E402
 from engine.llm_engine import LLMEngine, RequestOutput, RequestStream  # noqa: E402
 from engine.topology import Topology  # noqa: E402
+from engine.placement import Placement  # noqa: E402
 from server.app import STATE, ServerThread, check_bind, run_server  # noqa: E402
+from server.metrics import ServerMetrics  # noqa: E402
 from server.streams import EngineBridge, TextDeltas  # noqa: E402
 from server.telemetry import CLIENT_QUEUE, TelemetryClient  # noqa: E402
 from tests.engine_fixtures import make_tiny_checkpoint  # noqa: E402
@@ -532,3 +534,42 @@ def test_bridge_keeps_outputs_put_before_it_took_over():
         first, last = await outputs.get(5), await outputs.get(5)
         assert (len(first.token_ids), len(last.token_ids)) == (1, 2) and outputs.finished
     asyncio.run(main())
+
+
+def test_metrics_from_synthetic_records():
+    """The record -> metric rules on hand-made records (engine-clock times are given, not measured)."""
+    import numpy as np
+
+    placement = Placement.contiguous(2, 4, 2)
+    header = {"model": {"sparse_layers": [False, True]}, "devices": {"placement": placement.to_dict()}}
+    m = ServerMetrics(header)
+
+    def step(t_end, ids, events, hits=0, misses=0, routing=((0, 0, 0, 0), (4, 0, 0, 0))):
+        return {"step": 1, "t_start": t_end - 0.01, "t_end": t_end, "batch": {"request_ids": ids, "preempted": []},
+                "requests": events, "cache": {"prefix_queries": 10, "prefix_hits": 4, "preemptions": 0},
+                "devices": {"expert_cache": [{"hits": hits, "misses": misses}] * 2},
+                "routing": np.array(routing, dtype=np.int32)}
+
+    m.observe_step(step(1.0, ["a"], [{"id": "a", "event": "arrived", "t": 0.5},
+                                     {"id": "a", "event": "first_token", "t": 0.9}], hits=3, misses=1))
+    m.observe_step(step(1.1, ["a"], []))
+    m.observe_step(step(1.3, ["a"], [{"id": "a", "event": "finished", "t": 1.3, "reason": "length",
+                                      "prompt_tokens": 5, "output_tokens": 3, "ttft_s": 0.4, "tpot_s": 0.15}]))
+    m.observe_action({"time": 1.35, "step": 3, "kind": "auto_rebalance_plan", "args": {}, "result": {}})
+    m.observe_action({"time": 1.5, "step": 3, "kind": "rebalance_apply", "args": {},
+                      "result": {"bytes_moved": 0, "placement": placement.pin(1, 0).to_dict()}})
+    fams = {f.name: f for f in text_string_to_metric_families(m.render(None).decode())}
+    assert sample(fams, "moectl:time_to_first_token_seconds", "_sum") == pytest.approx(0.4)
+    assert sample(fams, "moectl:inter_token_latency_seconds", "_count") == 2
+    assert sample(fams, "moectl:inter_token_latency_seconds", "_sum") == pytest.approx(0.3)
+    assert sample(fams, "moectl:e2e_request_latency_seconds", "_sum") == pytest.approx(0.8)
+    assert sample(fams, "moectl:request_time_per_output_token_seconds", "_sum") == pytest.approx(0.15)
+    assert sample(fams, "moectl:prefix_cache_queries", "_total") == 10  # cumulative in records: counted once
+    assert sample(fams, "moectl:prefix_cache_hits", "_total") == 4
+    assert sample(fams, "moectl:expert_cache_hits", "_total") == 6  # per step, summed over devices
+    assert sample(fams, "moectl:expert_cache_misses", "_total") == 2
+    assert sample(fams, "moectl:rebalances", "_total") == 1
+    assert sample(fams, "moectl:rebalance_seconds", "_sum") == pytest.approx(0.15)  # from the plan to the apply
+    # only the MoE layer counts: all its load on device 0 of 2 -> balancedness 0.5
+    assert {s.labels["quantile"]: s.value for s in fams["moectl:expert_balancedness"].samples} == \
+        {"0": 0.5, "0.5": 0.5, "1": 0.5}

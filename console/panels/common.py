@@ -44,4 +44,16 @@ def fmt_s(value, scale: float = 1e3, unit: str = "ms", digits: int = 1) -> str:
 
 
 def fmt_bytes(n) -> str:
+    """Compact sizes for tables: 9.0M, 416K, 80G (binary units)."""
+    if n is None:
+        return "-"
+    n = int(n)
+    for unit, shift in (("G", 30), ("M", 20), ("K", 10)):
+        if n >= 1 << shift:
+            value = n / (1 << shift)
+            return f"{value:.1f}{unit}" if value < 100 else f"{value:.0f}{unit}"
+    return f"{n}B"
+
+
+def fmt_size(n) -> str:
     return "-" if n is None else format_size(int(n))

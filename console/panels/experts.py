@@ -96,19 +96,22 @@ class ExpertsPanel(VerticalScroll):
 
         loads = state.device_loads()
         top = max(float(loads.max()) if len(loads) else 0.0, 1.0)
-        width = max(self.size.width // 2 - 34, 16)
+        tops = state.top_experts_per_device(len(SEGMENT_STYLES)) if state.placement_shown is not None else []
+        tails = [f" {loads[d]:,.0f}  " + " ".join(f"L{la}/E{e}" for la, e, _ in (tops[d][:2] if tops else []))
+                 for d in range(len(loads))]
+        column = self.query_one("#ex-stacked").size.width or self.size.width // 2
+        width = max(column - 5 - max((len(t) for t in tails), default=0), 8)  # bars never wrap
         out = Text()
         for d in range(len(loads)):
-            out.append(f"d{d:<3}")
+            out.append(f"d{d:<3} ")
             used = 0
-            for i, (layer, expert, tokens) in enumerate(state.device_experts(d, top=len(SEGMENT_STYLES))):
+            for i, (layer, expert, tokens) in enumerate(tops[d] if tops else ()):
                 n = round(tokens / top * width)
                 out.append(SEGMENT_GLYPHS[i] * n, style=SEGMENT_STYLES[i])
                 used += n
             rest = round(float(loads[d]) / top * width) - used
             out.append("·" * max(rest, 0), style="dim")
-            names = " ".join(f"L{la}/E{e}" for la, e, _ in state.device_experts(d, top=3))
-            out.append(f" {loads[d]:,.0f}  {names}\n")
+            out.append(tails[d] + ("\n" if d < len(loads) - 1 else ""))
         self.query_one("#ex-stacked", Static).update(out if len(loads) else "no devices")
 
     def _show_placement(self, state) -> None:

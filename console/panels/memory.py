@@ -7,7 +7,7 @@ from pathlib import Path
 
 from rich.table import Table
 from textual.app import ComposeResult
-from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.containers import VerticalScroll
 from textual.widgets import Static
 from textual_plotext import PlotextPlot
 
@@ -16,13 +16,10 @@ from .common import fmt_bytes
 
 class MemoryPanel(VerticalScroll):
     def compose(self) -> ComposeResult:
-        with Horizontal(classes="row"):
-            with Vertical():
-                yield Static("HBM over time per device (MiB, accounted)", classes="section-title")
-                yield PlotextPlot(id="mem-plot")
-            with Vertical():
-                yield Static("HBM by category, now", classes="section-title")
-                yield Static(id="mem-categories")
+        yield Static("HBM over time per device (MiB, accounted)", classes="section-title")
+        yield PlotextPlot(id="mem-plot")
+        yield Static("HBM by category, now", classes="section-title")
+        yield Static(id="mem-categories")
         yield Static(id="mem-tiers")
         yield Static("Memory plan for this layout (moectl plan memory)", classes="section-title")
         yield Static(id="mem-plan")
@@ -58,9 +55,9 @@ class MemoryPanel(VerticalScroll):
             return "[dim]no per-device accounting (start with --devices N)[/]"
         shown = memory[:16]
         table = Table(box=None, pad_edge=False, expand=False)
-        table.add_column("category")
+        table.add_column("category", no_wrap=True)
         for d in range(len(shown)):
-            table.add_column(f"d{d}", justify="right")
+            table.add_column(f"d{d}", justify="right", no_wrap=True)
         categories = sorted({c for m in shown for c in m}, key=lambda c: -sum(m.get(c, 0) for m in shown))
         for c in categories:
             table.add_row(c, *(fmt_bytes(m.get(c, 0)) for m in shown))

@@ -56,6 +56,11 @@ class RequestsPanel(VerticalScroll):
         """Put the current values in the forms once (later edits are the operator's)."""
         if self._filled:
             return
+        if self.app.state.mode == "replay":  # a recording cannot be re-batched: say so, show no dead forms
+            for widget in self.query(".controls"):
+                widget.display = False
+            self.show_error("replay: the knobs and the workload are the recorded ones (shown above); "
+                            "they cannot change")
         for name, _ in KNOBS:
             self.query_one(f"#rq-{name}", Input).value = str(knobs.get(name, ""))
         self.query_one("#rq-policy", Select).value = knobs.get("policy", "fcfs")

@@ -92,6 +92,7 @@ class TimelinePanel(Vertical):
             return
         self.count, self.shown_step = count, None
         self.query_one("#tl-status", Static).update("")
+        self.app.refresh_panels()
 
     def on_button_pressed(self, event: Button.Pressed) -> None:
         from .common import ActionRequested

@@ -29,7 +29,7 @@ class TransportBar(Vertical):
             yield Input(id="tr-seek-step", classes="small")
             yield Label("seek s")
             yield Input(id="tr-seek-time", classes="small")
-            yield Static(id="tr-status")
+        yield Static(id="tr-status")
 
     error: str | None = None  # the last refused command's reason, shown until one succeeds
 
