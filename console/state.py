@@ -20,6 +20,15 @@ KEEP_FINISHED = 200  # finished requests kept for the table
 KEEP_LATENCIES = 2000
 
 
+def _sum_categories(memory) -> dict[str, int]:
+    """HBM bytes per category summed over devices (one curve per category)."""
+    out: dict[str, int] = {}
+    for device in memory:
+        for category, n in device.items():
+            out[category] = out.get(category, 0) + n
+    return out
+
+
 class ConsoleState:
     def __init__(self, header: dict, mode: str):
         self.header = header
@@ -95,6 +104,7 @@ class ConsoleState:
             "kv_usage": cache.get("kv_blocks_used", 0) / max(cache.get("kv_blocks_total", 1), 1),
             "rss": (record.get("process") or {}).get("rss_bytes"),
             "memory": [sum(m.values()) for m in devices.get("memory") or ()],
+            "categories": _sum_categories(devices.get("memory") or ()),
         })
 
     def _request_event(self, e: dict) -> None:

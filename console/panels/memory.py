@@ -18,6 +18,8 @@ class MemoryPanel(VerticalScroll):
     def compose(self) -> ComposeResult:
         yield Static("HBM over time per device (MiB, accounted)", classes="section-title")
         yield PlotextPlot(id="mem-plot")
+        yield Static("HBM over time by category, all devices (MiB)", classes="section-title")
+        yield PlotextPlot(id="mem-cat-plot")
         yield Static("HBM by category, now", classes="section-title")
         yield Static(id="mem-categories")
         yield Static(id="mem-tiers")
@@ -42,6 +44,15 @@ class MemoryPanel(VerticalScroll):
             if state.hbm_bytes and peak > 0.25 * state.hbm_bytes:  # else the capacity line flattens the curves
                 plt.hline(state.hbm_bytes / 2**20)
         plot.refresh()
+        cat_plot = self.query_one("#mem-cat-plot", PlotextPlot)
+        cat_plot.plt.clear_data()
+        if history:
+            steps = [h["step"] for h in history]
+            latest = history[-1]["categories"]
+            for category in sorted(latest, key=lambda c: -latest[c])[:6]:  # the six largest stay readable
+                cat_plot.plt.plot(steps, [h["categories"].get(category, 0) / 2**20 for h in history],
+                                  label=category, marker="braille")
+        cat_plot.refresh()
         self.query_one("#mem-categories", Static).update(self._categories(state))
         self.query_one("#mem-tiers", Static).update(self._tiers(state))
         if self._plan_text is None:
