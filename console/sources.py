@@ -305,7 +305,40 @@ class ReplaySource(Source):
         return float(self.t_start[max(self.index, 0)] - self.t_start[0])
 
     def markers(self) -> list[tuple[int, str]]:
-        return [(int(a["step"]), a["kind"]) for a in self.all_actions if a["kind"] not in ("record_start", "record_stop")]
+        """Scrub-bar markers: every operator action, and where an alert condition begins."""
+        actions = [(int(a["step"]), "action") for a in self.all_actions
+                   if a["kind"] not in ("record_start", "record_stop")]
+        return actions + self._alert_markers()
+
+    def _alert_markers(self, samples: int = 400, window: int = 16) -> list[tuple[int, str]]:
+        """Steps where an alert's condition starts to hold, the way the console's alerts see it:
+        over a moving window (`window` sampled steps), so one noisy step marks nothing. Sampled
+        over at most `samples` steps, so a long trace costs the same. Conditions: balancedness of
+        the window's device tokens under the alert threshold; KV usage over its threshold with
+        preemptions in the window."""
+        from profiler.analysis import BALANCEDNESS_WARN, KV_USAGE_WARN
+
+        stride = max(1, len(self.steps) // samples)
+        recent: deque = deque(maxlen=window)
+        out, was = [], set()
+        for i in range(0, len(self.steps), stride):
+            record = self.reader.seek_step(int(self.steps[i]))
+            cache = record.get("cache") or {}
+            recent.append((np.asarray((record.get("devices") or {}).get("tokens") or [0], dtype=np.float64),
+                           bool(record["batch"]["preempted"]),
+                           cache.get("kv_blocks_used", 0) / max(cache.get("kv_blocks_total", 1), 1)))
+            if len(recent) < window:
+                continue
+            tokens = np.sum([t for t, _, _ in recent], axis=0)
+            now = set()
+            if tokens.max() > 0 and tokens.mean() / tokens.max() < BALANCEDNESS_WARN:
+                now.add("imbalance")
+            if any(p for _, p, _ in recent) and max(u for _, _, u in recent) > KV_USAGE_WARN:
+                now.add("kv_pressure")
+            if now - was:
+                out.append((int(record["step"]), "alert"))
+            was = now
+        return out
 
     # transport
     def play(self) -> None:

@@ -310,3 +310,14 @@ def test_transport_and_timeline_inputs_refuse_bad_values():
         await until(pilot, lambda: text_of(app, "#tl-breakdown").startswith(
             f"steps {source.position - 2}-{source.position}"))
     run_app(MoectlApp(source), body, size=(160, 50))
+
+
+def test_scrub_bar_marks_operator_actions_and_alerts():
+    source = ReplaySource(TRACES / "steady_rebalance.trace")
+    try:
+        markers = source.markers()
+    finally:
+        source.close()
+    assert (300, "action") in markers  # the recorded rebalance
+    alerts = [step for step, kind in markers if kind == "alert"]
+    assert alerts and len(alerts) < 60  # where an imbalance begins, not on every noisy step
