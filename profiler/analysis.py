@@ -247,14 +247,12 @@ def _union_length(starts: np.ndarray, ends: np.ndarray) -> float:
     if starts.size == 0:
         return 0.0
     order = np.argsort(starts, kind="stable")
-    total, cur_s, cur_e = 0.0, starts[order[0]], ends[order[0]]
-    for s, e in zip(starts[order[1:]], ends[order[1:]]):
-        if s > cur_e:
-            total += cur_e - cur_s
-            cur_s, cur_e = s, e
-        else:
-            cur_e = max(cur_e, e)
-    return float(total + cur_e - cur_s)
+    s, e = starts[order], ends[order]
+    # a new merged interval begins where a start lies past every earlier end
+    begins = np.ones(s.size, dtype=bool)
+    begins[1:] = s[1:] > np.maximum.accumulate(e)[:-1]
+    first = np.flatnonzero(begins)
+    return float((np.maximum.reduceat(e, first) - s[first]).sum())
 
 
 def _step_categories(rec: dict) -> tuple[dict, float, dict]:
@@ -279,18 +277,21 @@ def _step_categories(rec: dict) -> tuple[dict, float, dict]:
     end = np.clip(np.asarray(spans["start_s"], dtype=np.float64) + np.asarray(spans["dur_s"], dtype=np.float64),
                   0.0, wall)
     modeled = np.asarray(spans["modeled"], dtype=bool)
-    lane_name = np.array([lanes[i] for i in lane], dtype=object)
-    on_engine = (lane_name == ENGINE_LANE) & ~modeled
-    on_device = np.array([str(n).startswith("device ") for n in lane_name], dtype=bool) & ~modeled
+    # per lane and per name once (a few hundred), then index: never a Python loop over spans
+    lane_is_engine = np.array([ln == ENGINE_LANE for ln in lanes], dtype=bool)
+    lane_device = np.array([int(ln.split()[1]) if str(ln).startswith("device ") else -1 for ln in lanes])
+    on_engine = lane_is_engine[lane] & ~modeled
+    device_of = lane_device[lane]
+    on_device = (device_of >= 0) & ~modeled
 
     device_busy = {}
-    for ln in sorted(set(lane_name[on_device]), key=lambda s: int(s.split()[1])):
-        pick = lane_name == ln
-        device_busy[int(ln.split()[1])] = _union_length(start[pick & on_device], end[pick & on_device])
+    for d in sorted(set(device_of[on_device].tolist())):
+        pick = on_device & (device_of == d)
+        device_busy[d] = _union_length(start[pick], end[pick])
     modeled_s = _union_length(start[modeled], end[modeled])
 
-    cats = [_category(names[i]) if on_engine[k] else ("moe" if on_device[k] else None) for k, i in enumerate(name)]
-    code = np.array([-1 if c is None else CATEGORIES.index(c) for c in cats], dtype=np.int64)
+    name_code = np.array([-1 if _category(n) is None else CATEGORIES.index(_category(n)) for n in names] or [-1])
+    code = np.where(on_engine, name_code[name], np.where(on_device, CATEGORIES.index("moe"), -1))
     use = (code >= 0) & (end > start)
     if use.any():
         s, e, c = start[use], end[use], code[use]
@@ -298,9 +299,16 @@ def _step_categories(rec: dict) -> tuple[dict, float, dict]:
         lo, hi = np.searchsorted(bounds, s), np.searchsorted(bounds, e)
         # paint the elementary pieces between span boundaries, outer spans first so the inner
         # ones win; device spans rank past any engine span (clipped to the step) and go first
-        rank = np.where(on_engine[use], e - s, 2 * wall + 1)
         piece = np.full(bounds.size - 1, -1, dtype=np.int64)
-        for k in np.argsort(-rank, kind="stable"):
+        # device spans first (all moe), as a coverage count, then the engine spans outer to
+        # inner so the inner ones win; engine spans are few (a handful per layer)
+        device = ~on_engine[use]
+        cover = np.zeros(bounds.size, dtype=np.int64)
+        np.add.at(cover, lo[device], 1)
+        np.add.at(cover, hi[device], -1)
+        piece[np.cumsum(cover)[:-1] > 0] = CATEGORIES.index("moe")
+        engine = np.flatnonzero(~device)
+        for k in engine[np.argsort(-(e - s)[engine], kind="stable")]:
             piece[lo[k]:hi[k]] = c[k]
         painted = piece >= 0
         by_code = np.bincount(piece[painted], weights=np.diff(bounds)[painted], minlength=len(CATEGORIES))

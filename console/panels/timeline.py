@@ -11,6 +11,12 @@ from console.widgets import Span, Timeline
 from profiler.analysis import step_breakdown
 
 
+def _as_list(column, default, count: int) -> list:
+    if column is None:
+        return [default] * count
+    return column.tolist() if hasattr(column, "tolist") else list(column)
+
+
 def spans_of(records: list[dict]) -> tuple[list[str], list[Span]]:
     """Timeline spans of consecutive step records, on one time axis from the first step's start."""
     if not records:
@@ -35,14 +41,17 @@ def spans_of(records: list[dict]) -> tuple[list[str], list[Span]]:
             names, lane_names = cols["names"], cols["lanes"]
             for name in lane_names:  # the record's lane order: engine, devices, links, then kernels
                 lane_id(name)
-            layers = cols.get("layer")
-            modeled = cols.get("modeled")
-            for i in range(len(cols["name"])):
-                out.append(Span(lane=lane_id(lane_names[int(cols["lane"][i])]), name=names[int(cols["name"][i])],
-                                start_s=offset + float(cols["start_s"][i]), dur_s=float(cols["dur_s"][i]),
-                                modeled=bool(modeled[i]) if modeled is not None else False,
-                                layer=int(layers[i]) if layers is not None else -1, step=int(rec["step"]),
-                                kind=kind))
+            # whole columns to Python lists first: indexing numpy arrays element by element is slow
+            lane_map = [lane_id(name) for name in lane_names]
+            count = len(cols["name"])
+            layers = _as_list(cols.get("layer"), -1, count)
+            modeled = _as_list(cols.get("modeled"), False, count)
+            step = int(rec["step"])
+            for lane, name, start, dur, flag, layer in zip(_as_list(cols["lane"], 0, count),
+                                                            _as_list(cols["name"], 0, count),
+                                                            _as_list(cols["start_s"], 0.0, count),
+                                                            _as_list(cols["dur_s"], 0.0, count), modeled, layers):
+                out.append(Span(lane_map[lane], names[name], offset + start, dur, bool(flag), layer, step, kind))
     return lanes, out
 
 

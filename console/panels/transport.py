@@ -42,7 +42,10 @@ class TransportBar(Vertical):
         if message is not None:
             self.error = message
         message = self.error
-        self.query_one(ScrubBar).position = source.position
+        scrub = self.query(ScrubBar)
+        if not scrub:  # composing, or being torn down at exit: a timer tick can land in between
+            return
+        scrub.first().position = source.position
         self.query_one("#tr-play", Button).label = "❚❚ Pause" if source.playing else "▶ Play"
         status = f"step {source.position} of {source.first_step}-{source.last_step}, " \
                  f"t+{source.trace_time:.2f} s, x{source.speed:g}"

@@ -17,6 +17,7 @@ screen, not the total number of spans.
 
 from __future__ import annotations
 
+import functools
 import math
 import zlib
 from bisect import bisect_left
@@ -95,6 +96,12 @@ class _Lane:
         lo = int(np.searchsorted(self.max_end, t0, side="right"))
         hi = int(np.searchsorted(self.starts, t1, side="left"))
         return lo, max(lo, hi)
+
+
+@functools.lru_cache(maxsize=4096)
+def _colour_of(name: str) -> int:
+    """A span name's palette index: stable across runs, computed once per name."""
+    return zlib.crc32(name.encode()) % len(PALETTE)
 
 
 def _nice_step(raw: float) -> float:
@@ -284,7 +291,7 @@ class Timeline(ScrollView, can_focus=True):
         self.refresh()
 
     def _style_id(self, name: str, parity_index: int) -> int:
-        colour = zlib.crc32(name.encode()) % len(PALETTE)
+        colour = _colour_of(name)
         key = (colour, parity_index & 1)
         sid = self._style_keys.get(key)
         if sid is None:
