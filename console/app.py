@@ -45,7 +45,10 @@ class HelpScreen(ModalScreen):
                   "  [b]+ / - / 0[/b]      zoom the timeline in / out / to fit",
                   "  [b]tab[/b]            next control; [b]enter[/b] presses a button or submits a field",
                   "  [b]ctrl+p[/b]         command palette: every action by name", "",
-                  "Modeled figures (link time on emulated devices) are marked 'modeled' everywhere.",
+                  "Modeled figures are marked: link time on emulated devices, and the activations and",
+                  "communication buffers in the HBM accounting (derived from each step's shapes).",
+                  "Balancedness and the stacked expert loads are the routing mapped over the placement",
+                  "(replicas share evenly); the per-device load bars are the rows each device computed.",
                   "In replay, rebalance shows what the recorded routing would have done under the new placement."]
         with VerticalScroll(id="help-body"):
             yield Static("\n".join(lines))
@@ -124,12 +127,15 @@ class MoectlApp(App):
     def tick(self) -> None:
         try:
             records, actions = self.source.poll()
-        except Exception as exc:  # noqa: BLE001 - an unreadable trace page: say so, keep running
-            self.notify(f"source: {exc}", severity="error")
+            if self.replay and getattr(self.source, "needs_reset", False):
+                self.state.reset()
+            self.state.apply(records, actions)
+        except Exception as exc:  # noqa: BLE001 - a damaged record: say so once, keep running
+            message = f"source: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+            if message != getattr(self, "_last_source_error", None):
+                self.notify(message, severity="error")
+                self._last_source_error = message
             return
-        if self.replay and getattr(self.source, "needs_reset", False):
-            self.state.reset()
-        self.state.apply(records, actions)
         if self.state.version == self._shown_version and self.source.error == self._shown_error:
             if self.replay:  # play/pause and position still change the transport's line
                 self.query_one(TransportBar).show(self.source)

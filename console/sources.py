@@ -61,6 +61,8 @@ class DemoLoad:
     paused: bool = False
 
     def spec(self, seed: int, count: int) -> WorkloadSpec:
+        if isinstance(self.rate, bool) or not isinstance(self.rate, (int, float)) or not 0 < self.rate <= 1000:
+            raise ValueError(f"rate: must be a number of requests/s in (0, 1000], got {self.rate!r}")
         return WorkloadSpec(num_requests=count, rate=self.rate, prompt_len=self.prompt_len,
                             output_len=self.output_len, seed=seed)
 
@@ -287,6 +289,7 @@ class ReplaySource(Source):
         self.index = -1  # index of the last step handed over
         self._clock = None  # (wall time, trace time) when play started
         self._pending_reset = False
+        self.skipped = 0  # damaged steps skipped
 
     @property
     def first_step(self) -> int:
@@ -321,8 +324,13 @@ class ReplaySource(Source):
         stride = max(1, len(self.steps) // samples)
         recent: deque = deque(maxlen=window)
         out, was = [], set()
+        from profiler.trace_store import TraceError
+
         for i in range(0, len(self.steps), stride):
-            record = self.reader.seek_step(int(self.steps[i]))
+            try:
+                record = self.reader.seek_step(int(self.steps[i]))
+            except TraceError:
+                continue  # a damaged row: no marker from it
             cache = record.get("cache") or {}
             recent.append((np.asarray((record.get("devices") or {}).get("tokens") or [0], dtype=np.float64),
                            bool(record["batch"]["preempted"]),
@@ -400,14 +408,31 @@ class ReplaySource(Source):
         reset = self._pending_reset or target - lo > self.MAX_PER_POLL
         if reset:  # refill the window before the target instead of streaming everything
             lo = max(target - WINDOW_STEPS + 1, 0)
-        records = list(self.reader.steps(int(self.steps[lo]), int(self.steps[target]) + 1))
-        t_lo = float(self.t_start[lo]) if not reset else float(self.t_start[0])
-        t_hi = float(self.t_end[target])
-        actions = [a for a in self.all_actions if (a["time"] <= t_hi and (reset or a["time"] > t_lo))]
+        records = self._read(lo, target)
+        # actions between steps belong to the step after them; the last step takes everything after it
+        t_prev = float(self.t_end[self.index]) if self.index >= 0 and not reset else -math.inf
+        t_hi = math.inf if target == len(self.steps) - 1 else float(self.t_end[target])
+        actions = [a for a in self.all_actions if t_prev < a["time"] <= t_hi]
         self.index = target
         self._pending_reset = False
         self.needs_reset = reset
         return records, actions
+
+    def _read(self, lo: int, hi: int) -> list[dict]:
+        """Steps lo..hi (indexes); a step whose row cannot be decoded is skipped (and counted),
+        so one damaged row cannot stop the replay."""
+        from profiler.trace_store import TraceError
+
+        try:
+            return list(self.reader.steps(int(self.steps[lo]), int(self.steps[hi]) + 1))
+        except TraceError:
+            records = []
+            for i in range(lo, hi + 1):
+                try:
+                    records.append(self.reader.seek_step(int(self.steps[i])))
+                except TraceError:
+                    self.skipped += 1
+            return [r for r in records if int(r["step"]) <= int(self.steps[hi])]
 
     def act(self, kind: str, **args):
         """Replay changes nothing recorded: rebalancing is answered by counterfactual_plan (the
@@ -471,6 +496,7 @@ class AttachSource(Source):
         self._actions: deque = deque(maxlen=RECORD_BUFFER)
         self._error: str | None = None
         self._closed = False
+        self._last_step, self._last_action_time = -1, -math.inf  # dedupe the catch-up on reconnect
         self._hello = threading.Event()
         self.header: dict = {}
         self._loop = asyncio.new_event_loop()
@@ -517,15 +543,30 @@ class AttachSource(Source):
 
     def _on_message(self, message: dict) -> None:
         kind = message.get("type")
-        if kind == "hello":
-            self.header = message.get("header") or {}
-            self._records.extend(_arrays(r) for r in message.get("recent") or ())
-            self._actions.extend(message.get("actions") or ())
+        if kind == "hello":  # on every (re)connect: keep only what was not seen before it
+            header = message.get("header") or {}
+            if header.get("clock_origin") != self.header.get("clock_origin"):  # another engine: start over
+                self._last_step, self._last_action_time = -1, -math.inf
+            self.header = header
+            self._take_records(message.get("recent") or ())
+            self._take_actions(message.get("actions") or ())
             self._hello.set()
         elif kind == "step":
-            self._records.append(_arrays(message["record"]))
+            self._take_records([message["record"]])
         elif kind == "action":
-            self._actions.append(message["record"])
+            self._take_actions([message["record"]])
+
+    def _take_records(self, records) -> None:
+        for record in records:
+            if record["step"] > self._last_step:
+                self._last_step = record["step"]
+                self._records.append(_arrays(record))
+
+    def _take_actions(self, actions) -> None:
+        for action in actions:
+            if action["time"] > self._last_action_time:
+                self._last_action_time = action["time"]
+                self._actions.append(action)
 
     @property
     def error(self) -> str | None:

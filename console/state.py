@@ -63,7 +63,9 @@ class ConsoleState:
         self.actions: list[dict] = []
         self.placement = self.recorded_placement
         self.steps_seen = 0
-        self.version = 0
+        self._routing_cache = self._top_cache = (None, None)
+        # never back to 0: the caches are keyed on the version, and a reset must not revive them
+        self.version = getattr(self, "version", 0) + 1
 
     # -- feeding
     def apply(self, records: list[dict], actions: list[dict] = ()) -> None:
@@ -160,13 +162,21 @@ class ConsoleState:
         return tokens / span if span > 0 else 0.0
 
     def device_loads(self, placement: Placement | None = None) -> np.ndarray:
-        """Tokens per device over the window: the routing mapped through a placement (replicas
-        share their expert's load evenly), or the recorded per-device rows without one."""
+        """Expert rows per device over the window. Measured (the devices' recorded rows) unless a
+        placement is given or a counterfactual is shown; then estimated: the routing mapped
+        through the placement, replicas sharing their expert's load evenly (`loads_estimated`)."""
+        if placement is None and self.counterfactual is None:
+            measured = [r["devices"]["tokens"] for r in self.window if r.get("devices")]
+            if measured:
+                return np.sum(measured, axis=0).astype(np.float64)
         placement = placement or self.placement_shown
         if placement is not None and self.window:
             return placement.device_loads(self.routing_window()).sum(axis=0)
-        return np.sum([r["devices"]["tokens"] for r in self.window if r.get("devices")], axis=0) \
-            if any(r.get("devices") for r in self.window) else np.zeros(self.num_devices)
+        return np.zeros(self.num_devices)
+
+    @property
+    def loads_estimated(self) -> bool:
+        return self.counterfactual is not None or not any(r.get("devices") for r in self.window)
 
     def balancedness(self, placement: Placement | None = None) -> dict:
         """mean / max device load over the window, overall and per layer (1.0 when idle)."""

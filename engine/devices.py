@@ -126,6 +126,25 @@ class LocalCluster:
         elif per_device > self.topology.hbm_bytes:
             raise PlacementError(f"hbm: the {what} on each device need {format_size(per_device)}, "
                                  f"more than its {format_size(self.topology.hbm_bytes)} of HBM")
+        if self.cache_slots is not None:  # after the HBM check: "does not fit" says more than "too small"
+            self._check_working_set(placement)
+
+    def _check_working_set(self, placement: Placement) -> None:
+        """Tiered: a device's cache must hold one layer's working set under the new placement
+        (all of a layer's experts on the device may be active at once)."""
+        from .expert_cache import max_working_set
+
+        layers = [layer.layer_idx for layer in self.layers] or range(placement.num_layers)
+        widest = max(len(set(placement.experts_on(layer, d))) for layer in layers for d in range(self.num_devices))
+        need = max_working_set(widest, self.model.cfg.top_k, None)
+        if need > self.cache_slots:
+            if self.tiered_auto:
+                raise PlacementError(f"hbm: the experts placed on each device need "
+                                     f"{format_size(self.expert_slot_bytes(placement.slots_per_device))} and the "
+                                     f"{self.cache_slots}-slot cache that fits instead cannot hold one layer's "
+                                     f"working set ({need} experts)")
+            raise PlacementError(f"expert cache of {self.cache_slots} slots cannot hold one layer's working set: "
+                                 f"a device would hold {widest} experts of one layer")
 
     def check_knobs(self, knobs) -> None:
         """Refuse knobs whose largest step would not fit next to what the devices hold."""
@@ -138,10 +157,10 @@ class LocalCluster:
     def apply(self, placement: Placement) -> int:
         """Copy experts into their new slots (between steps). Returns bytes copied."""
         self.check(placement)
+        if self.caches is not None:  # each device now serves other experts: build before changing anything
+            self.caches = self._make_caches(placement)
         moved = sum(layer.load(placement) for layer in self.layers)
         self.placement = placement
-        if self.caches is not None:  # each device now serves other experts
-            self.caches = self._make_caches(placement)
         self.bytes_moved_total += moved
         return moved
 
@@ -213,6 +232,7 @@ class LocalCluster:
         and the host tier (the logical experts: the source of every slot or cache fill)."""
         ledger = self.ledger
         return {"memory": ledger.step(work, kv_blocks_used),
+                "memory_modeled": ["activations", "comm_buffers"],  # from shapes, not an allocator
                 "memory_capacity": {"hbm": self.topology.hbm_bytes,
                                     "kv_blocks": [ledger.kv_capacity(d) for d in range(self.num_devices)]},
                 "tiers": {"host": {"expert_weights": self.host_expert_bytes}},

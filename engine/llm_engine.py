@@ -369,12 +369,14 @@ class LLMEngine:
         samplers = [s for s, n in batch.items if s.num_computed + n == s.num_tokens]
         # a decode runs a generated token; a 1-token prompt remainder (after a prefix hit) is prefill
         decodes = sum(1 for s, n in batch.items if n == 1 and s.num_computed >= s.num_prompt_tokens)
+        # each sequence's context this step, read before postprocess can finish (and reset) it
+        contexts = [seq.num_computed + n for seq, n in batch.items]
         mark = tracer.mark() if tracer is not None else None
         tokens = sample(logits, [s.params for s in samplers], [s.generator for s in samplers])
         if tracer is not None:
             tracer.close(mark, "sampler")
         outputs += self._postprocess(batch, dict(zip(map(id, samplers), tokens)))
-        self._record_step(batch, t_start, decodes)
+        self._record_step(batch, t_start, decodes, contexts)
         return outputs
 
     def _postprocess(self, batch: ScheduledBatch, new_tokens: dict[int, int]) -> list[RequestOutput]:
@@ -441,19 +443,19 @@ class LLMEngine:
             stream.put(out)
         return out
 
-    def _device_record(self, batch: ScheduledBatch) -> dict:
+    def _device_record(self, batch: ScheduledBatch, contexts: list[int]) -> dict:
         cluster = self.cluster
         record = cluster.end_step()
         work = [{"tokens": 0, "seqs": 0, "context": 0, "recv_rows": int(rows)} for rows in cluster.stats.peak_rows]
-        for seq, n in batch.items:  # after postprocess: num_computed includes this step's tokens
+        for (seq, n), context in zip(batch.items, contexts):
             w = work[seq.home_device]
             w["tokens"] += n
             w["seqs"] += 1
-            w["context"] = max(w["context"], seq.num_computed)
+            w["context"] = max(w["context"], context)
         record.update(cluster.memory(work, self.blocks.used_per_pool()))
         return record
 
-    def _record_step(self, batch: ScheduledBatch, t_start: float, decode: int) -> None:
+    def _record_step(self, batch: ScheduledBatch, t_start: float, decode: int, contexts: list[int]) -> None:
         self.step_count += 1
         tel = self.telemetry
         for seq in batch.preempted:
@@ -461,7 +463,7 @@ class LLMEngine:
         for seq, _ in batch.items:
             if seq.first_scheduled is not None and seq.first_scheduled >= t_start and seq.num_preemptions == 0:
                 tel.request(seq.request_id, "scheduled", seq.first_scheduled)
-        devices = self._device_record(batch) if self.cluster is not None else None
+        devices = self._device_record(batch, contexts) if self.cluster is not None else None
         spans, kernels = tel.end_step(t_start)
         b = self.blocks
         self.step_log.append(StepStats(
@@ -522,7 +524,7 @@ class LLMEngine:
         if self.has_unfinished():
             raise RuntimeError("score: the engine is serving requests")
         seq = Sequence("score", list(token_ids), SamplingParams(max_tokens=1))
-        if -(-seq.num_tokens // self.config.block_size) > self.blocks.num_free:
+        if -(-seq.num_tokens // self.config.block_size) > self.blocks.free_in_pool(self.blocks.pool_of(seq)):
             raise ValueError(f"score: {seq.num_tokens} tokens do not fit in the KV cache")
         chunk = self.scheduler.knobs.max_num_batched_tokens
         parts = []

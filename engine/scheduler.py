@@ -68,6 +68,11 @@ class Scheduler:
             while not self.blocks.can_grow(seq, n):
                 victim = self._lowest_ranked_sharing_pool(seq)
                 self._preempt(victim, batch)
+                for i, (scheduled, tokens) in enumerate(batch.items):
+                    if scheduled is victim:  # already in this step: take it out, give its tokens back
+                        del batch.items[i]
+                        budget += tokens
+                        break
                 if victim is seq:
                     break
             if seq.status is not Status.RUNNING:
@@ -79,12 +84,19 @@ class Scheduler:
             return batch
         if knobs.policy == "priority" and len(self.waiting) > 1:
             self.waiting = deque(sorted(self.waiting, key=lambda s: s.sort_key("priority")))
-        while self.waiting and budget > 0 and len(self.running) < knobs.max_num_seqs \
-                and len(batch.items) < knobs.max_num_seqs:
-            seq = self.waiting[0]
-            if not self.blocks.admit(seq, self._chunk_for_admission(seq, budget)):
+        full_pools: set[int] = set()  # a device whose pool cannot take its head-of-line sequence
+        for seq in list(self.waiting):
+            if budget <= 0 or len(self.running) >= knobs.max_num_seqs or len(batch.items) >= knobs.max_num_seqs:
                 break
-            self.waiting.popleft()
+            pool = self.blocks.pool_of(seq)
+            if pool in full_pools:
+                continue  # first come, first served within each device's pool
+            if not self.blocks.admit(seq, self._chunk_for_admission(seq, budget)):
+                full_pools.add(pool)
+                if len(full_pools) == self.blocks.num_pools:
+                    break
+                continue
+            self.waiting.remove(seq)
             n = self._chunk(seq, budget)
             seq.status = Status.RUNNING
             if seq.first_scheduled is None:

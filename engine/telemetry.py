@@ -65,6 +65,7 @@ class Telemetry:
         self.step_listeners: list[Callable] = []
         self.action_listeners: list[Callable] = []
         self.capture: DeepCapture | None = None
+        self.listener_errors = 0
         self._process = psutil.Process()
         self._process_sample: dict | None = None
         self._cuda = cuda
@@ -112,9 +113,21 @@ class Telemetry:
 
     # -- listeners
     def publish_step(self, stats) -> None:
-        for listener in self.step_listeners:
-            listener(stats)
+        for listener in list(self.step_listeners):
+            self._call(listener, stats)
 
     def publish_action(self, action: dict) -> None:
-        for listener in self.action_listeners:
-            listener(action)
+        for listener in list(self.action_listeners):
+            self._call(listener, action)
+
+    def _call(self, listener, item) -> None:
+        """A listener's failure (a recorder closing under it, a bug) is counted and logged once;
+        it never fails the engine's step."""
+        try:
+            listener(item)
+        except Exception as exc:  # noqa: BLE001
+            self.listener_errors += 1
+            if self.listener_errors == 1:
+                import logging
+
+                logging.getLogger(__name__).warning("a record listener failed: %s", exc)

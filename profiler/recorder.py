@@ -52,22 +52,27 @@ class TraceRecorder:
         self.path = Path(path)
         self.writer = TraceWriter(self.path, engine_header(engine), queue_size=queue_size, overwrite=overwrite)
         self.steps = 0
+        self._closed = False
         engine.add_listener(on_step=self._on_step, on_action=self._on_action)
         self.writer.write_action({"time": time.monotonic(), "step": engine.step_count, "kind": "record_start",
                                   "args": {"path": str(self.path)}, "result": {}})
 
     def _on_step(self, stats) -> None:
+        if self._closed:  # close() raced with a step already under way
+            return
         self.steps += 1
         self.writer.write_step(stats.as_record())
 
     def _on_action(self, action: dict) -> None:
-        self.writer.write_action(action)
+        if not self._closed:
+            self.writer.write_action(action)
 
     @property
     def dropped(self) -> int:
         return self.writer.dropped
 
     def close(self) -> None:
+        self._closed = True
         self.engine.remove_listener(on_step=self._on_step, on_action=self._on_action)
         self.writer.write_action({"time": time.monotonic(), "step": self.engine.step_count, "kind": "record_stop",
                                   "args": {}, "result": {"steps": self.steps, "dropped": self.writer.dropped}})

@@ -65,9 +65,13 @@ class ControlApi:
                                param=unknown[0])
         return body
 
-    async def _act(self, kind: str, **args):
-        """source.act, then its Future awaited without blocking the loop; refusals -> 400."""
+    async def _act(self, kind: str, args: dict | None = None):
+        """source.act, then its Future awaited without blocking the loop; refusals -> 400. The
+        client's arguments travel as a dict, so a key such as "kind" cannot collide with ours."""
+        args = dict(args or {})
         try:
+            if "kind" in args:
+                raise ValueError("kind: not an argument here")
             future = self.state.source.act(kind, **args)
             async with asyncio.timeout(ACTION_TIMEOUT_S):
                 return await asyncio.wrap_future(future)
@@ -82,7 +86,7 @@ class ControlApi:
 
     async def set_knobs(self, request: web.Request) -> web.Response:
         changes = await self._body(request)
-        await self._act("knobs", **changes)
+        await self._act("knobs", changes)
         # the engine applies the change at its next step; answer with what it will run with
         knobs = self.state.source.engine.knobs.updated(**changes).as_dict()
         return web.json_response({"knobs": knobs, "changed": changes})
@@ -103,9 +107,13 @@ class ControlApi:
         if not isinstance(plan_id, str) or plan_id not in self.plans:
             raise ApiError(400, f"plan_id: {plan_id!r} is not a plan previewed here (preview one first; "
                            f"the newest {MAX_PLANS} are kept)", param="plan_id")
+        plan = self.plans.pop(plan_id)  # before awaiting: a second apply of it gets the 400 above
         self.state.metrics.placement_requested(time.monotonic())
-        await self._act("rebalance_apply", plan=self.plans[plan_id])
-        plan = self.plans.pop(plan_id)
+        try:
+            await self._act("rebalance_apply", {"plan": plan})
+        except ApiError:
+            self.plans[plan_id] = plan  # refused: it can be applied later
+            raise
         return web.json_response({"plan_id": plan_id, "summary": plan.summary()})
 
     async def auto_rebalance(self, request: web.Request) -> web.Response:
@@ -115,7 +123,7 @@ class ControlApi:
         every = body.get("every_k_steps", 0)
         if not is_int(every):  # act() would turn 2.5 into 2 silently
             raise ApiError(400, f"every_k_steps: must be an integer, got {every!r}", param="every_k_steps")
-        result = await self._act("auto_rebalance", **body)
+        result = await self._act("auto_rebalance", body)
         return web.json_response(result)
 
     async def edit(self, request: web.Request) -> web.Response:
@@ -124,7 +132,7 @@ class ControlApi:
         if not isinstance(edit, str):
             raise ApiError(400, "edit: must be one of move, swap, replicate, drop_replica, pin, unpin", param="edit")
         self.state.metrics.placement_requested(time.monotonic())
-        result = await self._act("edit", **body)
+        result = await self._act("edit", body)
         return web.json_response({"edit": edit, "placement": result["placement"].to_dict()})
 
     # -- profiling
@@ -133,7 +141,7 @@ class ControlApi:
         steps = body.get("steps", 1)
         if not is_int(steps):  # act() would turn "3" or 2.5 into an int
             raise ApiError(400, f"steps: must be an integer, got {steps!r}", param="steps")
-        await self._act("capture", steps=steps)
+        await self._act("capture", {"steps": steps})
         return web.json_response({"capture": {"steps": steps}})
 
     async def start_recording(self, request: web.Request) -> web.Response:

@@ -123,6 +123,10 @@ def test_workload_controls_pause_and_change_the_rate(ckpt):
         app.query_one("#rq-workload").press()
         await pilot.pause(0.2)
         assert "rate" in text_of(app, "#rq-error") and source.workload.load.rate == 40.0
+        app.query_one("#rq-rate").value = "inf"  # would flood the engine with requests
+        app.query_one("#rq-workload").press()
+        await pilot.pause(0.2)
+        assert "rate" in text_of(app, "#rq-error") and source.workload.load.rate == 40.0
         app.query_one("#rq-rate").value = "7.5"
         app.query_one("#rq-workload").press()
         await until(pilot, lambda: source.workload.load.rate == 7.5)
@@ -321,3 +325,41 @@ def test_scrub_bar_marks_operator_actions_and_alerts():
     assert (300, "action") in markers  # the recorded rebalance
     alerts = [step for step, kind in markers if kind == "alert"]
     assert alerts and len(alerts) < 60  # where an imbalance begins, not on every noisy step
+
+
+def test_replay_delivers_actions_while_stepping_through_them():
+    """The operator's rebalance at step 300 arrives when stepping past it (not only on a seek),
+    and the state's placement follows it."""
+    from console.state import ConsoleState
+
+    source = ReplaySource(TRACES / "steady_rebalance.trace")
+    state = ConsoleState(source.header, "replay")
+    source.seek_step(290)
+    state.apply(*source.poll())
+    recorded = state.placement
+    kinds = []
+    for _ in range(20):
+        source.step_forward()
+        records, actions = source.poll()
+        kinds += [a["kind"] for a in actions]
+        state.apply(records, actions)
+    source.close()
+    assert "rebalance_apply" in kinds and state.placement != recorded
+
+
+def test_a_damaged_step_is_skipped_not_fatal(tmp_path):
+    import shutil
+    import sqlite3
+
+    from console.state import ConsoleState
+
+    path = tmp_path / "damaged.trace"
+    shutil.copy(TRACES / "kv_pressure.trace", path)
+    with sqlite3.connect(path) as db:
+        db.execute("UPDATE steps SET payload = ? WHERE step = 10", (b"\x00garbage",))
+    source = ReplaySource(path)
+    state = ConsoleState(source.header, "replay")
+    source.seek_step(20)
+    state.apply(*source.poll())
+    assert source.skipped == 1 and 10 not in [r["step"] for r in state.window] and state.latest["step"] == 20
+    source.close()

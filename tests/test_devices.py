@@ -233,3 +233,14 @@ def test_real_gpus_in_one_process_give_the_same_tokens(ckpt, single_device_outpu
     assert [o.token_ids for o in eng.generate(prompts(6), GREEDY)] == single_device_outputs
     busy = [b for step in eng.step_log for b in step.devices["busy_s"]]
     assert sum(busy) > 0
+
+
+def test_a_placement_the_tiered_cache_cannot_run_is_refused_before_anything_changes(ckpt):
+    eng = engine(ckpt, devices=4, expert_cache_slots=2, redundant_slots=1)
+    before = eng.cluster.placement
+    layer = eng.cluster.layers[0].layer_idx
+    expert = next(e for e in range(eng.model_config.num_experts) if e not in before.experts_on(layer, 0))
+    with pytest.raises(PlacementError, match="cannot hold one layer's working set"):
+        eng.edit_experts("replicate", layer=layer, expert=expert, device=0)
+    eng.step()
+    assert eng.cluster.placement == before and not [a for a in eng.actions if a["kind"].endswith("_failed")]

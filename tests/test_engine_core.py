@@ -301,3 +301,20 @@ def test_a_one_token_prompt_remainder_counts_as_prefill(ckpt):
     assert (step.prefill_tokens, step.decode_tokens) == (1, 0)
     engine.step()
     assert (engine.step_log[-1].prefill_tokens, engine.step_log[-1].decode_tokens) == (0, 1)
+
+
+def test_a_victim_already_in_the_step_is_taken_out_of_it(ckpt, ref_model):
+    """A long prompt arrives first and prefills in small chunks; two short ones arrive after it
+    and decode. When the long one needs blocks, the lowest-ranked decode (already scheduled in
+    this step, because decodes go first) is preempted: it must leave the step, not run with no
+    blocks."""
+    engine = make_engine(ckpt, num_kv_blocks=12, knobs=SchedulerKnobs(long_prefill_token_threshold=8))
+    long_prompt = prompts(1, seed=4, lo=40, hi=40)[0]
+    short = prompts(2, seed=5, lo=3, hi=3)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    outs = engine.generate([long_prompt] + short, params)
+    assert engine.stats()["preemptions"] > 0
+    for p, out in zip([long_prompt] + short, outs):
+        assert out.token_ids == reference_greedy(ref_model, p, 6)
+    assert engine.blocks.num_used == 0
+    engine.blocks.check_invariants()

@@ -143,3 +143,21 @@ def test_a_knob_that_would_overflow_hbm_is_refused(ckpt):
         eng.update_knobs(max_num_batched_tokens=4096)
     assert eng.knobs == knobs
     eng.update_knobs(max_num_batched_tokens=512)  # smaller steps always fit
+
+
+def test_a_full_device_pool_does_not_hold_back_other_devices(ckpt):
+    """FCFS within each device's KV pool: a waiting sequence whose pool is full does not stop a
+    later one whose pool has room."""
+    eng = engine(ckpt, 2, num_kv_blocks=8)  # 4 blocks (16 tokens) per device
+    vocab = eng.model_config.vocab_size
+    big = [t % vocab for t in prompts(1, seed=1, lo=13, hi=13)[0]]
+    small = [t % vocab for t in prompts(1, seed=2, lo=3, hi=3)[0]]
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    ids = [eng.add_request(p, params) for p in (big, small, big, small)]  # homes 0, 1, 0, 1
+    eng.step()
+    running = {s.request_id for s in eng.scheduler.running}
+    assert ids[0] in running and ids[3] in running and ids[2] not in running
+    eng.generate([], params)
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.blocks.num_used == 0

@@ -25,7 +25,8 @@ class ExpertsPanel(VerticalScroll):
         yield Static(id="ex-cell")
         with Horizontal(classes="row"):
             with Vertical():
-                yield Static("Expert load per device (top experts stacked)", classes="section-title")
+                yield Static("Expert load per device, top experts stacked (routing over placement)",
+                             classes="section-title")
                 yield Static(id="ex-stacked")
             with Vertical():
                 yield Static("Balancedness over time", classes="section-title")
@@ -94,7 +95,7 @@ class ExpertsPanel(VerticalScroll):
     def _show_stacked(self, state) -> None:
         from rich.text import Text
 
-        loads = state.device_loads()
+        loads = state.device_loads(state.placement_shown)  # the stack is routing over placement: so is the total
         top = max(float(loads.max()) if len(loads) else 0.0, 1.0)
         tops = state.top_experts_per_device(len(SEGMENT_STYLES)) if state.placement_shown is not None else []
         tails = [f" {loads[d]:,.0f}  " + " ".join(f"L{la}/E{e}" for la, e, _ in (tops[d][:2] if tops else []))

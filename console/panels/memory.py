@@ -13,10 +13,14 @@ from textual_plotext import PlotextPlot
 
 from .common import fmt_bytes
 
+# derived from each step's shapes with the planner's formulas, not read from an allocator
+MODELED_CATEGORIES = ("activations", "comm_buffers")
+
 
 class MemoryPanel(VerticalScroll):
     def compose(self) -> ComposeResult:
-        yield Static("HBM over time per device (MiB, accounted)", classes="section-title")
+        yield Static("HBM over time per device (MiB, accounted; activations and buffers modeled)",
+                     classes="section-title")
         yield PlotextPlot(id="mem-plot")
         yield Static("HBM over time by category, all devices (MiB)", classes="section-title")
         yield PlotextPlot(id="mem-cat-plot")
@@ -71,7 +75,8 @@ class MemoryPanel(VerticalScroll):
             table.add_column(f"d{d}", justify="right", no_wrap=True)
         categories = sorted({c for m in shown for c in m}, key=lambda c: -sum(m.get(c, 0) for m in shown))
         for c in categories:
-            table.add_row(c, *(fmt_bytes(m.get(c, 0)) for m in shown))
+            label = f"{c} (modeled)" if c in MODELED_CATEGORIES else c
+            table.add_row(label, *(fmt_bytes(m.get(c, 0)) for m in shown))
         table.add_row("[b]total[/b]", *(f"[b]{fmt_bytes(sum(m.values()))}[/b]" for m in shown))
         table.add_row("HBM", *(fmt_bytes(state.hbm_bytes) for _ in shown))
         return table

@@ -18,10 +18,11 @@ class OverviewPanel(VerticalScroll):
         yield Static(id="ov-metrics")
         with Horizontal(id="ov-bars"):
             with Vertical():
-                yield Static("Expert load per device (window tokens)", classes="section-title")
+                yield Static(id="ov-load-title", classes="section-title")
                 yield Static(id="ov-load")
             with Vertical():
-                yield Static("HBM per device (accounted)", classes="section-title")
+                yield Static("HBM per device (accounted; activations and buffers modeled from shapes)",
+                             classes="section-title")
                 yield Static(id="ov-hbm")
         yield Static("Alerts", classes="section-title")
         yield Static(id="ov-alerts")
@@ -50,9 +51,12 @@ class OverviewPanel(VerticalScroll):
             f"queue {counts['waiting']}   running {counts['running']}   "
             f"KV {cache['kv_used']}/{cache['kv_total']} blocks ({cache['kv_usage']:.0%})   "
             f"prefix hits {cache['prefix_hit_rate']:.0%}   preemptions {cache['preemptions']}   "
-            f"balancedness {state.balancedness()['overall']:.2f}")
+            f"balancedness {state.balancedness()['overall']:.2f} (routing over placement)")
         width = max(self.size.width // 2 - 2, 30)
         loads = state.device_loads()
+        self.query_one("#ov-load-title", Static).update(
+            "Expert rows per device over the window, "
+            + ("estimated from routing and placement" if state.loads_estimated else "measured"))
         top = max(float(loads.max()) if len(loads) else 0.0, 1.0)
         util = state.utilisation()
         rows = [(f"d{d}", float(v) / top, f"{v:,.0f} tok  busy {util[d] if d < len(util) else 0:.0%}")
