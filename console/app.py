@@ -42,7 +42,7 @@ class HelpScreen(ModalScreen):
                 keys = " / ".join(app.get_key_display(Binding(k, "")) for k in binding.key.split(","))
                 lines.append(f"  [b]{keys:<14}[/b] {binding.description}")
         lines += ["", "  [b]arrows[/b]         move the heat-map cursor / pan the timeline",
-                  "  [b]+ / - / 0[/b]      zoom the timeline in / out / to fit",
+                  "  [b]+ / - / 0[/b]      zoom the timeline in / out / to fit; [b]n / p[/b] next / previous span",
                   "  [b]tab[/b]            next control; [b]enter[/b] presses a button or submits a field",
                   "  [b]ctrl+p[/b]         command palette: every action by name", "",
                   "Modeled figures are marked: link time on emulated devices, and the activations and",

@@ -168,7 +168,7 @@ T0=$(date +%s)
 # -- replay -----------------------------------------------------------------------------------
 start replay "$MOECTL" replay "$TRACE"
 check "replay start" "Overview" 20
-check "replay overview" "Expert load per device" 5
+check "replay overview" "Expert rows per device" 5
 # the app draws on the whole terminal: its widest line (the tabs' underline) is $WIDTH wide
 drawn=$(screen | while IFS= read -r line; do printf '%s' "$line" | LC_ALL=C.UTF-8 wc -m; done | sort -n | tail -1)
 if [ "$drawn" = "$WIDTH" ]; then pass "replay: the app draws $WIDTH columns"; else fail "replay: the app draws $drawn columns, not $WIDTH"; fi

@@ -299,7 +299,7 @@ def test_timeline_measured_and_modeled_spans_look_different():
             timeline.set_spans([], [])
             await pilot.pause()
             assert "no spans" in timeline.render_line(0).text
-            await pilot.press("tab", "plus", "left", "0")  # nothing to act on: no crash
+            await pilot.press("n", "plus", "left", "0")  # nothing to act on: no crash
 
     asyncio.run(body())
 
@@ -347,15 +347,15 @@ def test_timeline_selection_keys_and_click():
             timeline.focus()
             await pilot.pause()
             assert timeline.selected is None
-            await pilot.press("tab")
+            await pilot.press("n")
             await pilot.pause()
             assert [s.name for s in app.selected] == ["attn"]
-            await pilot.press("tab", "tab")
+            await pilot.press("n", "n")
             await pilot.pause()
             assert [s.name for s in app.selected] == ["attn", "expert", "dispatch"]
             assert timeline.selected.name == "dispatch"
             assert "dispatch" in timeline.render_line(timeline.size.height - 1).text  # in the legend
-            await pilot.press("shift+tab")
+            await pilot.press("p")
             await pilot.pause()
             assert timeline.selected.name == "expert"
             # the selected span is drawn in the selection style

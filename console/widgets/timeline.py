@@ -201,8 +201,9 @@ class Timeline(ScrollView, can_focus=True):
         Binding("shift+left", "pan(-4)", "Pan left more", show=False),
         Binding("shift+right", "pan(4)", "Pan right more", show=False),
         Binding("0", "fit", "Fit all", show=False),
-        Binding("tab,n", "select_next(1)", "Next span", show=False),
-        Binding("shift+tab,p", "select_next(-1)", "Previous span", show=False),
+        # n/p, not tab: tab must still move the focus out of the timeline
+        Binding("n", "select_next(1)", "Next span", show=False),
+        Binding("p", "select_next(-1)", "Previous span", show=False),
         Binding("escape", "clear_selection", "Clear selection", show=False),
     ]
 
