@@ -250,9 +250,12 @@ class LiveSource(Source):
 
     def _restart(self) -> dict:
         """A fresh engine after a failure (engine thread): same config, a new workload stream."""
+        from profiler.recorder import engine_header
+
         engine = self._make_engine()
         self._attach(engine)
         self.engine = engine
+        self.header = engine_header(engine)
         self.workload = DemoWorkload(engine, self._load)
         self._error = None
         return {"restarted": True}

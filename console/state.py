@@ -96,6 +96,10 @@ class ConsoleState:
         self.steps_seen += 1
         if record.get("knobs"):
             self.knobs = record["knobs"]
+        for rid in record["batch"]["request_ids"]:  # a decode step adds one token to a started request
+            req = self.requests.get(rid)
+            if req is not None and req["state"] == "running" and req["output_tokens"]:
+                req["output_tokens"] += 1
         for event in record.get("requests") or ():
             self._request_event(event)
         cache = record.get("cache") or {}
@@ -120,7 +124,8 @@ class ConsoleState:
             req["state"] = "running"
         elif kind == "first_token":
             req["state"] = "running"
-        elif kind == "preempted":
+            req["output_tokens"] = 1
+        elif kind == "preempted":  # its tokens are recomputed; the ones already sent stay counted
             req["state"] = "waiting"
             req["preemptions"] += 1
         elif kind == "finished":

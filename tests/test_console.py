@@ -363,3 +363,21 @@ def test_a_damaged_step_is_skipped_not_fatal(tmp_path):
     state.apply(*source.poll())
     assert source.skipped == 1 and 10 not in [r["step"] for r in state.window] and state.latest["step"] == 20
     source.close()
+
+
+def test_running_requests_count_their_tokens_from_the_step_records(ckpt):
+    """The state counts a running request's output tokens step by step, and the count it ends
+    with is the engine's own."""
+    from console.state import ConsoleState
+    from engine.sampling import SamplingParams
+
+    config = EngineConfig(model=str(ckpt), block_size=4, num_kv_blocks=128, topology=Topology(num_devices=2))
+    eng = LLMEngine(config)
+    state = ConsoleState({"model": {"name": "tiny", "num_layers": 2, "num_experts": 8}}, "live")
+    rid = eng.add_request([5, 6, 7], SamplingParams(max_tokens=6, ignore_eos=True))
+    counts = []
+    while eng.has_unfinished():
+        eng.step()
+        state.apply([eng.step_log[-1].as_record()])
+        counts.append(state.requests[rid]["output_tokens"])
+    assert counts == [1, 2, 3, 4, 5, 6] and state.requests[rid]["state"] == "finished"
