@@ -3,6 +3,7 @@ link lanes, modeled spans drawn apart from measured ones; zoom, pan, select; the
 
 from __future__ import annotations
 
+import numpy as np
 from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical
 from textual.widgets import Button, Input, Label, Static
@@ -11,48 +12,46 @@ from console.widgets import Span, Timeline
 from profiler.analysis import step_breakdown
 
 
-def _as_list(column, default, count: int) -> list:
-    if column is None:
-        return [default] * count
-    return column.tolist() if hasattr(column, "tolist") else list(column)
+KINDS = ["span", "kernel"]
+
+
+def columns_of(records: list[dict]) -> tuple[list[str], dict]:
+    """The spans (and deep-capture kernels) of consecutive step records as Timeline.set_columns
+    arguments, on one time axis from the first step's start: whole arrays, no per-span objects."""
+    lanes: dict[str, int] = {}
+    names: dict[str, int] = {}
+    parts: dict[str, list] = {k: [] for k in ("lane", "name", "start_s", "dur_s", "modeled", "layer", "step", "kind")}
+    origin = records[0]["t_start"] if records else 0.0
+    for rec in records:
+        offset = rec["t_start"] - origin
+        for key, kind in (("spans", 0), ("kernels", 1)):
+            cols = rec.get(key)
+            if not cols or not len(cols["name"]):
+                continue
+            count = len(cols["name"])
+            lane_map = np.array([lanes.setdefault(name, len(lanes)) for name in cols["lanes"]], dtype=np.int64)
+            name_map = np.array([names.setdefault(name, len(names)) for name in cols["names"]], dtype=np.int64)
+            parts["lane"].append(lane_map[np.asarray(cols["lane"], dtype=np.int64)])
+            parts["name"].append(name_map[np.asarray(cols["name"], dtype=np.int64)])
+            parts["start_s"].append(np.asarray(cols["start_s"], dtype=np.float64) + offset)
+            parts["dur_s"].append(np.asarray(cols["dur_s"], dtype=np.float64))
+            parts["modeled"].append(np.asarray(cols["modeled"], dtype=bool) if cols.get("modeled") is not None
+                                    else np.zeros(count, dtype=bool))
+            parts["layer"].append(np.asarray(cols["layer"], dtype=np.int64) if cols.get("layer") is not None
+                                  else np.full(count, -1, dtype=np.int64))
+            parts["step"].append(np.full(count, int(rec["step"]), dtype=np.int64))
+            parts["kind"].append(np.full(count, kind, dtype=np.int64))
+    columns = {k: (np.concatenate(v) if v else np.zeros(0)) for k, v in parts.items()}
+    return list(lanes), {**columns, "names": list(names), "kinds": KINDS}
 
 
 def spans_of(records: list[dict]) -> tuple[list[str], list[Span]]:
-    """Timeline spans of consecutive step records, on one time axis from the first step's start."""
-    if not records:
-        return [], []
-    origin = records[0]["t_start"]
-    lanes: list[str] = []
-    index: dict[str, int] = {}
-    out: list[Span] = []
-
-    def lane_id(name: str) -> int:
-        if name not in index:
-            index[name] = len(lanes)
-            lanes.append(name)
-        return index[name]
-
-    for rec in records:
-        offset = rec["t_start"] - origin
-        for key, kind in (("spans", "span"), ("kernels", "kernel")):
-            cols = rec.get(key)
-            if not cols:
-                continue
-            names, lane_names = cols["names"], cols["lanes"]
-            for name in lane_names:  # the record's lane order: engine, devices, links, then kernels
-                lane_id(name)
-            # whole columns to Python lists first: indexing numpy arrays element by element is slow
-            lane_map = [lane_id(name) for name in lane_names]
-            count = len(cols["name"])
-            layers = _as_list(cols.get("layer"), -1, count)
-            modeled = _as_list(cols.get("modeled"), False, count)
-            step = int(rec["step"])
-            for lane, name, start, dur, flag, layer in zip(_as_list(cols["lane"], 0, count),
-                                                            _as_list(cols["name"], 0, count),
-                                                            _as_list(cols["start_s"], 0.0, count),
-                                                            _as_list(cols["dur_s"], 0.0, count), modeled, layers):
-                out.append(Span(lane_map[lane], names[name], offset + start, dur, bool(flag), layer, step, kind))
-    return lanes, out
+    """The same as Span objects (for tests and tools; the panel uses columns_of)."""
+    lanes, c = columns_of(records)
+    return lanes, [Span(int(lane), c["names"][int(name)], float(start), float(dur), bool(modeled), int(layer),
+                        int(step), KINDS[int(kind)])
+                   for lane, name, start, dur, modeled, layer, step, kind in
+                   zip(c["lane"], c["name"], c["start_s"], c["dur_s"], c["modeled"], c["layer"], c["step"], c["kind"])]
 
 
 class TimelinePanel(Vertical):
@@ -79,8 +78,8 @@ class TimelinePanel(Vertical):
         if records[-1]["step"] == self.shown_step:
             return
         self.shown_step = records[-1]["step"]
-        lanes, spans = spans_of(records)
-        self.query_one(Timeline).set_spans(lanes, spans)
+        lanes, columns = columns_of(records)
+        self.query_one(Timeline).set_columns(lanes, **columns)
         b = step_breakdown(records)
         parts = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in b["measured_mean_s"].items())
         self.query_one("#tl-breakdown", Static).update(

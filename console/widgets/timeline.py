@@ -76,20 +76,46 @@ class Span:
 
 
 class _Lane:
-    """A lane's spans sorted by start, with numpy columns for fast visibility queries."""
+    """A lane's spans as columns sorted by start (longest first on ties), for fast visibility
+    queries and rendering; Span objects are only built when someone asks for them (selection)."""
 
-    __slots__ = ("spans", "starts", "ends", "durs", "max_end", "style_ids", "labels")
+    __slots__ = ("lane", "starts", "ends", "durs", "max_end", "style_ids", "modeled", "name_ids", "layers",
+                 "steps", "kinds", "_names", "_kinds", "_spans")
 
-    def __init__(self, spans: list[Span]) -> None:
-        self.spans = sorted(spans, key=lambda s: (s.start_s, -s.dur_s))
-        self.starts = np.array([s.start_s for s in self.spans], dtype=np.float64)
-        self.durs = np.array([max(s.dur_s, 0.0) for s in self.spans], dtype=np.float64)
+    def __init__(self, lane: int, starts, durs, modeled, name_ids, layers, steps, kinds,
+                 names: Sequence[str], kind_names: Sequence[str]) -> None:
+        self.lane = lane
+        order = np.lexsort((-durs, starts))
+        self.starts = np.asarray(starts, dtype=np.float64)[order]
+        self.durs = np.maximum(np.asarray(durs, dtype=np.float64)[order], 0.0)
         self.ends = self.starts + self.durs
         # running max of ends is non-decreasing: spans before the first index where it exceeds t
         # all end by t, so a binary search finds where visible spans can begin
-        self.max_end = np.maximum.accumulate(self.ends) if len(self.spans) else self.ends
+        self.max_end = np.maximum.accumulate(self.ends) if len(self.starts) else self.ends
+        self.modeled = np.asarray(modeled, dtype=bool)[order].tolist()
+        self.name_ids = np.asarray(name_ids, dtype=np.int64)[order]
+        self.layers = np.asarray(layers, dtype=np.int64)[order]
+        self.steps = np.asarray(steps, dtype=np.int64)[order]
+        self.kinds = np.asarray(kinds, dtype=np.int64)[order]
+        self._names, self._kinds = names, kind_names
         self.style_ids: list[int] = []  # per span: index into Timeline._styles
-        self.labels = [s.name if s.layer < 0 else f"{s.name} L{s.layer}" for s in self.spans]
+        self._spans: list[Span] | None = None
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def label(self, i: int) -> str:
+        name, layer = self._names[self.name_ids[i]], int(self.layers[i])
+        return name if layer < 0 else f"{name} L{layer}"
+
+    @property
+    def spans(self) -> list[Span]:
+        if self._spans is None:
+            names, kinds = self._names, self._kinds
+            self._spans = [Span(self.lane, names[n], s, d, m, layer, step, kinds[k]) for n, s, d, m, layer, step, k in
+                           zip(self.name_ids.tolist(), self.starts.tolist(), self.durs.tolist(), self.modeled,
+                               self.layers.tolist(), self.steps.tolist(), self.kinds.tolist())]
+        return self._spans
 
     def visible(self, t0: float, t1: float) -> tuple[int, int]:
         """[lo, hi) index range that holds every span overlapping (t0, t1) (and maybe others)."""
@@ -261,23 +287,54 @@ class Timeline(ScrollView, can_focus=True):
             spans: spans with Span.lane indexing `lanes`.
             fit: reset the view to show all spans (otherwise the current time range is kept).
         """
-        names = [str(n) for n in lanes]
-        per_lane: list[list[Span]] = [[] for _ in names]
-        for span in spans:
-            if 0 <= span.lane < len(names) and math.isfinite(span.start_s) and math.isfinite(span.dur_s):
-                per_lane[span.lane].append(span)
-        self._lane_names = names
-        self._lanes = [_Lane(bucket) for bucket in per_lane]
-        for lane in self._lanes:
+        names: dict[str, int] = {}
+        kinds: dict[str, int] = {}
+        cols = [(s.lane, names.setdefault(s.name, len(names)), s.start_s, s.dur_s, s.modeled, s.layer, s.step,
+                 kinds.setdefault(s.kind, len(kinds))) for s in spans]
+        lane, name, start, dur, modeled, layer, step, kind = (np.array(c) for c in zip(*cols)) if cols else \
+            (np.zeros(0),) * 8
+        self.set_columns(lanes, lane=lane, name=name, names=list(names), start_s=start, dur_s=dur, modeled=modeled,
+                         layer=layer, step=step, kind=kind, kinds=list(kinds) or ["span"], fit=fit)
+
+    def set_columns(self, lanes: Sequence[str], *, lane, name, names: Sequence[str], start_s, dur_s, modeled=None,
+                    layer=None, step=None, kind=None, kinds: Sequence[str] = ("span",), fit: bool = True) -> None:
+        """Replace everything drawn, from columns (one entry per span): lane and name are indexes
+        into `lanes` and `names`, kind into `kinds`. The fast path: no Span object is built."""
+        lane_names = [str(n) for n in lanes]
+        lane = np.asarray(lane, dtype=np.int64)
+        n = len(lane)
+        start_s, dur_s = np.asarray(start_s, dtype=np.float64), np.asarray(dur_s, dtype=np.float64)
+        fill = (lambda col, value, dtype: np.full(n, value, dtype=dtype) if col is None else np.asarray(col, dtype=dtype))
+        modeled, layer = fill(modeled, False, bool), fill(layer, -1, np.int64)
+        step, kind = fill(step, -1, np.int64), fill(kind, 0, np.int64)
+        name = np.asarray(name, dtype=np.int64)
+        keep = (lane >= 0) & (lane < len(lane_names)) & np.isfinite(start_s) & np.isfinite(dur_s)
+        by_lane = np.argsort(np.where(keep, lane, len(lane_names)), kind="stable")
+        bounds = np.searchsorted(lane[by_lane], np.arange(len(lane_names) + 1), side="left") if n else \
+            np.zeros(len(lane_names) + 1, dtype=np.int64)
+        names, kinds = list(names), list(kinds)
+        self._lane_names = lane_names
+        self._lanes = []
+        for i in range(len(lane_names)):
+            pick = by_lane[bounds[i]:bounds[i + 1]]
+            pick = pick[keep[pick]]
+            data = _Lane(i, start_s[pick], dur_s[pick], modeled[pick], name[pick], layer[pick], step[pick],
+                         kind[pick], names, kinds)
             # alternate shades along the lane so that neighbours of one colour stay apart
-            lane.style_ids = [self._style_id(span.name, i) for i, span in enumerate(lane.spans)]
+            table: dict[tuple[int, int], int] = {}
+            for j, nid in enumerate(data.name_ids.tolist()):
+                sid = table.get((nid, j & 1))
+                if sid is None:
+                    sid = table[(nid, j & 1)] = self._style_id(names[nid], j)
+                data.style_ids.append(sid)
+            self._lanes.append(data)
         offsets = [0]
-        for lane in self._lanes:
-            offsets.append(offsets[-1] + len(lane.spans))
+        for data in self._lanes:
+            offsets.append(offsets[-1] + len(data))
         self._lane_offsets = offsets
         self._count = offsets[-1]
-        starts = [lane.starts[0] for lane in self._lanes if len(lane.spans)]
-        ends = [lane.max_end[-1] for lane in self._lanes if len(lane.spans)]
+        starts = [data.starts[0] for data in self._lanes if len(data)]
+        ends = [data.max_end[-1] for data in self._lanes if len(data)]
         if starts:
             t0, t1 = min(starts), max(ends)
             if t1 - t0 < MIN_VIEW_S:
@@ -288,7 +345,7 @@ class Timeline(ScrollView, can_focus=True):
         self._selected = None
         if fit or not starts:
             self._view = self._extent
-        self.virtual_size = Size(0, HEADER_ROWS + len(names) + FOOTER_ROWS)
+        self.virtual_size = Size(0, HEADER_ROWS + len(lane_names) + FOOTER_ROWS)
         self.refresh()
 
     def _style_id(self, name: str, parity_index: int) -> int:
@@ -529,7 +586,7 @@ class Timeline(ScrollView, can_focus=True):
     def _raster_with_starts(self, lane: int, width: int) -> tuple[np.ndarray, dict[int, int]] | None:
         """(owner per column as in _raster, {span index: column where it starts})."""
         data = self._lanes[lane]
-        if not len(data.spans) or width <= 0:
+        if not len(data) or width <= 0:
             return None
         v0, v1 = self._view
         lo, hi = data.visible(v0, v1)
@@ -590,8 +647,7 @@ class Timeline(ScrollView, can_focus=True):
             return Strip(segments, gutter + track).adjust_cell_length(width, base)
         owner, start_cols = raster
         data = self._lanes[lane]
-        spans = data.spans
-        labels = data.labels
+        modeled_of = data.modeled
         style_ids = data.style_ids
         styles = self._styles
         sel_index = selected[1] if selected is not None and selected[0] == lane else -2
@@ -616,8 +672,8 @@ class Timeline(ScrollView, can_focus=True):
                 continue
             # the span's name goes in the piece where the span starts, if it fits (names are
             # taken as one cell per character: kernel and span names are ASCII)
-            label = labels[value] if n >= 4 and start_cols[value] == a else ""
-            modeled = spans[value].modeled
+            label = data.label(value) if n >= 4 and start_cols[value] == a else ""
+            modeled = modeled_of[value]
             if not label and value != sel_index:
                 key = (style_ids[value], n, modeled)
                 segment = cache.get(key)
