@@ -44,7 +44,7 @@ def _one_run(model_dir: str, dtype, profiled: bool, devices: int, spec: Workload
     return {"tokens_per_s": tokens / wall, "steps": engine.step_count, "wall_s": wall, "dropped": dropped}
 
 
-def run_profiler_overhead(model_dir: str | Path, *, rounds: int = 5, devices: int = 4, requests: int = 24,
+def run_profiler_overhead(model_dir: str | Path, *, rounds: int = 7, devices: int = 4, requests: int = 64,
                           dtype: str | None = None, log: Callable[[str], None] = print) -> dict:
     model_dir = str(model_dir)
     spec = WorkloadSpec(num_requests=requests, prompt_len=(32, 128), output_len=(32, 64), seed=7)

@@ -50,7 +50,9 @@ class TraceRecorder:
     def __init__(self, engine, path, *, overwrite: bool = False, queue_size: int = 4096):
         self.engine = engine
         self.path = Path(path)
-        self.writer = TraceWriter(self.path, engine_header(engine), queue_size=queue_size, overwrite=overwrite)
+        # the engine's records key every dict by str: the codec's fast path applies
+        self.writer = TraceWriter(self.path, engine_header(engine), queue_size=queue_size, overwrite=overwrite,
+                                  str_keys=True)
         self.steps = 0
         self._closed = False
         engine.add_listener(on_step=self._on_step, on_action=self._on_action)

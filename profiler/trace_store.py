@@ -90,8 +90,10 @@ class TraceWriter:
     """
 
     def __init__(self, path, header: dict, *, queue_size: int = 1024, flush_interval_s: float = 0.25,
-                 overwrite: bool = False):
+                 overwrite: bool = False, str_keys: bool = False):
+        """str_keys: every record's dict keys are str (as the engine's are): encode on the fast path."""
         self.path = Path(path)
+        self._str_keys = str_keys
         if queue_size < 1 or flush_interval_s <= 0:
             raise TraceError("queue_size must be >= 1 and flush_interval_s > 0")
         if not isinstance(header, dict):
@@ -255,7 +257,7 @@ class TraceWriter:
     def _encode_into(self, item, steps: list, actions: list) -> None:
         key, record = item
         try:
-            payload = codec.encode(record)
+            payload = codec.encode(record, str_keys=self._str_keys)
         except Exception as e:  # one bad record must not stop the trace
             self._fail(1, f"encode: {e}")
             return

@@ -397,3 +397,29 @@ def test_kill_9_loses_at_most_the_last_second(tmp_path):
     old = [i for i, t in returned_by.items() if t <= kill_time - 1.0]
     assert old, "the child wrote too little to test anything"
     assert len(steps) >= max(old) + 1
+
+
+def test_the_str_keys_fast_path_writes_the_same_records():
+    """encode(str_keys=True) (json's C encoder walks the record) decodes to exactly what the
+    general walk gives, arrays and lists alike."""
+    from profiler import codec
+
+    rng = np.random.default_rng(3)
+    record = {"step": 7, "t_start": 1.5, "t_end": 1.75, "routing": rng.integers(0, 900, (6, 32)).astype(np.int32),
+              "small": np.arange(5, dtype=np.int64), "flags": np.array([True, False]), "x": np.float32(2.5),
+              "nested": {"a": [1, 2, 3] * 4, "b": {"c": None, "d": "text", "e": [0.5] * 9}},
+              "spans": {"lanes": ["engine"], "start_s": rng.random(40), "lane": np.zeros(40, np.int16)}}
+
+    def same(a, b):
+        if isinstance(a, dict):
+            return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+        if isinstance(a, list):
+            return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+        if isinstance(a, np.ndarray):
+            return isinstance(b, np.ndarray) and a.dtype == b.dtype and a.shape == b.shape and (a == b).all()
+        return type(a) is type(b) and a == b
+
+    general, fast = codec.decode(codec.encode(record)), codec.decode(codec.encode(record, str_keys=True))
+    assert same(general, fast) and same(fast["routing"], record["routing"])
+    with pytest.raises(codec.TraceError, match="cannot store"):
+        codec.encode({"step": 1, "bad": object()}, str_keys=True)
