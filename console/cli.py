@@ -6,6 +6,7 @@ Exit codes: 0 success, 1 failure, 2 bad input. Errors are one line on stderr, ne
 from __future__ import annotations
 
 import json
+import os
 import sys
 from functools import wraps
 from pathlib import Path
@@ -50,6 +51,9 @@ def handles_errors(fn):
             return fn(*args, **kwargs)
         except typer.Exit:
             raise
+        except BrokenPipeError:  # the reader went away (`| head`): stop quietly, like any filter
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            raise typer.Exit(0) from None
         except ValueError as exc:
             _fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__, 2)
         except KeyboardInterrupt:

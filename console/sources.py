@@ -34,7 +34,6 @@ class ActionRefused(ValueError):
 class Source:
     mode = "?"
     header: dict = {}
-    capabilities: frozenset = frozenset()
 
     def poll(self) -> tuple[list[dict], list[dict]]:
         raise NotImplementedError
@@ -105,8 +104,6 @@ class DemoWorkload:
 
 class LiveSource(Source):
     mode = "live"
-    capabilities = frozenset({"knobs", "rebalance_preview", "rebalance_apply", "auto_rebalance", "edit",
-                              "workload", "capture", "restart"})
 
     def __init__(self, make_engine, load: DemoLoad | None = None, *, demo: bool = True):
         """make_engine(): builds a fresh LLMEngine (also used by restart). demo=False: no demo
@@ -273,7 +270,6 @@ class LiveSource(Source):
 
 class ReplaySource(Source):
     mode = "replay"
-    capabilities = frozenset({"rebalance_preview", "rebalance_apply", "transport"})
     MAX_PER_POLL = 256  # records handed over per poll when playing fast
 
     def __init__(self, path: str | Path):
@@ -473,7 +469,6 @@ class RemotePlan:
     def __init__(self, plan_id: str, summary: dict):
         self.plan_id = plan_id
         self._summary = summary
-        self.placement = None
 
     def summary(self) -> dict:
         return self._summary
@@ -493,8 +488,6 @@ class AttachSource(Source):
         if not self.url.startswith(("http://", "https://")):
             raise ActionRefused(f"attach: {url!r} is not an http(s) URL")
         self.token = token
-        self.capabilities = frozenset({"knobs", "rebalance_preview", "rebalance_apply", "auto_rebalance", "edit",
-                                       "capture"} if token else set())
         self._records: deque = deque(maxlen=RECORD_BUFFER)
         self._actions: deque = deque(maxlen=RECORD_BUFFER)
         self._error: str | None = None

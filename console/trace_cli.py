@@ -289,6 +289,7 @@ def trace_report(
         "breakdown": analysis.step_breakdown(records),
         "latency": analysis.latency_percentiles(records),
         "memory_growth": analysis.memory_growth(records),
+        "caches": _cache_summary(records),
         "alerts": analysis.alerts(records, placement, topology, devices.get("expert_bytes"),
                                   devices.get("redundant_slots") or None),
     }
@@ -302,6 +303,21 @@ def trace_report(
         typer.echo(json.dumps(report, default=float))
         return
     _print_report(report)
+
+
+def _cache_summary(records: list[dict]) -> dict:
+    """KV preemptions, prefix-cache hits and expert-cache hits over the range."""
+    # counters are cumulative: a range from the first step counts from zero, a later one from its start
+    first = (records[0].get("cache") or {}) if records[0]["step"] > 1 else {}
+    last = records[-1].get("cache") or {}
+    expert = [c for r in records for c in ((r.get("devices") or {}).get("expert_cache") or ())]
+    hits, misses = sum(c["hits"] for c in expert), sum(c["misses"] for c in expert)
+    queries = last.get("prefix_queries", 0) - first.get("prefix_queries", 0)
+    return {"preemptions": sum(len(r["batch"]["preempted"]) for r in records),
+            "prefix_hit_tokens": last.get("prefix_hits", 0) - first.get("prefix_hits", 0),
+            "prefix_query_tokens": queries,
+            "expert_cache_hit_rate": hits / (hits + misses) if expert and hits + misses else None,
+            "expert_prefetches": sum(c["prefetched"] for c in expert)}
 
 
 def _print_report(r: dict) -> None:
@@ -327,6 +343,11 @@ def _print_report(r: dict) -> None:
         if p.get("p50") is not None:
             say(f"{key[:-2].upper()} p50/p90/p99: " + "/".join(f"{p[q] * 1e3:.1f}" for q in ("p50", "p90", "p99")) + " ms")
     say(f"throughput {lat.get('throughput_tok_s') or 0:.1f} tok/s")
+    c = r["caches"]
+    say(f"KV preemptions {c['preemptions']}, prefix cache {c['prefix_hit_tokens']:,} of "
+        f"{c['prefix_query_tokens']:,} prompt tokens"
+        + (f", expert cache {c['expert_cache_hit_rate']:.1%} hits ({c['expert_prefetches']:,} prefetches)"
+           if c["expert_cache_hit_rate"] is not None else ""))
     mem = r["memory_growth"]
     if mem.get("samples"):
         say(f"process memory slope {mem['slope_bytes_per_s'] / 2**20:+.2f} MiB/s over {mem['samples']} samples"

@@ -56,6 +56,9 @@ def run_profiler_overhead(model_dir: str | Path, *, rounds: int = 7, devices: in
                 (on if profiled else off).append(run["tokens_per_s"])
                 dropped += run["dropped"]
             log(f"round {r + 1}/{rounds}: off {off[-1]:.0f} tok/s, on {on[-1]:.0f} tok/s")
+        encode = _encode_cost(Path(tmp) / f"round{rounds - 1}.trace")
+    log(f"encoding one recorded step (the writer thread's work): {encode['general_us']:.0f} us with the general "
+        f"walk, {encode['str_keys_us']:.0f} us on the str-keys path the recorder uses")
     ratios = [b / a for a, b in zip(off, on)]
     ratio = statistics.median(ratios)
     overhead = 1.0 - ratio
@@ -64,4 +67,20 @@ def run_profiler_overhead(model_dir: str | Path, *, rounds: int = 7, devices: in
         f"{dropped} records dropped")
     return {"rounds": rounds, "devices": devices, "requests": requests, "off_tokens_per_s": off,
             "on_tokens_per_s": on, "ratio_on_off": ratio, "overhead": overhead, "target_overhead": TARGET_OVERHEAD,
-            "met": overhead <= TARGET_OVERHEAD, "dropped": dropped, "ratios": ratios}
+            "met": overhead <= TARGET_OVERHEAD, "dropped": dropped, "ratios": ratios, "encode": encode}
+
+
+def _encode_cost(trace: Path, limit: int = 300) -> dict:
+    """Mean microseconds to encode a recorded step record, both codec paths, same records."""
+    from . import codec
+    from .trace_store import TraceReader
+
+    with TraceReader(trace) as reader:
+        records = [r for _, r in zip(range(limit), reader.steps())]
+    out = {}
+    for name, fast in (("general_us", False), ("str_keys_us", True)):
+        t0 = time.perf_counter()
+        for record in records:
+            codec.encode(record, str_keys=fast)
+        out[name] = (time.perf_counter() - t0) / max(len(records), 1) * 1e6
+    return out

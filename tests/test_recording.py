@@ -201,3 +201,17 @@ def test_trace_report_analyses_a_sample_trace_and_its_counterfactual(tmp_path):
     assert json.loads(res.stdout)["counterfactual"]["overall"] > 0.9
     res = run("trace", "report", trace, "--placement", tmp_path / "missing.json")
     assert res.exit_code == 2
+
+
+def test_trace_report_sums_the_caches_of_a_range():
+    from pathlib import Path
+
+    traces = Path(__file__).resolve().parent.parent / "sample_traces"
+    kv = json.loads(run("trace", "report", traces / "kv_pressure.trace", "--json").stdout)["caches"]
+    with TraceReader(traces / "kv_pressure.trace") as reader:
+        records = list(reader.steps())
+    assert kv["preemptions"] == sum(len(r["batch"]["preempted"]) for r in records) > 0
+    assert kv["prefix_hit_tokens"] == records[-1]["cache"]["prefix_hits"] > 0
+    assert kv["expert_cache_hit_rate"] is None
+    offload = json.loads(run("trace", "report", traces / "offload_prefetch.trace", "--json").stdout)["caches"]
+    assert 0.5 < offload["expert_cache_hit_rate"] < 1 and offload["expert_prefetches"] > 0

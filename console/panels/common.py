@@ -5,7 +5,6 @@ from __future__ import annotations
 from rich.text import Text
 from textual.message import Message
 
-from engine.topology import format_size
 
 
 class ActionRequested(Message):
@@ -54,6 +53,3 @@ def fmt_bytes(n) -> str:
             return f"{value:.1f}{unit}" if value < 100 else f"{value:.0f}{unit}"
     return f"{n}B"
 
-
-def fmt_size(n) -> str:
-    return "-" if n is None else format_size(int(n))
