@@ -76,8 +76,8 @@ SPAN_NAMES = ["attention", "router", "experts", "all_to_all dispatch", "all_to_a
 # -- 1. the synthetic trace ----------------------------------------------------------------------
 
 def synthetic_header(expert_bytes: int = 44 << 20) -> dict:
-    from engine.placement import Placement
-    from engine.topology import Topology
+    from moectl.engine.experts.placement import Placement
+    from moectl.engine.core.topology import Topology
 
     topology = Topology(num_devices=DEVICES, hbm_bytes=141 << 30)
     return {
@@ -121,7 +121,7 @@ def _spans(rng: np.random.Generator) -> dict:
 
 def synthetic_records(n: int, header: dict, seed: int = 0, pool: int = 16) -> list[dict]:
     """n step records (profiler/records.py format 1); `pool` distinct payloads reused round robin."""
-    from engine.placement import Placement
+    from moectl.engine.experts.placement import Placement
 
     rng = np.random.default_rng(seed)
     placement = Placement.from_dict(header["devices"]["placement"])
@@ -186,7 +186,7 @@ def synthetic_records(n: int, header: dict, seed: int = 0, pool: int = 16) -> li
 
 
 def write_synthetic_trace(path: Path, steps: int, seed: int = 0) -> dict:
-    from profiler.trace_store import TraceWriter
+    from moectl.profiler.trace_store import TraceWriter
 
     header = synthetic_header()
     t0 = time.perf_counter()
@@ -248,8 +248,8 @@ async def _until(condition, timeout_s: float, poll_s: float = 0.01) -> bool:
 # -- 1. frame time -------------------------------------------------------------------------------
 
 async def _frames(path: Path, frames: int, size: tuple[int, int], tabs: tuple[str, ...]) -> dict:
-    from console.app import MoectlApp
-    from console.sources import ReplaySource
+    from moectl.console.app import MoectlApp
+    from moectl.console.sources import ReplaySource
     from textual.widgets import TabbedContent
 
     source = ReplaySource(path)
@@ -296,13 +296,13 @@ async def _frames(path: Path, frames: int, size: tuple[int, int], tabs: tuple[st
 # -- 2. update rate ------------------------------------------------------------------------------
 
 def _live_source(rate: float):
-    from console.console_cli import live_source
+    from moectl.cli.console import live_source
 
     return live_source(None, 4, "80GiB", 1, None, f"rate={rate:g},prompt=32-256,output=32-128", None, 1)
 
 
 async def _update_rate(rate: float, seconds: float, warmup_s: float) -> dict:
-    from console.app import MoectlApp
+    from moectl.console.app import MoectlApp
 
     source = _live_source(rate)
     app = MoectlApp(source)
@@ -385,7 +385,7 @@ async def _key_latency(make_app, size: tuple[int, int], presses: int, seed: int,
 
 
 async def _live_keys(rate: float, presses: int, seed: int) -> dict:
-    from console.app import MoectlApp
+    from moectl.console.app import MoectlApp
 
     async def ready(app, pilot):
         await _until(lambda: app.state.steps_seen > 20, 60.0)
@@ -399,8 +399,8 @@ async def _big_keys(path: Path, presses: int, seed: int) -> dict:
     """The same on the synthetic 61x384 / 64-device trace, paused (no engine): what the panels'
     own refresh costs do to the keyboard. The app's 5 Hz tick re-renders the visible panel even
     when no record arrived."""
-    from console.app import MoectlApp
-    from console.sources import ReplaySource
+    from moectl.console.app import MoectlApp
+    from moectl.console.sources import ReplaySource
 
     async def ready(app, pilot):
         await pilot.pause()

@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from textual.app import App, ComposeResult  # noqa: E402
 
-from console.widgets import HeatMap, Span, Timeline  # noqa: E402
+from moectl.console.widgets import HeatMap, Span, Timeline  # noqa: E402
 
 LAYERS, EXPERTS, TOP_K, TOKENS, DEVICES = 61, 384, 8, 2048, 64
 TARGET_MS = 30.0

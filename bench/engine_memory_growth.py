@@ -21,10 +21,10 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.engine_config import EngineConfig  # noqa: E402
-from engine.llm_engine import LLMEngine  # noqa: E402
-from engine.topology import Topology  # noqa: E402
-from engine.workload import WorkloadSpec, run_workload, workload_for_engine  # noqa: E402
+from moectl.engine.core.config import EngineConfig  # noqa: E402
+from moectl.engine.llm_engine import LLMEngine  # noqa: E402
+from moectl.engine.core.topology import Topology  # noqa: E402
+from moectl.engine.tools.workload import WorkloadSpec, run_workload, workload_for_engine  # noqa: E402
 
 
 class _Enough(Exception):

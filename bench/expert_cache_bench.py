@@ -40,13 +40,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.engine_config import EngineConfig, SchedulerKnobs  # noqa: E402
-from engine.expert_cache import ExpertCache, moe_host_tier, replay  # noqa: E402
-from engine.llm_engine import LLMEngine  # noqa: E402
-from engine.placement import Placement  # noqa: E402
-from engine.prefetch import CoactivationPredictor, RouterPredictor, RoutingRecorder  # noqa: E402
-from engine.topology import Topology  # noqa: E402
-from engine.workload import WorkloadSpec, make_workload, run_workload  # noqa: E402
+from moectl.engine.core.config import EngineConfig, SchedulerKnobs  # noqa: E402
+from moectl.engine.experts.expert_cache import ExpertCache, moe_host_tier, replay  # noqa: E402
+from moectl.engine.llm_engine import LLMEngine  # noqa: E402
+from moectl.engine.experts.placement import Placement  # noqa: E402
+from moectl.engine.experts.prefetch import CoactivationPredictor, RouterPredictor, RoutingRecorder  # noqa: E402
+from moectl.engine.core.topology import Topology  # noqa: E402
+from moectl.engine.tools.workload import WorkloadSpec, make_workload, run_workload  # noqa: E402
 
 TARGET = 0.9
 ROOT = Path(__file__).resolve().parent.parent

@@ -38,20 +38,20 @@ SAMPLE_MODEL = ROOT / "engine" / "sample_model"
 
 SERVER_CODE = textwrap.dedent("""
     import sys
-    from console.sources import LiveSource
-    from engine.engine_config import EngineConfig
-    from engine.llm_engine import LLMEngine
-    from engine.topology import Topology
-    from server.app import run_server
+    from moectl.engine.core.driver import EngineDriver
+    from moectl.engine.core.config import EngineConfig
+    from moectl.engine.llm_engine import LLMEngine
+    from moectl.engine.core.topology import Topology
+    from moectl.server.app import run_server
 
     model, devices, threads, port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
     config = EngineConfig(model=model, topology=Topology(num_devices=devices), redundant_slots=1,
                           num_threads=threads)
-    source = LiveSource(lambda: LLMEngine(config), demo=False)
+    driver = EngineDriver(lambda: LLMEngine(config))
     try:
-        run_server(source, host="127.0.0.1", port=port)
+        run_server(driver, host="127.0.0.1", port=port)
     finally:
-        source.close()
+        driver.close()
 """)
 
 

@@ -35,8 +35,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from profiler.codec import decode, encode  # noqa: E402
-from profiler.trace_store import TraceReader, TraceWriter  # noqa: E402
+from moectl.profiler.codec import decode, encode  # noqa: E402
+from moectl.profiler.trace_store import TraceReader, TraceWriter  # noqa: E402
 
 LAYERS, EXPERTS, TOP_K, DEVICES = 61, 384, 8, 64
 HIDDEN_BYTES = 7168 * 2  # one bf16 token row of a 7168-wide model: the unit of dispatch traffic

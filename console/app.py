@@ -18,13 +18,13 @@ from textual.css.query import NoMatches
 from textual.screen import ModalScreen
 from textual.widgets import Footer, Header, Static, TabbedContent, TabPane
 
-from themes import HEATMAP_SCALE, STYLES, THEMES
+from moectl.themes import HEATMAP_SCALE, STYLES, THEMES
 
-from .panels import (ActionRequested, ExpertsPanel, MemoryPanel, OverviewPanel, RequestsPanel, TimelinePanel,
+from moectl.console.panels import (ActionRequested, ExpertsPanel, MemoryPanel, OverviewPanel, RequestsPanel, TimelinePanel,
                      TransportBar)
-from .sources import ActionRefused, ReplaySource, counterfactual_plan
-from .state import ConsoleState
-from .widgets import HeatMap
+from moectl.console.sources import ActionRefused, ReplaySource, counterfactual_plan
+from moectl.console.state import ConsoleState
+from moectl.console.widgets import HeatMap
 
 REFRESH_S = 0.2  # 5 Hz: the issue asks for >= 4
 ALERT_EVERY_S = 2.0
@@ -149,8 +149,8 @@ class MoectlApp(App):
     # a fixed description: Textual would otherwise repr() the arguments (the whole window) on the UI thread
     @work(thread=True, exclusive=True, group="alerts", description="alerts")
     def compute_alerts(self, records: list[dict], placement) -> None:
-        from engine.topology import Topology
-        from profiler.analysis import alerts
+        from moectl.engine.core.topology import Topology
+        from moectl.profiler.analysis import alerts
 
         devices = self.state.header.get("devices") or {}
         topology = Topology.from_mapping(devices["topology"]) if devices.get("topology") else None

@@ -4,14 +4,15 @@ One interface, several sources (../shared/DESIGN.md): `poll()` hands over the st
 records that arrived since the last call; `act(kind, **args)` asks for an operator action and
 returns its result, or raises ActionRefused with a one-line reason when this source cannot do it.
 
-* LiveSource: the embedded engine, stepped by its own thread. The engine thread appends records
-  to a bounded deque (it never waits on the UI); actions run on the engine thread between steps.
+* LiveSource: the embedded engine on an EngineDriver's thread (moectl.engine.core.driver), which
+  buffers its records (it never waits on the UI) and validates and runs actions between steps.
 * ReplaySource: a trace file with a transport (play, pause, speed, step, seek). Its rebalance
   acts on the counterfactual: what the recorded routing would have done under the new placement.
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
 import threading
 import time
@@ -20,15 +21,18 @@ from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import aiohttp
 import numpy as np
 
-from engine.workload import WorkloadSpec, make_workload
-
-RECORD_BUFFER = 4096  # records kept for a UI that falls behind (the oldest are dropped)
-
-
-class ActionRefused(ValueError):
-    """An action this source cannot carry out, or bad arguments for it; the message says why."""
+from moectl.console.state import WINDOW_STEPS
+from moectl.engine.core.driver import RECORD_BUFFER, ActionRefused, EngineDriver
+from moectl.engine.experts.placement import Placement
+from moectl.engine.experts.rebalancer import plan_rebalance
+from moectl.engine.core.topology import Topology
+from moectl.engine.tools.workload import WorkloadSpec, make_workload
+from moectl.profiler.analysis import BALANCEDNESS_WARN, KV_USAGE_WARN
+from moectl.profiler.recorder import engine_header
+from moectl.profiler.trace_store import TraceError, TraceReader
 
 
 class Source:
@@ -54,10 +58,20 @@ class Source:
 @dataclass(frozen=True)
 class DemoLoad:
     """The live demo's workload, editable while it runs."""
+
     rate: float = 4.0  # requests per second (Poisson)
     prompt_len: str = "32-256"
     output_len: str = "32-128"
     paused: bool = False
+
+    @classmethod
+    def from_spec(cls, spec: WorkloadSpec) -> "DemoLoad":
+        """The live demo's part of a --workload spec: its rate and lengths (it runs until quit)."""
+        if spec.source == "jsonl":
+            raise ValueError("--workload: the live demo draws corpus prompts; give rate=,prompt=,output=")
+        load = cls(rate=spec.rate, prompt_len=spec.prompt_len, output_len=spec.output_len)
+        load.spec(0, 1)
+        return load
 
     def spec(self, seed: int, count: int) -> WorkloadSpec:
         if isinstance(self.rate, bool) or not isinstance(self.rate, (int, float)) or not 0 < self.rate <= 1000:
@@ -67,12 +81,12 @@ class DemoLoad:
 
 
 class DemoWorkload:
-    """An endless Poisson stream of corpus prompts: batches of make_workload, one seed each."""
+    """An endless Poisson stream of corpus prompts: batches of make_workload, one seed each. Fed to
+    the engine on its own thread (the driver's feed)."""
 
     BATCH = 32
 
-    def __init__(self, engine, load: DemoLoad):
-        self.engine = engine
+    def __init__(self, load: DemoLoad):
         self.load = load
         self.seed = 0
         self.queue: deque = deque()
@@ -84,15 +98,22 @@ class DemoWorkload:
         self.queue.clear()  # the new rate and lengths apply from now on
         self.t0 = time.monotonic()
 
-    def due(self) -> list:
+    def feed(self, engine) -> None:
+        for item in self.due(engine):
+            try:
+                engine.add_request(item.prompt_ids, item.params)
+            except ValueError:
+                pass  # a prompt too long for this KV cache: skipped, like a rejected request
+
+    def due(self, engine) -> list:
         if self.load.paused:
             self.t0 = time.monotonic()
             return []
         now = time.monotonic() - self.t0
         if not self.queue:
             self.seed += 1
-            items = make_workload(self.load.spec(self.seed, self.BATCH), self.engine.tokenizer,
-                                  self.engine.model_config.vocab_size)
+            items = make_workload(self.load.spec(self.seed, self.BATCH), engine.tokenizer,
+                                  engine.model_config.vocab_size)
             self.queue.extend(items)
         out = []
         while self.queue and self.queue[0].arrival_s <= now:
@@ -103,167 +124,55 @@ class DemoWorkload:
 
 
 class LiveSource(Source):
+    """The embedded engine on its driver's thread, fed by the demo workload."""
+
     mode = "live"
 
-    def __init__(self, make_engine, load: DemoLoad | None = None, *, demo: bool = True):
-        """make_engine(): builds a fresh LLMEngine (also used by restart). demo=False: no demo
-        workload; requests come only from engine.add_request (e.g. a server's clients)."""
-        from profiler.recorder import engine_header
+    def __init__(self, make_engine, load: DemoLoad | None = None):
+        """make_engine(): builds a fresh LLMEngine (also used by restart)."""
+        self._load = load or DemoLoad()
+        self.workload = DemoWorkload(self._load)
+        self.driver = EngineDriver(make_engine, feed=self.workload.feed)
+        self._header = (None, {})
 
-        self._make_engine = make_engine
-        self._load = (load or DemoLoad()) if demo else DemoLoad(paused=True)
-        self.demo = demo
-        self._records: deque = deque(maxlen=RECORD_BUFFER)
-        self._actions: deque = deque(maxlen=RECORD_BUFFER)
-        self._commands: deque = deque()
-        self._stop = threading.Event()
-        self._error: str | None = None
-        self.engine = make_engine()
-        self.header = engine_header(self.engine)
-        self._attach(self.engine)
-        self.workload = DemoWorkload(self.engine, self._load)
-        self._thread = threading.Thread(target=self._loop, name="moectl-engine", daemon=True)
-        self._thread.start()
+    @property
+    def engine(self):
+        return self.driver.engine
 
-    def _attach(self, engine) -> None:
-        engine.add_listener(on_step=lambda stats: self._records.append(stats.as_record()),
-                            on_action=self._actions.append)
+    @property
+    def header(self) -> dict:
+        engine, header = self._header
+        if engine is not self.driver.engine:  # a restart made a new engine
+            engine = self.driver.engine
+            self._header = (engine, engine_header(engine))
+        return self._header[1]
 
     @property
     def error(self) -> str | None:
-        return self._error
+        return self.driver.error
 
-    # the engine thread
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            self._run_commands()
-            if self._error is not None:
-                time.sleep(0.05)
-                continue
-            try:
-                for item in self.workload.due():
-                    try:
-                        self.engine.add_request(item.prompt_ids, item.params)
-                    except ValueError:
-                        pass  # a prompt too long for this KV cache: skipped, like a rejected request
-                if self.engine.has_unfinished():
-                    self.engine.step()
-                else:
-                    time.sleep(0.005)
-            except Exception as exc:  # noqa: BLE001 - shown in the console, which offers a restart
-                self._error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-                try:
-                    self.engine.fail_all("error")
-                except Exception:  # noqa: BLE001
-                    pass
-
-    def _run_commands(self) -> None:
-        while self._commands:
-            fn, future = self._commands.popleft()
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(fn())
-                except BaseException as exc:  # noqa: BLE001 - handed to the caller
-                    future.set_exception(exc)
-
-    def _on_engine_thread(self, fn) -> Future:
-        future: Future = Future()
-        self._commands.append((fn, future))
-        return future
-
-    # the UI side
     def poll(self) -> tuple[list[dict], list[dict]]:
-        records = [self._records.popleft() for _ in range(len(self._records))]
-        actions = [self._actions.popleft() for _ in range(len(self._actions))]
-        return records, actions
+        return self.driver.poll()
 
     def act(self, kind: str, **args) -> Future:
-        """Validates what it can at once (ActionRefused), then runs on the engine thread between
-        steps; the Future holds the result or the one-line error."""
-        engine = self.engine
-        if kind == "knobs":
-            try:
-                engine.update_knobs(**args)
-            except ValueError as exc:
-                raise ActionRefused(str(exc)) from None
-            return self._done({"knobs": args})
-        if kind == "workload":
-            if not self.demo:
-                raise ActionRefused("workload: this engine serves clients; it runs no demo workload")
-            try:
-                load = replace(self._load, **args)
-                load.spec(0, 1)  # validates rate and lengths now
-            except (TypeError, ValueError) as exc:
-                raise ActionRefused(f"workload: {exc}") from None
-            self._load = load
-            return self._on_engine_thread(lambda: self.workload.update(load) or {"workload": args})
-        if kind == "restart":
-            return self._on_engine_thread(self._restart)
-        if engine.cluster is None and kind in ("rebalance_preview", "rebalance_apply", "auto_rebalance", "edit"):
-            raise ActionRefused(f"{kind}: this engine runs without devices (start with --devices N)")
-        if kind == "rebalance_preview":
-            return self._on_engine_thread(lambda: engine.rebalance_preview())
-        if kind == "rebalance_apply":
-            plan = args.get("plan")
-            if plan is None:
-                raise ActionRefused("rebalance_apply: preview a plan first")
-            engine.apply_placement(plan.placement, kind="rebalance_apply")
-            return self._done({"placement": plan.placement})
-        if kind == "auto_rebalance":
-            from engine.rebalancer import AutoRebalancePolicy, RebalanceError
-
-            try:
-                policy = AutoRebalancePolicy(mode="auto" if args.get("enabled") else "manual",
-                                             every_k_steps=int(args.get("every_k_steps", 0)),
-                                             threshold=args.get("threshold"))
-            except RebalanceError as exc:
-                raise ActionRefused(f"auto rebalance: {exc}") from None
-
-            def set_policy():
-                engine.cluster.auto = policy
-                engine._action("auto_rebalance", {"mode": policy.mode, "threshold": policy.threshold,
-                                                  "every_k_steps": policy.every_k_steps}, {})
-                return {"mode": policy.mode}
-            return self._on_engine_thread(set_policy)
-        if kind == "edit":
-            try:
-                new = engine.edit_experts(args.pop("edit"), **args)
-            except (ValueError, KeyError) as exc:
-                raise ActionRefused(str(exc)) from None
-            return self._done({"placement": new})
-        if kind == "capture":
-            try:
-                engine.capture(int(args.get("steps", 1)))
-            except ValueError as exc:
-                raise ActionRefused(str(exc)) from None
-            return self._done({"capture": args})
-        raise ActionRefused(f"{kind}: not an action of the live engine")
-
-    @staticmethod
-    def _done(result) -> Future:
-        future: Future = Future()
-        future.set_result(result)
-        return future
-
-    def _restart(self) -> dict:
-        """A fresh engine after a failure (engine thread): same config, a new workload stream."""
-        from profiler.recorder import engine_header
-
-        engine = self._make_engine()
-        self._attach(engine)
-        self.engine = engine
-        self.header = engine_header(engine)
-        self.workload = DemoWorkload(engine, self._load)
-        self._error = None
-        return {"restarted": True}
+        """The engine's actions go to the driver (validated there, ActionRefused); the demo
+        workload's own are handled here."""
+        if kind != "workload":
+            return self.driver.act(kind, **args)
+        try:
+            load = replace(self._load, **args)
+            load.spec(0, 1)  # validates rate and lengths now
+        except (TypeError, ValueError) as exc:
+            raise ActionRefused(f"workload: {exc}") from None
+        self._load = load
+        return self.driver.call(lambda: self.workload.update(load) or {"workload": args}, "workload")
 
     @property
     def load(self) -> DemoLoad:
         return self._load
 
     def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
+        self.driver.close()
 
 
 # -- replay
@@ -273,8 +182,6 @@ class ReplaySource(Source):
     MAX_PER_POLL = 256  # records handed over per poll when playing fast
 
     def __init__(self, path: str | Path):
-        from profiler.trace_store import TraceReader
-
         self.reader = TraceReader(path)
         self.path = Path(path)
         self.header = self.reader.header
@@ -318,12 +225,10 @@ class ReplaySource(Source):
         over at most `samples` steps, so a long trace costs the same. Conditions: balancedness of
         the window's device tokens under the alert threshold; KV usage over its threshold with
         preemptions in the window."""
-        from profiler.analysis import BALANCEDNESS_WARN, KV_USAGE_WARN
 
         stride = max(1, len(self.steps) // samples)
         recent: deque = deque(maxlen=window)
         out, was = [], set()
-        from profiler.trace_store import TraceError
 
         for i in range(0, len(self.steps), stride):
             try:
@@ -388,8 +293,6 @@ class ReplaySource(Source):
         self.seek_step(int(self.steps[min(max(i, 0), len(self.steps) - 1)]))
 
     def poll(self) -> tuple[list[dict], list[dict]]:
-        from .state import WINDOW_STEPS
-
         self.needs_reset = False
         target = getattr(self, "_target", None)
         if self.playing and target is None:
@@ -420,7 +323,6 @@ class ReplaySource(Source):
     def _read(self, lo: int, hi: int) -> list[dict]:
         """Steps lo..hi (indexes); a step whose row cannot be decoded is skipped (and counted),
         so one damaged row cannot stop the replay."""
-        from profiler.trace_store import TraceError
 
         try:
             return list(self.reader.steps(int(self.steps[lo]), int(self.steps[hi]) + 1))
@@ -446,8 +348,6 @@ class ReplaySource(Source):
 def counterfactual_plan(state, redundant: int | None = None):
     """A rebalance plan for the state's window routing, from the placement in force: what the
     recorded routing would have done under it (exact: routing does not depend on placement)."""
-    from engine.rebalancer import plan_rebalance
-    from engine.topology import Topology
 
     topology = (state.header.get("devices") or {}).get("topology")
     if not topology or state.placement is None:
@@ -482,8 +382,6 @@ class AttachSource(Source):
     mode = "attach"
 
     def __init__(self, url: str, token: str | None = None, timeout_s: float = 10.0):
-        import asyncio
-
         self.url = url.rstrip("/")
         if not self.url.startswith(("http://", "https://")):
             raise ActionRefused(f"attach: {url!r} is not an http(s) URL")
@@ -506,18 +404,14 @@ class AttachSource(Source):
             raise ActionRefused(f"attach: {reason}")
 
     def _call(self, coro) -> Future:
-        import asyncio
-
         return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
     async def _open_session(self):
-        import aiohttp
 
         headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
         return aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=60))
 
     async def _read_telemetry(self) -> None:
-        import aiohttp
 
         ws_url = self.url.replace("http", "ws", 1) + "/v1/telemetry"
         while not self._closed:
@@ -533,7 +427,6 @@ class AttachSource(Source):
             if not self._closed:
                 if self._error is None:
                     self._error = "telemetry: the server closed the stream"
-                import asyncio
 
                 await asyncio.sleep(1.0)
 
@@ -601,7 +494,6 @@ class AttachSource(Source):
         return data
 
     async def _shutdown(self) -> None:
-        import asyncio
 
         current = asyncio.current_task()
         tasks = [t for t in asyncio.all_tasks() if t is not current]

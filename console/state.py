@@ -11,8 +11,8 @@ from collections import OrderedDict, deque
 
 import numpy as np
 
-from engine.placement import Placement
-from engine.workload import percentile
+from moectl.engine.experts.placement import Placement
+from moectl.engine.tools.workload import percentile
 
 WINDOW_STEPS = 64  # the moving window behind the heat map, loads, balancedness and throughput
 HISTORY_STEPS = 600  # curves over time

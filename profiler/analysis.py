@@ -23,11 +23,11 @@ from typing import Iterable
 
 import numpy as np
 
-from engine.placement import Placement, balancedness as _balance
-from engine.rebalancer import plan_rebalance
-from engine.topology import Topology
+from moectl.engine.experts.placement import Placement, balancedness as _balance
+from moectl.engine.experts.rebalancer import plan_rebalance
+from moectl.engine.core.topology import Topology
 
-from .records import ENGINE_LANE
+from moectl.engine.core.records import ENGINE_LANE
 
 # ---- alert thresholds ------------------------------------------------------------------------
 BALANCEDNESS_WARN = 0.8  # window balancedness below this: imbalance alert

@@ -19,7 +19,7 @@ from typing import Iterable
 
 import numpy as np
 
-from .records import ENGINE_LANE
+from moectl.engine.core.records import ENGINE_LANE
 
 ENGINE_PID = 1
 _TIDS_PER_PID = 1000

@@ -14,18 +14,18 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from engine.engine_config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.sampling import SamplingParams
-from engine.topology import Topology
-from engine.workload import WorkloadSpec, run_workload, workload_for_engine
+from moectl.engine.core.config import EngineConfig
+from moectl.engine.llm_engine import LLMEngine
+from moectl.engine.core.sampling import SamplingParams
+from moectl.engine.core.topology import Topology
+from moectl.engine.tools.workload import WorkloadSpec, run_workload, workload_for_engine
 
 TARGET_OVERHEAD = 0.03
 
 
 def _one_run(model_dir: str, dtype, profiled: bool, devices: int, spec: WorkloadSpec, trace_dir: Path,
              round_no: int) -> dict:
-    from .recorder import TraceRecorder
+    from moectl.profiler.recorder import TraceRecorder
 
     # a fresh model per run: placing experts on devices wraps the model's MoE layers
     engine = LLMEngine(EngineConfig(model=model_dir, dtype=dtype, profile_spans=profiled,
@@ -72,8 +72,8 @@ def run_profiler_overhead(model_dir: str | Path, *, rounds: int = 7, devices: in
 
 def _encode_cost(trace: Path, limit: int = 300) -> dict:
     """Mean microseconds to encode a recorded step record, both codec paths, same records."""
-    from . import codec
-    from .trace_store import TraceReader
+    from moectl.profiler import codec
+    from moectl.profiler.trace_store import TraceReader
 
     with TraceReader(trace) as reader:
         records = [r for _, r in zip(range(limit), reader.steps())]

@@ -7,18 +7,18 @@ queue drops the record and counts it).
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
 
-from .records import FORMAT_VERSION
-from .trace_store import TraceWriter
+from moectl.engine.core.records import FORMAT_VERSION
+from moectl.profiler.trace_store import TraceWriter
 
 
 def engine_header(engine) -> dict:
     """What a trace needs to be understood without the engine: model, devices, placement, config."""
     cfg = engine.config
-    cluster = engine.cluster
     model_cfg = engine.model_config
     config = {k: v for k, v in asdict(cfg).items() if k not in ("topology", "knobs", "auto_rebalance")}
     header = {
@@ -31,24 +31,20 @@ def engine_header(engine) -> dict:
                   "sparse_layers": list(model_cfg.sparse_layers)},
         "engine_config": config,
         "knobs": engine.knobs.as_dict(),
-        "devices": None,
+        "devices": engine.experts.header() if engine.experts is not None else None,
     }
-    if cluster is not None:
-        header["devices"] = {
-            "backend": "multi-gpu" if cluster.torch_devices is not None else "emulated",
-            "topology": cluster.topology.as_dict(), "placement": cluster.placement.to_dict(),
-            "expert_bytes": cluster.expert_bytes, "redundant_slots": cluster.redundant_slots,
-            "routing_policy": cluster.policy, "tiered_experts": cluster.cache_slots is not None,
-            "expert_cache_slots": cluster.cache_slots, "link_time": "modeled",
-        }
     return header
 
 
 class TraceRecorder:
-    """Attach to an engine, write everything it emits to `path` until close()."""
+    """Attach to an engine, write everything it emits to `path` until close() (or, with
+    max_steps, until that many steps are written: `full` is set then)."""
 
-    def __init__(self, engine, path, *, overwrite: bool = False, queue_size: int = 4096):
+    def __init__(self, engine, path, *, overwrite: bool = False, queue_size: int = 4096,
+                 max_steps: int | None = None):
         self.engine = engine
+        self.max_steps = max_steps
+        self.full = threading.Event()
         self.path = Path(path)
         # the engine's records key every dict by str: the codec's fast path applies
         self.writer = TraceWriter(self.path, engine_header(engine), queue_size=queue_size, overwrite=overwrite,
@@ -60,10 +56,12 @@ class TraceRecorder:
                                   "args": {"path": str(self.path)}, "result": {}})
 
     def _on_step(self, stats) -> None:
-        if self._closed:  # close() raced with a step already under way
+        if self._closed or self.full.is_set():  # close() raced with a step already under way
             return
         self.steps += 1
         self.writer.write_step(stats.as_record())
+        if self.max_steps is not None and self.steps >= self.max_steps:
+            self.full.set()
 
     def _on_action(self, action: dict) -> None:
         if not self._closed:

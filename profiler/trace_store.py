@@ -30,8 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
-from . import codec
-from .codec import TraceError
+from moectl.profiler import codec
+from moectl.profiler.codec import TraceError
 
 __all__ = ["FORMAT_VERSION", "TraceError", "TraceReader", "TraceWriter"]
 

@@ -1,5 +1,5 @@
 """moectl's HTTP server: an OpenAI-compatible API, Prometheus metrics, the telemetry record
-stream and operator controls, all in front of one LiveSource (the engine on its own thread).
+stream and operator controls, all in front of one EngineDriver (the engine on its own thread).
 
     app.py          make_app (the aiohttp Application), run_server, ServerThread
     openai_api.py   /v1/completions, /v1/chat/completions, /v1/models; OpenAI's error shape

@@ -1,12 +1,13 @@
-"""The aiohttp application in front of a LiveSource, and the ways to run it.
+"""The aiohttp application in front of an engine on its driver's thread, and the ways to run it.
 
-    make_app(source, ...)        the Application (routes, auth, errors, the record consumer)
-    run_server(source, ...)      `moectl serve`: blocks until interrupted
-    ServerThread(source, ...)    the same server on its own thread and loop (tests, benchmarks)
+    make_app(driver, ...)        the Application (routes, auth, errors, the record consumer)
+    run_server(driver, ...)      `moectl serve`: blocks until interrupted
+    ServerThread(driver, ...)    the same server on its own thread and loop (tests, benchmarks)
 
-The engine runs on the LiveSource's thread. The server adds requests to it and reads its record
-stream: one consumer task polls source.poll() every poll_interval_s and hands every step and
-action record, in time order, to the metrics and to the telemetry websockets.
+The engine runs on the EngineDriver's thread (moectl.engine.core.driver). The server adds
+requests to it and reads its record stream: one consumer task polls driver.poll() every
+poll_interval_s and hands every step and action record, in time order, to the metrics and to the
+telemetry websockets. Operator actions go through driver.act, the console's own validation.
 
 Access: /health is always open. With a token, everything else needs `Authorization: Bearer
 <token>` (an OpenAI client sends its api_key that way). Without a token the server only binds
@@ -21,17 +22,20 @@ import ipaddress
 import logging
 import threading
 import time
-from dataclasses import dataclass
 from functools import partial
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from .control import ControlApi
-from .metrics import ServerMetrics
-from .openai_api import ApiError, OpenAIApi, error_response
-from .streams import EngineBridge
-from .telemetry import TelemetryHub
+from moectl.engine.core.driver import EngineDriver
+from moectl.profiler.recorder import engine_header
+
+from moectl.server.control import ControlApi
+from moectl.server.metrics import ServerMetrics
+from moectl.server.openai_api import ApiError, OpenAIApi, error_response
+from moectl.server.state import STATE, ServerState
+from moectl.server.streams import EngineBridge
+from moectl.server.telemetry import TelemetryHub
 
 log = logging.getLogger(__name__)
 
@@ -42,35 +46,21 @@ SHUTDOWN_TIMEOUT_S = 5.0  # open streams get this long when the server stops
 LISTEN_BACKLOG = 1024  # hundreds of clients may connect at once
 
 
-@dataclass
-class ServerState:
-    source: object  # console.sources.LiveSource
-    token: str | None
-    model_name: str
-    max_request_bytes: int
-    max_tokens_limit: int
-    metrics: ServerMetrics
-    hub: TelemetryHub
-    started: float  # unix time
-    bridge: EngineBridge | None = None  # made on the server's loop at startup
 
 
-STATE = web.AppKey("moectl_state", ServerState)
-
-
-def make_app(source, *, token: str | None = None, model_name: str | None = None,
+def make_app(driver: EngineDriver, *, token: str | None = None, model_name: str | None = None,
              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, max_tokens_limit: int = DEFAULT_MAX_TOKENS_LIMIT,
              poll_interval_s: float = POLL_INTERVAL_S) -> web.Application:
-    """source: a LiveSource (demo=False: the server's clients are its only requests).
+    """driver: the engine on its thread (the server's clients are its only requests).
     model_name: what /v1/models lists and requests must name (default: the checkpoint's directory
     name). max_request_bytes: larger bodies get 413. max_tokens_limit: the largest max_tokens."""
     _check_token(token)
     for name, value in (("max_request_bytes", max_request_bytes), ("max_tokens_limit", max_tokens_limit)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}: must be a positive integer, got {value!r}")
-    header = source.header
+    header = engine_header(driver.engine)
     metrics = ServerMetrics(header)
-    state = ServerState(source=source, token=token,
+    state = ServerState(driver=driver, token=token,
                         model_name=model_name or (header.get("model") or {}).get("name") or "moectl",
                         max_request_bytes=max_request_bytes, max_tokens_limit=max_tokens_limit, metrics=metrics,
                         hub=TelemetryHub(header, on_dropped=metrics.dropped_telemetry), started=time.time())
@@ -112,10 +102,10 @@ def check_bind(host: str, token: str | None) -> None:
                          f"(anyone who can reach the port could use the engine)")
 
 
-def run_server(source, host: str = "127.0.0.1", port: int = 8000, token: str | None = None, **app_options) -> None:
+def run_server(driver: EngineDriver, host: str = "127.0.0.1", port: int = 8000, token: str | None = None, **app_options) -> None:
     """`moectl serve`: serve until SIGINT/SIGTERM. ValueError (one line) for a bad bind."""
     check_bind(host, token)
-    app = make_app(source, token=token, **app_options)
+    app = make_app(driver, token=token, **app_options)
     name = app[STATE].model_name
     # handler_cancellation: a client that disconnects cancels its handler, which aborts its request
     web.run_app(app, host=host, port=port, handler_cancellation=True, backlog=LISTEN_BACKLOG,
@@ -126,10 +116,10 @@ def run_server(source, host: str = "127.0.0.1", port: int = 8000, token: str | N
 class ServerThread:
     """The server on its own thread and event loop; port=0 picks a free port (see .port)."""
 
-    def __init__(self, source, host: str = "127.0.0.1", port: int = 0, token: str | None = None, **app_options):
+    def __init__(self, driver: EngineDriver, host: str = "127.0.0.1", port: int = 0, token: str | None = None, **app_options):
         check_bind(host, token)
         self.host = host
-        self.app = make_app(source, token=token, **app_options)
+        self.app = make_app(driver, token=token, **app_options)
         self.port = port
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
@@ -231,16 +221,16 @@ def _bearer_matches(request: web.Request, token: str) -> bool:
 # -- /health, /metrics, and the record consumer
 
 async def _health(state: ServerState, request: web.Request) -> web.Response:
-    source = state.source
-    if source.error is not None:
-        return web.json_response({"status": "error", "error": source.error}, status=503)
-    stats = source.engine.stats()
+    driver = state.driver
+    if driver.error is not None:
+        return web.json_response({"status": "error", "error": driver.error}, status=503)
+    stats = driver.engine.stats()
     return web.json_response({"status": "ok", "model": state.model_name,
                               **{k: stats[k] for k in ("running", "waiting", "kv_blocks_used", "kv_blocks_total")}})
 
 
 async def _metrics(state: ServerState, request: web.Request) -> web.Response:
-    stats = state.source.engine.stats() if state.source.error is None else None
+    stats = state.driver.engine.stats() if state.driver.error is None else None
     return web.Response(body=state.metrics.render(stats), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
@@ -256,7 +246,7 @@ async def _record_consumer(state: ServerState, interval_s: float, app: web.Appli
 async def _consume(state: ServerState, interval_s: float) -> None:
     while True:
         try:
-            records, actions = state.source.poll()
+            records, actions = state.driver.poll()
             fan_out(state, records, actions)
         except Exception:  # noqa: BLE001 - the consumer must outlive one bad record
             log.exception("record consumer")

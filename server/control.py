@@ -1,7 +1,7 @@
 """Operator controls under /v1/control/: the console's actions over HTTP.
 
 Every endpoint needs `Authorization: Bearer <token>` (checked in app.py; a server started without
-a token answers 403). Actions go through LiveSource.act, so they are validated the same way as
+a token answers 403). Actions go through EngineDriver.act, so they are validated the same way as
 the console's and run on the engine thread between steps; a refusal (ActionRefused, or any
 ValueError such as a PlacementError) is a 400 with its one-line reason.
 
@@ -24,14 +24,10 @@ import time
 import uuid
 from collections import OrderedDict
 from pathlib import Path
-from typing import TYPE_CHECKING
-
 from aiohttp import web
 
-from .openai_api import ApiError, is_int, read_json
-
-if TYPE_CHECKING:
-    from .app import ServerState
+from moectl.server.openai_api import ApiError, is_int, read_json
+from moectl.server.state import ServerState
 
 MAX_PLANS = 8  # previewed plans kept for /rebalance/apply
 ACTION_TIMEOUT_S = 60.0  # an action waits for the engine thread at most this long
@@ -39,7 +35,7 @@ AUTO_REBALANCE_ARGS = ("enabled", "every_k_steps", "threshold")
 
 
 class ControlApi:
-    def __init__(self, state: "ServerState"):
+    def __init__(self, state: ServerState):
         self.state = state
         self.plans: OrderedDict[str, object] = OrderedDict()
         self.recorder = None
@@ -66,13 +62,13 @@ class ControlApi:
         return body
 
     async def _act(self, kind: str, args: dict | None = None):
-        """source.act, then its Future awaited without blocking the loop; refusals -> 400. The
+        """driver.act, then its Future awaited without blocking the loop; refusals -> 400. The
         client's arguments travel as a dict, so a key such as "kind" cannot collide with ours."""
         args = dict(args or {})
         try:
             if "kind" in args:
                 raise ValueError("kind: not an argument here")
-            future = self.state.source.act(kind, **args)
+            future = self.state.driver.act(kind, **args)
             async with asyncio.timeout(ACTION_TIMEOUT_S):
                 return await asyncio.wrap_future(future)
         except TimeoutError:
@@ -82,13 +78,13 @@ class ControlApi:
 
     # -- knobs
     async def get_knobs(self, request: web.Request) -> web.Response:
-        return web.json_response({"knobs": self.state.source.engine.knobs.as_dict()})
+        return web.json_response({"knobs": self.state.driver.engine.knobs.as_dict()})
 
     async def set_knobs(self, request: web.Request) -> web.Response:
         changes = await self._body(request)
         await self._act("knobs", changes)
         # the engine applies the change at its next step; answer with what it will run with
-        knobs = self.state.source.engine.knobs.updated(**changes).as_dict()
+        knobs = self.state.driver.engine.knobs.updated(**changes).as_dict()
         return web.json_response({"knobs": knobs, "changed": changes})
 
     # -- rebalancing
@@ -145,7 +141,7 @@ class ControlApi:
         return web.json_response({"capture": {"steps": steps}})
 
     async def start_recording(self, request: web.Request) -> web.Response:
-        from profiler.recorder import TraceRecorder
+        from moectl.profiler.recorder import TraceRecorder
 
         body = await self._body(request, ("path",))
         path = body.get("path")
@@ -159,7 +155,7 @@ class ControlApi:
                 raise ApiError(400, f"path: {target} already exists (traces are never overwritten)", param="path")
             if not target.parent.is_dir():
                 raise ApiError(400, f"path: {target.parent} is not a directory", param="path")
-            engine = self.state.source.engine
+            engine = self.state.driver.engine
             try:  # opens a SQLite file: off the loop
                 self.recorder = await asyncio.get_running_loop().run_in_executor(None, TraceRecorder, engine, target)
             except (ValueError, OSError) as exc:

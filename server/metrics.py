@@ -19,7 +19,7 @@ import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.process_collector import ProcessCollector
 
-from engine.placement import Placement, PlacementError
+from moectl.engine.experts.placement import Placement, PlacementError
 
 log = logging.getLogger(__name__)
 

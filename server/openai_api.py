@@ -22,16 +22,12 @@ import json
 import time
 import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
 from aiohttp import web
 
-from engine.sampling import SamplingParams
+from moectl.engine.core.sampling import SamplingParams
 
-from .streams import AsyncRequestStream, TextDeltas
-
-if TYPE_CHECKING:
-    from .app import ServerState
+from moectl.server.streams import AsyncRequestStream, TextDeltas
+from moectl.server.state import ServerState
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_STOP_STRINGS = 4  # as OpenAI
@@ -211,7 +207,7 @@ class Generation:
 # -- the endpoints
 
 class OpenAIApi:
-    def __init__(self, state: "ServerState"):
+    def __init__(self, state: ServerState):
         self.state = state
 
     def routes(self) -> list:
@@ -220,7 +216,7 @@ class OpenAIApi:
 
     def _model_card(self) -> dict:
         return {"id": self.state.model_name, "object": "model", "created": int(self.state.started),
-                "owned_by": "moectl", "max_model_len": self.state.source.engine.max_model_len}
+                "owned_by": "moectl", "max_model_len": self.state.driver.engine.max_model_len}
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [self._model_card()]})
@@ -254,8 +250,8 @@ class OpenAIApi:
 
     async def _generation(self, kind: str, id_prefix: str, body: dict, prompt, default_max_tokens) -> Generation:
         state = self.state
-        if state.source.error is not None:
-            raise ApiError(503, f"the engine has failed ({state.source.error}); restart it")
+        if state.driver.error is not None:
+            raise ApiError(503, f"the engine has failed ({state.driver.error}); restart it")
         max_tokens = _int(body, "max_tokens", 1, state.max_tokens_limit, default_max_tokens)
         temperature = _number(body, "temperature", 0.0, 2.0, 0.0)
         top_p = _number(body, "top_p", 0.0, 1.0, 1.0, lo_open=True)
@@ -284,7 +280,7 @@ class OpenAIApi:
                           int(time.time()))
 
     async def _encode(self, prompt) -> list[int]:
-        engine = self.state.source.engine
+        engine = self.state.driver.engine
         try:
             if isinstance(prompt, str) and len(prompt) > ENCODE_OFF_LOOP_CHARS:
                 return await asyncio.get_running_loop().run_in_executor(None, engine.encode, prompt)
@@ -293,12 +289,12 @@ class OpenAIApi:
             raise ApiError(400, str(exc), param="prompt") from None
 
     def _room(self, prompt_tokens: int) -> int:
-        engine = self.state.source.engine
+        engine = self.state.driver.engine
         pool_tokens = engine.blocks.largest_pool * engine.config.block_size
         return min(engine.max_model_len, pool_tokens) - prompt_tokens
 
     async def _run(self, request: web.Request, gen: Generation) -> web.StreamResponse:
-        engine = self.state.source.engine
+        engine = self.state.driver.engine
         try:
             engine_stream = engine.add_request(gen.prompt_ids, gen.params, request_id=gen.request_id, stream=True)
         except ValueError as exc:
@@ -325,7 +321,7 @@ class OpenAIApi:
         while not out.finished:
             out = await _next_output(request, outputs)
         if out.finish_reason == "error":
-            raise ApiError(500, f"the engine failed while running this request ({self.state.source.error})")
+            raise ApiError(500, f"the engine failed while running this request ({self.state.driver.error})")
         usage = _usage(gen, out)
         if gen.kind == "chat":
             choice = {"index": 0, "message": {"role": "assistant", "content": out.text},
@@ -339,7 +335,7 @@ class OpenAIApi:
 
     async def _stream(self, request: web.Request, response: web.StreamResponse, gen: Generation,
                       outputs: AsyncRequestStream) -> None:
-        engine = self.state.source.engine
+        engine = self.state.driver.engine
         deltas = TextDeltas(engine.decode, gen.params.stop)
         chunk = chunk_factory(gen, self.state.model_name)
         if gen.kind == "chat":
@@ -352,7 +348,7 @@ class OpenAIApi:
             if text:
                 await _send(response, chunk(text, None))
         if out.finish_reason == "error":
-            message = f"the engine failed while running this request ({self.state.source.error})"
+            message = f"the engine failed while running this request ({self.state.driver.error})"
             await _send(response, {"error": {"message": message, "type": "server_error", "param": None,
                                              "code": None}})
         else:

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import torch
 
-from engine.config import ModelConfig
-from engine.loader import save_checkpoint
-from engine.model import MoEForCausalLM
+from moectl.engine.models.config import ModelConfig
+from moectl.engine.models.loader import save_checkpoint
+from moectl.engine.models.decoder import MoEForCausalLM
 from tests.tiny_models import build_tokenizer
 
 TINY_MIXTRAL = {
@@ -32,7 +32,7 @@ def make_tiny_checkpoint(out_dir: Path, seed: int = 0, std: float = 0.2, with_to
 
 def reference_greedy(model: MoEForCausalLM, prompt: list[int], max_tokens: int) -> list[int]:
     """Greedy decoding by recomputing the whole sequence each step: no cache, no batching."""
-    from engine.attention import DenseContext
+    from moectl.engine.models.attention import DenseContext
 
     ids = list(prompt)
     with torch.inference_mode():

@@ -9,12 +9,13 @@ import urllib.request
 
 import pytest
 
-from console.app import MoectlApp
-from console.sources import ActionRefused, AttachSource, LiveSource
-from engine.engine_config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.topology import Topology
-from server.app import ServerThread
+from moectl.console.app import MoectlApp
+from moectl.console.sources import ActionRefused, AttachSource
+from moectl.engine.core.driver import EngineDriver
+from moectl.engine.core.config import EngineConfig
+from moectl.engine.llm_engine import LLMEngine
+from moectl.engine.core.topology import Topology
+from moectl.server.app import ServerThread
 from tests.engine_fixtures import make_tiny_checkpoint
 from tests.test_console import run_app, text_of, until
 
@@ -26,10 +27,10 @@ def server(tmp_path_factory):
     ckpt = make_tiny_checkpoint(tmp_path_factory.mktemp("attach"))
     config = EngineConfig(model=str(ckpt), block_size=4, num_kv_blocks=256, topology=Topology(num_devices=4),
                           redundant_slots=1, num_threads=1)
-    source = LiveSource(lambda: LLMEngine(config), demo=False)
-    with ServerThread(source, token=TOKEN) as srv:
-        yield srv, source
-    source.close()
+    driver = EngineDriver(lambda: LLMEngine(config))
+    with ServerThread(driver, token=TOKEN) as srv:
+        yield srv, driver
+    driver.close()
 
 
 def traffic(url: str, stop: threading.Event) -> threading.Thread:
@@ -48,7 +49,7 @@ def traffic(url: str, stop: threading.Event) -> threading.Thread:
 
 
 def test_attached_console_shows_the_remote_engine_and_controls_it(server):
-    srv, source = server
+    srv, driver = server
     stop = threading.Event()
     traffic(srv.url, stop)
     attach = AttachSource(srv.url, TOKEN)
@@ -58,23 +59,23 @@ def test_attached_console_shows_the_remote_engine_and_controls_it(server):
         await until(pilot, lambda: app.state.steps_seen > 5 and app.state.throughput() > 0)
         await pilot.pause(0.3)
         assert "attach" in text_of(app, "#ov-title") and "tok/s" in text_of(app, "#ov-metrics")
-        before = source.engine.cluster.placement
+        before = driver.engine.experts.placement
         await pilot.press("2")
         await pilot.press("r")
         await until(pilot, lambda: app.plan is not None)
         assert "predicted balancedness" in text_of(app, "#ex-preview-result")
         await pilot.press("A")
-        await until(pilot, lambda: source.engine.cluster.placement != before)
-        await until(pilot, lambda: app.state.placement == source.engine.cluster.placement)
+        await until(pilot, lambda: driver.engine.experts.placement != before)
+        await until(pilot, lambda: app.state.placement == driver.engine.experts.placement)
         await pilot.press("5")
         await until(pilot, lambda: app.query_one("#rq-max_num_seqs").value != "")
         app.query_one("#rq-max_num_seqs").value = "12"
         app.query_one("#rq-apply").press()
-        await until(pilot, lambda: source.engine.scheduler.knobs.max_num_seqs == 12)
+        await until(pilot, lambda: driver.engine.scheduler.knobs.max_num_seqs == 12)
         app.query_one("#rq-max_num_seqs").value = "0"
         app.query_one("#rq-apply").press()
         await until(pilot, lambda: "max_num_seqs" in text_of(app, "#rq-error"))
-        assert source.engine.scheduler.knobs.max_num_seqs == 12
+        assert driver.engine.scheduler.knobs.max_num_seqs == 12
     try:
         run_app(MoectlApp(attach), body)
     finally:
@@ -84,24 +85,24 @@ def test_attached_console_shows_the_remote_engine_and_controls_it(server):
 def test_attached_without_a_token_is_read_only_and_says_so(server):
     """A loopback server started without a token streams telemetry to anyone, and its controls
     are off; a token-protected server refuses an attach without its token."""
-    srv, source = server
+    srv, driver = server
     with pytest.raises(ActionRefused, match="401"):
         AttachSource(srv.url, timeout_s=3)
-    with ServerThread(source) as open_srv:
+    with ServerThread(driver) as open_srv:
         attach = AttachSource(open_srv.url)
         try:
-            assert attach.header["model"]["num_experts"] == source.engine.model_config.num_experts
+            assert attach.header["model"]["num_experts"] == driver.engine.model_config.num_experts
             with pytest.raises(ActionRefused, match="read-only"):
                 attach.act("knobs", max_num_seqs=3)
         finally:
             attach.close()
-    assert source.engine.scheduler.knobs.max_num_seqs != 3
+    assert driver.engine.scheduler.knobs.max_num_seqs != 3
 
 
 def test_attach_to_nothing_is_a_one_line_error(tmp_path):
     from typer.testing import CliRunner
 
-    from console.cli import app
+    from moectl.cli.main import app
 
     res = CliRunner().invoke(app, ["attach", "http://127.0.0.1:9", "--token", "x"])
     assert res.exit_code == 2 and res.stderr.count("\n") == 1 and "attach:" in res.stderr

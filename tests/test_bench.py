@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from engine import bench, machine_limits
+from moectl.engine.tools import bench
+from moectl.engine.tools import machine_limits
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -77,7 +78,7 @@ def test_hf_batches_truncate_to_each_request(tiny_hf_checkpoint):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from engine.workload import WorkloadSpec, make_workload
+    from moectl.engine.tools.workload import WorkloadSpec, make_workload
 
     model_dir = tiny_hf_checkpoint("mixtral")
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
@@ -101,8 +102,8 @@ def test_machine_limits_measure_small():
 
 def test_make_tiny_checkpoint_loads_in_the_engine(tmp_path):
     pytest.importorskip("transformers")
-    from engine.llm_engine import EngineConfig, LLMEngine
-    from engine.sampling import SamplingParams
+    from moectl.engine.llm_engine import EngineConfig, LLMEngine
+    from moectl.engine.core.sampling import SamplingParams
 
     path = bench.make_tiny_checkpoint(tmp_path / "tiny", vocab_size=128, hidden_size=32, num_layers=1,
                                       num_experts=4, intermediate_size=16, max_positions=64)

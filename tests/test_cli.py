@@ -9,7 +9,7 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
-from console.cli import app
+from moectl.cli.main import app
 from tests.engine_fixtures import make_tiny_checkpoint
 
 runner = CliRunner()
@@ -78,7 +78,7 @@ def test_missing_and_corrupt_model_exit_2(tmp_path, ckpt):
 
 def test_real_process_has_no_traceback(tmp_path):
     """The installed entry point, in a real process: a one-line error and exit code 2."""
-    proc = subprocess.run([sys.executable, "-m", "console.cli", "generate", "x", "--model", str(tmp_path)],
+    proc = subprocess.run([sys.executable, "-m", "moectl.cli", "generate", "x", "--model", str(tmp_path)],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr and proc.stderr.strip().startswith("moectl: error: config.json")
@@ -86,7 +86,7 @@ def test_real_process_has_no_traceback(tmp_path):
 
 @pytest.mark.parametrize("args", [["generate", "--max-tokens", "abc", "x"], ["generate", "--bogus"], ["nope"]])
 def test_usage_errors_are_one_line_with_exit_2(args):
-    proc = subprocess.run([sys.executable, "-m", "console.cli", *args], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "moectl.cli", *args], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert len(proc.stderr.strip().splitlines()) == 1 and proc.stderr.startswith("moectl: error:")
 

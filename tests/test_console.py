@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from console.app import MoectlApp
-from console.sources import DemoLoad, LiveSource, ReplaySource
-from engine.engine_config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.topology import Topology
+from moectl.console.app import MoectlApp
+from moectl.console.sources import DemoLoad, LiveSource, ReplaySource
+from moectl.engine.core.config import EngineConfig
+from moectl.engine.llm_engine import LLMEngine
+from moectl.engine.core.topology import Topology
 from tests.engine_fixtures import make_tiny_checkpoint
 
 TRACES = Path(__file__).resolve().parent.parent / "sample_traces"
@@ -77,15 +77,15 @@ def test_rebalance_preview_then_apply_changes_the_engines_placement(ckpt):
     source = live(ckpt)
 
     async def body(app, pilot):
-        before = source.engine.cluster.placement
+        before = source.engine.experts.placement
         await until(pilot, lambda: app.state.steps_seen > 5)
         await pilot.press("2")
         await pilot.press("r")
         await until(pilot, lambda: app.plan is not None)
         assert "predicted balancedness" in text_of(app, "#ex-preview-result")
         await pilot.press("A")
-        await until(pilot, lambda: source.engine.cluster.placement != before)
-        await until(pilot, lambda: app.state.placement == source.engine.cluster.placement)
+        await until(pilot, lambda: source.engine.experts.placement != before)
+        await until(pilot, lambda: app.state.placement == source.engine.experts.placement)
     run_app(MoectlApp(source), body)
 
 
@@ -148,11 +148,11 @@ def test_expert_edits_and_auto_rebalance_reach_the_engine(ckpt):
         assert "expert" in text_of(app, "#ex-error")  # out of range: refused inline
         app.query_one("#ex-expert").value = "1"
         app.query_one("#ex-do").press()
-        await until(pilot, lambda: source.engine.cluster.placement.is_pinned(0, 1))
+        await until(pilot, lambda: source.engine.experts.placement.is_pinned(0, 1))
         app.query_one("#ex-threshold").value = "0.85"
         app.query_one("#ex-auto").value = True
-        await until(pilot, lambda: source.engine.cluster.auto.mode == "auto")
-        assert source.engine.cluster.auto.threshold == 0.85
+        await until(pilot, lambda: source.engine.experts.auto.mode == "auto")
+        assert source.engine.experts.auto.threshold == 0.85
         assert panel is not None
     run_app(MoectlApp(source), body)
 
@@ -255,7 +255,7 @@ def test_replay_transport_and_counterfactual_rebalance():
 def test_replay_of_an_unreadable_trace_is_a_one_line_error(tmp_path):
     from typer.testing import CliRunner
 
-    from console.cli import app
+    from moectl.cli.main import app
 
     bad = tmp_path / "bad.trace"
     bad.write_bytes(b"\x00garbage" * 64)
@@ -330,7 +330,7 @@ def test_scrub_bar_marks_operator_actions_and_alerts():
 def test_replay_delivers_actions_while_stepping_through_them():
     """The operator's rebalance at step 300 arrives when stepping past it (not only on a seek),
     and the state's placement follows it."""
-    from console.state import ConsoleState
+    from moectl.console.state import ConsoleState
 
     source = ReplaySource(TRACES / "steady_rebalance.trace")
     state = ConsoleState(source.header, "replay")
@@ -351,7 +351,7 @@ def test_a_damaged_step_is_skipped_not_fatal(tmp_path):
     import shutil
     import sqlite3
 
-    from console.state import ConsoleState
+    from moectl.console.state import ConsoleState
 
     path = tmp_path / "damaged.trace"
     shutil.copy(TRACES / "kv_pressure.trace", path)
@@ -368,8 +368,8 @@ def test_a_damaged_step_is_skipped_not_fatal(tmp_path):
 def test_running_requests_count_their_tokens_from_the_step_records(ckpt):
     """The state counts a running request's output tokens step by step, and the count it ends
     with is the engine's own."""
-    from console.state import ConsoleState
-    from engine.sampling import SamplingParams
+    from moectl.console.state import ConsoleState
+    from moectl.engine.core.sampling import SamplingParams
 
     config = EngineConfig(model=str(ckpt), block_size=4, num_kv_blocks=128, topology=Topology(num_devices=2))
     eng = LLMEngine(config)

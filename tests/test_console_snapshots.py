@@ -22,8 +22,8 @@ import pytest
 
 pytest.importorskip("pytest_textual_snapshot")
 
-from console.app import MoectlApp  # noqa: E402
-from console.sources import ReplaySource  # noqa: E402
+from moectl.console.app import MoectlApp  # noqa: E402
+from moectl.console.sources import ReplaySource  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 TRACE = ROOT / "sample_traces" / "steady_rebalance.trace"

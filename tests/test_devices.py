@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 import torch
 
-from engine.engine_config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.placement import Placement, PlacementError
-from engine.rebalancer import plan_rebalance
-from engine.sampling import SamplingParams
-from engine.topology import Topology
+from moectl.engine.core.config import EngineConfig
+from moectl.engine.llm_engine import LLMEngine
+from moectl.engine.experts.placement import Placement, PlacementError
+from moectl.engine.experts.rebalancer import plan_rebalance
+from moectl.engine.core.sampling import SamplingParams
+from moectl.engine.core.topology import Topology
 from tests.engine_fixtures import make_tiny_checkpoint
 from tests.test_engine_core import prompts
 
@@ -56,7 +56,7 @@ def test_step_device_stats_are_consistent(ckpt):
         # routing counts (the heat map) agree with the device loads
         assert int(step.routing.sum()) == rows
         memory = dev["memory"]
-        slot_tensors = sum(layer.slot_w13.nbytes + layer.slot_w2.nbytes for layer in eng.cluster.layers)
+        slot_tensors = sum(layer.slot_w13.nbytes + layer.slot_w2.nbytes for layer in eng.experts.cluster.layers)
         assert sum(m["expert_weights"] for m in memory) == slot_tensors  # matches the real tensors
         # every block in use belongs to exactly one device
         assert step.kv_blocks_used * eng.kv_cache.nbytes() // eng.blocks.num_blocks == \
@@ -72,24 +72,24 @@ def test_live_rebalance_keeps_outputs_identical(ckpt, single_device_outputs):
         steps += 1
         if steps == 3:
             loads = sum(s.routing for s in eng.step_log).numpy()
-            plan = plan_rebalance(loads, eng.config.topology, 1, current=eng.cluster.placement)
-            eng.apply_placement(plan.placement)
+            plan = plan_rebalance(loads, eng.config.topology, 1, current=eng.experts.placement)
+            applied = eng.experts.apply(plan.placement)
     assert [done[i] for i in ids] == single_device_outputs
-    assert eng.cluster.placement == plan.placement and eng.last_bytes_moved > 0
+    assert eng.experts.placement == plan.placement and applied.result()["bytes_moved"] > 0
 
 
 def test_bad_placements_are_refused_and_nothing_changes(ckpt):
     eng = engine(ckpt, devices=4)
-    before = eng.cluster.placement
+    before = eng.experts.placement
     cfg = eng.model_config
     with pytest.raises(PlacementError, match="devices"):
-        eng.apply_placement(Placement.contiguous(cfg.num_layers, cfg.num_experts, 2))
+        eng.experts.apply(Placement.contiguous(cfg.num_layers, cfg.num_experts, 2))
     with pytest.raises(PlacementError, match="slots per device"):
-        eng.apply_placement(Placement.contiguous(cfg.num_layers, cfg.num_experts, 4, 3))
+        eng.experts.apply(Placement.contiguous(cfg.num_layers, cfg.num_experts, 4, 3))
     with pytest.raises(PlacementError):
         before.move(0, 99, 0, 1)
     eng.step()
-    assert eng.cluster.placement == before
+    assert eng.experts.placement == before
 
 
 def test_hbm_too_small_for_the_experts_is_refused(ckpt):
@@ -102,12 +102,12 @@ def test_manual_preview_then_apply_improves_balance(ckpt, single_device_outputs)
     ids = [eng.add_request(p, GREEDY) for p in prompts(6)]
     for _ in range(3):
         eng.step()
-    before = eng.cluster.balancedness()
-    plan = eng.rebalance_preview()
-    assert eng.cluster.placement != plan.placement  # preview changes nothing
+    before = eng.experts.balancedness()
+    plan = eng.experts.preview()
+    assert eng.experts.placement != plan.placement  # preview changes nothing
     assert plan.balancedness_after.overall >= plan.balancedness_before.overall
     assert abs(plan.balancedness_before.overall - before) < 1e-9
-    eng.apply_placement(plan.placement, kind="rebalance_apply")
+    eng.experts.apply(plan.placement, kind="rebalance_apply")
     done = {}
     while eng.has_unfinished():
         done.update({o.request_id: o.token_ids for o in eng.step() if o.finished})
@@ -118,7 +118,7 @@ def test_manual_preview_then_apply_improves_balance(ckpt, single_device_outputs)
 
 
 def test_auto_rebalance_every_k_steps(ckpt, single_device_outputs):
-    from engine.rebalancer import AutoRebalancePolicy
+    from moectl.engine.core.config import AutoRebalancePolicy
 
     eng = engine(ckpt, devices=4, redundant_slots=1, auto_rebalance=AutoRebalancePolicy("auto", every_k_steps=2))
     outs = eng.generate(prompts(6), GREEDY)
@@ -129,25 +129,25 @@ def test_auto_rebalance_every_k_steps(ckpt, single_device_outputs):
 
 def test_operator_edits_one_expert(ckpt, single_device_outputs):
     eng = engine(ckpt, devices=4, redundant_slots=1)
-    new = eng.edit_experts("replicate", layer=0, expert=0, device=3)
+    new = eng.experts.edit("replicate", layer=0, expert=0, device=3)
     assert (3, ) in {(d,) for d, _ in new.replicas(0, 0)}
-    eng.edit_experts("pin", layer=0, expert=1)
+    eng.experts.edit("pin", layer=0, expert=1)
     with pytest.raises(PlacementError):
-        eng.edit_experts("move", layer=0, expert=1, src_device=0, dst_device=2)  # pinned
+        eng.experts.edit("move", layer=0, expert=1, src_device=0, dst_device=2)  # pinned
     with pytest.raises(ValueError, match="edit"):
-        eng.edit_experts("teleport", layer=0, expert=1)
+        eng.experts.edit("teleport", layer=0, expert=1)
     with pytest.raises(PlacementError):
-        eng.edit_experts("replicate", layer=0, expert=99, device=0)
+        eng.experts.edit("replicate", layer=0, expert=99, device=0)
     outs = eng.generate(prompts(6), GREEDY)
     assert [o.token_ids for o in outs] == single_device_outputs
-    assert len(eng.cluster.placement.replicas(0, 0)) == 2 and eng.cluster.placement.is_pinned(0, 1)
+    assert len(eng.experts.placement.replicas(0, 0)) == 2 and eng.experts.placement.is_pinned(0, 1)
     assert [a["kind"] for a in eng.actions] == ["replicate", "pin"]
 
 
 def test_planner_agrees_with_the_local_backend_accounting(ckpt):
     """`plan memory` from config.json alone gives each device the expert bytes and KV bytes that
     the local backend really holds for the same layout (EP over all devices, block-rounded KV)."""
-    from engine.memory_plan import plan_memory
+    from moectl.engine.planning.memory_plan import plan_memory
 
     devices, context = 4, 40
     eng = engine(ckpt, devices=devices)
@@ -173,12 +173,12 @@ def test_tiered_expert_memory_gives_the_same_tokens(ckpt, single_device_outputs)
     misses = sum(c["misses"] for step in caches for c in step)
     hits = sum(c["hits"] for step in caches for c in step)
     assert misses > 0 and hits > 0
-    expert_bytes = eng.cluster.expert_bytes
+    expert_bytes = eng.experts.cluster.expert_bytes
     copies = misses + sum(c["prefetched"] for step in caches for c in step)
     assert sum(c["bytes_copied"] for step in caches for c in step) == copies * expert_bytes
     memory = eng.step_log[-1].devices["memory"]
     assert all(m["expert_cache"] == 2 * expert_bytes and "expert_weights" not in m for m in memory)
-    assert all(layer.slot_w13.numel() == 0 for layer in eng.cluster.layers)  # no HBM copies of every expert
+    assert all(layer.slot_w13.numel() == 0 for layer in eng.experts.cluster.layers)  # no HBM copies of every expert
 
 
 def test_tiered_cache_too_small_or_too_big_is_refused(ckpt):
@@ -208,7 +208,7 @@ def test_experts_on_separate_torch_devices_give_the_same_tokens(ckpt, single_dev
     """The multi-GPU-in-one-process path (each device's slots its own tensor on its own torch
     device, rows copied there and back), run here with CPU devices; same greedy tokens."""
     eng = engine(ckpt, devices=2, expert_devices=("cpu", "cpu"), redundant_slots=1)
-    layer = eng.cluster.layers[0]
+    layer = eng.experts.cluster.layers[0]
     assert layer.slot_w13.numel() == 0 and layer.device_w13[0].data_ptr() != layer.device_w13[1].data_ptr()
     assert [o.token_ids for o in eng.generate(prompts(6), GREEDY)] == single_device_outputs
     record = eng.step_log[-1].devices
@@ -216,7 +216,7 @@ def test_experts_on_separate_torch_devices_give_the_same_tokens(ckpt, single_dev
 
 
 def test_missing_cuda_devices_are_refused(ckpt):
-    from engine.engine_config import KnobError
+    from moectl.engine.core.config import KnobError
 
     missing = f"cuda:{torch.cuda.device_count()}"
     with pytest.raises(KnobError, match=f"{missing} does not exist here"):
@@ -229,7 +229,7 @@ def test_missing_cuda_devices_are_refused(ckpt):
 def test_real_gpus_in_one_process_give_the_same_tokens(ckpt, single_device_outputs):
     eng = LLMEngine(EngineConfig(model=str(ckpt), block_size=4, num_kv_blocks=128, device="cuda:0",
                                  topology=Topology(num_devices=2), expert_devices=("cuda:0", "cuda:1")))
-    assert eng.cluster.layers[0].device_w13[1].device == torch.device("cuda:1")
+    assert eng.experts.cluster.layers[0].device_w13[1].device == torch.device("cuda:1")
     assert [o.token_ids for o in eng.generate(prompts(6), GREEDY)] == single_device_outputs
     busy = [b for step in eng.step_log for b in step.devices["busy_s"]]
     assert sum(busy) > 0
@@ -237,10 +237,10 @@ def test_real_gpus_in_one_process_give_the_same_tokens(ckpt, single_device_outpu
 
 def test_a_placement_the_tiered_cache_cannot_run_is_refused_before_anything_changes(ckpt):
     eng = engine(ckpt, devices=4, expert_cache_slots=2, redundant_slots=1)
-    before = eng.cluster.placement
-    layer = eng.cluster.layers[0].layer_idx
+    before = eng.experts.placement
+    layer = eng.experts.cluster.layers[0].layer_idx
     expert = next(e for e in range(eng.model_config.num_experts) if e not in before.experts_on(layer, 0))
     with pytest.raises(PlacementError, match="cannot hold one layer's working set"):
-        eng.edit_experts("replicate", layer=layer, expert=expert, device=0)
+        eng.experts.edit("replicate", layer=layer, expert=expert, device=0)
     eng.step()
-    assert eng.cluster.placement == before and not [a for a in eng.actions if a["kind"].endswith("_failed")]
+    assert eng.experts.placement == before and not [a for a in eng.actions if a["kind"].endswith("_failed")]

@@ -13,17 +13,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.attention import DecodeGroup, PagedContext, PrefillSlice
-from engine.config import ModelConfig
-from engine.distributed import (DistributedError, GenerateJob, ScoreJob, check_layout, default_tp,
+from moectl.engine.core.paged_attention import DecodeGroup, PagedContext, PrefillSlice
+from moectl.engine.models.config import ModelConfig
+from moectl.engine.parallel.distributed import (DistributedError, GenerateJob, ScoreJob, check_layout, default_tp,
                                 generate_distributed, launch, launch_distributed, pack_step, run_rank, unpack_step)
-from engine.engine_config import EngineConfig, SchedulerKnobs
-from engine.kv_cache import KVCache
-from engine.llm_engine import LLMEngine
-from engine.loader import save_checkpoint
-from engine.model import MoEForCausalLM
-from engine.parallel import ParallelError, local_kv_heads, tp_head_layout
-from engine.sampling import SamplingParams
+from moectl.engine.core.config import EngineConfig, SchedulerKnobs
+from moectl.engine.core.kv_cache import KVCache
+from moectl.engine.llm_engine import LLMEngine
+from moectl.engine.models.loader import save_checkpoint
+from moectl.engine.models.decoder import MoEForCausalLM
+from moectl.engine.parallel.sharding import ParallelError, local_kv_heads, tp_head_layout
+from moectl.engine.core.sampling import SamplingParams
 from tests.engine_fixtures import make_tiny_checkpoint
 from tests.tiny_models import randomize_
 
@@ -180,7 +180,7 @@ def test_torchrun_entry_refuses_disagreeing_ranks_with_exit_code_2(ckpts):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(port), OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
         procs.append(subprocess.Popen(
-            [sys.executable, "-m", "engine.distributed", "--model", str(ckpts[name]), "--prompt-ids", "5,6,7",
+            [sys.executable, "-m", "moectl.engine.parallel.distributed", "--model", str(ckpts[name]), "--prompt-ids", "5,6,7",
              "--device", "cpu", "--json"], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             text=True))
     try:

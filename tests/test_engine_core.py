@@ -8,11 +8,11 @@ import threading
 import pytest
 import torch
 
-from engine.engine_config import EngineConfig, KnobError, SchedulerKnobs
-from engine.kv_cache import KVCache
-from engine.llm_engine import LLMEngine
-from engine.loader import load_model
-from engine.sampling import SamplingParams
+from moectl.engine.core.config import EngineConfig, KnobError, SchedulerKnobs
+from moectl.engine.core.kv_cache import KVCache
+from moectl.engine.llm_engine import LLMEngine
+from moectl.engine.models.loader import load_model
+from moectl.engine.core.sampling import SamplingParams
 from tests.engine_fixtures import make_tiny_checkpoint, reference_greedy
 
 
@@ -207,7 +207,7 @@ def test_int8_kv_cache_saves_memory_and_stays_close(ckpt, ref_model):
 
 
 def _last_logits(engine: LLMEngine) -> torch.Tensor:
-    engine._drain_inbox()
+    engine.run_commands()
     batch = engine.scheduler.schedule()
     while batch.items[0][0].remaining > batch.items[0][1]:  # run prefill chunks up to the last one
         engine.runner.run(batch.items)
@@ -227,7 +227,7 @@ def test_request_metrics_are_recorded(ckpt):
 
 
 def test_score_matches_uncached_forward_across_chunks(ckpt, ref_model):
-    from engine.attention import DenseContext
+    from moectl.engine.models.attention import DenseContext
 
     engine = make_engine(ckpt)
     ids = prompts(1, seed=7, lo=60, hi=60)[0]

@@ -7,15 +7,15 @@ import random
 import pytest
 import torch
 
-from engine.config import ModelConfig
-from engine.engine_config import EngineConfig, SchedulerKnobs
-from engine.expert_cache import (CachePolicy, ExpertCache, belady, belady_hit_rate, brute_force_min_misses,
+from moectl.engine.models.config import ModelConfig
+from moectl.engine.core.config import EngineConfig, SchedulerKnobs
+from moectl.engine.experts.expert_cache import (CachePolicy, ExpertCache, belady, belady_hit_rate, brute_force_min_misses,
                                  lru_hit_rate, max_working_set, moe_host_tier, replay, simulate)
-from engine.llm_engine import LLMEngine
-from engine.model import MoEForCausalLM
-from engine.placement import Placement
-from engine.prefetch import CachePrefetcher, CoactivationPredictor, RouterPredictor, RoutingRecorder
-from engine.sampling import SamplingParams
+from moectl.engine.llm_engine import LLMEngine
+from moectl.engine.models.decoder import MoEForCausalLM
+from moectl.engine.experts.placement import Placement
+from moectl.engine.experts.prefetch import CachePrefetcher, CoactivationPredictor, RouterPredictor, RoutingRecorder
+from moectl.engine.core.sampling import SamplingParams
 from tests.engine_fixtures import TINY_MIXTRAL, make_tiny_checkpoint
 
 pytestmark = pytest.mark.usefixtures("single_thread")

@@ -10,10 +10,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.engine_config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.loader import load_model
-from engine.model import MoEForCausalLM
+from moectl.engine.core.config import EngineConfig
+from moectl.engine.llm_engine import LLMEngine
+from moectl.engine.models.loader import load_model
+from moectl.engine.models.decoder import MoEForCausalLM
 from tests.tiny_models import shard_checkpoint
 
 
@@ -152,7 +152,7 @@ def test_unused_checkpoint_tensor_is_refused(tmp_path):
     """A weight the layout does not read would be silently dropped; it must be an error."""
     from safetensors.torch import load_file, save_file
 
-    from engine.loader import CheckpointError, load_model
+    from moectl.engine.models.loader import CheckpointError, load_model
     from tests.engine_fixtures import make_tiny_checkpoint
 
     ckpt = make_tiny_checkpoint(tmp_path / "m", with_tokenizer=False)
@@ -172,7 +172,7 @@ def test_unused_checkpoint_tensor_is_refused(tmp_path):
     ({"num_local_experts": "8"}, "num_experts"),
 ])
 def test_wrongly_typed_config_values_name_the_field(change, field):
-    from engine.config import ConfigError, ModelConfig
+    from moectl.engine.models.config import ConfigError, ModelConfig
     from tests.engine_fixtures import TINY_MIXTRAL
 
     with pytest.raises(ConfigError) as err:
@@ -181,7 +181,7 @@ def test_wrongly_typed_config_values_name_the_field(change, field):
 
 
 def test_generation_config_adds_end_of_sequence_ids(tmp_path):
-    from engine.config import ConfigError, ModelConfig
+    from moectl.engine.models.config import ConfigError, ModelConfig
     from tests.engine_fixtures import TINY_MIXTRAL
 
     (tmp_path / "config.json").write_text(json.dumps(TINY_MIXTRAL))

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from engine.engine_config import EngineConfig, KnobError
-from engine.llm_engine import LLMEngine
-from engine.memory_ledger import WEIGHT_CATEGORIES
-from engine.memory_plan import plan_memory
-from engine.placement import PlacementError
-from engine.sampling import SamplingParams
-from engine.topology import Topology
+from moectl.engine.core.config import EngineConfig, KnobError
+from moectl.engine.llm_engine import LLMEngine
+from moectl.engine.experts.memory_ledger import WEIGHT_CATEGORIES
+from moectl.engine.planning.memory_plan import plan_memory
+from moectl.engine.experts.placement import PlacementError
+from moectl.engine.core.sampling import SamplingParams
+from moectl.engine.core.topology import Topology
 from tests.engine_fixtures import make_tiny_checkpoint
 from tests.test_engine_core import prompts
 from tests.tiny_models import build_hf_checkpoint
@@ -80,7 +80,7 @@ def test_activations_and_buffers_follow_each_devices_work(ckpt):
     assert all(memory[d]["comm_buffers"] == 0 for d in idle)
     record = eng.step_log[-1].devices
     assert record["memory_capacity"]["kv_blocks"] == [32 * eng.kv_cache.nbytes() // 128] * 4
-    assert record["tiers"]["host"]["expert_weights"] == eng.cluster.host_expert_bytes > 0
+    assert record["tiers"]["host"]["expert_weights"] == eng.experts.cluster.host_expert_bytes > 0
 
 
 def test_each_device_has_its_own_kv_pool(ckpt):
@@ -121,12 +121,12 @@ def test_tiered_memory_is_chosen_when_experts_do_not_fit(ckpt, tmp_path):
     host tier with the largest cache that fits, and greedy tokens are unchanged."""
     reference = engine(ckpt, 2)
     want = [o.token_ids for o in reference.generate(prompts(4), GREEDY)]
-    ledger = reference.cluster.ledger
-    cluster = reference.cluster
+    ledger = reference.experts.cluster.ledger
+    cluster = reference.experts.cluster
     slot_bytes = cluster.expert_slot_bytes(cluster.placement.slots_per_device)
     fixed = ledger.fixed_bytes(0, reference.knobs)
     eng = engine(ckpt, 2, hbm=fixed + slot_bytes - 1)  # one byte short: the cache holds one expert less
-    assert eng.cluster.tiered_auto and eng.cluster.caches[0].capacity == slot_bytes // cluster.expert_bytes - 1
+    assert eng.experts.cluster.tiered_auto and eng.experts.cluster.caches[0].capacity == slot_bytes // cluster.expert_bytes - 1
     assert [o.token_ids for o in eng.generate(prompts(4), GREEDY)] == want
     record = eng.step_log[-1].devices
     assert record["tiered_experts"] == "auto"
@@ -136,7 +136,7 @@ def test_tiered_memory_is_chosen_when_experts_do_not_fit(ckpt, tmp_path):
 
 def test_a_knob_that_would_overflow_hbm_is_refused(ckpt):
     reference = engine(ckpt, 2)
-    ledger, knobs = reference.cluster.ledger, reference.knobs
+    ledger, knobs = reference.experts.cluster.ledger, reference.knobs
     hbm = ledger.fixed_bytes(0, knobs) + ledger.expert_bytes  # exactly full at the current knobs
     eng = engine(ckpt, 2, hbm=hbm)
     with pytest.raises(KnobError, match="max_num_batched_tokens 4096"):

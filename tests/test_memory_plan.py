@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.config import ModelConfig
-from engine.kv_cache import KVCache
-from engine.memory_plan import CATEGORIES, fit_suggestions, load_plan_model, plan_memory
-from engine.model import MoEForCausalLM
-from engine.topology import Topology
+from moectl.engine.models.config import ModelConfig
+from moectl.engine.core.kv_cache import KVCache
+from moectl.engine.planning.memory_plan import CATEGORIES, fit_suggestions, load_plan_model, plan_memory
+from moectl.engine.models.decoder import MoEForCausalLM
+from moectl.engine.core.topology import Topology
 from tests.tiny_models import SPECS
 
 CONFIG_3T = Path(__file__).resolve().parent.parent / "docs" / "configs" / "k3-3t-1m.json"

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from engine.placement import (Move, Placement, PlacementError, RoutingState, balancedness, device_token_load,
+from moectl.engine.experts.placement import (Move, Placement, PlacementError, RoutingState, balancedness, device_token_load,
                               expert_nbytes, traffic_matrix)
 
 
@@ -174,7 +174,7 @@ def test_moves_prefer_a_source_on_the_destination_node():
 
 
 def test_expert_nbytes_of_stacked_experts():
-    from engine.moe import StackedExperts
+    from moectl.engine.models.moe import StackedExperts
 
     assert expert_nbytes(StackedExperts(4, hidden=8, intermediate=16)) == (2 * 16 * 8 + 8 * 16) * 4
 

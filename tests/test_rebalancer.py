@@ -7,10 +7,11 @@ import json
 import numpy as np
 import pytest
 
-from engine.placement import Placement
-from engine.rebalancer import (AutoRebalancePolicy, LoadWindow, RebalanceError, load_loads_file, plan_rebalance,
-                               run_plan_rebalance, synthetic_loads)
-from engine.topology import Topology
+from moectl.engine.core.config import AutoRebalancePolicy, KnobError
+from moectl.engine.core.topology import Topology
+from moectl.engine.experts.placement import Placement
+from moectl.engine.experts.rebalancer import (LoadWindow, RebalanceError, load_loads_file, plan_rebalance,
+                                              run_plan_rebalance, synthetic_loads)
 
 L, E, D = 4, 64, 8
 
@@ -164,9 +165,9 @@ def test_auto_rebalance_policy():
     assert [s for s in range(31) if every.should_rebalance(s, 1.0)] == [10, 20, 30]
     below = AutoRebalancePolicy("auto", threshold=0.9)
     assert below.should_rebalance(3, 0.89) and not below.should_rebalance(3, 0.9)
-    with pytest.raises(RebalanceError, match="mode"):
+    with pytest.raises(KnobError, match="mode"):
         AutoRebalancePolicy("sometimes")
-    with pytest.raises(RebalanceError, match="threshold"):
+    with pytest.raises(KnobError, match="threshold"):
         AutoRebalancePolicy("auto", threshold=1.5)
 
 

@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from console.cli import app
-from engine.engine_config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.sampling import SamplingParams
-from engine.topology import Topology
-from profiler.recorder import TraceRecorder
-from profiler.trace_store import TraceReader
+from moectl.cli.main import app
+from moectl.engine.core.config import EngineConfig
+from moectl.engine.llm_engine import LLMEngine
+from moectl.engine.core.sampling import SamplingParams
+from moectl.engine.core.topology import Topology
+from moectl.profiler.recorder import TraceRecorder
+from moectl.profiler.trace_store import TraceReader
 from tests.engine_fixtures import make_tiny_checkpoint
 from tests.test_engine_core import prompts
 
@@ -93,8 +93,8 @@ def test_a_recorded_trace_reads_back_the_engines_records(ckpt, tmp_path):
     path = tmp_path / "run.trace"
     with TraceRecorder(eng, path):
         eng.generate(prompts(4), GREEDY)
-        plan = eng.rebalance_preview()
-        eng.apply_placement(plan.placement, kind="rebalance_apply")
+        plan = eng.experts.preview()
+        eng.experts.apply(plan.placement, kind="rebalance_apply")
         eng.generate(prompts(2, seed=1), GREEDY)
     with TraceReader(path) as reader:
         assert reader.num_steps == len(eng.step_log) and reader.dropped == 0
@@ -156,8 +156,8 @@ def test_plan_rebalance_from_a_trace_uses_its_routing_and_placement(ckpt, tmp_pa
     assert res.exit_code == 0, res.output
     result = json.loads(res.stdout)
     loads = sum(s.routing for s in eng.step_log).numpy()
-    assert result["devices"] == 4 and result["expert_bytes"] == eng.cluster.expert_bytes
-    assert result["balancedness_before"] == pytest.approx(eng.cluster.placement.balancedness(loads)[1])
+    assert result["devices"] == 4 and result["expert_bytes"] == eng.experts.cluster.expert_bytes
+    assert result["balancedness_before"] == pytest.approx(eng.experts.placement.balancedness(loads)[1])
     assert result["balancedness_after"] >= result["balancedness_before"]
 
 

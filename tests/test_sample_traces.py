@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from engine.placement import Placement
-from profiler import analysis
-from profiler.trace_store import TraceError, TraceReader
+from moectl.engine.experts.placement import Placement
+from moectl.profiler import analysis
+from moectl.profiler.trace_store import TraceError, TraceReader
 
 TRACES = Path(__file__).resolve().parent.parent / "sample_traces"
 

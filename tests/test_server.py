@@ -1,7 +1,7 @@
 """The HTTP server (server/): the OpenAI API through the official client, /metrics, the telemetry
 websocket, auth and controls, malformed requests, client disconnects, and a bounded load test.
 
-Each server runs on its own thread (ServerThread) over a LiveSource on a tiny checkpoint.
+Each server runs on its own thread (ServerThread) over an EngineDriver on a tiny checkpoint.
 """
 
 from __future__ import annotations
@@ -23,15 +23,15 @@ pytest.importorskip("prometheus_client")
 
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from console.sources import LiveSource  # noqa: E402
-from engine.engine_config import EngineConfig  # noqa: E402
-from engine.llm_engine import LLMEngine, RequestOutput, RequestStream  # noqa: E402
-from engine.topology import Topology  # noqa: E402
-from engine.placement import Placement  # noqa: E402
-from server.app import STATE, ServerThread, check_bind, run_server  # noqa: E402
-from server.metrics import ServerMetrics  # noqa: E402
-from server.streams import EngineBridge, TextDeltas  # noqa: E402
-from server.telemetry import CLIENT_QUEUE, TelemetryClient  # noqa: E402
+from moectl.engine.core.config import EngineConfig  # noqa: E402
+from moectl.engine.core.driver import EngineDriver  # noqa: E402
+from moectl.engine.llm_engine import LLMEngine, RequestOutput, RequestStream  # noqa: E402
+from moectl.engine.core.topology import Topology  # noqa: E402
+from moectl.engine.experts.placement import Placement  # noqa: E402
+from moectl.server.app import STATE, ServerThread, check_bind, run_server  # noqa: E402
+from moectl.server.metrics import ServerMetrics  # noqa: E402
+from moectl.server.streams import EngineBridge, TextDeltas  # noqa: E402
+from moectl.server.telemetry import CLIENT_QUEUE, TelemetryClient  # noqa: E402
 from tests.engine_fixtures import make_tiny_checkpoint  # noqa: E402
 
 TOKEN = "s3cret-token"
@@ -43,28 +43,28 @@ def checkpoint(tmp_path_factory):
     return make_tiny_checkpoint(tmp_path_factory.mktemp("server_ckpt"))
 
 
-def _source(checkpoint) -> LiveSource:
-    return LiveSource(lambda: LLMEngine(EngineConfig(model=str(checkpoint), block_size=4, num_kv_blocks=256,
-                                                     topology=Topology(num_devices=2), num_threads=1)), demo=False)
+def _driver(checkpoint) -> EngineDriver:
+    return EngineDriver(lambda: LLMEngine(EngineConfig(model=str(checkpoint), block_size=4, num_kv_blocks=256,
+                                                       topology=Topology(num_devices=2), num_threads=1)))
 
 
 @pytest.fixture(scope="module")
 def server(checkpoint):
     """No token: loopback only, control refused."""
-    source = _source(checkpoint)
-    with ServerThread(source) as srv:
-        srv.source = source
+    driver = _driver(checkpoint)
+    with ServerThread(driver) as srv:
+        srv.driver = driver
         yield srv
-    source.close()
+    driver.close()
 
 
 @pytest.fixture(scope="module")
 def secured(checkpoint):
-    source = _source(checkpoint)
-    with ServerThread(source, token=TOKEN) as srv:
-        srv.source = source
+    driver = _driver(checkpoint)
+    with ServerThread(driver, token=TOKEN) as srv:
+        srv.driver = driver
         yield srv
-    source.close()
+    driver.close()
 
 
 def http(method: str, url: str, body=None, *, token: str | None = None, raw: bytes | None = None):
@@ -101,7 +101,7 @@ def wait_until(predicate, timeout: float = 10.0, what: str = "condition"):
 
 
 def wait_idle(srv) -> None:
-    engine = srv.source.engine
+    engine = srv.driver.engine
     wait_until(lambda: engine.stats()["running"] == 0 and engine.stats()["waiting"] == 0
                and not engine.has_unfinished(), what="the engine to go idle")
 
@@ -149,7 +149,7 @@ def test_completion_streamed_equals_unstreamed(server):
     assert chunks[-1].choices == [] and chunks[-1].usage.model_dump() == full.usage.model_dump()
 
     # a prompt of token ids is the same prompt
-    ids = server.source.engine.encode(PROMPT)
+    ids = server.driver.engine.encode(PROMPT)
     by_ids = c.completions.create(model=name, prompt=ids, max_tokens=12, temperature=0)
     assert by_ids.choices[0].text == text and by_ids.usage.prompt_tokens == len(ids)
 
@@ -179,7 +179,7 @@ def test_chat_streamed_equals_unstreamed(server):
     assert msg.role == "assistant" and full.usage.completion_tokens <= 10
     # the documented template, token for token
     template = "<|system|>\nYou write Python.\n<|user|>\nAdd two numbers.\n<|assistant|>\n"
-    assert full.usage.prompt_tokens == len(server.source.engine.encode(template))
+    assert full.usage.prompt_tokens == len(server.driver.engine.encode(template))
 
     chunks = list(c.chat.completions.create(model=name, messages=messages, max_tokens=10, temperature=0,
                                             stream=True, stream_options={"include_usage": True}))
@@ -278,10 +278,10 @@ def test_telemetry_websocket_hello_then_matching_steps(server):
 
 
 def test_telemetry_disconnects_a_stuck_client(server, monkeypatch, caplog):
-    import server.telemetry as telemetry
+    import moectl.server.telemetry as telemetry
 
     monkeypatch.setattr(telemetry, "STUCK_S", 0.5)
-    caplog.set_level(logging.INFO, logger="server.telemetry")
+    caplog.set_level(logging.INFO, logger="moectl.server.telemetry")
     hub = server.app[STATE].hub
     big = {"time": 0.0, "step": 0, "kind": "test", "args": {}, "result": {"blob": "x" * (1 << 20)}}
 
@@ -312,7 +312,7 @@ def test_binding_beyond_loopback_needs_a_token(server):
     with pytest.raises(ValueError, match="--token"):
         check_bind("0.0.0.0", None)
     with pytest.raises(ValueError, match="--token"):
-        run_server(server.source, host="0.0.0.0", port=1, token=None)  # refused before binding
+        run_server(server.driver, host="0.0.0.0", port=1, token=None)  # refused before binding
     check_bind("127.0.0.1", None)
     check_bind("::1", None)
     check_bind("0.0.0.0", TOKEN)
@@ -339,7 +339,7 @@ def test_token_required_and_checked(secured):
 
 
 def test_control_knobs_change_the_engine(secured):
-    url, engine = secured.url + "/v1/control/knobs", secured.source.engine
+    url, engine = secured.url + "/v1/control/knobs", secured.driver.engine
     status, body = http("GET", url, token=TOKEN)
     assert status == 200 and body["knobs"]["max_num_seqs"] == engine.knobs.max_num_seqs
     status, body = http("POST", url, {"max_num_seqs": 7}, token=TOKEN)
@@ -429,7 +429,7 @@ def test_malformed_bodies_and_routes(server):
 # -- disconnects and load
 
 def test_client_disconnect_aborts_and_frees_kv_blocks(server):
-    engine = server.source.engine
+    engine = server.driver.engine
     wait_idle(server)
     aborted = engine.num_aborted
     body = {"prompt": PROMPT, "max_tokens": 480, "ignore_eos": True}
@@ -483,7 +483,7 @@ def _load_round(url: str, n: int, max_tokens: int) -> list:
 
 
 def test_load_200_concurrent_streams_no_errors_no_leaks(server):
-    engine, n, max_tokens = server.source.engine, 200, 8
+    engine, n, max_tokens = server.driver.engine, 200, 8
     process = psutil.Process()
     _load_round(server.url, n, max_tokens)  # warm-up: allocator pools, connections, caches
     wait_idle(server)
@@ -504,7 +504,7 @@ def test_load_200_concurrent_streams_no_errors_no_leaks(server):
 # -- the pieces
 
 def test_text_deltas_add_up_to_the_engine_text(server):
-    engine = server.source.engine
+    engine = server.driver.engine
     text = "héllo wörld ✓ naïve – done"
     ids = engine.encode(text)
     deltas = TextDeltas(engine.decode)

@@ -14,9 +14,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from profiler import codec, trace_store
-from profiler.codec import TraceError, decode, encode
-from profiler.trace_store import FORMAT_VERSION, TraceReader, TraceWriter
+from moectl.profiler import codec
+from moectl.profiler import trace_store
+from moectl.profiler.codec import TraceError, decode, encode
+from moectl.profiler.trace_store import FORMAT_VERSION, TraceReader, TraceWriter
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -345,7 +346,7 @@ _CHILD = r"""
 import sys, time
 sys.path.insert(0, sys.argv[1])
 import numpy as np
-from profiler.trace_store import TraceWriter
+from moectl.profiler.trace_store import TraceWriter
 w = TraceWriter(sys.argv[2], {"model": "crash-test"})
 log = open(sys.argv[3], "w", buffering=1)
 routing = np.arange(61 * 8, dtype=np.int32).reshape(61, 8)
@@ -402,7 +403,7 @@ def test_kill_9_loses_at_most_the_last_second(tmp_path):
 def test_the_str_keys_fast_path_writes_the_same_records():
     """encode(str_keys=True) (json's C encoder walks the record) decodes to exactly what the
     general walk gives, arrays and lists alike."""
-    from profiler import codec
+    from moectl.profiler import codec
 
     rng = np.random.default_rng(3)
     record = {"step": 7, "t_start": 1.5, "t_end": 1.75, "routing": rng.integers(0, 900, (6, 32)).astype(np.int32),

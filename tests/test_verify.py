@@ -8,9 +8,9 @@ import sys
 import pytest
 import torch
 
-from engine.engine_config import EngineConfig, SchedulerKnobs
-from engine.llm_engine import LLMEngine
-from engine.verify import THRESHOLDS, _same_generation, mean_nll, rel_error, run_verify
+from moectl.engine.core.config import EngineConfig, SchedulerKnobs
+from moectl.engine.llm_engine import LLMEngine
+from moectl.engine.tools.verify import THRESHOLDS, _same_generation, mean_nll, rel_error, run_verify
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -57,7 +57,7 @@ def test_verify_detects_a_swapped_expert(tiny_hf_checkpoint, monkeypatch):
     """A loader bug on the engine side (experts 0 and 1 of layer 1 swapped) must fail verify, and
     the per-layer errors must point at the layer. (Perturbing the checkpoint itself would change
     both sides alike, so the fault is injected into the engine's loading only.)"""
-    import engine.loader as loader
+    import moectl.engine.models.loader as loader
 
     real = loader.read_state_dict
 

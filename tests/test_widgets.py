@@ -15,8 +15,8 @@ from rich.style import Style
 from textual.app import App, ComposeResult
 from textual.strip import Strip
 
-from console.widgets import SCALES, ColourLegend, ColourScale, HeatMap, ScrubBar, Span, Timeline, legend_strip
-from console.widgets.heatmap import LEVELS, quantise
+from moectl.console.widgets import SCALES, ColourLegend, ColourScale, HeatMap, ScrubBar, Span, Timeline, legend_strip
+from moectl.console.widgets.heatmap import LEVELS, quantise
 
 
 def cell_at(strip: Strip, x: int) -> tuple[str, Style]:

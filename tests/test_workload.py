@@ -9,11 +9,11 @@ import statistics
 import numpy as np
 import pytest
 
-from engine.engine_config import EngineConfig, SchedulerKnobs
-from engine.llm_engine import LLMEngine
-from engine.sampling import SamplingParams
-from engine.tokenizer import Tokenizer
-from engine.workload import (LengthDist, WorkloadItem, WorkloadSpec, iter_workload, make_workload, percentile,
+from moectl.engine.core.config import EngineConfig, SchedulerKnobs
+from moectl.engine.llm_engine import LLMEngine
+from moectl.engine.core.sampling import SamplingParams
+from moectl.engine.models.tokenizer import Tokenizer
+from moectl.engine.tools.workload import (LengthDist, WorkloadItem, WorkloadSpec, iter_workload, make_workload, percentile,
                              run_workload, summarize, workload_for_engine)
 
 pytestmark = pytest.mark.usefixtures("single_thread")

@@ -109,9 +109,9 @@ ENGINE_MIXTRAL = {
 
 
 def build_engine_checkpoint(out_dir: Path, seed: int = 0, **overrides) -> Path:
-    from engine.config import ModelConfig
-    from engine.loader import save_checkpoint
-    from engine.model import MoEForCausalLM
+    from moectl.engine.models.config import ModelConfig
+    from moectl.engine.models.loader import save_checkpoint
+    from moectl.engine.models.decoder import MoEForCausalLM
 
     model = MoEForCausalLM(ModelConfig.from_hf({**ENGINE_MIXTRAL, **overrides}))
     model.init_weights(std=STD, seed=seed)

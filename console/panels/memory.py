@@ -11,7 +11,7 @@ from textual.containers import VerticalScroll
 from textual.widgets import Static
 from textual_plotext import PlotextPlot
 
-from .common import fmt_bytes
+from moectl.console.panels.common import fmt_bytes
 
 # derived from each step's shapes with the planner's formulas, not read from an allocator
 MODELED_CATEGORIES = ("activations", "comm_buffers")
@@ -102,8 +102,8 @@ class MemoryPanel(VerticalScroll):
 
     @staticmethod
     def _plan(state) -> str:
-        from engine.memory_plan import PlanError, plan_memory
-        from engine.topology import Topology
+        from moectl.engine.planning.memory_plan import PlanError, plan_memory
+        from moectl.engine.core.topology import Topology
 
         model = (state.header.get("model") or {}).get("path")
         topo = (state.header.get("devices") or {}).get("topology")

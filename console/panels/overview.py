@@ -6,7 +6,7 @@ from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.widgets import Button, Static
 
-from .common import ActionRequested, bars, fmt_bytes, fmt_s
+from moectl.console.panels.common import ActionRequested, bars, fmt_bytes, fmt_s
 
 
 class OverviewPanel(VerticalScroll):

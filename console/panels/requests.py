@@ -8,7 +8,7 @@ from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.widgets import Button, DataTable, Input, Label, Select, Static, Switch
 from textual_plotext import PlotextPlot
 
-from .common import ActionRequested, fmt_s
+from moectl.console.panels.common import ActionRequested, fmt_s
 
 KNOBS = (("max_num_seqs", "max seqs"), ("max_num_batched_tokens", "max batched tokens"),
          ("long_prefill_token_threshold", "prefill chunk"))

@@ -8,8 +8,8 @@ from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical
 from textual.widgets import Button, Input, Label, Static
 
-from console.widgets import Span, Timeline
-from profiler.analysis import step_breakdown
+from moectl.console.widgets import Span, Timeline
+from moectl.profiler.analysis import step_breakdown
 
 
 KINDS = ["span", "kernel"]
@@ -103,7 +103,7 @@ class TimelinePanel(Vertical):
         self.app.refresh_panels()
 
     def on_button_pressed(self, event: Button.Pressed) -> None:
-        from .common import ActionRequested
+        from moectl.console.panels.common import ActionRequested
 
         if event.button.id == "tl-freeze":
             self.frozen = not self.frozen

@@ -8,7 +8,7 @@ from textual.containers import Horizontal, Vertical
 from textual.message import Message
 from textual.widgets import Button, Input, Label, Static
 
-from console.widgets import ScrubBar
+from moectl.console.widgets import ScrubBar
 
 
 class TransportBar(Vertical):

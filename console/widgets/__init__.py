@@ -1,9 +1,9 @@
 """Reusable Textual widgets for the console: heat map, timeline, scrub bar, colour scales."""
 
-from .colour_scale import SCALES, ColourLegend, ColourScale, legend_strip
-from .heatmap import HeatMap
-from .scrub_bar import ScrubBar
-from .timeline import Span, Timeline
+from moectl.console.widgets.colour_scale import SCALES, ColourLegend, ColourScale, legend_strip
+from moectl.console.widgets.heatmap import HeatMap
+from moectl.console.widgets.scrub_bar import ScrubBar
+from moectl.console.widgets.timeline import Span, Timeline
 
 __all__ = [
     "SCALES",

@@ -26,7 +26,7 @@ from textual.reactive import reactive
 from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
-from .colour_scale import ColourScale, _check_name
+from moectl.console.widgets.colour_scale import ColourScale, _check_name
 
 LEVELS = 64
 """Colour levels: 0 is kept for cells whose value is 0, 1..LEVELS-1 for (0, max]."""

@@ -1,0 +1,68 @@
+"""`moectl bench`: benchmarks that print ratios against a baseline measured in the same run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from moectl.cli.common import DTYPE_OPT, JSON_OPT, MODEL_OPT, BadInput, emit_json, handles_errors, model_dir, progress
+
+
+@handles_errors
+def bench(
+    compare: str | None = typer.Option(None, "--compare", help="'hf': this engine vs transformers' generate."),
+    suite: str | None = typer.Option(None, "--suite",
+                                        help="compare-hf | serve | kv-int8 | profiler | limits (default: compare-hf)."),
+    model: Path | None = MODEL_OPT,
+    workload: str | None = typer.Option(None, "--workload",
+                                           help="serve suite: a JSONL file or 'rate=4,prompt=32-512,output=16-256,"
+                                                "requests=64,seed=0'."),
+    requests: int = typer.Option(64, "--requests", help="compare-hf: number of requests, all arriving at once."),
+    dtype: str | None = DTYPE_OPT,
+    threads: int | None = typer.Option(None, "--threads", help="torch threads (default: torch's own)."),
+    seed: int = typer.Option(0, "--seed"),
+    as_json: bool = JSON_OPT,
+):
+    """Benchmarks that print ratios against a baseline measured in the same run, and the share of
+    this machine's measured limits (memory bandwidth, matmul FLOP/s) that was reached."""
+    import torch
+
+    if compare is not None and compare != "hf":
+        raise BadInput(f"--compare: only 'hf' is supported, got {compare!r}")
+    name = suite or "compare-hf"
+    if threads is not None:
+        if threads < 1:
+            raise BadInput("--threads: must be >= 1")
+        torch.set_num_threads(threads)
+    log = progress(as_json)
+    path = model_dir(model)
+    if name == "compare-hf":
+        from moectl.engine.tools.bench import run_compare_hf
+
+        result = run_compare_hf(path, num_requests=requests, seed=seed, dtype=dtype or "float32",
+                                threads=threads, log=log)
+    elif name == "serve":
+        from moectl.engine.tools.bench import run_serve
+        from moectl.engine.tools.workload import WorkloadSpec
+
+        spec = WorkloadSpec.from_option(workload) if workload else WorkloadSpec(num_requests=requests, seed=seed)
+        result = run_serve(path, spec=spec, dtype=dtype, log=log)
+    elif name == "kv-int8":
+        from moectl.engine.tools.kv_eval import default_eval_inputs, run_kv_int8_eval
+
+        text_ids, prompts = default_eval_inputs(path)
+        # fp32 by default: the accuracy cost is then INT8's alone, not bf16 rounding on top of it
+        result = run_kv_int8_eval(str(path), text_ids, prompts, dtype=dtype or "float32", log=log)
+    elif name == "profiler":
+        from moectl.profiler.overhead_bench import run_profiler_overhead
+
+        result = run_profiler_overhead(path, dtype=dtype, log=log)
+    elif name == "limits":
+        from moectl.engine.tools import machine_limits
+
+        result = machine_limits.measure(dtype or "float32")
+        log(machine_limits.format_limits(result))
+    else:
+        raise BadInput(f"--suite: {name!r} is not one of compare-hf, serve, kv-int8, profiler, limits")
+    emit_json(result, as_json)

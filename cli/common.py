@@ -1,0 +1,121 @@
+"""What every command shares: error handling, the common options, and the one translation of
+`--devices/--hbm/--backend/...` into an EngineConfig.
+
+Exit codes: 0 success, 1 failure, 2 bad input. Errors are one line on stderr, never a traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from functools import wraps
+from pathlib import Path
+
+import typer
+
+from moectl.engine.core.config import EngineConfig
+from moectl.engine.core.topology import Topology, parse_size
+from moectl.engine import sample_model_dir
+
+BACKENDS = ("local", "multi-gpu", "distributed")
+
+MODEL_OPT = typer.Option(None, "--model", "-m", help="Hugging Face-format checkpoint directory "
+                                                     "(default: the embedded sample model).")
+JSON_OPT = typer.Option(False, "--json", help="Print machine-readable JSON (progress goes to stderr).")
+HBM_OPT = typer.Option("80GiB", "--hbm", help="HBM per device, e.g. 80GiB, 141GiB.")
+DTYPE_OPT = typer.Option(None, "--dtype", help="fp32, bf16 or fp16 (default: the checkpoint's dtype).")
+THEME_OPT = typer.Option("dark", "--theme", help="dark, light or high-contrast (switch live with 't').")
+EXPERT_CACHE_OPT = typer.Option(None, "--expert-cache", help="Tiered expert memory (with --devices): experts stay "
+                                                             "in host memory and each device caches this many in HBM.")
+
+
+class BadInput(ValueError):
+    """Bad input from the command line: exit code 2."""
+
+
+def _fail(message: str, code: int) -> None:
+    typer.echo(f"moectl: error: {message}", err=True)
+    raise typer.Exit(code)
+
+
+def handles_errors(fn):
+    """Bad input (ValueError) exits 2, anything else 1; both with one line and no traceback."""
+
+    @wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except typer.Exit:
+            raise
+        except BrokenPipeError:  # the reader went away (`| head`): stop quietly, like any filter
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            raise typer.Exit(0) from None
+        except ValueError as exc:
+            _fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__, 2)
+        except KeyboardInterrupt:
+            _fail("interrupted", 1)
+        except Exception as exc:  # noqa: BLE001 - the CLI's last line of defence
+            _fail(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", 1)
+
+    return wrapper
+
+
+def model_dir(model: Path | None) -> Path:
+    path = Path(model) if model is not None else sample_model_dir()
+    if not path.is_dir():
+        raise BadInput(f"--model: {path} is not a directory")
+    return path
+
+
+def parse_ids(spec: str) -> list[int]:
+    try:
+        ids = [int(x) for x in spec.replace(" ", "").split(",") if x]
+    except ValueError:
+        raise BadInput(f"--prompt-ids: {spec!r} is not a comma-separated list of integers") from None
+    if not ids:
+        raise BadInput("--prompt-ids: empty")
+    return ids
+
+
+def engine_config(model: Path | None, *, devices: int | None = None, hbm: str = "80GiB", backend: str = "local",
+                  expert_cache: int | None = None, device: str = "cpu", **options) -> EngineConfig:
+    """The EngineConfig the device options describe. devices None: one device, no placement.
+    options: any other EngineConfig field (dtype, redundant_slots, num_threads, ...)."""
+    if backend not in BACKENDS:
+        raise BadInput(f"--backend: must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    if expert_cache is not None and devices is None:
+        raise BadInput("--expert-cache: needs --devices")
+    topology = None
+    if devices is not None:
+        topology = Topology(num_devices=devices, hbm_bytes=parse_size(hbm, "--hbm"))
+    if backend == "multi-gpu":
+        import torch
+
+        have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if devices is None or devices > have:
+            raise BadInput(f"--backend multi-gpu: needs --devices N with N <= the {have} CUDA devices here")
+        options["expert_devices"] = tuple(f"cuda:{d}" for d in range(devices))
+        device = "cuda:0"
+    return EngineConfig(model=str(model_dir(model)), device=device, topology=topology,
+                        expert_cache_slots=expert_cache, **options)
+
+
+def emit_json(result, as_json: bool) -> None:
+    if as_json:
+        import json
+
+        typer.echo(json.dumps(result, default=str))
+
+
+def progress(as_json: bool):
+    """Human progress lines: on stdout normally, on stderr when stdout carries JSON."""
+    return (lambda line: typer.echo(line, err=True)) if as_json else typer.echo
+
+
+def open_trace(path: Path):
+    """A TraceReader on path (a context manager); a missing file is bad input."""
+    from moectl.profiler.trace_store import TraceReader
+
+    if not Path(path).is_file():
+        raise BadInput(f"{path}: no such trace file")
+    return TraceReader(path)

@@ -1,0 +1,79 @@
+"""`moectl` / `moectl run` (the live console), `moectl replay TRACE` and `moectl attach URL`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from moectl.cli.common import (DTYPE_OPT, EXPERT_CACHE_OPT, HBM_OPT, MODEL_OPT, THEME_OPT, BadInput, engine_config,
+                               handles_errors)
+from moectl.themes import check_theme
+
+DEMO_WORKLOAD = "rate=4,prompt=32-256,output=32-128"
+
+
+def live_source(model: Path | None, devices: int, hbm: str, redundant: int, expert_cache: int | None,
+                workload: str, dtype: str | None, threads: int):
+    from moectl.console.sources import DemoLoad, LiveSource
+    from moectl.engine.llm_engine import LLMEngine
+    from moectl.engine.tools.workload import WorkloadSpec
+
+    try:
+        load = DemoLoad.from_spec(WorkloadSpec.from_option(workload))
+    except ValueError as exc:
+        message = str(exc)
+        raise BadInput(message if message.startswith("--workload") else f"--workload: {message}") from None
+    config = engine_config(model, devices=devices, hbm=hbm, expert_cache=expert_cache, dtype=dtype,
+                           redundant_slots=redundant, num_threads=threads)
+    return LiveSource(lambda: LLMEngine(config), load)
+
+
+@handles_errors
+def run(
+    model: Path | None = MODEL_OPT,
+    devices: int = typer.Option(4, "--devices", "-d", help="Emulated devices (local backend)."),
+    hbm: str = HBM_OPT,
+    redundant: int = typer.Option(1, "--redundant", help="Redundant expert slots per device (room for replicas)."),
+    expert_cache: int | None = EXPERT_CACHE_OPT,
+    workload: str = typer.Option(DEMO_WORKLOAD, "--workload", help="The demo workload: rate=R,prompt=LO-HI,"
+                                                                   "output=LO-HI (editable live)."),
+    dtype: str | None = DTYPE_OPT,
+    threads: int = typer.Option(1, "--threads", help="torch threads for the engine (1 leaves a core for the UI)."),
+    theme: str = THEME_OPT,
+):
+    """The live console (the default command): the embedded engine on a steady demo workload,
+    experts on emulated devices in the naive contiguous placement, so imbalance shows and a
+    rebalance visibly helps."""
+    from moectl.console.app import MoectlApp
+
+    check_theme(theme)
+    source = live_source(model, devices, hbm, redundant, expert_cache, workload, dtype, threads)
+    MoectlApp(source, theme=theme).run()
+
+
+@handles_errors
+def replay(trace: Path = typer.Argument(..., help="A trace recorded by `moectl record`."), theme: str = THEME_OPT):
+    """Replay a trace in the console: play, pause, speed, step, seek; rebalancing shows the
+    counterfactual on the recorded routing."""
+    from moectl.console.app import MoectlApp
+    from moectl.console.sources import ReplaySource
+
+    check_theme(theme)
+    if not Path(trace).is_file():
+        raise BadInput(f"{trace}: no such trace file")
+    MoectlApp(ReplaySource(trace), theme=theme).run()
+
+
+@handles_errors
+def attach(url: str = typer.Argument(..., help="A running `moectl serve`, e.g. http://127.0.0.1:8000"),
+           token: str | None = typer.Option(None, "--token", help="Bearer token: lets the console's controls act "
+                                                                  "on the remote engine (read-only without)."),
+           theme: str = THEME_OPT):
+    """Open the console on a remote engine (`moectl serve`): its telemetry stream live; with the
+    server's token, rebalancing and knobs act on it."""
+    from moectl.console.app import MoectlApp
+    from moectl.console.sources import AttachSource
+
+    check_theme(theme)
+    MoectlApp(AttachSource(url, token), theme=theme).run()

@@ -1,0 +1,115 @@
+"""`moectl generate`: completions from the embedded engine, on any backend.
+
+Command modules import torch and the engine inside their commands, so `moectl --help` and
+every other command start without loading them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+
+from moectl.cli.common import (DTYPE_OPT, EXPERT_CACHE_OPT, HBM_OPT, JSON_OPT, MODEL_OPT, BadInput, engine_config,
+                               handles_errors, model_dir, parse_ids)
+from moectl.engine.core.topology import format_size
+
+
+@handles_errors
+def generate(
+    prompts: list[str] | None = typer.Argument(None, help="Prompt text(s); one completion each."),
+    prompt_ids: list[str] | None = typer.Option(None, "--prompt-ids",
+                                                help="Token ids '1,2,3' (repeatable) for checkpoints without a "
+                                                     "tokenizer."),
+    model: Path | None = MODEL_OPT,
+    max_tokens: int = typer.Option(64, "--max-tokens", help="Tokens to generate per prompt."),
+    temperature: float = typer.Option(0.0, help="0 is greedy."),
+    top_p: float = typer.Option(1.0, "--top-p"),
+    top_k: int = typer.Option(0, "--top-k", help="0 disables top-k."),
+    seed: int | None = typer.Option(None, help="Sampling seed: the same seed gives the same text."),
+    stop: list[str] | None = typer.Option(None, "--stop", help="Stop string (repeatable)."),
+    ignore_eos: bool = typer.Option(False, "--ignore-eos"),
+    dtype: str | None = DTYPE_OPT,
+    kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype", help="auto or int8."),
+    device: str = typer.Option("cpu", help="Torch device, e.g. cpu or cuda:0."),
+    devices: int | None = typer.Option(None, "--devices", "-d",
+                                       help="Emulated devices for the experts (local backend; default: one, "
+                                            "no placement)."),
+    hbm: str = HBM_OPT,
+    expert_cache: int | None = EXPERT_CACHE_OPT,
+    backend: str = typer.Option("local", "--backend",
+                                help="local (devices emulated on --device), multi-gpu (device d's experts on "
+                                     "cuda:d, attention on cuda:0, real copies) or distributed."),
+    nproc: int | None = typer.Option(None, "--nproc", help="distributed: processes, one per device."),
+    device_stats: bool = typer.Option(False, "--device-stats",
+                                      help="With --devices: print each device's tokens, measured busy time, "
+                                           "modeled link time and expert-cache hits over the run (to stderr)."),
+    as_json: bool = JSON_OPT,
+):
+    """Generate completions with the embedded engine (continuous batching over all prompts).
+    With --devices N the experts are placed on N emulated devices; the tokens are the same."""
+    from moectl.engine.core.sampling import SamplingParams
+    from moectl.engine.llm_engine import LLMEngine
+
+    inputs: list = list(prompts or []) + [parse_ids(s) for s in (prompt_ids or [])]
+    if not inputs:
+        raise BadInput("give a PROMPT or --prompt-ids")
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                            seed=seed, stop=tuple(stop or ()), ignore_eos=ignore_eos)
+    if backend == "distributed":
+        _generate_distributed(model_dir(model), inputs, params, nproc or devices or 2, dtype, as_json)
+        return
+    engine = LLMEngine(engine_config(model, devices=devices, hbm=hbm, backend=backend, expert_cache=expert_cache,
+                                     device=device, dtype=dtype, kv_cache_dtype=kv_cache_dtype))
+    outputs = engine.generate(inputs, params)
+    if device_stats and engine.experts is not None:
+        _print_device_stats(engine)
+    for out in outputs:
+        if as_json:
+            typer.echo(json.dumps({"prompt_ids": out.prompt_ids, "token_ids": out.token_ids, "text": out.text,
+                                   "finish_reason": out.finish_reason,
+                                   "ttft_s": out.metrics.get("ttft"), "tpot_s": out.metrics.get("tpot")}))
+        else:
+            prompt_text = engine.decode(out.prompt_ids) if engine.tokenizer else str(out.prompt_ids)
+            typer.echo(prompt_text + (out.text if engine.tokenizer else " -> " + str(out.token_ids)))
+            typer.echo("")
+
+
+def _print_device_stats(engine) -> None:
+    """Totals over the run from the step records: measured and modeled columns kept apart."""
+    import numpy as np
+
+    records = [s.devices for s in engine.step_log]
+    tokens = np.sum([r["tokens"] for r in records], axis=0)
+    busy = np.sum([r["busy_s"] for r in records], axis=0)
+    link = np.sum([r["link_s"] for r in records], axis=0)
+    say = lambda line: typer.echo(line, err=True)  # noqa: E731
+    say(f"{'device':>6} {'tokens':>8} {'busy ms (measured)':>19} {'link ms (modeled)':>18} {'cache hits':>11} "
+        f"{'peak HBM (accounted)':>21}")
+    hbm = records[0]["memory_capacity"]["hbm"]
+    for d in range(len(tokens)):
+        peak = max(sum(r["memory"][d].values()) for r in records)
+        cache = ""
+        if "expert_cache" in records[0]:
+            hits = sum(r["expert_cache"][d]["hits"] for r in records)
+            total = hits + sum(r["expert_cache"][d]["misses"] for r in records)
+            cache = f"{hits / total:.1%}" if total else "-"
+        say(f"{d:>6} {int(tokens[d]):>8} {busy[d] * 1e3:>19.2f} {link[d] * 1e3:>18.4f} {cache:>11} "
+            f"{format_size(peak) + ' / ' + format_size(hbm):>21}")
+    tiered = records[-1]["tiered_experts"]
+    if tiered != "off":
+        slots = engine.experts.cluster.cache_slots
+        why = " (chosen: HBM cannot hold the placed experts)" if tiered == "auto" else ""
+        say(f"experts: host tier, a {slots}-expert cache per device{why}")
+    say(f"balancedness (mean/max device tokens): {tokens.mean() / max(tokens.max(), 1):.3f}")
+
+
+def _generate_distributed(path: Path, inputs: list, params, nproc: int, dtype, as_json: bool) -> None:
+    from moectl.engine.parallel.distributed import generate_distributed
+
+    for out in generate_distributed(str(path), inputs, params, nproc=nproc, dtype=dtype, timeout_s=1800.0):
+        if as_json:
+            typer.echo(json.dumps({k: out[k] for k in ("prompt_ids", "token_ids", "text")}))
+        else:
+            typer.echo(out["text"] or str(out["token_ids"]))

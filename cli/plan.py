@@ -1,0 +1,97 @@
+"""`moectl plan memory | rebalance`: offline planning from a config, a trace or loads."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+
+from moectl.cli.common import HBM_OPT, JSON_OPT, BadInput, handles_errors, open_trace
+
+plan_app = typer.Typer(no_args_is_help=True, help="Offline planning: expert rebalancing and device memory.")
+DEVICES_OPT = typer.Option(8, "--devices", "-d", help="Number of devices (1-256).")
+
+
+@plan_app.command("memory")
+@handles_errors
+def plan_memory_cmd(
+    model: Path = typer.Option(..., "--model", "-m", help="config.json, or a directory holding one (no weights needed)."),
+    devices: int = DEVICES_OPT,
+    hbm: str = HBM_OPT,
+    tp: int = typer.Option(1, "--tp", help="Tensor-parallel size for attention (<= 8)."),
+    ep: int | None = typer.Option(None, "--ep", help="Expert-parallel size (default: all devices)."),
+    context: int = typer.Option(..., "--context", help="Tokens of context per sequence."),
+    batch: int = typer.Option(1, "--batch", help="Concurrent sequences."),
+    dtype: str = typer.Option("bf16", "--dtype", help="Weight dtype: fp32, bf16, fp16 or fp8 (planning only)."),
+    kv_dtype: str = typer.Option("auto", "--kv-dtype", help="auto (weight dtype) or int8."),
+    as_json: bool = JSON_OPT,
+):
+    """The operator-level memory table for each device: weights by category, KV cache, activations
+    at peak, communication buffers and headroom; whether it fits and, if not, by how much."""
+    from moectl.engine.planning.memory_plan import fit_suggestions, plan_memory
+    from moectl.engine.core.topology import Topology, parse_size
+
+    topo = Topology(num_devices=devices, hbm_bytes=parse_size(hbm, "--hbm"))
+    kw = dict(tp=tp, ep=ep, context=context, batch=batch, dtype=dtype, kv_dtype=kv_dtype)
+    plan = plan_memory(model, topo, **kw)
+    suggestions = [] if plan.fits else fit_suggestions(model, topo, **kw)
+    if as_json:
+        typer.echo(json.dumps({**plan.as_dict(), "suggestions": suggestions}, default=str))
+        return
+    typer.echo(plan.format_table())
+    for s in suggestions:
+        typer.echo(f"  to fit: {s['change']}")
+
+
+@plan_app.command("rebalance")
+@handles_errors
+def plan_rebalance_cmd(
+    loads_file: Path | None = typer.Argument(None, help="A recorded trace (moectl record), or per-layer x "
+                                                           "per-expert loads (.npy or .json)."),
+    synthetic: bool = typer.Option(False, "--synthetic", help="Plan for synthetic skewed (Zipf) loads."),
+    layers: int = typer.Option(61, "--layers"),
+    experts: int = typer.Option(384, "--experts"),
+    skew: float = typer.Option(1.0, "--skew", help="Zipf exponent of the synthetic loads."),
+    devices: int | None = typer.Option(None, "--devices", "-d",
+                                          help="Number of devices (default: the trace's, else 8)."),
+    devices_per_node: int = typer.Option(8, "--devices-per-node"),
+    redundant: int = typer.Option(1, "--redundant", help="Redundant expert slots per device."),
+    expert_bytes: str | None = typer.Option(None, "--expert-bytes",
+                                               help="Bytes of one expert, for bytes_moved (default: the trace's "
+                                                    "model, else a DeepSeek-V3 FP8 expert, 42 MiB)."),
+    seed: int = typer.Option(0, "--seed"),
+    as_json: bool = JSON_OPT,
+):
+    """Compute an EPLB-style expert placement offline: replicate hot experts, pack them in balance
+    (by node when there are nodes), and report balancedness before/after and bytes moved. From a
+    trace, the loads are its recorded routing and "before" is the placement it was recorded with
+    (exact: routing does not depend on placement)."""
+    from moectl.engine.experts.rebalancer import DEFAULT_EXPERT_BYTES, load_loads_file, run_plan_rebalance, synthetic_loads
+    from moectl.engine.core.topology import parse_size
+
+    if synthetic == (loads_file is not None):
+        raise BadInput("give a TRACE or loads FILE, or --synthetic (one of them)")
+    current, size = None, DEFAULT_EXPERT_BYTES
+    if synthetic:
+        loads = synthetic_loads(layers, experts, seed=seed, skew=skew)
+    elif loads_file.suffix in (".npy", ".json"):
+        loads = load_loads_file(loads_file)
+    else:
+        from moectl.profiler.trace_queries import trace_routing
+
+        with open_trace(loads_file) as reader:
+            loads, current, trace_devices, trace_bytes = trace_routing(reader)
+        size = trace_bytes or size
+        if devices is None or devices == trace_devices:
+            devices = trace_devices
+        else:
+            current = None  # another device count: no recorded placement to compare against
+    result = run_plan_rebalance(loads, devices or 8, redundant, devices_per_node=devices_per_node,
+                                expert_bytes=size if expert_bytes is None else parse_size(expert_bytes, "--expert-bytes"),
+                                current=current)
+    if as_json:
+        typer.echo(json.dumps(result, default=str))
+        return
+    typer.echo(f"balancedness {result['balancedness_before']:.4f} -> {result['balancedness_after']:.4f}, "
+               f"{result['bytes_moved']:,} bytes moved, planned in {result['seconds'] * 1e3:.1f} ms")

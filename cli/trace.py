@@ -1,0 +1,190 @@
+"""`moectl trace info | export | diff | report`: recorded traces from the command line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+
+from moectl.cli.common import JSON_OPT, BadInput, handles_errors, open_trace
+
+trace_app = typer.Typer(no_args_is_help=True, help="Inspect, export and compare recorded traces.")
+
+
+@trace_app.command("info")
+@handles_errors
+def trace_info(trace: Path = typer.Argument(..., help="A trace file."), as_json: bool = JSON_OPT):
+    """Format version, model, devices, steps, duration and completeness of a trace."""
+    with open_trace(trace) as reader:
+        header = reader.header
+        model = header.get("model", {})
+        devices = header.get("devices") or {}
+        info = {"trace": str(trace), "format_version": header.get("format_version"),
+                "record_format": header.get("record_format"), "steps": reader.num_steps,
+                "first_step": reader.first_step, "last_step": reader.last_step,
+                "duration_s": reader.duration_s, "actions": reader.num_actions, "dropped": reader.dropped,
+                "complete": reader.complete, "model": model.get("name"), "architecture": model.get("architecture"),
+                "devices": (devices.get("topology") or {}).get("num_devices"), "backend": devices.get("backend"),
+                "bytes": Path(trace).stat().st_size, "software": header.get("software", {})}
+    if as_json:
+        typer.echo(json.dumps(info, default=str))
+        return
+    typer.echo(f"{trace}: moectl trace format {info['format_version']}, {info['steps']} steps "
+               f"({info['first_step']}-{info['last_step']}) over {info['duration_s']:.2f} s, {info['actions']} actions, "
+               f"{info['bytes']:,} bytes")
+    typer.echo(f"model {info['model']} ({info['architecture']}), {info['devices'] or 1} device(s) "
+               f"[{info['backend'] or 'single'}]; {'complete' if info['complete'] else 'not closed (partial)'}, "
+               f"{info['dropped']} records dropped while recording")
+
+
+@trace_app.command("export")
+@handles_errors
+def trace_export(
+    trace: Path = typer.Argument(..., help="A trace file."),
+    fmt: str = typer.Option("chrome", "--format", help="chrome: Chrome Trace Event JSON (Perfetto, chrome://tracing)."),
+    out: Path = typer.Option(..., "--output", "-o", help="Output file."),
+    start: int | None = typer.Option(None, "--from-step", help="First step to export."),
+    stop: int | None = typer.Option(None, "--to-step", help="Export up to (not including) this step."),
+    as_json: bool = JSON_OPT,
+):
+    """Export a range of a trace: a process per device, a thread per lane, memory counters, and
+    modeled spans marked in their args."""
+    from moectl.profiler.chrome_export import write_chrome_trace
+
+    if fmt != "chrome":
+        raise BadInput(f"--format: only 'chrome' is supported, got {fmt!r}")
+    with open_trace(trace) as reader:
+        records = list(reader.steps(start, stop))
+        if not records:
+            raise BadInput(f"{trace}: no steps in the range {start}..{stop}")
+        t_lo, t_hi = records[0]["t_start"], records[-1]["t_end"]
+        actions = list(reader.actions(t_lo, t_hi))
+        write_chrome_trace(records, out, header=reader.header, actions=actions)
+    result = {"output": str(out), "steps": len(records), "actions": len(actions), "bytes": Path(out).stat().st_size}
+    typer.echo(json.dumps(result) if as_json else f"{out}: {len(records)} steps, {len(actions)} actions, "
+                                                  f"{result['bytes']:,} bytes")
+
+
+@trace_app.command("diff")
+@handles_errors
+def trace_diff(a: Path = typer.Argument(..., help="Baseline trace."), b: Path = typer.Argument(..., help="Other trace."),
+               as_json: bool = JSON_OPT):
+    """Compare two traces: throughput, latency percentiles, balancedness, step-time breakdown."""
+    from moectl.profiler.trace_queries import trace_summary
+
+    with open_trace(a) as ra, open_trace(b) as rb:
+        sa, sb = trace_summary(ra), trace_summary(rb)
+    if as_json:
+        typer.echo(json.dumps({"a": sa, "b": sb}, default=float))
+        return
+    rows = [("steps", sa["steps"], sb["steps"]), ("tokens/s", sa["tokens_per_s"], sb["tokens_per_s"]),
+            ("balancedness", sa["balancedness"], sb["balancedness"])]
+    for key in ("ttft_s", "tpot_s"):
+        for q in ("p50", "p99"):
+            rows.append((f"{key[:-2]} {q} (s)", (sa["latency"].get(key) or {}).get(q),
+                         (sb["latency"].get(key) or {}).get(q)))
+    for name, value in sa["breakdown"]["measured_mean_s"].items():
+        rows.append((f"step {name} (s, measured)", value, sb["breakdown"]["measured_mean_s"].get(name)))
+    rows.append(("step comm (s, modeled)", sa["breakdown"].get("communication_modeled_mean_s"),
+                 sb["breakdown"].get("communication_modeled_mean_s")))
+    typer.echo(f"{'':<28}{str(a):>18}{str(b):>18}{'ratio':>9}")
+    for name, va, vb in rows:
+        ratio = f"{vb / va:.3f}" if isinstance(va, (int, float)) and isinstance(vb, (int, float)) and va else "-"
+        fa = "-" if va is None else (f"{va:.4g}" if isinstance(va, float) else str(va))
+        fb = "-" if vb is None else (f"{vb:.4g}" if isinstance(vb, float) else str(vb))
+        typer.echo(f"{name:<28}{fa:>18}{fb:>18}{ratio:>9}")
+
+
+@trace_app.command("report")
+@handles_errors
+def trace_report(
+    trace: Path = typer.Argument(..., help="A trace file."),
+    start: int | None = typer.Option(None, "--from-step", help="First step of the range."),
+    stop: int | None = typer.Option(None, "--to-step", help="End of the range (exclusive)."),
+    placement_file: Path | None = typer.Option(None, "--placement",
+                                                  help="Counterfactual: a placement JSON (Placement.to_dict, as "
+                                                       "in a rebalance action) to replay the recorded routing on."),
+    as_json: bool = JSON_OPT,
+):
+    """Analyses of a trace range: balancedness, utilisation, stragglers, hottest experts, step-time
+    breakdown (measured; modeled communication apart), latency percentiles, memory growth and
+    alerts with a suggested action; with --placement, what the same routing does under it."""
+    from moectl.engine.core.topology import Topology
+    from moectl.engine.experts.placement import Placement
+    from moectl.profiler import analysis
+    from moectl.profiler.trace_queries import cache_summary, placement_in_force
+
+    with open_trace(trace) as reader:
+        records = list(reader.steps(start, stop))
+        if not records:
+            raise BadInput(f"{trace}: no steps in the range {start}..{stop}")
+        placement, changes = placement_in_force(reader, records[0]["step"])
+        devices = reader.header.get("devices") or {}
+    changes = [s for s in changes if s < records[-1]["step"]]
+    topology = Topology.from_mapping(devices["topology"]) if devices.get("topology") else None
+    stragglers = analysis.stragglers(records, placement)
+    counts: dict[int, int] = {}
+    for s in stragglers:
+        counts[s["device"]] = counts.get(s["device"], 0) + 1
+    report = {
+        "steps": [records[0]["step"], records[-1]["step"]], "placement_changes_in_range": changes,
+        "balancedness": analysis.balancedness(records, placement),
+        "utilisation": analysis.utilisation(records),
+        "straggler_steps_per_device": counts,
+        "hottest_experts": analysis.hottest_experts(records, top=5),
+        "breakdown": analysis.step_breakdown(records),
+        "latency": analysis.latency_percentiles(records),
+        "memory_growth": analysis.memory_growth(records),
+        "caches": cache_summary(records),
+        "alerts": analysis.alerts(records, placement, topology, devices.get("expert_bytes"),
+                                  devices.get("redundant_slots") or None),
+    }
+    if placement_file is not None:
+        try:
+            other = Placement.from_dict(json.loads(Path(placement_file).read_text()))
+        except (OSError, json.JSONDecodeError) as exc:
+            raise BadInput(f"--placement: cannot read {placement_file} ({exc})") from None
+        report["counterfactual"] = analysis.counterfactual(records, other)
+    if as_json:
+        typer.echo(json.dumps(report, default=float))
+        return
+    _print_report(report)
+
+
+def _print_report(r: dict) -> None:
+    say = typer.echo
+    lo, hi = r["steps"]
+    bal = r["balancedness"]
+    say(f"steps {lo}-{hi}" + (f" (placement changed at steps {r['placement_changes_in_range']}: figures use the "
+                              f"one in force at step {lo})" if r["placement_changes_in_range"] else ""))
+    if bal.get("overall") is not None:
+        per_layer = ", ".join(f"{b:.2f}" for b in bal["per_layer"] or [])
+        say(f"balancedness {bal['overall']:.3f}" + (f" (per layer: {per_layer})" if per_layer else ""))
+    util = r["utilisation"]["per_device"]
+    if util:
+        say("utilisation (measured expert busy / step wall): " + ", ".join(f"d{d} {u:.0%}" for d, u in enumerate(util)))
+        say("straggler steps per device: " + ", ".join(f"d{d} {n}" for d, n in sorted(r["straggler_steps_per_device"].items())))
+    say("hottest experts: " + ", ".join(f"L{e['layer']}/E{e['expert']} {e['share']:.0%}" for e in r["hottest_experts"]))
+    b = r["breakdown"]
+    say("step time, mean (measured): " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in b["measured_mean_s"].items())
+        + f"; communication (modeled) {b['communication_modeled_mean_s'] * 1e3:.4f} ms")
+    lat = r["latency"]
+    for key in ("ttft_s", "tpot_s"):
+        p = lat.get(key) or {}
+        if p.get("p50") is not None:
+            say(f"{key[:-2].upper()} p50/p90/p99: " + "/".join(f"{p[q] * 1e3:.1f}" for q in ("p50", "p90", "p99")) + " ms")
+    say(f"throughput {lat.get('throughput_tok_s') or 0:.1f} tok/s")
+    c = r["caches"]
+    say(f"KV preemptions {c['preemptions']}, prefix cache {c['prefix_hit_tokens']:,} of "
+        f"{c['prefix_query_tokens']:,} prompt tokens"
+        + (f", expert cache {c['expert_cache_hit_rate']:.1%} hits ({c['expert_prefetches']:,} prefetches)"
+           if c["expert_cache_hit_rate"] is not None else ""))
+    mem = r["memory_growth"]
+    if mem.get("samples"):
+        say(f"process memory slope {mem['slope_bytes_per_s'] / 2**20:+.2f} MiB/s over {mem['samples']} samples"
+            + (" (leak suspected)" if mem["leak_suspected"] else ""))
+    for a in r["alerts"]:
+        say(f"[{a['severity']}] {a['message']} -> {a['action']}")
+    if "counterfactual" in r:
+        say(f"counterfactual placement: balancedness {r['counterfactual']['overall']:.3f} on the same routing")

@@ -1,0 +1,38 @@
+"""The engine's one inbox: work handed over by other threads, run on the engine thread.
+
+Requests, aborts, knob changes, placements, captures and a driver's own calls all arrive here
+as callables. They are validated by whoever submits them (so a bad one is refused at once, on
+the caller's thread) and run in order at the start of the next step, so the step loop owns all
+engine state. Each returns its result, or its exception, through a Future.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future
+from typing import Any, Callable
+
+
+class CommandQueue:
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._items: list[tuple[str, Callable[[], Any], Future]] = []
+        self.ready = threading.Event()  # set while commands wait: an idle driver wakes on it
+
+    def submit(self, fn: Callable[[], Any], kind: str = "call") -> Future:
+        """`kind` names the command in the "<kind>_failed" action recorded if it raises."""
+        future: Future = Future()
+        with self._lock:
+            self._items.append((kind, fn, future))
+            self.ready.set()
+        return future
+
+    def take(self) -> list[tuple[str, Callable[[], Any], Future]]:
+        with self._lock:
+            items, self._items = self._items, []
+            self.ready.clear()
+        return items
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._items)

@@ -1,0 +1,142 @@
+"""Engine configuration and the live knobs, each validated in one place.
+
+`SchedulerKnobs` and `AutoRebalancePolicy` are what an operator may change while requests run
+(from the TUI, the CLI or the server); `EngineConfig` is fixed for the engine's lifetime.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields, replace
+
+from moectl.engine.core.topology import Topology
+
+POLICIES = ("fcfs", "priority")  # scheduling order
+ROUTING_POLICIES = ("locality", "least_loaded", "round_robin")  # how a token picks among an expert's replicas
+
+
+class KnobError(ValueError):
+    """An engine setting out of range; the message names the knob."""
+
+
+def _int_in(name: str, value, lo: int, hi: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise KnobError(f"{name}: must be an integer in [{lo}, {hi}], got {value!r}")
+
+
+def _check_torch_devices(names) -> None:
+    import torch
+
+    for name in names:
+        try:
+            dev = torch.device(name)
+        except (RuntimeError, TypeError):
+            raise KnobError(f"expert_devices: {name!r} is not a torch device") from None
+        if dev.type == "cuda" and (not torch.cuda.is_available() or (dev.index or 0) >= torch.cuda.device_count()):
+            raise KnobError(f"expert_devices: {name} does not exist here "
+                            f"({torch.cuda.device_count() if torch.cuda.is_available() else 0} CUDA devices)")
+
+
+@dataclass(frozen=True)
+class SchedulerKnobs:
+    max_num_seqs: int = 64  # sequences in one batch
+    max_num_batched_tokens: int = 1024  # tokens in one step, prefill and decode together
+    long_prefill_token_threshold: int = 256  # cap on one prefill's tokens per step (the prefill chunk)
+    policy: str = "fcfs"  # fcfs | priority (lower value first)
+
+    def __post_init__(self):
+        _int_in("max_num_seqs", self.max_num_seqs, 1, 4096)
+        _int_in("max_num_batched_tokens", self.max_num_batched_tokens, 1, 1 << 20)
+        _int_in("long_prefill_token_threshold", self.long_prefill_token_threshold, 1, 1 << 20)
+        if self.policy not in POLICIES:
+            raise KnobError(f"policy: must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+
+    def updated(self, **changes) -> "SchedulerKnobs":
+        unknown = set(changes) - {f.name for f in fields(self)}
+        if unknown:
+            raise KnobError(f"{sorted(unknown)[0]}: not a batching knob "
+                            f"(knobs: {', '.join(f.name for f in fields(self))})")
+        return replace(self, **changes)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class AutoRebalancePolicy:
+    """manual: only the operator rebalances. auto: every `every_k_steps` steps (0 = never on a
+    schedule) and whenever balancedness drops below `threshold` (None = no threshold)."""
+    mode: str = "manual"
+    every_k_steps: int = 0
+    threshold: float | None = None
+
+    def __post_init__(self):
+        if self.mode not in ("manual", "auto"):
+            raise KnobError(f"mode: {self.mode!r} is not manual or auto")
+        _int_in("every_k_steps", self.every_k_steps, 0, 1 << 40)
+        if self.threshold is not None and (isinstance(self.threshold, bool)
+                                           or not isinstance(self.threshold, (int, float))
+                                           or not 0 < self.threshold <= 1):
+            raise KnobError(f"threshold: must be in (0, 1], got {self.threshold!r}")
+
+    def should_rebalance(self, step: int, current_balancedness: float) -> bool:
+        if self.mode == "manual":
+            return False
+        if self.every_k_steps and step > 0 and step % self.every_k_steps == 0:
+            return True
+        return self.threshold is not None and current_balancedness < self.threshold
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class EngineConfig:
+    model: str
+    dtype: str | None = None  # None: the checkpoint's own dtype
+    device: str = "cpu"
+    block_size: int = 16
+    kv_cache_memory: int = 256 << 20  # bytes for K and V of all layers
+    num_kv_blocks: int | None = None  # overrides kv_cache_memory when set
+    kv_cache_dtype: str = "auto"  # auto (model dtype) | int8
+    enable_prefix_caching: bool = True
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    seed: int = 0
+    knobs: SchedulerKnobs = field(default_factory=SchedulerKnobs)
+    # emulated devices (the local backend); None runs everything as one device with no accounting
+    topology: Topology | None = None
+    routing_policy: str = "locality"  # how a token picks among an expert's replicas
+    redundant_slots: int = 0  # extra expert slots per device, for replicas
+    auto_rebalance: AutoRebalancePolicy = field(default_factory=AutoRebalancePolicy)  # manual by default
+    expert_cache_slots: int | None = None  # tiered expert memory: per-device cache size in experts
+    expert_prefetch: str = "router"  # tiered mode: router (next layer's router on the hidden state) | coact | none
+    # multi-GPU in one process: the torch device of each device's experts (e.g. cuda:0..cuda:N-1)
+    expert_devices: tuple[str, ...] | None = None
+    profile_spans: bool = True  # always-on spans (profiler/spans.py) in every step record
+    num_threads: int | None = None  # torch intra-op threads for this process; None: leave torch's setting
+
+    def __post_init__(self):
+        _int_in("block_size", self.block_size, 1, 1024)
+        _int_in("kv_cache_memory", self.kv_cache_memory, 1, 1 << 50)
+        if self.num_kv_blocks is not None:
+            _int_in("num_kv_blocks", self.num_kv_blocks, 1, 1 << 30)
+        if self.kv_cache_dtype not in ("auto", "int8"):
+            raise KnobError(f"kv_cache_dtype: must be auto or int8, got {self.kv_cache_dtype!r}")
+        if self.max_model_len is not None:
+            _int_in("max_model_len", self.max_model_len, 2, 1 << 24)
+        _int_in("seed", self.seed, 0, 2**63 - 1)
+        if self.num_threads is not None:
+            _int_in("num_threads", self.num_threads, 1, 4096)
+        if self.routing_policy not in ROUTING_POLICIES:
+            raise KnobError(f"routing_policy: must be one of {', '.join(ROUTING_POLICIES)}, got {self.routing_policy!r}")
+        _int_in("redundant_slots", self.redundant_slots, 0, 1024)
+        if self.expert_cache_slots is not None:
+            _int_in("expert_cache_slots", self.expert_cache_slots, 1, 1 << 20)
+        if self.expert_prefetch not in ("router", "coact", "none"):
+            raise KnobError(f"expert_prefetch: must be router, coact or none, got {self.expert_prefetch!r}")
+        if self.expert_devices is not None:
+            self.expert_devices = tuple(self.expert_devices)
+            if self.topology is None or len(self.expert_devices) != self.topology.num_devices:
+                raise KnobError("expert_devices: needs a topology with one device per entry")
+            _check_torch_devices(self.expert_devices)
+        if isinstance(self.knobs, dict):
+            self.knobs = SchedulerKnobs(**self.knobs)

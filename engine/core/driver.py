@@ -1,0 +1,165 @@
+"""The engine on its own thread, and the operator actions every front end sends it.
+
+EngineDriver steps an engine on a background thread while it has work and sleeps on the
+engine's command queue otherwise, so the console, the server and the recorder never step it
+themselves and never wait on it. There is one queue: the engine's own (core/commands.py);
+`call(fn)` puts work on it like add_request or update_knobs do.
+
+`act(kind, **args)` is where every operator action is validated, for the console, the CLI and
+the server alike: a bad one raises ActionRefused (a ValueError) with a one-line reason at once;
+a good one returns a Future that completes on the engine thread.
+
+A step that raises does not kill the thread: every request in flight fails (finish_reason
+"error"), `error` says why, and the engine only runs commands until `restart()` builds a fresh
+one from the same factory.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from concurrent.futures import Future
+from typing import Callable
+
+from moectl.engine.core.config import AutoRebalancePolicy
+
+RECORD_BUFFER = 4096  # records kept for a consumer that falls behind (the oldest are dropped)
+IDLE_WAIT_S = 0.005  # an idle engine looks for new work this often (a command wakes it at once)
+EXPERT_ACTIONS = ("rebalance_preview", "rebalance_apply", "auto_rebalance", "edit")
+
+
+class ActionRefused(ValueError):
+    """An action that cannot be carried out here, or bad arguments for it; the message says why."""
+
+
+def done(result) -> Future:
+    future: Future = Future()
+    future.set_result(result)
+    return future
+
+
+class EngineDriver:
+    def __init__(self, make_engine: Callable, *, feed: Callable | None = None, buffer_records: bool = True,
+                 start: bool = True, name: str = "moectl-engine"):
+        """make_engine(): a fresh engine (also used by restart). feed(engine): called on the engine
+        thread before every step, to add requests that are due (a workload). buffer_records: keep
+        step and action records for poll(). start=False: call start() once listeners are attached."""
+        self._make_engine = make_engine
+        self.feed = feed
+        self._buffer = buffer_records
+        self._records: deque = deque(maxlen=RECORD_BUFFER)
+        self._actions: deque = deque(maxlen=RECORD_BUFFER)
+        self._stop = threading.Event()
+        self._error: str | None = None
+        self.engine = make_engine()
+        self._attach(self.engine)
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        if start:
+            self.start()
+
+    def start(self) -> "EngineDriver":
+        self._thread.start()
+        return self
+
+    def _attach(self, engine) -> None:
+        if self._buffer:
+            engine.add_listener(on_step=lambda stats: self._records.append(stats.as_record()),
+                                on_action=self._actions.append)
+
+    @property
+    def error(self) -> str | None:
+        """Why the engine stopped serving (None while it serves)."""
+        return self._error
+
+    # -- the engine thread
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            engine = self.engine
+            if self._error is not None:  # only commands (a restart) until someone restarts it
+                engine.run_commands()
+                engine.commands.ready.wait(0.05)
+                continue
+            try:
+                if self.feed is not None:
+                    self.feed(engine)
+                if engine.has_unfinished():
+                    engine.step()
+                else:
+                    engine.commands.ready.wait(IDLE_WAIT_S)
+            except Exception as exc:  # noqa: BLE001 - reported through `error`; restart() recovers
+                self._error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                try:
+                    engine.fail_all("error")
+                except Exception:  # noqa: BLE001
+                    pass
+
+    # -- any thread
+    def call(self, fn: Callable, kind: str = "call") -> Future:
+        """fn() on the engine thread between steps."""
+        return self.engine.submit(fn, kind)
+
+    def poll(self) -> tuple[list[dict], list[dict]]:
+        """The step and action records that arrived since the last call."""
+        records = [self._records.popleft() for _ in range(len(self._records))]
+        actions = [self._actions.popleft() for _ in range(len(self._actions))]
+        return records, actions
+
+    def restart(self) -> Future:
+        """A fresh engine from the same factory (after a failure); same listeners' buffers."""
+        def swap() -> dict:
+            engine = self._make_engine()
+            self._attach(engine)
+            self.engine = engine
+            self._error = None
+            return {"restarted": True}
+        return self.call(swap, "restart")
+
+    def act(self, kind: str, **args) -> Future:
+        """An operator action. Validated now (ActionRefused); carried out between steps."""
+        engine = self.engine
+        try:
+            if kind == "knobs":
+                engine.update_knobs(**args)
+                return done({"knobs": args})
+            if kind == "capture":
+                return engine.capture(_int_arg(args, "steps", 1))
+            if kind == "restart":
+                return self.restart()
+            if kind not in EXPERT_ACTIONS:
+                raise ActionRefused(f"{kind}: not an action of this engine")
+            experts = engine.experts
+            if experts is None:
+                raise ActionRefused(f"{kind}: this engine runs without devices (start with --devices N)")
+            if kind == "rebalance_preview":
+                return self.call(experts.preview, "rebalance_preview")
+            if kind == "rebalance_apply":
+                plan = args.get("plan")
+                if plan is None:
+                    raise ActionRefused("rebalance_apply: preview a plan first")
+                experts.apply(plan.placement, kind="rebalance_apply")
+                return done({"placement": plan.placement})
+            if kind == "auto_rebalance":
+                policy = AutoRebalancePolicy(mode="auto" if args.get("enabled") else "manual",
+                                             every_k_steps=_int_arg(args, "every_k_steps", 0),
+                                             threshold=args.get("threshold"))
+                return experts.set_auto(policy)
+            args = dict(args)
+            return done({"placement": experts.edit(args.pop("edit", None), **args)})
+        except ActionRefused:
+            raise
+        except (ValueError, KeyError) as exc:  # KnobError, PlacementError, ...: one line, named field
+            prefix = "auto rebalance: " if kind == "auto_rebalance" else ""
+            raise ActionRefused(prefix + (str(exc).splitlines()[0] if str(exc) else kind)) from None
+
+    def close(self) -> None:
+        self._stop.set()
+        self.engine.commands.ready.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+
+
+def _int_arg(args: dict, name: str, default: int) -> int:
+    value = args.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ActionRefused(f"{name}: must be an integer, got {value!r}")
+    return value

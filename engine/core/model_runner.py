@@ -1,0 +1,111 @@
+"""Turns a scheduled batch into tensors, runs the model over the paged KV cache, returns logits."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from moectl.engine.core.paged_attention import DecodeGroup, PagedContext, PrefillSlice
+from moectl.engine.core.kv_cache import KVCache
+from moectl.engine.models.decoder import MoEForCausalLM
+from moectl.engine.core.sequence import Sequence
+
+
+class RoutingProbe:
+    """Per-step token counts per (layer, expert): what the routing heat map shows."""
+
+    def __init__(self, num_layers: int, num_experts: int):
+        self.counts = torch.zeros(num_layers, num_experts, dtype=torch.int64)
+
+    def reset(self) -> None:
+        self.counts.zero_()
+
+    def on_routing(self, layer: int, counts: torch.Tensor, ids: torch.Tensor) -> None:
+        self.counts[layer] += counts.to(self.counts.device)
+
+    def on_hidden(self, index: int, x: torch.Tensor) -> None:
+        pass
+
+
+class ModelRunner:
+    def __init__(self, model: MoEForCausalLM, cache: KVCache, device: torch.device):
+        self.model = model
+        self.experts = None  # the engine's expert layer, told which device each token's attention ran on
+        self.cache = cache
+        self.device = device
+        self.block_size = cache.block_size
+        self.probe = RoutingProbe(model.cfg.num_layers, model.cfg.num_experts)
+
+    def _slots(self, seq: Sequence, start: int, end: int) -> np.ndarray:
+        pos = np.arange(start, end)
+        table = np.asarray(seq.block_table, dtype=np.int64)
+        return table[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def _decode_groups(self, decodes: list[tuple[Sequence, int]], max_waste: float = 0.25,
+                       max_groups: int = 8) -> list[DecodeGroup]:
+        """Split decodes (sorted by block count) into groups whose padded width wastes at most
+        about max_waste of the blocks gathered."""
+        lens = [len(s.block_table) for s, _ in decodes]
+        bounds, start = [], 0
+        for i in range(1, len(lens) + 1):
+            if i == len(lens) or (lens[i] > lens[start] * (1 + max_waste) and len(bounds) < max_groups - 1):
+                bounds.append((start, i))
+                start = i
+        groups = []
+        bs = self.block_size
+        for a, b in bounds:
+            width = lens[b - 1]
+            table = np.zeros((b - a, width), dtype=np.int64)
+            ctx_lens = np.empty(b - a, dtype=np.int64)
+            for row, (seq, _) in enumerate(decodes[a:b]):
+                table[row, :len(seq.block_table)] = seq.block_table
+                ctx_lens[row] = seq.num_computed + 1
+            mask = None
+            if (ctx_lens != width * bs).any():
+                mask = torch.from_numpy(np.arange(width * bs)[None, :] < ctx_lens[:, None])[:, None, None, :]
+                mask = mask.to(self.device)
+            groups.append(DecodeGroup(a, b, torch.from_numpy(table.reshape(-1)).to(self.device), width, mask))
+        return groups
+
+    @torch.inference_mode()
+    def run(self, items: list[tuple[Sequence, int]], all_logits: bool = False, probe=None) -> torch.Tensor:
+        """Runs one step. Returns fp32 logits for every sequence that completes its pending tokens
+        (in `items` order), or for every token when all_logits is set."""
+        # decodes sorted by context length, so similar lengths share a padded attention batch
+        decodes = sorted(((s, n) for s, n in items if n == 1), key=lambda item: len(item[0].block_table))
+        prefills = [(s, n) for s, n in items if n > 1]
+        ordered = decodes + prefills
+        ids: list[int] = []
+        positions: list[np.ndarray] = []
+        slots: list[np.ndarray] = []
+        for seq, n in ordered:
+            start = seq.num_computed
+            ids.extend(seq.token_ids[start:start + n])
+            positions.append(np.arange(start, start + n))
+            slots.append(self._slots(seq, start, start + n))
+        dev = self.device
+        ctx = PagedContext(cache=self.cache, slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev))
+        if decodes:
+            ctx.num_decodes = len(decodes)
+            ctx.decode_context_lens = torch.tensor([s.num_computed + 1 for s, _ in decodes], device=dev)
+            ctx.decode_groups = self._decode_groups(decodes)
+        offset = len(decodes)
+        for seq, n in prefills:
+            ctx.prefills.append(PrefillSlice(offset, offset + n, seq.num_computed,
+                                             torch.tensor(seq.block_table, dtype=torch.int64, device=dev)))
+            offset += n
+        if self.experts is not None:
+            homes = np.repeat([s.home_device for s, _ in ordered], [n for _, n in ordered])
+            self.experts.begin_step(torch.from_numpy(homes).to(dev))
+        hidden = self.model(torch.tensor(ids, device=dev), torch.from_numpy(np.concatenate(positions)).to(dev),
+                            ctx, probe or self.probe)
+        if all_logits:
+            return self.model.logits(hidden)
+        # map back to `items` order, keeping only sequences that will sample
+        last_index, cursor = {}, 0
+        for seq, n in ordered:
+            cursor += n
+            if seq.num_computed + n == seq.num_tokens:
+                last_index[id(seq)] = cursor - 1
+        rows = [last_index[id(s)] for s, _ in items if id(s) in last_index]
+        return self.model.logits(hidden[rows]) if rows else hidden.new_zeros((0, self.model.cfg.vocab_size))

@@ -1,0 +1,67 @@
+"""Attention over the paged KV cache: the context the engine hands the model for one step.
+
+The model's Attention calls `ctx.attend(layer, q, k, v, scale)`; this context writes the step's
+K/V into their cache slots and attends each row to its sequence's whole context: decodes in
+groups of similar length (one padded batch each), prefill chunks one by one (causal within the
+chunk, over everything cached before it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from moectl.engine.models.attention import sdpa
+
+
+@dataclass
+class PrefillSlice:
+    start: int  # token range of this sequence in the flat batch
+    end: int
+    cached_len: int  # tokens of this sequence already in the KV cache before this step
+    block_table: torch.Tensor  # [num_blocks] int64
+
+
+@dataclass
+class DecodeGroup:
+    """Decode rows [start, end) whose contexts have similar lengths, attended as one padded batch."""
+    start: int
+    end: int
+    blocks: torch.Tensor  # [rows * width] int64: each row's block table, padded to `width` blocks
+    width: int
+    mask: torch.Tensor | None  # [rows, 1, 1, width * block_size] bool, None when no row is padded
+
+
+@dataclass
+class PagedContext:
+    """One engine step: decodes first (one token each), then prefill chunks."""
+    cache: "object"  # a moectl.engine.core.kv_cache.KVCache
+    slot_mapping: torch.Tensor  # [N] cache slot of every token in the batch
+    num_decodes: int = 0
+    decode_context_lens: torch.Tensor | None = None  # [B], including the new token
+    decode_groups: list[DecodeGroup] = field(default_factory=list)  # length-bucketed decodes
+    prefills: list[PrefillSlice] = field(default_factory=list)
+
+    def attend(self, layer, q, k, v, scale):
+        self.cache.write(layer, self.slot_mapping, k, v)
+        out = torch.empty_like(q)
+        for g in self.decode_groups:
+            keys, values = self.cache.gather_blocks(layer, g.blocks, g.end - g.start, g.width, q.dtype)
+            out[g.start:g.end] = sdpa(q[g.start:g.end, None], keys, values, scale, mask=g.mask)[:, 0]
+        bs = self.cache.block_size
+        for p in self.prefills:
+            # 4-D [1, L, H, D] inputs: the CPU flash kernel takes them; 3-D ones fall back to the math path
+            qs = q[None, p.start:p.end]
+            if p.cached_len == 0:
+                out[p.start:p.end] = sdpa(qs, k[None, p.start:p.end], v[None, p.start:p.end], scale, causal=True)[0]
+                continue
+            # this chunk's K/V are already written: read the whole context back from the cache
+            n = p.end - p.start
+            total = p.cached_len + n
+            nblocks = -(-total // bs)
+            ks, vs = self.cache.gather_blocks(layer, p.block_table[:nblocks], 1, nblocks, q.dtype)
+            rows = torch.arange(n, device=q.device)[:, None] + p.cached_len
+            mask = torch.arange(total, device=q.device)[None, :] <= rows
+            out[p.start:p.end] = sdpa(qs, ks[:, :total], vs[:, :total], scale, mask=mask[None, None])[0]
+        return out

@@ -1,0 +1,116 @@
+"""The one record stream: what the engine emits per step, and per operator action.
+
+The engine builds a StepStats per step (core/telemetry.py) and `as_record()` turns it into the
+step record below. Every consumer reads these plain dicts: the live console, the trace file
+(moectl.profiler.trace_store), replay, the server's telemetry stream, benchmarks and analyses
+(moectl.profiler.analysis). Leaves are JSON values or numpy arrays, so the codec can store arrays
+compactly and a websocket can send them as lists.
+
+Step record (format 1):
+
+  step            int, 1-based engine step number
+  t_start, t_end  float, engine clock seconds (time.monotonic, as are request event
+                  and action times); the trace header pairs the clock with wall time
+                  ("clock_origin": {"monotonic": x, "unix": y})
+  batch           {"prefill_tokens", "decode_tokens", "num_seqs": int,
+                   "request_ids": [str], "preempted": [str]}
+  routing         int32 [layers, experts]: tokens routed to each logical expert (dense layers: 0)
+  knobs           the batching knobs in force (SchedulerKnobs.as_dict())
+  cache           {"kv_blocks_used", "kv_blocks_total", "prefix_queries", "prefix_hits" (cumulative),
+                   "preemptions" (cumulative)}
+  process         {"rss_bytes", "sys_used_bytes", "sys_total_bytes", "sampled_at": float,
+                   "cuda": {"allocated", "reserved", "max_allocated"} or None}
+                  (psutil / torch.cuda, sampled at most every PROCESS_SAMPLE_S)
+  requests        [{"id": str, "event": "arrived"|"scheduled"|"first_token"|"preempted"|"finished",
+                    "t": float, ...}]; "finished" adds "reason", "prompt_tokens", "output_tokens",
+                    "ttft_s", "tpot_s" (None when undefined)
+  spans           {"lanes": [str], "names": [str], "lane": int16[n], "name": int16[n],
+                   "layer": int16[n] (-1: not a layer's), "start_s": float64[n] (from t_start),
+                   "dur_s": float64[n], "modeled": bool[n]}
+                  lanes: "engine" (attention, router, combine, sampler, ...), "device d" (that
+                  device's expert work, measured), "link d" (its all-to-all, modeled on the local
+                  backend: modeled[i] is True)
+  kernels         only in steps of a deep capture: torch.profiler events on the same clock,
+                  {"lanes": [str], "names": [str], "lane", "name", "start_s", "dur_s"} like spans
+  devices         None without devices, else the cluster's record:
+                  {"backend": "emulated"|"multi-gpu"|"distributed",
+                   "tokens": [int] (expert rows each device computed),
+                   "busy_s": [float] (measured), "util": [float] (busy_s / step wall time),
+                   "link_s": [float] (modeled), "link_s_modeled": bool,
+                   "traffic_bytes": int64 [D, D] (dispatch bytes src x dst; combine is the transpose),
+                   "memory": [{category: bytes}] per device, HBM tier (categories: *_weights,
+                             expert_weights | expert_cache, kv_blocks, activations, comm_buffers),
+                   "memory_capacity": {"hbm": int, "kv_blocks": [int]},
+                   "tiers": {"host": {"expert_weights": int}},
+                   "tiered_experts": "off"|"on"|"auto",
+                   "expert_cache": [{"hits", "misses", "prefetched", "prefetch_useful",
+                                     "bytes_copied", "miss_wait_s"}] (tiered only)}
+
+Action record: {"time": float (engine clock), "step": int (the last finished step),
+"kind": str, "args": dict, "result": dict}. Kinds: knobs, rebalance_preview, rebalance_apply,
+placement, move, swap, replicate, drop_replica, pin, unpin, auto_rebalance_plan, capture,
+record_start, record_stop, and "<kind>_failed" with {"error": str}.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+FORMAT_VERSION = 1
+PROCESS_SAMPLE_S = 0.25
+
+ENGINE_LANE = "engine"
+
+
+def device_lane(d: int) -> str:
+    return f"device {d}"
+
+
+def link_lane(d: int) -> str:
+    return f"link {d}"
+
+
+def lanes_for(num_devices: int) -> list[str]:
+    """Span lanes of an engine with `num_devices` devices (0: no devices, the engine lane only)."""
+    return [ENGINE_LANE] + [device_lane(d) for d in range(num_devices)] + [link_lane(d) for d in range(num_devices)]
+
+
+@dataclass
+class StepStats:
+    """One step as the engine saw it; `as_record()` is its step record."""
+    step: int
+    t_start: float
+    t_end: float
+    prefill_tokens: int
+    decode_tokens: int
+    num_seqs: int
+    request_ids: list[str]
+    preempted: list[str]
+    kv_blocks_used: int
+    routing: torch.Tensor  # [layers, experts] token counts this step
+    devices: dict | None = None  # the expert layer's record (see "devices" above)
+    spans: dict | None = None
+    kernels: dict | None = None  # deep capture only
+    requests: list = field(default_factory=list)
+    cache: dict = field(default_factory=dict)
+    process: dict = field(default_factory=dict)
+    knobs: dict = field(default_factory=dict)
+
+    def as_record(self) -> dict:
+        wall = max(self.t_end - self.t_start, 1e-12)
+        devices = self.devices
+        if devices is not None:
+            devices = {**devices, "util": [b / wall for b in devices["busy_s"]]}
+        record = {
+            "step": self.step, "t_start": self.t_start, "t_end": self.t_end,
+            "batch": {"prefill_tokens": self.prefill_tokens, "decode_tokens": self.decode_tokens,
+                      "num_seqs": self.num_seqs, "request_ids": self.request_ids, "preempted": self.preempted},
+            "routing": self.routing.numpy().astype(np.int32), "knobs": self.knobs, "cache": self.cache,
+            "process": self.process, "requests": self.requests, "spans": self.spans, "devices": devices,
+        }
+        if self.kernels is not None:
+            record["kernels"] = self.kernels
+        return record

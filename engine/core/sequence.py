@@ -1,0 +1,84 @@
+"""One request as the scheduler sees it: tokens, progress through the KV cache, and its times."""
+
+from __future__ import annotations
+
+import time
+from enum import Enum
+
+import torch
+
+from moectl.engine.core.sampling import SamplingParams
+
+
+class Status(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                 priority: int = 0, arrival: float | None = None, generator: torch.Generator | None = None):
+        self.request_id = request_id
+        self.token_ids = list(prompt_ids)  # prompt then output, one list
+        self.num_prompt_tokens = len(prompt_ids)
+        self.params = params
+        self.priority = priority
+        self.generator = generator
+        self.status = Status.WAITING
+        self.finish_reason: str | None = None
+        self.block_table: list[int] = []
+        self.block_hashes: list[int] = []  # hash chain of this sequence's full blocks
+        self.num_computed = 0  # tokens whose K/V are in the cache
+        self.num_cached_prompt = 0  # prompt tokens served from the prefix cache at admission
+        self.num_preemptions = 0
+        self.home_device = 0  # emulated device that owns this sequence's tokens
+        self.output_text: str | None = None  # set when finished (or cut at a stop string)
+        self.arrival = time.monotonic() if arrival is None else arrival
+        self.first_scheduled: float | None = None
+        self.token_times: list[float] = []
+        self.finished_at: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def remaining(self) -> int:
+        """Tokens still to run through the model before the next sample."""
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.remaining > 1
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def sort_key(self, policy: str):
+        return (self.priority, self.arrival) if policy == "priority" else (self.arrival,)
+
+    def metrics(self) -> dict:
+        """Per-request latencies in seconds (None until they exist)."""
+        first = self.token_times[0] if self.token_times else None
+        gaps = [b - a for a, b in zip(self.token_times, self.token_times[1:])]
+        return {
+            "queue_time": None if self.first_scheduled is None else self.first_scheduled - self.arrival,
+            "ttft": None if first is None else first - self.arrival,
+            "tpot": (sum(gaps) / len(gaps)) if gaps else None,
+            "itl": gaps,
+            "e2e": None if self.finished_at is None else self.finished_at - self.arrival,
+            "prompt_tokens": self.num_prompt_tokens,
+            "output_tokens": self.num_output_tokens,
+            "cached_prompt_tokens": self.num_cached_prompt,
+            "preemptions": self.num_preemptions,
+        }

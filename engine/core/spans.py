@@ -1,0 +1,94 @@
+"""Always-on spans: per step and per layer, where the time went.
+
+The hot path is one clock read to open a span and a list append to close it; turning the
+rows into the record's arrays happens once per step, after the forward pass. On CUDA a span is
+a pair of timing events recorded on the stream that runs the work and resolved at the end of
+the step (one synchronisation per step, none per span).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from moectl.engine.core.records import lanes_for
+
+_now = time.monotonic  # the engine clock: step and request times use it too
+
+
+class SpanRecorder:
+    """The tracer of moectl.engine.models.tracing, recording."""
+
+    enabled = True
+
+    def __init__(self, num_devices: int, cuda: bool = False):
+        self.lanes = lanes_for(num_devices)
+        self.lane_index = {name: i for i, name in enumerate(self.lanes)}
+        self.cuda = cuda
+        self._names: dict[str, int] = {}
+        self._rows: list[tuple] = []  # (lane, name id, layer, start, end, modeled)
+        self._events: list[tuple] = []  # CUDA: (lane, name id, layer, start event, end event)
+        self.t0 = 0.0
+        self._t0_event = None
+
+    def _name(self, name: str) -> int:
+        index = self._names.get(name)
+        if index is None:
+            index = self._names[name] = len(self._names)
+        return index
+
+    def begin_step(self, t0: float | None = None) -> None:
+        """t0: the step's start on the engine clock (span times are offsets from it)."""
+        self._rows.clear()
+        self._events.clear()
+        self.t0 = _now() if t0 is None else t0
+        if self.cuda:
+            self._t0_event = torch.cuda.Event(enable_timing=True)
+            self._t0_event.record()
+
+    def mark(self):
+        """Opens a span: a perf_counter time, or on CUDA an event recorded on the current stream."""
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return _now()
+
+    def close(self, mark, name: str, lane: int = 0, layer: int = -1) -> None:
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._events.append((lane, self._name(name), layer, mark, end))
+        else:
+            self._rows.append((lane, self._name(name), layer, mark, _now(), False))
+
+    def add_measured(self, name: str, lane: int, layer: int, start: float, end: float) -> None:
+        """A span timed by someone else on the perf_counter clock (e.g. a device's busy time)."""
+        self._rows.append((lane, self._name(name), layer, start, end, False))
+
+    def add_modeled(self, name: str, lane: int, layer: int, start: float, seconds: float) -> None:
+        """A span whose length is modeled (link time from bytes and bandwidth), flagged so."""
+        self._rows.append((lane, self._name(name), layer, start, start + seconds, True))
+
+    def collect(self) -> dict:
+        """The step's spans as the record's columns, times relative to begin_step."""
+        rows = list(self._rows)
+        if self._events:
+            self._events[-1][4].synchronize()
+            for lane, name, layer, start, end in self._events:
+                begin = self._t0_event.elapsed_time(start) / 1e3 + self.t0
+                rows.append((lane, name, layer, begin, begin + start.elapsed_time(end) / 1e3, False))
+        names = sorted(self._names, key=self._names.get)
+        if not rows:
+            empty = np.zeros(0)
+            return {"lanes": self.lanes, "names": names, "lane": empty.astype(np.int16),
+                    "name": empty.astype(np.int16), "layer": empty.astype(np.int16), "start_s": empty,
+                    "dur_s": empty, "modeled": empty.astype(bool)}
+        lane, name, layer, start, end, modeled = zip(*rows)
+        start = np.asarray(start) - self.t0
+        return {"lanes": self.lanes, "names": names, "lane": np.asarray(lane, dtype=np.int16),
+                "name": np.asarray(name, dtype=np.int16), "layer": np.asarray(layer, dtype=np.int16),
+                "start_s": start, "dur_s": np.asarray(end) - self.t0 - start,
+                "modeled": np.asarray(modeled, dtype=bool)}

@@ -1,0 +1,182 @@
+"""What the engine tells the rest of the world each step: spans, request events, cache and
+process memory, deep captures, and the listeners that receive step and action records.
+
+The step loop runs its model, sampler and postprocess inside `telemetry.step(...)`: spans (and
+a deep capture) open at its start; at its end the step's record is built from the engine's
+state and published. Everything per token or per layer goes through the SpanRecorder. Listeners
+run on the engine thread and must be cheap (a trace writer's put_nowait, a console's "newest
+record" slot): they never block the step loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import contextmanager
+from typing import Callable
+
+import numpy as np
+import psutil
+import torch
+
+from moectl.engine.core.records import PROCESS_SAMPLE_S, StepStats
+from moectl.engine.core.spans import SpanRecorder
+from moectl.engine.models.tracing import NULL_TRACER
+
+log = logging.getLogger(__name__)
+
+MAX_KERNEL_EVENTS = 20000  # per captured step; a deep capture of a huge step keeps the first ones
+
+
+class DeepCapture:
+    """torch.profiler over the next N steps, one profiler session per step, its events put on the
+    engine clock so they line up with the spans (kineto gives wall-clock start + microseconds)."""
+
+    def __init__(self, steps: int):
+        self.remaining = steps
+        self._prof = None
+
+    def begin(self) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        self._prof = profile(activities=activities)
+        self._prof.__enter__()
+
+    def abandon(self) -> None:
+        prof, self._prof = self._prof, None
+        if prof is not None:
+            prof.__exit__(None, None, None)
+
+    def end(self) -> dict:
+        prof, self._prof = self._prof, None
+        prof.__exit__(None, None, None)
+        self.remaining -= 1
+        wall_minus_clock = time.time() - time.monotonic()
+        base = prof.profiler.kineto_results.trace_start_ns() / 1e9 - wall_minus_clock
+        lanes: dict[str, int] = {}
+        names: dict[str, int] = {}
+        rows = []
+        for event in list(prof.events())[:MAX_KERNEL_EVENTS]:
+            on_gpu = str(event.device_type).endswith("CUDA")
+            lane = f"cuda kernels (device {event.device_index})" if on_gpu else f"cpu ops (thread {event.thread})"
+            lane_id = lanes.setdefault(lane, len(lanes))
+            name_id = names.setdefault(event.name, len(names))
+            rows.append((lane_id, name_id, base + event.time_range.start / 1e6,
+                         (event.time_range.end - event.time_range.start) / 1e6))
+        lane, name, start, dur = zip(*rows) if rows else ((), (), (), ())
+        return {"lanes": list(lanes), "names": list(names), "lane": np.asarray(lane, dtype=np.int16),
+                "name": np.asarray(name, dtype=np.int32), "start_abs": np.asarray(start, dtype=np.float64),
+                "dur_s": np.asarray(dur, dtype=np.float64)}
+
+
+class Telemetry:
+    def __init__(self, num_devices: int, cuda: bool, spans: bool = True):
+        self.tracer = SpanRecorder(num_devices, cuda) if spans else NULL_TRACER
+        self.request_events: list[dict] = []
+        self.step_listeners: list[Callable] = []
+        self.action_listeners: list[Callable] = []
+        self.capture: DeepCapture | None = None
+        self.listener_errors = 0
+        self._process = psutil.Process()
+        self._process_sample: dict | None = None
+        self._cuda = cuda
+
+    # -- request events (engine thread)
+    def request(self, request_id: str, event: str, t: float | None = None, **extra) -> None:
+        self.request_events.append({"id": request_id, "event": event,
+                                    "t": time.monotonic() if t is None else t, **extra})
+
+    def take_request_events(self) -> list[dict]:
+        events, self.request_events = self.request_events, []
+        return events
+
+    # -- per step
+    @contextmanager
+    def step(self, engine, batch, t_start: float):
+        """Around one step's model run, sampling and postprocess: spans and any deep capture
+        run inside; after it the step record (StepStats) joins engine.step_log and goes to the
+        listeners."""
+        # each sequence's context this step, read before postprocess can finish (and reset) it
+        contexts = [seq.num_computed + n for seq, n in batch.items]
+        # a decode runs a generated token; a 1-token prompt remainder (after a prefix hit) is prefill
+        decodes = sum(1 for s, n in batch.items if n == 1 and s.num_computed >= s.num_prompt_tokens)
+        if self.tracer.enabled:
+            self.tracer.begin_step(t_start)
+        if self.capture is not None:
+            self.capture.begin()
+        engine.runner.probe.reset()
+        try:
+            yield
+        except BaseException:
+            if self.capture is not None:  # a failed step ends its profiler session too
+                self.capture.abandon()
+            raise
+        spans, kernels = self._end_step(t_start)
+        stats = self._step_stats(engine, batch, t_start, decodes, contexts, spans, kernels)
+        engine.step_log.append(stats)
+        self.publish_step(stats)
+
+    def _end_step(self, t_start: float) -> tuple[dict | None, dict | None]:
+        """(spans, kernels) of the step; kernels only while a deep capture runs."""
+        kernels = None
+        if self.capture is not None:
+            kernels = self.capture.end()
+            kernels["start_s"] = kernels.pop("start_abs") - t_start
+            if self.capture.remaining <= 0:
+                self.capture = None
+        return (self.tracer.collect() if self.tracer.enabled else None), kernels
+
+    def _step_stats(self, engine, batch, t_start, decodes, contexts, spans, kernels) -> StepStats:
+        for seq in batch.preempted:
+            self.request(seq.request_id, "preempted")
+        for seq, _ in batch.items:
+            if seq.first_scheduled is not None and seq.first_scheduled >= t_start and seq.num_preemptions == 0:
+                self.request(seq.request_id, "scheduled", seq.first_scheduled)
+        devices = None
+        if engine.experts is not None:
+            devices = engine.experts.step_record(batch.items, contexts, engine.blocks.used_per_pool())
+        b = engine.blocks
+        return StepStats(
+            step=engine.step_count, t_start=t_start, t_end=time.monotonic(),
+            prefill_tokens=batch.num_tokens - decodes, decode_tokens=decodes, num_seqs=len(batch.items),
+            request_ids=[s.request_id for s, _ in batch.items], preempted=[s.request_id for s in batch.preempted],
+            kv_blocks_used=b.num_used, routing=engine.runner.probe.counts.clone(), devices=devices,
+            spans=spans, kernels=kernels, requests=self.take_request_events(),
+            cache={"kv_blocks_used": b.num_used, "kv_blocks_total": b.num_blocks, "prefix_queries": b.prefix_queries,
+                   "prefix_hits": b.prefix_hits, "preemptions": engine.scheduler.num_preemptions},
+            process=self.process_memory(), knobs=engine.scheduler.knobs.as_dict())
+
+    def process_memory(self) -> dict:
+        """RSS, system memory and CUDA allocator figures, sampled at most every PROCESS_SAMPLE_S."""
+        now = time.monotonic()
+        sample = self._process_sample
+        if sample is None or now - sample["sampled_at"] >= PROCESS_SAMPLE_S:
+            system = psutil.virtual_memory()
+            cuda = None
+            if self._cuda:
+                cuda = {"allocated": torch.cuda.memory_allocated(), "reserved": torch.cuda.memory_reserved(),
+                        "max_allocated": torch.cuda.max_memory_allocated()}
+            sample = self._process_sample = {
+                "rss_bytes": self._process.memory_info().rss, "sys_used_bytes": system.total - system.available,
+                "sys_total_bytes": system.total, "sampled_at": now, "cuda": cuda}
+        return sample
+
+    # -- listeners
+    def publish_step(self, stats) -> None:
+        for listener in list(self.step_listeners):
+            self._call(listener, stats)
+
+    def publish_action(self, action: dict) -> None:
+        for listener in list(self.action_listeners):
+            self._call(listener, action)
+
+    def _call(self, listener, item) -> None:
+        """A listener's failure (a recorder closing under it, a bug) is counted and logged once;
+        it never fails the engine's step."""
+        try:
+            listener(item)
+        except Exception as exc:  # noqa: BLE001
+            self.listener_errors += 1
+            if self.listener_errors == 1:
+                log.warning("a record listener failed: %s", exc)

@@ -1,0 +1,240 @@
+"""The local backend: N devices emulated on this process's one torch device.
+
+Compute is real and runs on the one torch device; each MoE layer's experts live in real slot
+tensors that belong to emulated devices (see placed_experts.py). What one machine measures is
+reported as measured (each device's expert compute time, tokens, bytes); what it cannot (time on
+a link between devices) is modeled from bytes and the topology's bandwidths and flagged so.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from moectl.engine.experts.memory_ledger import MemoryLedger
+from moectl.engine.models.decoder import MoEForCausalLM
+from moectl.engine.models.moe import MoEBlock
+from moectl.engine.experts.placed_experts import PlacedExperts, StepDeviceStats
+from moectl.engine.experts.placement import Placement, PlacementError, RoutingState
+from moectl.engine.core.config import AutoRebalancePolicy
+from moectl.engine.experts.rebalancer import LoadWindow, RebalancePlan, plan_rebalance
+from moectl.engine.core.topology import Topology, format_size
+
+
+class LocalCluster:
+    def __init__(self, model: MoEForCausalLM, topology: Topology, placement: Placement | None = None,
+                 policy: str = "locality", redundant_slots: int = 0, auto: AutoRebalancePolicy | None = None,
+                 window_steps: int = 64, expert_cache_slots: int | None = None, ledger: MemoryLedger | None = None,
+                 knobs=None, torch_devices: list[str] | None = None):
+        """expert_cache_slots: tiered expert memory. Experts stay in the host tier and each device
+        keeps a cache of this many expert slots (shared by its layers) in HBM, filled by real
+        copies on a miss. None: tiered only if the ledger finds that a device's HBM cannot hold
+        its placed experts next to everything else, with the largest cache that fits.
+        ledger (with the engine's knobs): the per-device memory accounting that enforces HBM.
+        torch_devices: multi-GPU in one process: device d's experts (slots or cache) live on
+        torch_devices[d], e.g. cuda:d, and the dispatch/combine copies to it are real."""
+        cfg = model.cfg
+        self.model = model
+        if torch_devices is not None and len(torch_devices) != topology.num_devices:
+            raise PlacementError(f"devices: {len(torch_devices)} torch devices for {topology.num_devices} devices")
+        self.torch_devices = None if torch_devices is None else [torch.device(d) for d in torch_devices]
+        self.ledger = ledger
+        self.knobs = knobs
+        self.auto = auto or AutoRebalancePolicy()
+        self.window = LoadWindow(cfg.num_layers, cfg.num_experts, size=window_steps)
+        self.topology = topology
+        self.policy = policy
+        self.stats = StepDeviceStats(topology.num_devices, next(model.parameters()).device)
+        self.stats.link_seconds = self.link_seconds
+        self.routing_state = RoutingState(topology.devices_per_node)
+        placement = placement or Placement.contiguous(cfg.num_layers, cfg.num_experts, topology.num_devices,
+                                                      redundant_slots)
+        self.layers: list[PlacedExperts] = []
+        self.num_layers = cfg.num_layers
+        self.num_experts = cfg.num_experts
+        moe_layers = [layer.mlp for layer in model.layers if isinstance(layer.mlp, MoEBlock)]
+        if not moe_layers:
+            raise PlacementError("devices: this model has no MoE layers to place")
+        logical = moe_layers[0].experts
+        self.expert_bytes = logical.w13[0].nbytes + logical.w2[0].nbytes
+        self.num_moe_layers = len(moe_layers)
+        self.host_expert_bytes = self.expert_bytes * cfg.num_experts * self.num_moe_layers
+        self.tiered_auto = False
+        if expert_cache_slots is None and ledger is not None:
+            expert_cache_slots = self._cache_slots_if_experts_overflow(placement)
+        self.cache_slots = expert_cache_slots
+        self.check(placement)
+        for mlp in moe_layers:
+            placed = PlacedExperts(mlp.layer_idx, mlp.experts, placement, self.stats, policy, self.routing_state,
+                                   tiered=expert_cache_slots is not None, torch_devices=self.torch_devices)
+            mlp.experts = placed
+            self.layers.append(placed)
+        self.placement = placement
+        self.bytes_moved_total = 0
+        self.caches = self._make_caches(placement) if expert_cache_slots is not None else None
+        if ledger is not None:
+            ledger.expert_category = "expert_weights" if self.caches is None else "expert_cache"
+            ledger.expert_bytes = (self.expert_slot_bytes(placement.slots_per_device) if self.caches is None
+                                   else self.caches[0].w13_cache.nbytes + self.caches[0].w2_cache.nbytes)
+
+    def _cache_slots_if_experts_overflow(self, placement: Placement) -> int | None:
+        budget = self.ledger.expert_budget(self.knobs)
+        if self.expert_slot_bytes(placement.slots_per_device) <= budget:
+            return None
+        self.tiered_auto = True
+        return max(1, budget // self.expert_bytes)  # the cache's own check refuses one too small
+
+    def _make_caches(self, placement: Placement) -> list:
+        from moectl.engine.experts.expert_cache import ExpertCache
+
+        engine_device = next(self.model.parameters()).device
+        devices = self.torch_devices or [engine_device] * self.num_devices
+        try:  # pinned host memory only when copies really go host -> GPU
+            caches = [ExpertCache.for_device(self.model, placement, d, self.cache_slots, devices[d],
+                                             pin_host=devices[d].type == "cuda" and engine_device.type == "cpu")
+                      for d in range(self.num_devices)]
+        except ValueError as exc:
+            if not self.tiered_auto:
+                raise
+            raise PlacementError(f"hbm: the experts placed on each device need "
+                                 f"{format_size(self.expert_slot_bytes(placement.slots_per_device))} and the "
+                                 f"{self.cache_slots}-slot cache that fits instead is too small ({exc})") from None
+        for layer in self.layers:
+            layer.caches = caches
+        return caches
+
+    @property
+    def num_devices(self) -> int:
+        return self.topology.num_devices
+
+    def check(self, placement: Placement) -> None:
+        """Refuse (PlacementError, one line) a placement this cluster cannot hold."""
+        if placement.num_devices != self.num_devices:
+            raise PlacementError(f"placement: has {placement.num_devices} devices, the cluster {self.num_devices}")
+        if placement.num_experts != self.num_experts:
+            raise PlacementError(f"placement: has {placement.num_experts} experts, the model {self.num_experts}")
+        if placement.num_layers != self.num_layers:
+            raise PlacementError(f"placement: has {placement.num_layers} layers, the model {self.num_layers}")
+        if self.layers and placement.slots_per_device != self.layers[0].slots_per_device:
+            raise PlacementError(f"placement: {placement.slots_per_device} slots per device, the cluster has "
+                                 f"{self.layers[0].slots_per_device}")
+        if self.cache_slots is not None:
+            per_device, what = self.cache_slots * self.expert_bytes, "expert cache"
+        else:
+            per_device, what = self.expert_slot_bytes(placement.slots_per_device), "experts placed"
+        if self.ledger is not None:
+            self.ledger.check(self.knobs, per_device, what="with the " + what + ", ")
+        elif per_device > self.topology.hbm_bytes:
+            raise PlacementError(f"hbm: the {what} on each device need {format_size(per_device)}, "
+                                 f"more than its {format_size(self.topology.hbm_bytes)} of HBM")
+        if self.cache_slots is not None:  # after the HBM check: "does not fit" says more than "too small"
+            self._check_working_set(placement)
+
+    def _check_working_set(self, placement: Placement) -> None:
+        """Tiered: a device's cache must hold one layer's working set under the new placement
+        (all of a layer's experts on the device may be active at once)."""
+        from moectl.engine.experts.expert_cache import max_working_set
+
+        layers = [layer.layer_idx for layer in self.layers] or range(placement.num_layers)
+        widest = max(len(set(placement.experts_on(layer, d))) for layer in layers for d in range(self.num_devices))
+        need = max_working_set(widest, self.model.cfg.top_k, None)
+        if need > self.cache_slots:
+            if self.tiered_auto:
+                raise PlacementError(f"hbm: the experts placed on each device need "
+                                     f"{format_size(self.expert_slot_bytes(placement.slots_per_device))} and the "
+                                     f"{self.cache_slots}-slot cache that fits instead cannot hold one layer's "
+                                     f"working set ({need} experts)")
+            raise PlacementError(f"expert cache of {self.cache_slots} slots cannot hold one layer's working set: "
+                                 f"a device would hold {widest} experts of one layer")
+
+    def check_knobs(self, knobs) -> None:
+        """Refuse knobs whose largest step would not fit next to what the devices hold."""
+        if self.ledger is not None:
+            self.ledger.check(knobs, what=f"at max_num_batched_tokens {knobs.max_num_batched_tokens}, ")
+
+    def expert_slot_bytes(self, slots_per_device: int) -> int:
+        return slots_per_device * self.expert_bytes * self.num_moe_layers
+
+    def apply(self, placement: Placement) -> int:
+        """Copy experts into their new slots (between steps). Returns bytes copied."""
+        self.check(placement)
+        if self.caches is not None:  # each device now serves other experts: build before changing anything
+            self.caches = self._make_caches(placement)
+        moved = sum(layer.load(placement) for layer in self.layers)
+        self.placement = placement
+        self.bytes_moved_total += moved
+        return moved
+
+    @property
+    def redundant_slots(self) -> int:
+        return self.placement.slots_per_device - -(-self.placement.num_experts // self.num_devices)
+
+    def balancedness(self) -> float:
+        """Of the placement in force, over the load window (1.0 before any load)."""
+        loads = self.window.loads()
+        return float(self.placement.balancedness(loads)[1]) if loads.any() else 1.0
+
+    def preview(self) -> RebalancePlan:
+        """A plan for the windowed loads that keeps this cluster's slot count; nothing changes."""
+        if not len(self.window):
+            raise PlacementError("rebalance: no routing observed yet")
+        return plan_rebalance(self.window.loads(), self.topology, self.redundant_slots, current=self.placement,
+                              expert_bytes=self.expert_bytes)
+
+    def observe(self, step: int, routing: torch.Tensor) -> RebalancePlan | None:
+        """Adds a step's routing to the window; returns a plan when auto mode says to rebalance."""
+        self.window.add(routing.numpy())
+        if self.auto.should_rebalance(step, self.balancedness()):
+            plan = self.preview()
+            # an unreachable threshold must not re-plan and re-copy every step for nothing
+            return plan if plan.bytes_moved > 0 else None
+        return None
+
+    def link_seconds(self, traffic: np.ndarray) -> np.ndarray:
+        """Modeled seconds each device's links are busy for one all-to-all of `traffic` bytes
+        (src x dst): every off-diagonal transfer over its link's bandwidth (within or between
+        nodes), counted on both ends; links are full-duplex."""
+        out = np.zeros(self.num_devices)
+        for src, dst in zip(*np.nonzero(traffic)):
+            if src != dst:
+                seconds = traffic[src, dst] / (self.topology.link_gbps(src, dst) * 1e9)
+                out[src] += seconds
+                out[dst] += seconds
+        return out
+
+    # -- per step
+    def begin_step(self, token_device: torch.Tensor) -> None:
+        self.stats.reset()
+        self.stats.token_device = token_device
+
+    def end_step(self) -> dict:
+        s = self.stats
+        s.resolve()
+        link_s = 2 * self.link_seconds(s.traffic)  # dispatch, then combine (the same bytes back)
+        record = {
+            "backend": "multi-gpu" if self.torch_devices is not None else "emulated",
+            "tokens": s.tokens.tolist(),
+            "busy_s": s.busy_s.tolist(),  # measured
+            "traffic_bytes": s.traffic.copy(),  # exact bytes of the dispatch all-to-all (combine: transpose)
+            "link_s": link_s.tolist(),  # modeled from bytes and bandwidth
+            "link_s_modeled": True,
+        }
+        if self.caches is not None:
+            stats = [c.stats() for c in self.caches]
+            for c in self.caches:
+                c.reset_stats()
+            record["expert_cache"] = [{"hits": st["hits"], "misses": st["misses"], "prefetched": st["prefetch_issued"],
+                                       "prefetch_useful": st["prefetch_useful"], "bytes_copied": st["bytes_copied"],
+                                       "miss_wait_s": st["miss_wait_seconds"]} for st in stats]  # measured
+        return record
+
+    def memory(self, work: list[dict], kv_blocks_used: list[int]) -> dict:
+        """The ledger's HBM bytes per device by category for this step, each device's capacity,
+        and the host tier (the logical experts: the source of every slot or cache fill)."""
+        ledger = self.ledger
+        return {"memory": ledger.step(work, kv_blocks_used),
+                "memory_modeled": ["activations", "comm_buffers"],  # from shapes, not an allocator
+                "memory_capacity": {"hbm": self.topology.hbm_bytes,
+                                    "kv_blocks": [ledger.kv_capacity(d) for d in range(self.num_devices)]},
+                "tiers": {"host": {"expert_weights": self.host_expert_bytes}},
+                "tiered_experts": "auto" if self.tiered_auto else ("on" if self.caches is not None else "off")}

@@ -1,0 +1,597 @@
+"""Expert placement: which logical expert sits in which physical slot of which device.
+
+A model too large for one device spreads each MoE layer's experts over D devices, each with the
+same number S of expert slots. Per layer the placement is an int array [D, S] of logical expert
+ids (-1 = empty slot). Hot experts may sit in several slots (replicas); a token picks one replica
+by a routing policy. A Placement is immutable: operator edits return a new one, so a plan can be
+compared with, or rolled back to, the placement it came from.
+
+The planning model (device_loads, balancedness) splits each expert's load evenly across its
+replicas; the runtime (assign_replicas) decides per token and reports real per-device loads.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, NamedTuple
+
+import numpy as np
+import torch
+
+from moectl.engine.core.config import ROUTING_POLICIES as POLICIES
+
+
+class PlacementError(ValueError):
+    """A placement edit or query refused; the one-line message names the bad value."""
+
+
+class Move(NamedTuple):
+    """Copy expert `expert` of `layer` from device `src_device` into slot `dst_slot` of `dst_device`."""
+    layer: int
+    expert: int
+    src_device: int
+    dst_device: int
+    dst_slot: int
+
+
+def _index(value, name: str, upper: int, context: str = "") -> int:
+    """An int in [0, upper) or a PlacementError naming it (bools and floats are refused too)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise PlacementError(f"{name} {value!r} is not an integer{context}")
+    if not 0 <= value < upper:
+        raise PlacementError(f"{name} {value} out of range [0, {upper}){context}")
+    return int(value)
+
+
+def _count(value, name: str, minimum: int) -> int:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise PlacementError(f"{name}: must be an integer >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def as_loads(loads, name: str = "loads") -> np.ndarray:
+    """[L, E] non-negative finite loads (numpy, torch or nested lists) -> float64 array."""
+    if isinstance(loads, torch.Tensor):
+        loads = loads.detach().cpu().numpy()
+    try:
+        arr = np.asarray(loads, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise PlacementError(f"{name}: not a numeric array") from None
+    if arr.ndim != 2:
+        raise PlacementError(f"{name}: expected shape [layers, experts], got {list(arr.shape)}")
+    if not np.isfinite(arr).all() or (arr < 0).any():
+        raise PlacementError(f"{name}: must be finite and non-negative")
+    return arr
+
+
+def balancedness(device_loads) -> tuple[np.ndarray, float]:
+    """mean device load / max device load, per layer [L] and for the whole step.
+
+    Overall = sum_l mean_l / sum_l max_l. The layers of a step run one after another and each
+    waits for its busiest device, so sum_l max_l is the step's MoE time and sum_l mean_l the time
+    a perfect balance would take: overall is the fraction of that time spent on useful work (it is
+    the per-layer balancedness averaged with weights max_l). Summing loads over layers first would
+    let one layer's hot device hide another's and overstate the balance. An idle layer counts 1.
+    """
+    dl = np.asarray(device_loads.cpu().numpy() if isinstance(device_loads, torch.Tensor) else device_loads,
+                    dtype=np.float64)
+    if dl.ndim == 1:
+        dl = dl[None]
+    if dl.ndim != 2 or dl.shape[1] == 0:
+        raise PlacementError(f"device_loads: expected shape [layers, devices], got {list(dl.shape)}")
+    mean, peak = dl.mean(1), dl.max(1)
+    per_layer = np.divide(mean, peak, out=np.ones_like(mean), where=peak > 0)
+    total_peak = peak.sum()
+    overall = float(mean.sum() / total_peak) if total_peak > 0 else 1.0
+    return per_layer, overall
+
+
+class Placement:
+    """Per layer an int64 array [num_devices, slots_per_device] of expert ids (-1 = empty), plus
+    the pinned (layer, expert) pairs that the rebalancer must leave where they are."""
+
+    def __init__(self, slots, num_experts: int, pinned: Iterable[tuple[int, int]] = ()):
+        num_experts = _count(num_experts, "experts", 1)
+        arr = np.array(slots, dtype=np.int64)  # a private copy: callers can't mutate us
+        if arr.ndim != 3 or 0 in arr.shape:
+            raise PlacementError(f"slots: expected shape [layers, devices, slots_per_device], got {list(arr.shape)}")
+        if (arr < -1).any() or (arr >= num_experts).any():
+            bad = arr[(arr < -1) | (arr >= num_experts)][0]
+            raise PlacementError(f"expert {bad} out of range [0, {num_experts}) in slots")
+        L = arr.shape[0]
+        counts = _replica_counts(arr, num_experts)
+        if (counts == 0).any():
+            layer, expert = np.argwhere(counts == 0)[0]
+            capacity = arr.shape[1] * arr.shape[2]
+            why = f" ({num_experts} experts, {capacity} slots)" if num_experts > capacity else ""
+            raise PlacementError(f"expert {expert} of layer {layer} has no replica{why}")
+        arr.setflags(write=False)
+        counts.setflags(write=False)
+        self._slots = arr
+        self._counts = counts
+        self.num_experts = num_experts
+        self.pinned = frozenset((_index(l, "layer", L), _index(e, "expert", num_experts)) for l, e in pinned)
+        self._cache: dict = {}
+
+    # ---- construction and serialisation ---------------------------------------------------
+
+    @classmethod
+    def contiguous(cls, num_layers: int, num_experts: int, num_devices: int,
+                   redundant_slots_per_device: int = 0) -> "Placement":
+        """The naive default: experts 0..E/D-1 on device 0 and so on; redundant slots empty."""
+        L = _count(num_layers, "layers", 1)
+        E = _count(num_experts, "experts", 1)
+        D = _count(num_devices, "devices", 1)
+        R = _count(redundant_slots_per_device, "redundant slots per device", 0)
+        base = -(-E // D)
+        layer = np.full(D * base, -1, dtype=np.int64)
+        layer[:E] = np.arange(E)
+        layer = layer.reshape(D, base)
+        layer = np.concatenate([layer, np.full((D, R), -1, dtype=np.int64)], axis=1)
+        return cls(np.broadcast_to(layer, (L, D, base + R)), E)
+
+    def to_dict(self) -> dict:
+        """JSON-serialisable (trace headers); from_dict(to_dict()) round-trips."""
+        return {"num_experts": self.num_experts, "num_devices": self.num_devices,
+                "slots_per_device": self.slots_per_device, "layers": self._slots.tolist(),
+                "pinned": sorted([l, e] for l, e in self.pinned)}
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> "Placement":
+        if not isinstance(raw, dict):
+            raise PlacementError("placement: expected an object")
+        for key in ("num_experts", "layers"):
+            if key not in raw:
+                raise PlacementError(f"placement: missing key {key!r}")
+        try:
+            slots = np.array(raw["layers"], dtype=np.int64)
+        except (TypeError, ValueError):
+            raise PlacementError("placement: 'layers' must be a [layers][devices][slots] array of ints") from None
+        pinned = raw.get("pinned", [])
+        if not isinstance(pinned, list) or any(not isinstance(p, (list, tuple)) or len(p) != 2 for p in pinned):
+            raise PlacementError("placement: 'pinned' must be a list of [layer, expert] pairs")
+        out = cls(slots, raw["num_experts"], [tuple(p) for p in pinned])
+        for key in ("num_devices", "slots_per_device"):
+            if key in raw and raw[key] != getattr(out, key):
+                raise PlacementError(f"placement: {key} {raw[key]!r} does not match 'layers' ({getattr(out, key)})")
+        return out
+
+    # ---- queries -----------------------------------------------------------------------------
+
+    @property
+    def slots(self) -> np.ndarray:
+        """Read-only [L, D, S] expert ids."""
+        return self._slots
+
+    @property
+    def num_layers(self) -> int:
+        return self._slots.shape[0]
+
+    @property
+    def num_devices(self) -> int:
+        return self._slots.shape[1]
+
+    @property
+    def slots_per_device(self) -> int:
+        return self._slots.shape[2]
+
+    @property
+    def slot_count(self) -> int:
+        """Physical slots per layer (devices x slots per device)."""
+        return self.num_devices * self.slots_per_device
+
+    def replica_counts(self) -> np.ndarray:
+        """Read-only [L, E] number of replicas of each expert."""
+        return self._counts
+
+    def replicas(self, layer: int, expert: int) -> list[tuple[int, int]]:
+        """(device, slot) of every replica of the expert, in device order."""
+        layer, expert = self._check(layer, expert)
+        return [(int(d), int(s)) for d, s in np.argwhere(self._slots[layer] == expert)]
+
+    def experts_on(self, layer: int, device: int) -> list[int]:
+        layer = _index(layer, "layer", self.num_layers)
+        device = _index(device, "device", self.num_devices)
+        row = self._slots[layer, device]
+        return row[row >= 0].tolist()
+
+    def free_slots(self, layer: int, device: int) -> int:
+        layer = _index(layer, "layer", self.num_layers)
+        device = _index(device, "device", self.num_devices)
+        return int((self._slots[layer, device] < 0).sum())
+
+    def is_pinned(self, layer: int, expert: int) -> bool:
+        return (layer, expert) in self.pinned
+
+    def held(self) -> np.ndarray:
+        """Read-only [L, D, E] bool: does the device hold a replica of the expert."""
+        if "held" not in self._cache:
+            L, D, _ = self._slots.shape
+            held = np.zeros((L, D, self.num_experts + 1), dtype=bool)
+            l, d = np.indices(self._slots.shape[:2])
+            held[l[..., None], d[..., None], self._slots + 1] = True  # column 0 catches the empties
+            held = held[:, :, 1:]
+            held.setflags(write=False)
+            self._cache["held"] = held
+        return self._cache["held"]
+
+    def _held_by_expert(self) -> np.ndarray:
+        """held() as [L, E, D], so one expert's devices are a contiguous row."""
+        if "held_t" not in self._cache:
+            self._cache["held_t"] = np.ascontiguousarray(self.held().transpose(0, 2, 1))
+        return self._cache["held_t"]
+
+    def device_expert_bytes(self, expert_bytes: int) -> np.ndarray:
+        """[D] bytes of expert weights each device holds over all layers (occupied slots only)."""
+        return (self._slots >= 0).sum(axis=(0, 2)).astype(np.int64) * int(expert_bytes)
+
+    def check_hbm(self, expert_bytes: int, budget_bytes: int | None) -> None:
+        """Refuse a placement whose experts overflow a device's HBM budget for experts."""
+        if budget_bytes is None:
+            return
+        used = self.device_expert_bytes(expert_bytes)
+        worst = int(used.argmax())
+        if used[worst] > budget_bytes:
+            raise PlacementError(f"device {worst}: experts need {int(used[worst])} bytes, over the "
+                                 f"HBM budget of {int(budget_bytes)} bytes")
+
+    def __eq__(self, other) -> bool:
+        return (isinstance(other, Placement) and self.num_experts == other.num_experts
+                and self.pinned == other.pinned and self._slots.shape == other._slots.shape
+                and bool((self._slots == other._slots).all()))
+
+    def __hash__(self):
+        return hash((self.num_experts, self._slots.shape, self._slots.tobytes(), self.pinned))
+
+    def __repr__(self) -> str:
+        return (f"Placement(layers={self.num_layers}, experts={self.num_experts}, devices={self.num_devices}, "
+                f"slots_per_device={self.slots_per_device}, pinned={len(self.pinned)})")
+
+    # ---- operator edits (each returns a new Placement) ----------------------------------------
+
+    def _check(self, layer, expert) -> tuple[int, int]:
+        layer = _index(layer, "layer", self.num_layers)
+        return layer, _index(expert, "expert", self.num_experts, f" (layer {layer})")
+
+    def _where(self, layer: int, expert: int, device) -> tuple[int, int]:
+        """(device, slot) of the expert's replica on the device, or refuse."""
+        device = _index(device, "device", self.num_devices, f" (layer {layer})")
+        hits = np.flatnonzero(self._slots[layer, device] == expert)
+        if hits.size == 0:
+            raise PlacementError(f"expert {expert} of layer {layer} is not on device {device}")
+        return device, int(hits[0])
+
+    def _free_slot(self, layer: int, device: int) -> int:
+        free = np.flatnonzero(self._slots[layer, device] < 0)
+        if free.size == 0:
+            raise PlacementError(f"device {device} has no free slot in layer {layer} "
+                                 f"(all {self.slots_per_device} hold experts; drop a replica or swap)")
+        return int(free[0])
+
+    def _not_pinned(self, layer: int, expert: int) -> None:
+        if (layer, expert) in self.pinned:
+            raise PlacementError(f"expert {expert} of layer {layer} is pinned; unpin it first")
+
+    def _with(self, slots: np.ndarray, pinned=None) -> "Placement":
+        return Placement(slots, self.num_experts, self.pinned if pinned is None else pinned)
+
+    def move(self, layer: int, expert: int, src_device: int, dst_device: int) -> "Placement":
+        """Move one replica to a free slot of another device."""
+        layer, expert = self._check(layer, expert)
+        self._not_pinned(layer, expert)
+        src, src_slot = self._where(layer, expert, src_device)
+        dst = _index(dst_device, "device", self.num_devices, f" (layer {layer})")
+        if (self._slots[layer, dst] == expert).any():
+            raise PlacementError(f"expert {expert} of layer {layer} is already on device {dst}")
+        dst_slot = self._free_slot(layer, dst)
+        slots = self._slots.copy()
+        slots[layer, src, src_slot] = -1
+        slots[layer, dst, dst_slot] = expert
+        return self._with(slots)
+
+    def swap(self, layer: int, expert_a: int, device_a: int, expert_b: int, device_b: int) -> "Placement":
+        """Exchange two experts between devices (the way to move when no slot is free)."""
+        layer, expert_a = self._check(layer, expert_a)
+        _, expert_b = self._check(layer, expert_b)
+        self._not_pinned(layer, expert_a)
+        self._not_pinned(layer, expert_b)
+        da, sa = self._where(layer, expert_a, device_a)
+        db, sb = self._where(layer, expert_b, device_b)
+        if da == db:
+            raise PlacementError(f"experts {expert_a} and {expert_b} of layer {layer} are both on device {da}")
+        for expert, dst in ((expert_a, db), (expert_b, da)):
+            if (self._slots[layer, dst] == expert).any():
+                raise PlacementError(f"expert {expert} of layer {layer} is already on device {dst}")
+        slots = self._slots.copy()
+        slots[layer, da, sa], slots[layer, db, sb] = expert_b, expert_a
+        return self._with(slots)
+
+    def replicate(self, layer: int, expert: int, device: int, expert_bytes: int = 0,
+                  hbm_budget_bytes: int | None = None) -> "Placement":
+        """Add a replica in a free slot of `device` (checked against the HBM budget if given)."""
+        layer, expert = self._check(layer, expert)
+        self._not_pinned(layer, expert)
+        device = _index(device, "device", self.num_devices, f" (layer {layer})")
+        if (self._slots[layer, device] == expert).any():
+            raise PlacementError(f"expert {expert} of layer {layer} is already on device {device}")
+        slots = self._slots.copy()
+        slots[layer, device, self._free_slot(layer, device)] = expert
+        out = self._with(slots)
+        out.check_hbm(expert_bytes, hbm_budget_bytes)
+        return out
+
+    def drop_replica(self, layer: int, expert: int, device: int) -> "Placement":
+        layer, expert = self._check(layer, expert)
+        self._not_pinned(layer, expert)
+        device, slot = self._where(layer, expert, device)
+        if self._counts[layer, expert] == 1:
+            raise PlacementError(f"expert {expert} of layer {layer}: device {device} holds its last replica")
+        slots = self._slots.copy()
+        slots[layer, device, slot] = -1
+        return self._with(slots)
+
+    def pin(self, layer: int, expert: int) -> "Placement":
+        return self._with(self._slots, self.pinned | {self._check(layer, expert)})
+
+    def unpin(self, layer: int, expert: int) -> "Placement":
+        return self._with(self._slots, self.pinned - {self._check(layer, expert)})
+
+    # ---- analysis -------------------------------------------------------------------------
+
+    def device_loads(self, loads) -> np.ndarray:
+        """[L, E] expert loads -> [L, D] device loads, each expert's load split evenly over its replicas."""
+        arr = as_loads(loads)
+        if arr.shape != (self.num_layers, self.num_experts):
+            raise PlacementError(f"loads: shape {list(arr.shape)} does not match the placement "
+                                 f"[{self.num_layers}, {self.num_experts}]")
+        per_replica = arr / self._counts
+        # a zero column appended at index E turns empty slots (-1) into zero load
+        per_replica = np.concatenate([per_replica, np.zeros((self.num_layers, 1))], axis=1)
+        l = np.arange(self.num_layers)[:, None, None]
+        return per_replica[l, self._slots].sum(axis=2)
+
+    def balancedness(self, loads) -> tuple[np.ndarray, float]:
+        return balancedness(self.device_loads(loads))
+
+    def moves_to(self, other: "Placement", expert_bytes: int = 0,
+                 devices_per_node: int | None = None) -> tuple[list[Move], int]:
+        """What it takes to go from this placement to `other`: one Move per slot of `other` that
+        gets an expert its device did not hold before (each costs expert_bytes). An expert that
+        only changes slot on the same device is a local copy and costs nothing on the links. The
+        source is a current replica, on the destination's node when there is one."""
+        rows = self.move_array(other, devices_per_node)
+        return [Move(*r) for r in rows.tolist()], len(rows) * int(expert_bytes)
+
+    def move_array(self, other: "Placement", devices_per_node: int | None = None) -> np.ndarray:
+        """moves_to's moves as an int64 array [M, 5] of Move fields (cheap for 10^4+ moves)."""
+        layer, device, slot, expert = self._arrivals(other)
+        held = self._held_by_expert()[layer, expert]  # [M, D] candidate sources
+        score = held.astype(np.int8)
+        if devices_per_node:
+            node = np.arange(self.num_devices) // devices_per_node
+            score = score + (held & (node[None, :] == node[device][:, None]))
+        src = score.argmax(1) if layer.size else layer
+        return np.stack([layer, expert, src, device, slot], axis=1)
+
+    def bytes_to(self, other: "Placement", expert_bytes: int) -> int:
+        """moves_to's byte count without building the move list."""
+        return int(self._arrivals(other)[0].size) * int(expert_bytes)
+
+    def _arrivals(self, other: "Placement"):
+        if not isinstance(other, Placement):
+            raise PlacementError("moves_to: expected a Placement")
+        if (other.num_layers, other.num_experts, other.num_devices) != \
+                (self.num_layers, self.num_experts, self.num_devices):
+            raise PlacementError("moves_to: placements differ in layers, experts or devices")
+        new = other.slots
+        l, d = np.indices(new.shape[:2])
+        arrives = (new >= 0) & ~self.held()[l[..., None], d[..., None], np.maximum(new, 0)]
+        layer, device, slot = np.nonzero(arrives)
+        return layer, device, slot, new[layer, device, slot]
+
+    # ---- runtime routing ------------------------------------------------------------------
+
+    def _replica_table(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """([E, Rmax] devices of each expert's replicas, -1 padded; [E] replica counts)."""
+        key = ("table", layer)
+        if key not in self._cache:
+            rows = self._slots[layer]
+            dev = np.broadcast_to(np.arange(self.num_devices)[:, None], rows.shape)
+            order = np.lexsort((dev.ravel(), rows.ravel()))  # by expert, then device
+            experts, devices = rows.ravel()[order], dev.ravel()[order]
+            keep = experts >= 0
+            experts, devices = experts[keep], devices[keep]
+            counts = self._counts[layer]
+            rank = np.arange(experts.size) - np.repeat(np.cumsum(counts) - counts, counts)
+            table = np.full((self.num_experts, int(counts.max())), -1, dtype=np.int64)
+            table[experts, rank] = devices
+            self._cache[key] = (torch.from_numpy(table), torch.from_numpy(counts.copy()))
+        return self._cache[key]
+
+    def assign_replicas(self, layer: int, expert_ids: torch.Tensor, token_device: torch.Tensor,
+                        policy: str = "locality", state: "RoutingState | None" = None) -> torch.Tensor:
+        """Pick a replica (device) for every (token, choice): [N, k] expert ids -> [N, k] devices.
+
+        locality: a replica on the token's device, else one on its node (needs
+          state.devices_per_node), else any; ties are spread to even out this step's device load.
+        least_loaded: spread each expert's tokens over its replicas so device loads even out.
+        round_robin: cycle through the replicas; the cycle continues across calls via `state`.
+        """
+        layer = _index(layer, "layer", self.num_layers)
+        if policy not in POLICIES:
+            raise PlacementError(f"policy {policy!r} unknown (choose from {', '.join(POLICIES)})")
+        ids = torch.as_tensor(expert_ids)
+        if ids.dim() != 2:
+            raise PlacementError(f"expert_ids: expected shape [tokens, k], got {list(ids.shape)}")
+        ids = ids.long()
+        tok = torch.as_tensor(token_device).long()
+        if tok.shape != ids.shape[:1]:
+            raise PlacementError(f"token_device: expected shape [{ids.shape[0]}], got {list(tok.shape)}")
+        if ids.numel() and (ids.min() < 0 or ids.max() >= self.num_experts):
+            bad = ids[(ids < 0) | (ids >= self.num_experts)][0].item()
+            raise PlacementError(f"expert {bad} out of range [0, {self.num_experts}) (layer {layer})")
+        if tok.numel() and (tok.min() < 0 or tok.max() >= self.num_devices):
+            bad = tok[(tok < 0) | (tok >= self.num_devices)][0].item()
+            raise PlacementError(f"device {bad} out of range [0, {self.num_devices}) in token_device")
+
+        table, counts = self._replica_table(layer)
+        flat = ids.reshape(-1)
+        cand, cnt = table[flat], counts[flat]  # [M, Rmax], [M]
+        if policy == "round_robin":
+            rank = _occurrence_rank(flat)
+            if state is not None:
+                rr = state.counters(layer, self.num_experts)
+                rank = rank + rr[flat]
+                rr += torch.bincount(flat, minlength=self.num_experts)
+            out = cand.gather(1, (rank % cnt).unsqueeze(1)).squeeze(1)
+            return out.view_as(ids)
+
+        out = cand[:, 0].clone()  # the only choice for single-replica experts
+        open_ = cnt > 1
+        if policy == "locality":
+            tok_dev = tok.repeat_interleave(ids.shape[1])
+            local = (cand == tok_dev[:, None])
+            has_local = local.any(1) & open_
+            out[has_local] = cand[has_local].gather(1, local[has_local].int().argmax(1, keepdim=True)).squeeze(1)
+            open_ &= ~has_local
+            dpn = state.devices_per_node if state is not None else None
+            group = flat * (self.num_devices + 1)  # group key: expert, and node when tier 2
+            allowed = cand >= 0
+            if dpn:
+                same = (cand >= 0) & (cand // dpn == (tok_dev // dpn)[:, None])
+                tier2 = open_ & same.any(1)
+                group = torch.where(tier2, group + 1 + tok_dev // dpn, group)
+                allowed = torch.where(tier2[:, None], same, allowed)
+                single = tier2 & (same.sum(1) == 1)  # one replica on the node: no choice to make
+                out[single] = cand[single].gather(1, same[single].int().argmax(1, keepdim=True)).squeeze(1)
+                open_ &= ~single
+        else:
+            group, allowed = flat, cand >= 0
+        load = torch.bincount(out[~open_], minlength=self.num_devices)
+        _spread(out, open_.nonzero().squeeze(1), group, cand, allowed, load)
+        return out.view_as(ids)
+
+
+class RoutingState:
+    """What replica routing carries between calls: the node size (for locality) and the
+    round-robin position of every (layer, expert)."""
+
+    def __init__(self, devices_per_node: int | None = None):
+        self.devices_per_node = None if devices_per_node is None else _count(devices_per_node, "devices_per_node", 1)
+        self._rr: dict[int, torch.Tensor] = {}
+
+    def counters(self, layer: int, num_experts: int) -> torch.Tensor:
+        if layer not in self._rr or self._rr[layer].numel() != num_experts:
+            self._rr[layer] = torch.zeros(num_experts, dtype=torch.int64)
+        return self._rr[layer]
+
+
+def _occurrence_rank(keys: torch.Tensor) -> torch.Tensor:
+    """For each entry, how many earlier entries share its key (0, 1, 2, ... per key)."""
+    if keys.numel() == 0:
+        return keys.clone()
+    order = torch.argsort(keys, stable=True)
+    sorted_keys = keys[order]
+    pos = torch.arange(keys.numel())
+    start = torch.ones_like(sorted_keys, dtype=torch.bool)
+    start[1:] = sorted_keys[1:] != sorted_keys[:-1]
+    first = torch.cummax(torch.where(start, pos, torch.zeros_like(pos)), 0).values
+    rank = torch.empty_like(keys)
+    rank[order] = pos - first
+    return rank
+
+
+def _spread(out: torch.Tensor, entries: torch.Tensor, group: torch.Tensor, cand: torch.Tensor,
+            allowed: torch.Tensor, load: torch.Tensor, passes: int = 3) -> None:
+    """Route the open entries group by group (entries of a group share their candidate devices).
+    Each group starts split evenly over its candidates; then, a few times over, each group in
+    turn is taken off and water-filled back onto its least-loaded candidates given everyone
+    else (coordinate descent on the busiest device: one greedy pass can dump a big group on a
+    device another group needs more). A Python loop over groups, not tokens: only replicated
+    experts form groups."""
+    if entries.numel() == 0:
+        return
+    keys = group[entries]
+    order = torch.argsort(keys, stable=True)
+    entries, keys = entries[order], keys[order]
+    _, sizes = torch.unique_consecutive(keys, return_counts=True)
+    starts = (torch.cumsum(sizes, 0) - sizes).tolist()
+    sizes = sizes.tolist()
+    load_np = load.numpy().astype(np.int64)
+    devs, quotas = [], []
+    for start, size in zip(starts, sizes):
+        first = entries[start]
+        d = np.unique(cand[first][allowed[first]].numpy())
+        q = np.full(d.size, size // d.size, dtype=np.int64)
+        q[:size % d.size] += 1
+        load_np[d] += q
+        devs.append(d)
+        quotas.append(q)
+    by_size = sorted(range(len(sizes)), key=lambda g: -sizes[g])
+    for _ in range(passes):
+        for g in by_size:
+            d = devs[g]
+            load_np[d] -= quotas[g]
+            quotas[g] = _water_fill(load_np[d], sizes[g])
+            load_np[d] += quotas[g]
+    for start, size, d, q in zip(starts, sizes, devs, quotas):
+        # the group's r-th token goes to the device whose cumulative quota first exceeds r
+        pick = np.searchsorted(np.cumsum(q), np.arange(size), side="right")
+        out[entries[start:start + size]] = torch.from_numpy(d[pick])
+
+
+def _water_fill(levels: np.ndarray, amount: int) -> np.ndarray:
+    """Split `amount` unit tokens over bins with integer `levels` so the fullest ends lowest."""
+    order = np.argsort(levels, kind="stable")
+    lv = levels[order].astype(np.int64)
+    prefix = np.cumsum(lv)
+    n = lv.size
+    k = n
+    for i in range(1, n):  # fill the i lowest bins; stop when the level stays below bin i
+        if (amount + prefix[i - 1]) / i <= lv[i]:
+            k = i
+            break
+    top = (amount + prefix[k - 1]) // k
+    give = np.zeros(n, dtype=np.int64)
+    give[:k] = top - lv[:k]
+    give[:amount - give.sum()] += 1  # the remainder, one each, to the lowest bins
+    out = np.empty(n, dtype=np.int64)
+    out[order] = give
+    return out
+
+
+def traffic_matrix(token_device: torch.Tensor, dest_device: torch.Tensor, bytes_per_token: int,
+                   num_devices: int, dedupe: bool = False) -> torch.Tensor:
+    """[D, D] int64 bytes sent from row device to column device in the dispatch all-to-all
+    (combine sends the same bytes back: its matrix is the transpose). Every (token, choice) sends
+    bytes_per_token; with dedupe a token sends once per distinct destination device (DeepEP-style).
+    The diagonal is traffic that stays on the device."""
+    D = _count(num_devices, "devices", 1)
+    tok = torch.as_tensor(token_device).long()
+    dst = torch.as_tensor(dest_device).long()
+    if dst.dim() != 2 or dst.shape[0] != tok.shape[0]:
+        raise PlacementError(f"dest_device: expected shape [{tok.shape[0]}, k], got {list(dst.shape)}")
+    for name, t in (("token_device", tok), ("dest_device", dst)):
+        if t.numel() and (t.min() < 0 or t.max() >= D):
+            raise PlacementError(f"{name}: device {int(t[(t < 0) | (t >= D)][0])} out of range [0, {D})")
+    pair = (tok[:, None] * D + dst).reshape(-1)
+    if dedupe:
+        token = torch.arange(tok.shape[0]).repeat_interleave(dst.shape[1])
+        pair = torch.unique(token * D * D + pair) % (D * D)
+    return torch.bincount(pair, minlength=D * D).view(D, D) * int(bytes_per_token)
+
+
+def device_token_load(dest_device: torch.Tensor, num_devices: int) -> torch.Tensor:
+    """[D] (token, choice) pairs each device computes this step."""
+    return torch.bincount(torch.as_tensor(dest_device).reshape(-1).long(), minlength=num_devices)
+
+
+def expert_nbytes(experts) -> int:
+    """Bytes of one expert of a StackedExperts (w13 [E, 2I, H] + w2 [E, H, I])."""
+    return sum(p[0].numel() * p.element_size() for p in (experts.w13, experts.w2))
+
+
+def _replica_counts(slots: np.ndarray, num_experts: int) -> np.ndarray:
+    L = slots.shape[0]
+    flat = slots.reshape(L, -1)
+    key = (np.arange(L)[:, None] * (num_experts + 1) + flat + 1).ravel()
+    return np.bincount(key, minlength=L * (num_experts + 1)).reshape(L, num_experts + 1)[:, 1:]

@@ -1,0 +1,92 @@
+"""The MoE decoder: embeddings, N x (attention + MoE or dense MLP), final norm, LM head.
+
+All four supported architectures are this one module; ModelConfig says which pieces a
+checkpoint uses (shared expert, q/k norms, attention bias, dense layers).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moectl.engine.models.attention import Attention, DenseContext
+from moectl.engine.models.config import ModelConfig
+from moectl.engine.models.layers import DenseMLP, RMSNorm, RotaryEmbedding
+from moectl.engine.models.moe import MoEBlock
+from moectl.engine.models.tracing import NULL_TRACER, NullTracer
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, idx: int, cfg: ModelConfig, rope: RotaryEmbedding):
+        super().__init__()
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn = Attention(idx, cfg, rope)
+        self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if cfg.sparse_layers[idx]:
+            self.mlp = MoEBlock(idx, cfg.hidden_size, cfg.num_experts, cfg.top_k, cfg.expert_intermediate_size,
+                                cfg.norm_topk_prob, cfg.shared_expert_intermediate_size)
+        else:
+            self.mlp = DenseMLP(cfg.hidden_size, cfg.dense_intermediate_size)
+
+    def forward(self, x, positions, ctx, probe=None, tracer: NullTracer = NULL_TRACER):
+        mark = tracer.mark()
+        x = x + self.attn(self.input_norm(x), positions, ctx)
+        tracer.close(mark, "attention", 0, self.attn.layer_idx)
+        h = self.post_norm(x)
+        if isinstance(self.mlp, MoEBlock):
+            return x + self.mlp(h, probe, tracer)
+        mark = tracer.mark()
+        out = x + self.mlp(h)
+        tracer.close(mark, "dense_mlp", 0, self.attn.layer_idx)
+        return out
+
+
+class MoEForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
+        self.layers = nn.ModuleList(DecoderLayer(i, cfg, rope) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tracer = NULL_TRACER  # the engine's SpanRecorder while it records spans
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx, probe=None) -> torch.Tensor:
+        """Flat tokens in, final normed hidden states out ([N, H]). `ctx` says where K/V live."""
+        x = self.embed(input_ids)
+        if probe is not None:
+            probe.on_hidden(0, x)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, positions, ctx, probe, self.tracer)
+            if probe is not None:
+                probe.on_hidden(i + 1, x)
+        return self.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def training_loss(self, tokens: torch.Tensor, aux_coef: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Next-token cross-entropy on a [B, T] batch plus the load-balancing loss."""
+        b, t = tokens.shape
+        positions = torch.arange(t, device=tokens.device).repeat(b)
+        hidden = self.forward(tokens.flatten(), positions, DenseContext(b, t))
+        logits = self.logits(hidden).view(b, t, -1)
+        ce = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+        aux = [layer.mlp.last_aux_loss for layer in self.layers if isinstance(layer.mlp, MoEBlock)]
+        aux_loss = torch.stack(aux).mean() if aux else ce.new_zeros(())
+        return ce, aux_loss
+
+    def init_weights(self, std: float = 0.02, seed: int = 0) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                nn.init.ones_(p)
+            elif p.dim() == 1:
+                nn.init.zeros_(p)
+            else:
+                with torch.no_grad():
+                    p.copy_(torch.randn(p.shape, generator=gen) * std)

@@ -1,0 +1,76 @@
+"""Small building blocks: RMSNorm, rotary embeddings, the SwiGLU feed-forward."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in fp32 and cast back, as the reference implementations do."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """Default (unscaled) RoPE; cos/sin are built for positions on demand and cached."""
+
+    def __init__(self, head_dim: int, theta: float, max_positions: int):
+        super().__init__()
+        # plain attributes, not buffers: the model may be built on the meta device before loading
+        self.head_dim, self.theta = head_dim, theta
+        self.max_positions = max_positions
+        self._cache_len = 0
+        self._cos = self._sin = None
+
+    def _table(self, length: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        if length > self._cache_len or self._cos.device != device:
+            size = max(length, min(2 * self._cache_len, self.max_positions), 256)
+            t = torch.arange(size, device=device, dtype=torch.float32)
+            inv_freq = 1.0 / (self.theta ** (torch.arange(0, self.head_dim, 2, device=device).float() / self.head_dim))
+            freqs = torch.outer(t, inv_freq)
+            emb = torch.cat((freqs, freqs), dim=-1)
+            self._cos, self._sin, self._cache_len = emb.cos(), emb.sin(), size
+        return self._cos, self._sin
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """q: [N, Hq, D], k: [N, Hk, D], positions: [N]."""
+        cos_t, sin_t = self._table(int(positions.max()) + 1, q.device)
+        cos = cos_t[positions].unsqueeze(1)
+        sin = sin_t[positions].unsqueeze(1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # cos/sin are computed in fp32 and cast to the model dtype; the rotation runs in the model
+    # dtype, as HF's rotary embedding and apply_rotary_pos_emb do (bf16 results match it bit for bit)
+    dtype = x.dtype
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return (x * cos.to(dtype) + rotated * sin.to(dtype)).to(dtype)
+
+
+def swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """SwiGLU with gate and up projections fused in w13 = [gate; up] of shape [2I, H]."""
+    gate, up = F.linear(x, w13).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, w2)
+
+
+class DenseMLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.w13 = nn.Parameter(torch.empty(2 * intermediate, hidden))
+        self.w2 = nn.Parameter(torch.empty(hidden, intermediate))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return swiglu(x, self.w13, self.w2)

@@ -1,0 +1,146 @@
+"""The sparse MoE block: a router and the experts stored as stacked tensors.
+
+Experts live in two stacked tensors per layer (gate/up fused, and down), in the gpt-fast
+style, so a later placement layer can move or replicate slices of them without touching the
+math. Tokens are sorted by expert and each active expert runs one dense matmul on its
+contiguous slice.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moectl.engine.models.layers import swiglu
+from moectl.engine.models.tracing import NULL_TRACER, NullTracer
+
+
+GROUPED_MM_MIN_ROWS = 64  # below this the per-expert loop is as fast (few experts are hit)
+_grouped_mm_ok: dict[tuple, bool] = {}
+
+
+def _grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
+    """torch._grouped_mm is private: some builds lack a kernel for this device/dtype or want
+    aligned strides. Probe it once on a small exact case and fall back to the loop if it fails."""
+    key = (device.type, dtype)
+    if key not in _grouped_mm_ok:
+        ok = hasattr(torch, "_grouped_mm")
+        if ok:
+            try:
+                x = torch.ones(4, 8, device=device, dtype=dtype)
+                w = torch.ones(2, 8, 8, device=device, dtype=dtype)
+                out = torch._grouped_mm(x, w, offs=torch.tensor([1, 4], device=device, dtype=torch.int32))
+                ok = bool((out == 8).all())
+            except (RuntimeError, NotImplementedError, TypeError):
+                ok = False
+        _grouped_mm_ok[key] = ok
+    return _grouped_mm_ok[key]
+
+
+def grouped_swiglu(x_sorted: torch.Tensor, counts: list[int], w13: torch.Tensor, w2: torch.Tensor,
+                   offsets: torch.Tensor | None = None) -> torch.Tensor:
+    """x_sorted holds tokens grouped by expert in id order; counts[e] tokens go to expert e of the
+    stacked weights. offsets (int32 cumulative counts) selects one grouped matmul per projection
+    instead of a loop over experts, for batches large enough to hit many experts."""
+    if offsets is not None:
+        gate, up = torch._grouped_mm(x_sorted, w13.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
+        return torch._grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), offs=offsets)
+    out = torch.empty_like(x_sorted)
+    start = 0
+    for expert, n in enumerate(counts):
+        if n:
+            out[start:start + n] = swiglu(x_sorted[start:start + n], w13[expert], w2[expert])
+            start += n
+    return out
+
+
+def grouped_offsets(counts_t: torch.Tensor, rows: int, training: bool = False,
+                    dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
+    if not training and rows >= GROUPED_MM_MIN_ROWS and _grouped_mm_works(counts_t.device, dtype):
+        return torch.cumsum(counts_t, 0, dtype=torch.int32)
+    return None
+
+
+class StackedExperts(nn.Module):
+    def __init__(self, num_experts: int, hidden: int, intermediate: int):
+        super().__init__()
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+
+    def forward(self, x_sorted: torch.Tensor, counts: list[int], offsets: torch.Tensor | None = None) -> torch.Tensor:
+        return grouped_swiglu(x_sorted, counts, self.w13, self.w2, offsets)
+
+    def dispatch(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, counts_t: torch.Tensor):
+        """The seam where placement and parallelism plug in: tokens x [N, H] with their top-k
+        weights and expert ids [N, k] in, the weighted sum of their experts' outputs out.
+        This version runs every expert here; emulated devices and expert parallelism replace it."""
+        top_k = ids.shape[1]
+        order = torch.argsort(ids.flatten(), stable=True)
+        offsets = grouped_offsets(counts_t, order.numel(), self.training, x.dtype)
+        expert_out = self(x.index_select(0, order // top_k), counts_t.tolist(), offsets)
+        return combine(expert_out, order, weights, x.dtype)
+
+
+def combine(expert_out: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, dtype) -> torch.Tensor:
+    """Expert outputs sorted by `order` back to [token, k] order, then their weighted sum.
+    A gather plus sum, not index_add_ (slow on CPU for small batches); index_copy_, not
+    x[idx] = y (index_put, several times slower on CPU)."""
+    top_k = weights.shape[1]
+    unsorted = torch.empty_like(expert_out).index_copy_(0, order, expert_out)
+    return (unsorted.view(-1, top_k, expert_out.shape[-1]) * weights.unsqueeze(-1)).sum(1).to(dtype)
+
+
+class MoEBlock(nn.Module):
+    def __init__(self, layer_idx: int, hidden: int, num_experts: int, top_k: int, intermediate: int,
+                 norm_topk_prob: bool, shared_intermediate: int = 0):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.norm_topk_prob = norm_topk_prob
+        self.gate = nn.Parameter(torch.empty(num_experts, hidden))
+        self.experts = StackedExperts(num_experts, hidden, intermediate)
+        if shared_intermediate:
+            self.shared_w13 = nn.Parameter(torch.empty(2 * shared_intermediate, hidden))
+            self.shared_w2 = nn.Parameter(torch.empty(hidden, shared_intermediate))
+            self.shared_gate = nn.Parameter(torch.empty(1, hidden))
+        else:
+            self.shared_w13 = None
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Returns (router logits, fp32 top-k weights, top-k expert ids)."""
+        logits = F.linear(x, self.gate)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return logits, weights, ids
+
+    def forward(self, x: torch.Tensor, probe=None, tracer: NullTracer = NULL_TRACER) -> torch.Tensor:
+        """x: [N, H] flat tokens. tracer: spans for the router and the expert work."""
+        mark = tracer.mark()
+        logits, weights, ids = self.route(x)
+        if self.training:
+            self.last_aux_loss = self.aux_loss(logits, ids)
+        counts_t = torch.bincount(ids.flatten(), minlength=self.num_experts)
+        tracer.close(mark, "router", 0, self.layer_idx)
+        if probe is not None:
+            probe.on_routing(self.layer_idx, counts_t, ids)
+        mark = tracer.mark()
+        out = self._experts_and_shared(x, weights, ids, counts_t)
+        tracer.close(mark, "experts", 0, self.layer_idx)
+        return out
+
+    def _experts_and_shared(self, x, weights, ids, counts_t) -> torch.Tensor:
+        out = self.experts.dispatch(x, weights, ids, counts_t)
+        if self.shared_w13 is not None:
+            shared = swiglu(x, self.shared_w13, self.shared_w2)
+            out = out + torch.sigmoid(F.linear(x, self.shared_gate)) * shared
+        return out
+
+    def aux_loss(self, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Switch/Mixtral load-balancing loss: E * sum_e(fraction routed to e * mean prob of e)."""
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        routed = F.one_hot(ids, self.num_experts).float().sum(1).mean(0)
+        return self.num_experts * torch.sum(routed * probs.mean(0))

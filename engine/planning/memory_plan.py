@@ -1,0 +1,861 @@
+"""Operator-level memory plan: what each device holds for a model, a parallel layout and a load.
+
+From config.json alone (no weights), for every device of a `Topology`:
+
+* weights by category: attention, routed experts, shared experts, dense MLP layers,
+  embeddings + LM head, norms + routers;
+* the KV cache for `batch` sequences of `context` tokens, in the engine's real paged layout
+  (block-rounded; INT8 with one fp32 scale per (block, head) exactly as
+  `KVCache.bytes_per_block` computes it);
+* activations at the peak operator of one step of `max_batched_tokens` tokens;
+* communication buffers (expert-parallel all-to-all, tensor-parallel all-reduce);
+* headroom = HBM - total, whether it fits, and if not by how much.
+
+Parallel layout (DeepSeek-V3-style deployment): attention, dense MLP layers, shared experts and
+the vocabulary-parallel embeddings / LM head are split over tensor-parallel groups of `tp`
+consecutive devices, and the `devices / tp` groups are data-parallel replicas (DP attention:
+each group serves its own sequences and schedules its own steps). Routed experts are spread by
+expert parallelism over groups of `ep` devices; when `ep < devices` the `devices / ep` expert
+groups each hold all experts (replicated). Every assumption the numbers rest on is listed in
+`MemoryPlan.notes`.
+
+The planner reads more architectures than the runtime runs: the four runnable ones (through
+`ModelConfig.from_hf`, so their parameter counts are the runtime's) and DeepSeek-V2/V3 /
+Kimi-K2-style configs with multi-head latent attention (MLA).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+from moectl.engine.models.config import ARCHITECTURES, ConfigError, ModelConfig
+from moectl.engine.core.config import SchedulerKnobs
+from moectl.engine.core.kv_cache import KVCache
+from moectl.engine.core.topology import Topology, format_size
+
+# architectures[0] -> planner family, beyond the runtime's four
+MLA_ARCHITECTURES = {"DeepseekV2ForCausalLM": "deepseek_v2", "DeepseekV3ForCausalLM": "deepseek_v3"}
+MLA_MODEL_TYPES = {"deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
+                   "kimi_k2": "DeepseekV3ForCausalLM"}
+PLANNABLE = tuple(ARCHITECTURES) + tuple(MLA_ARCHITECTURES)
+
+# weight dtypes the planner accepts: name -> (bytes per element, torch dtype of activations / auto KV)
+WEIGHT_DTYPES = {
+    "fp32": (4, torch.float32), "float32": (4, torch.float32),
+    "bf16": (2, torch.bfloat16), "bfloat16": (2, torch.bfloat16),
+    "fp16": (2, torch.float16), "float16": (2, torch.float16),
+    "fp8": (1, torch.bfloat16),  # planning only: the engine does not run fp8 weights
+}
+KV_DTYPES = ("auto", "int8")
+ATTN_IMPLS = ("flash", "eager")
+MAX_TP = 8
+
+CATEGORIES = ("attention", "experts", "shared_experts", "dense_mlp", "embeddings", "norms_routers")
+CATEGORY_LABELS = {
+    "attention": "weights: attention",
+    "experts": "weights: routed experts",
+    "shared_experts": "weights: shared experts",
+    "dense_mlp": "weights: dense MLP layers",
+    "embeddings": "weights: embeddings + LM head",
+    "norms_routers": "weights: norms + routers",
+    "kv_cache": "KV cache",
+    "activations": "activations (peak)",
+    "comm_buffers": "communication buffers",
+}
+
+
+class PlanError(ValueError):
+    """A planning option out of range; the message names the option (`--tp`, `--ep`, ...)."""
+
+
+def _shard(n: int, parts: int, rank: int) -> int:
+    """Rows of an n-row dimension on `rank` of `parts` (the first n % parts ranks take one more)."""
+    return n // parts + (1 if rank < n % parts else 0)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# ---------------------------------------------------------------------------------------------
+# the model, as far as memory is concerned
+
+
+@dataclass
+class PlanModel:
+    """Shapes that decide memory, for every plannable architecture."""
+    name: str
+    hf_architecture: str
+    family: str  # mixtral | qwen2_moe | qwen3_moe | olmoe | deepseek_v2 | deepseek_v3
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    max_position_embeddings: int
+    num_experts: int
+    top_k: int
+    expert_intermediate_size: int
+    sparse_layers: tuple[bool, ...]
+    dense_intermediate_size: int = 0
+    shared_intermediate_size: int = 0  # all shared experts of a layer together
+    shared_gate: bool = False  # Qwen2-MoE's sigmoid gate [1, H] on the shared expert
+    router_bias: bool = False  # DeepSeek-V3's e_score_correction_bias [E]
+    tie_word_embeddings: bool = False
+    attention: str = "gqa"  # gqa | mla
+    # GQA
+    num_kv_heads: int = 0
+    head_dim: int = 0
+    attention_bias: bool = False
+    o_proj_bias: bool = False
+    qk_norm: str = "none"
+    # MLA
+    q_lora_rank: int = 0  # 0: a plain q_proj
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    # -- per-device parameter counts (tp, rank); with tp=1 these are the whole model's
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def kv_latent_dim(self) -> int:
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    def kv_heads_per_device(self, tp: int) -> int:
+        """GQA: KV heads split over TP where there are enough, else one (replicated) per device."""
+        return self.num_kv_heads // tp if self.num_kv_heads >= tp else 1
+
+    def attention_params(self, tp: int = 1) -> int:
+        h, hd = self.hidden_size, self.num_heads // tp
+        if self.attention == "mla":
+            qk = self.qk_nope_head_dim + self.qk_rope_head_dim
+            bias = self.attention_bias
+            n = 0
+            if self.q_lora_rank:  # q_a_proj (+ bias) and q_a_layernorm replicated, q_b_proj split by heads
+                n += h * self.q_lora_rank + (self.q_lora_rank if bias else 0) + self.q_lora_rank
+                n += self.q_lora_rank * hd * qk
+            else:
+                n += h * hd * qk
+            # kv_a_proj_with_mqa (+ bias) and kv_a_layernorm replicated, kv_b_proj split by heads
+            n += h * self.kv_latent_dim + (self.kv_latent_dim if bias else 0) + self.kv_lora_rank
+            n += self.kv_lora_rank * hd * (self.qk_nope_head_dim + self.v_head_dim)
+            n += hd * self.v_head_dim * h + (h if bias else 0)  # o_proj, its bias replicated
+            return n
+        q = hd * self.head_dim
+        kv = self.kv_heads_per_device(tp) * self.head_dim
+        n = h * (q + 2 * kv) + q * h
+        if self.attention_bias:
+            n += q + 2 * kv + (h if self.o_proj_bias else 0)
+        if self.qk_norm == "per_head":
+            n += 2 * self.head_dim
+        elif self.qk_norm == "full":
+            n += q + kv
+        return n
+
+    def expert_params(self) -> int:
+        """One routed expert: gate/up [2I, H] and down [H, I]."""
+        return 3 * self.hidden_size * self.expert_intermediate_size
+
+    def shared_params(self, tp: int = 1, rank: int = 0) -> int:
+        if not self.shared_intermediate_size:
+            return 0
+        n = 3 * self.hidden_size * _shard(self.shared_intermediate_size, tp, rank)
+        return n + (self.hidden_size if self.shared_gate else 0)
+
+    def dense_params(self, tp: int = 1, rank: int = 0) -> int:
+        return 3 * self.hidden_size * _shard(self.dense_intermediate_size, tp, rank)
+
+    def router_params(self) -> int:
+        return self.num_experts * self.hidden_size + (self.num_experts if self.router_bias else 0)
+
+    def embedding_params(self, tp: int = 1, rank: int = 0) -> int:
+        rows = _shard(self.vocab_size, tp, rank)
+        return rows * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+
+    @property
+    def num_sparse(self) -> int:
+        return sum(self.sparse_layers)
+
+    @property
+    def num_dense(self) -> int:
+        return self.num_layers - self.num_sparse
+
+    def weight_params(self, tp: int = 1, rank: int = 0, experts_local: int | None = None) -> dict[str, int]:
+        """Parameters by category on one device holding `experts_local` routed experts per MoE layer."""
+        e = self.num_experts if experts_local is None else experts_local
+        h = self.hidden_size
+        return {
+            "attention": self.num_layers * self.attention_params(tp),
+            "experts": self.num_sparse * e * self.expert_params(),
+            "shared_experts": self.num_sparse * self.shared_params(tp, rank),
+            "dense_mlp": self.num_dense * self.dense_params(tp, rank),
+            "embeddings": self.embedding_params(tp, rank),
+            "norms_routers": self.num_layers * 2 * h + h + self.num_sparse * self.router_params(),
+        }
+
+    def param_counts(self) -> dict[str, int]:
+        full = self.weight_params()
+        total = sum(full.values())
+        active = total - full["experts"] + self.num_sparse * self.top_k * self.expert_params()
+        return {"params_total": total, "params_active": active}
+
+    def kv_bytes_per_block(self, tp: int, block_size: int, dtype: torch.dtype, quantized: bool) -> int:
+        """One KV block of all layers on one device, in the engine's layout (`KVCache.bytes_per_block`).
+
+        MLA stores one compressed latent (kv_lora_rank + qk_rope_head_dim) per token and layer
+        instead of K and V: the engine's layout with one 'head' of that width and a single tensor,
+        i.e. half of bytes_per_block(..., 1 head, latent width, ...) (INT8: one fp32 scale per
+        (block, layer))."""
+        if self.attention == "mla":
+            return KVCache.bytes_per_block(self.num_layers, block_size, 1, self.kv_latent_dim, dtype, quantized) // 2
+        return KVCache.bytes_per_block(self.num_layers, block_size, self.kv_heads_per_device(tp), self.head_dim,
+                                       dtype, quantized)
+
+
+def plan_model_of(cfg: ModelConfig, name: str, notes: list[str]) -> PlanModel:
+    return PlanModel(
+        name=name, hf_architecture=cfg.hf_architecture, family=cfg.architecture, vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size, num_layers=cfg.num_layers, num_heads=cfg.num_heads,
+        max_position_embeddings=cfg.max_position_embeddings, num_experts=cfg.num_experts, top_k=cfg.top_k,
+        expert_intermediate_size=cfg.expert_intermediate_size, sparse_layers=tuple(cfg.sparse_layers),
+        dense_intermediate_size=cfg.dense_intermediate_size,
+        shared_intermediate_size=cfg.shared_expert_intermediate_size,
+        shared_gate=bool(cfg.shared_expert_intermediate_size), tie_word_embeddings=cfg.tie_word_embeddings,
+        attention="gqa", num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+        attention_bias=cfg.attention_bias, o_proj_bias=cfg.o_proj_bias, qk_norm=cfg.qk_norm, notes=notes)
+
+
+# keys the runtime refuses but that do not change any tensor's size
+_RUNTIME_ONLY = ("rope_scaling", "rope_parameters", "hidden_act", "use_sliding_window", "sliding_window")
+
+
+def _parse_runnable(raw: dict, name: str) -> PlanModel:
+    notes: list[str] = []
+    try:
+        cfg = ModelConfig.from_hf(raw, dtype="float32")
+    except ConfigError as exc:
+        field_name = str(exc).split(":", 1)[0].split(".", 1)[0]
+        if field_name not in _RUNTIME_ONLY:
+            raise
+        stripped = {k: v for k, v in raw.items() if k not in _RUNTIME_ONLY}
+        if field_name == "rope_parameters" and "rope_theta" in (raw.get("rope_parameters") or {}):
+            stripped["rope_theta"] = raw["rope_parameters"]["rope_theta"]
+        cfg = ModelConfig.from_hf(stripped, dtype="float32")
+        used = ", ".join(k for k in _RUNTIME_ONLY if raw.get(k))
+        notes.append(f"config uses {used}, which the engine cannot run; sizes do not depend on it, "
+                     "so it is planned as if absent")
+    return plan_model_of(cfg, name, notes)
+
+
+def _parse_mla(raw: dict, arch: str, name: str) -> PlanModel:
+    def need(key: str, positive: bool = True) -> int:
+        value = raw.get(key)
+        if value is None:
+            raise ConfigError(f"{key}: missing from config.json")
+        if isinstance(value, bool) or not isinstance(value, int) or value < (1 if positive else 0):
+            raise ConfigError(f"{key}: must be a {'positive' if positive else 'non-negative'} integer, got {value!r}")
+        return value
+
+    family = MLA_ARCHITECTURES[arch]
+    notes: list[str] = []
+    layers = need("num_hidden_layers")
+    experts = need("n_routed_experts")
+    top_k = need("num_experts_per_tok")
+    if top_k > experts:
+        raise ConfigError(f"num_experts_per_tok: {top_k} exceeds the {experts} routed experts")
+    first_dense = need("first_k_dense_replace", positive=False) if "first_k_dense_replace" in raw else 0
+    freq = need("moe_layer_freq") if "moe_layer_freq" in raw else 1
+    sparse = tuple(i >= first_dense and i % freq == 0 for i in range(layers))
+    dense_size = need("intermediate_size") if not all(sparse) else int(raw.get("intermediate_size") or 0)
+    n_shared = need("n_shared_experts", positive=False) if raw.get("n_shared_experts") is not None else 0
+    expert_size = need("moe_intermediate_size")
+    q_lora = raw.get("q_lora_rank")
+    if q_lora is not None:
+        q_lora = need("q_lora_rank")
+    topk_method = raw.get("topk_method", "noaux_tc" if family == "deepseek_v3" else "greedy")
+    if raw.get("num_nextn_predict_layers"):
+        notes.append(f"num_nextn_predict_layers={raw['num_nextn_predict_layers']}: the multi-token-prediction "
+                     "module is not counted (inference without speculative MTP does not load it)")
+    if raw.get("rope_scaling"):
+        kind = raw["rope_scaling"].get("type", raw["rope_scaling"].get("rope_type"))
+        notes.append(f"rope_scaling ({kind}) changes no tensor size; ignored")
+    return PlanModel(
+        name=name, hf_architecture=arch, family=family, vocab_size=need("vocab_size"),
+        hidden_size=need("hidden_size"), num_layers=layers, num_heads=need("num_attention_heads"),
+        max_position_embeddings=need("max_position_embeddings"), num_experts=experts, top_k=top_k,
+        expert_intermediate_size=expert_size, sparse_layers=sparse, dense_intermediate_size=dense_size,
+        shared_intermediate_size=n_shared * expert_size, router_bias=topk_method == "noaux_tc",
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)), attention="mla",
+        attention_bias=bool(raw.get("attention_bias", False)), q_lora_rank=q_lora or 0,
+        kv_lora_rank=need("kv_lora_rank"), qk_nope_head_dim=need("qk_nope_head_dim"),
+        qk_rope_head_dim=need("qk_rope_head_dim"), v_head_dim=need("v_head_dim"), notes=notes)
+
+
+def load_plan_model(config: str | Path | dict) -> PlanModel:
+    """A config.json (file, directory holding one, or its parsed dict) -> PlanModel.
+
+    ConfigError (a ValueError) names the offending field; an unknown architecture names
+    `architectures`."""
+    if isinstance(config, dict):
+        raw, name = config, str(config.get("_name_or_path") or "")
+    else:
+        path = Path(config)
+        if path.is_dir():
+            path = path / "config.json"
+        try:
+            raw = json.loads(path.read_text())
+        except OSError as exc:
+            raise ConfigError(f"config.json: cannot read {path} ({exc.strerror})") from None
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ConfigError(f"config.json: {path} is not valid JSON ({exc})") from None
+        name = path.parent.name if path.name == "config.json" else path.stem
+    if not isinstance(raw, dict):
+        raise ConfigError("config.json: top level must be an object")
+    archs = raw.get("architectures") or []
+    arch = archs[0] if archs else None
+    if arch is None:
+        model_type = raw.get("model_type", "")
+        arch = {v: k for k, v in ARCHITECTURES.items()}.get(model_type) or MLA_MODEL_TYPES.get(model_type)
+    if arch in ARCHITECTURES:
+        model = _parse_runnable(raw, name)
+    elif arch in MLA_ARCHITECTURES:
+        model = _parse_mla(raw, arch, name)
+    else:
+        raise ConfigError(f"architectures: {arch or raw.get('model_type')!r} cannot be planned "
+                          f"(plannable: {', '.join(PLANNABLE)})")
+    if not model.name:
+        model.name = model.family
+    return model
+
+
+# ---------------------------------------------------------------------------------------------
+# the plan
+
+
+@dataclass
+class DevicePlan:
+    device: int
+    node: int
+    tp_rank: int
+    dp_group: int
+    ep_rank: int
+    experts_local: int  # routed experts held per MoE layer
+    sequences: int  # sequences whose KV cache lives here
+    kv_blocks: int
+    weights: dict[str, int]  # bytes by category
+    kv_cache: int
+    activations: int
+    comm_buffers: int
+    hbm_bytes: int
+    activation_detail: dict[str, int] = field(default_factory=dict)
+    comm_detail: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def weights_total(self) -> int:
+        return sum(self.weights.values())
+
+    @property
+    def total(self) -> int:
+        return self.weights_total + self.kv_cache + self.activations + self.comm_buffers
+
+    @property
+    def headroom(self) -> int:
+        return self.hbm_bytes - self.total
+
+    @property
+    def fits(self) -> bool:
+        return self.headroom >= 0
+
+    def categories(self) -> dict[str, int]:
+        return {**self.weights, "kv_cache": self.kv_cache, "activations": self.activations,
+                "comm_buffers": self.comm_buffers}
+
+    def signature(self) -> tuple:
+        return (self.experts_local, self.sequences, self.kv_blocks, tuple(self.categories().items()))
+
+
+def _count(n: int) -> str:
+    for scale, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.3f}{unit}"
+    return str(n)
+
+
+def _ranges(ids: list[int]) -> str:
+    out, start = [], None
+    for i, d in enumerate(ids):
+        if start is None:
+            start = d
+        if i + 1 == len(ids) or ids[i + 1] != d + 1:
+            out.append(str(start) if start == d else f"{start}-{d}")
+            start = None
+    return ",".join(out)
+
+
+@dataclass
+class MemoryPlan:
+    model: PlanModel
+    topology: Topology
+    tp: int
+    dp: int
+    ep: int
+    context: int
+    batch: int
+    dtype: str
+    kv_dtype: str
+    block_size: int
+    tokens_per_step: int
+    attn_impl: str
+    devices: list[DevicePlan]
+    notes: list[str]
+
+    # -- summary
+    @property
+    def params(self) -> dict[str, int]:
+        return self.model.param_counts()
+
+    @property
+    def worst(self) -> DevicePlan:
+        return min(self.devices, key=lambda d: (d.headroom, d.device))
+
+    @property
+    def fits(self) -> bool:
+        return all(d.fits for d in self.devices)
+
+    @property
+    def headroom_bytes(self) -> int:
+        return self.worst.headroom
+
+    @property
+    def short_by_bytes(self) -> int:
+        return max(0, -self.worst.headroom)
+
+    def groups(self) -> list[tuple[str, DevicePlan, list[int]]]:
+        """Devices with identical accounting collapsed: (label, representative, device ids)."""
+        by_sig: dict[tuple, list[DevicePlan]] = {}
+        for d in self.devices:
+            by_sig.setdefault(d.signature(), []).append(d)
+        out = []
+        for members in sorted(by_sig.values(), key=lambda m: m[0].device):
+            ids = [d.device for d in members]
+            label = f"device {ids[0]}" if len(ids) == 1 else f"devices {_ranges(ids)}"
+            out.append((label, members[0], ids))
+        return out
+
+    def _details(self, d: DevicePlan) -> dict[str, str]:
+        m, tp = self.model, self.tp
+        attn = (f"MLA, {m.num_heads // tp}/{m.num_heads} heads (TP {tp}) x {m.num_layers} layers"
+                if m.attention == "mla" else
+                f"{m.num_heads // tp}/{m.num_heads} q heads, {m.kv_heads_per_device(tp)}/{m.num_kv_heads} kv heads "
+                f"x {m.num_layers} layers")
+        det = {
+            "attention": attn,
+            "experts": f"{d.experts_local}/{m.num_experts} experts x {m.num_sparse} MoE layers",
+            "shared_experts": (f"intermediate {_shard(m.shared_intermediate_size, tp, d.tp_rank)}/"
+                               f"{m.shared_intermediate_size} (TP) x {m.num_sparse} layers"
+                               if m.shared_intermediate_size else "none"),
+            "dense_mlp": (f"intermediate {_shard(m.dense_intermediate_size, tp, d.tp_rank)}/{m.dense_intermediate_size}"
+                          f" (TP) x {m.num_dense} layers" if m.num_dense else "none"),
+            "embeddings": (f"vocab rows {_shard(m.vocab_size, tp, d.tp_rank)}/{m.vocab_size} (vocab-parallel), "
+                           + ("tied" if m.tie_word_embeddings else "embed + lm_head")),
+            "norms_routers": f"replicated; routers {m.num_experts} x {m.hidden_size} x {m.num_sparse} layers",
+            "kv_cache": (f"{d.sequences} seq x {_cdiv(self.context, self.block_size)} blocks of {self.block_size} = "
+                         f"{d.kv_blocks} blocks, {self.kv_dtype}"),
+            "activations": ", ".join(f"{k} {format_size(v)}" for k, v in d.activation_detail.items() if v),
+            "comm_buffers": ", ".join(f"{k} {format_size(v)}" for k, v in d.comm_detail.items() if v) or "none",
+        }
+        return det
+
+    def rows(self) -> list[dict]:
+        """One row per (device group, category), then its total, HBM and headroom rows."""
+        out = []
+        for label, d, ids in self.groups():
+            det = self._details(d)
+            for cat, n in d.categories().items():
+                out.append({"devices": label, "device_ids": ids, "category": cat, "label": CATEGORY_LABELS[cat],
+                            "bytes": n, "size": format_size(n), "detail": det[cat]})
+            for cat, n, text in (("total", d.total, ""), ("hbm", d.hbm_bytes, ""),
+                                 ("headroom", d.headroom, "fits" if d.fits else f"short by {format_size(-d.headroom)}")):
+                out.append({"devices": label, "device_ids": ids, "category": cat, "label": cat, "bytes": n,
+                            "size": format_size(n), "detail": text})
+        return out
+
+    def format_table(self) -> str:
+        """The table as text: one column per group of identical devices."""
+        groups = self.groups()
+        cats = list(CATEGORIES) + ["kv_cache", "activations", "comm_buffers"]
+        header = ["category"] + [label for label, _, _ in groups]
+        body = []
+        for cat in cats:
+            body.append([CATEGORY_LABELS[cat]] + [format_size(d.categories()[cat]) for _, d, _ in groups])
+        body.append(["total"] + [format_size(d.total) for _, d, _ in groups])
+        body.append(["HBM"] + [format_size(d.hbm_bytes) for _, d, _ in groups])
+        body.append(["headroom"] + [format_size(d.headroom) for _, d, _ in groups])
+        widths = [max(len(r[i]) for r in [header] + body) for i in range(len(header))]
+        line = lambda r: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+        m, p = self.model, self.params
+        kvd = self.kv_dtype if self.kv_dtype == "int8" else f"auto ({_kv_torch_dtype(self.dtype)})".replace("torch.", "")
+        lines = [
+            f"model: {m.name} ({m.hf_architecture}, {m.attention.upper()}): {p['params_total']:,} params "
+            f"({_count(p['params_total'])}), {p['params_active']:,} ({_count(p['params_active'])}) active per token",
+            f"deployment: {self.topology.num_devices} devices x {format_size(self.topology.hbm_bytes)} HBM "
+            f"({self.topology.num_nodes} node{'s' if self.topology.num_nodes > 1 else ''}); attention TP {self.tp} x DP {self.dp}, experts EP {self.ep}"
+            + (f" ({self.topology.num_devices // self.ep} replicas)" if self.ep < self.topology.num_devices else ""),
+            f"load: {self.batch} seq x {self.context:,} tokens; weights {self.dtype}, KV {kvd}, block {self.block_size}, "
+            f"{self.tokens_per_step} tokens/step per DP group, attention {self.attn_impl}",
+            "",
+            line(header),
+            line(["-" * w for w in widths]),
+        ] + [line(r) for r in body] + [""]
+        if self.fits:
+            lines.append(f"fits: yes, {format_size(self.headroom_bytes)} headroom on the fullest device "
+                         f"({self.worst.device})")
+        else:
+            bad = [d.device for d in self.devices if not d.fits]
+            lines.append(f"fits: NO, short by {format_size(self.short_by_bytes)} ({self.short_by_bytes:,} bytes) on "
+                         f"device{'s' if len(bad) > 1 else ''} {_ranges(bad)}")
+        lines.append("notes:")
+        lines += [f"  - {n}" for n in self.notes]
+        return "\n".join(lines)
+
+    def as_dict(self) -> dict:
+        worst = self.worst
+        groups = []
+        for label, d, ids in self.groups():
+            det = self._details(d)
+            groups.append({
+                "devices": ids, "label": label, "tp_rank": d.tp_rank, "dp_group": d.dp_group, "ep_rank": d.ep_rank,
+                "experts_local": d.experts_local, "sequences": d.sequences, "kv_blocks": d.kv_blocks,
+                "bytes": d.categories(), "detail": det, "activation_detail": d.activation_detail,
+                "comm_detail": d.comm_detail, "weights_bytes": d.weights_total, "total_bytes": d.total,
+                "headroom_bytes": d.headroom, "fits": d.fits,
+            })
+        return {
+            "fits": self.fits,
+            "short_by_bytes": self.short_by_bytes,
+            "headroom_bytes": self.headroom_bytes,
+            "worst_device": worst.device,
+            "bytes": worst.categories(),  # per category on the fullest device
+            "weights_bytes": worst.weights_total,
+            "total_bytes": worst.total,
+            "hbm_bytes": self.topology.hbm_bytes,
+            "cluster_total_bytes": sum(d.total for d in self.devices),
+            **self.params,
+            "model": {"name": self.model.name, "architecture": self.model.hf_architecture,
+                      "attention": self.model.attention, "layers": self.model.num_layers,
+                      "moe_layers": self.model.num_sparse, "experts": self.model.num_experts,
+                      "top_k": self.model.top_k, "max_position_embeddings": self.model.max_position_embeddings},
+            "deployment": {"devices": self.topology.num_devices, "devices_per_node": self.topology.devices_per_node,
+                           "tp": self.tp, "dp": self.dp, "ep": self.ep, "context": self.context, "batch": self.batch,
+                           "dtype": self.dtype, "kv_dtype": self.kv_dtype, "block_size": self.block_size,
+                           "tokens_per_step": self.tokens_per_step, "attn_impl": self.attn_impl},
+            "device_groups": groups,
+            "notes": list(self.notes),
+        }
+
+
+def _kv_torch_dtype(dtype: str) -> torch.dtype:
+    return WEIGHT_DTYPES[dtype][1]
+
+
+def _positive_int(option: str, value, lo: int = 1, hi: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo or (hi is not None and value > hi):
+        want = f"an integer in [{lo}, {hi}]" if hi is not None else "a positive integer"
+        raise PlanError(f"{option}: must be {want}, got {value!r}")
+    return value
+
+
+def _validate(m: PlanModel, topo: Topology, tp, ep, context, batch, dtype, kv_dtype, mbt, block_size,
+              attn_impl, ep_capacity) -> None:
+    if not isinstance(topo, Topology):
+        raise PlanError(f"--devices: topology must be a Topology, got {type(topo).__name__}")
+    n = topo.num_devices
+    _positive_int("--tp", tp, 1, MAX_TP)
+    if n % tp:
+        raise PlanError(f"--tp: {tp} does not divide --devices {n} (attention runs TP x DP = devices)")
+    if m.num_heads % tp:
+        raise PlanError(f"--tp: {tp} does not divide the model's {m.num_heads} attention heads")
+    if m.attention == "gqa" and m.num_kv_heads % tp and tp % m.num_kv_heads:
+        raise PlanError(f"--tp: {tp} and the model's {m.num_kv_heads} KV heads must divide one another")
+    _positive_int("--ep", ep)
+    if n % ep:
+        raise PlanError(f"--ep: {ep} does not divide --devices {n}")
+    if ep > m.num_experts:
+        raise PlanError(f"--ep: {ep} exceeds the model's {m.num_experts} routed experts")
+    _positive_int("--context", context)
+    if context > m.max_position_embeddings:
+        raise PlanError(f"--context: {context} exceeds the model's max_position_embeddings "
+                        f"{m.max_position_embeddings}")
+    _positive_int("--batch", batch)
+    if dtype not in WEIGHT_DTYPES:
+        raise PlanError(f"--dtype: {dtype!r} is not supported (use fp32, bf16, fp16 or fp8)")
+    if kv_dtype not in KV_DTYPES:
+        raise PlanError(f"--kv-dtype: must be auto or int8, got {kv_dtype!r}")
+    if mbt is not None:
+        _positive_int("--max-batched-tokens", mbt, 1, 1 << 24)
+    _positive_int("--block-size", block_size, 1, 1024)
+    if attn_impl not in ATTN_IMPLS:
+        raise PlanError(f"--attn-impl: must be flash or eager, got {attn_impl!r}")
+    if isinstance(ep_capacity, bool) or not isinstance(ep_capacity, (int, float)) or not 1 <= ep_capacity <= 64:
+        raise PlanError(f"--ep-capacity: must be a number in [1, 64], got {ep_capacity!r}")
+
+
+def _attention_activations(m: PlanModel, tp: int, t: int, context: int, block_size: int, seqs: int,
+                           a: int, attn_impl: str) -> dict[str, int]:
+    """Live tensors of the attention operator for t tokens on one device (see plan_memory's docstring)."""
+    hd = m.num_heads // tp
+    lpad = _cdiv(context, block_size) * block_size
+    chunk, n_dec = min(t, context), min(t, seqs)
+    if m.attention == "mla":
+        qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+        proj = t * ((m.q_lora_rank or 0) + hd * qk + m.kv_latent_dim + hd * m.kv_latent_dim + hd * m.v_head_dim) * a
+        kernel = t * hd * (m.kv_lora_rank * 4 + 8)  # fp32 latent accumulator + softmax max/sum
+        if attn_impl == "eager":
+            kernel += max(hd * chunk * context * 4 + lpad * m.kv_latent_dim * a,
+                          n_dec * (hd * lpad * 4 + lpad * m.kv_latent_dim * a))
+        return {"attention_proj": proj, "attention_kernel": kernel}
+    q, kv = hd * m.head_dim, m.kv_heads_per_device(tp) * m.head_dim
+    proj = t * (q + 2 * kv) * a + t * q * a
+    if attn_impl == "flash":
+        kernel = t * q * 4 + t * hd * 8
+    else:  # the local backend: gather (+ cat) of the cached K/V, fp32 scores, bool mask
+        prefill = 2 * 2 * lpad * kv * a + hd * chunk * context * 4 + chunk * context
+        decode = n_dec * (2 * lpad * kv * a + hd * lpad * 4 + lpad)
+        kernel = max(prefill, decode)
+    return {"attention_proj": proj, "attention_kernel": kernel}
+
+
+def step_activations(m: PlanModel, *, tp: int, tokens: int, recv_rows: int, context: int, seqs: int,
+                     block_size: int, act_bytes: int, attn_impl: str) -> tuple[dict[str, int], str]:
+    """Live activation bytes at the peak operator of one step on one device: `tokens` tokens of
+    its own sequences (`seqs` of them, the longest `context` tokens) and `recv_rows` expert rows it
+    computes. Returns (bytes by tensor group, the peak stage). The planner sizes a worst step with
+    it; the local backend's ledger applies it to each real step's shapes."""
+    t, a, h, k = tokens, act_bytes, m.hidden_size, m.top_k
+    if t == 0 and recv_rows == 0:
+        return {}, "idle"
+    t_moe = _cdiv(t, tp)
+    act = {"residual": 2 * t * h * a}
+    stages = {"attention": _attention_activations(m, tp, t, max(context, 1), block_size, seqs, a, attn_impl)}
+    moe = {"router": t_moe * m.num_experts * (a + 4) + t_moe * k * 12,
+           "moe_dispatch": t_moe * k * h * a + t_moe * k * h * a + t_moe * h * a,
+           "expert_ffn": recv_rows * (3 * m.expert_intermediate_size + h) * a}
+    if m.shared_intermediate_size:
+        moe["shared_expert"] = t * (3 * _cdiv(m.shared_intermediate_size, tp) + h) * a
+    stages["moe"] = moe
+    if m.num_dense:
+        stages["dense_mlp"] = {"dense_mlp": t * (3 * _cdiv(m.dense_intermediate_size, tp) + h) * a}
+    rows = min(t, seqs)
+    stages["logits"] = {"logits": rows * _cdiv(m.vocab_size, tp) * a + rows * m.vocab_size * 4}
+    peak_stage = max(stages, key=lambda s: sum(stages[s].values()))
+    act.update(stages[peak_stage])
+    return act, peak_stage
+
+
+def comm_buffers(m: PlanModel, *, tp: int, ep: int, tokens: int, recv_rows: int, act_bytes: int) -> dict[str, int]:
+    """Receive buffers of one step's collectives on one device: the EP all-to-all (rows it
+    receives to compute, and its tokens' expert outputs coming back) and the TP all-reduce."""
+    comm = {}
+    h, a = m.hidden_size, act_bytes
+    if ep > 1:
+        comm["ep_dispatch"] = recv_rows * h * a
+        comm["ep_combine"] = _cdiv(tokens, tp) * m.top_k * h * a
+    if tp > 1:
+        comm["tp_all_reduce"] = tokens * h * a
+    return comm
+
+
+def plan_memory(config: str | Path | dict | PlanModel, topology: Topology, *, tp: int = 1, ep: int | None = None,
+                context: int, batch: int = 1, dtype: str = "bf16", kv_dtype: str = "auto",
+                max_batched_tokens: int | None = None, block_size: int = 16, attn_impl: str = "flash",
+                ep_capacity: float = 1.0) -> MemoryPlan:
+    """Per-device memory for `config` (config.json path/dir/dict) deployed on `topology`.
+
+    Layout: devices = tp x dp. Device d is TP rank d % tp of DP group d // tp; attention, dense
+    MLPs, shared experts and the vocab-parallel embeddings / LM head are split over the TP ranks.
+    Routed experts: EP rank d % ep holds a contiguous slice of E // ep experts (the first E % ep
+    ranks one more) in every MoE layer; ep=None means ep = devices. The `batch` sequences are
+    dealt to the DP groups (group g holds batch // dp, the first batch % dp one more), and each of
+    a group's devices holds their KV cache: GQA split by KV heads where kv_heads >= tp (else one
+    head per device, replicated), MLA's latent replicated on every TP rank.
+
+    Activations (bytes, a = activation element size, T = tokens per step per DP group
+    = min(max_batched_tokens, tokens of the fullest group), T_moe = ceil(T / tp)):
+      residual stream + normed input 2*T*H*a, plus the largest of the operators:
+      attention: projections (GQA: T*(q+2kv)/tp*a + output T*q/tp*a; MLA: q_lora, q, latent,
+        absorbed q, v-up activations) and the kernel workspace (flash: fp32 accumulator and
+        softmax stats; eager, the local backend's path: gathered K/V, fp32 scores of the chunk
+        against the whole context, mask);
+      MoE: router logits + fp32 probs T_moe*E*(a+4), top-k ids/weights T_moe*k*12, the dispatch
+        copy (top_k copies) T_moe*k*H*a, received rows R = T_moe*k*ep_capacity: their
+        intermediates R*3I*a and outputs R*H*a, the combine copy T_moe*k*H*a and output
+        T_moe*H*a, plus the shared expert T*(3*I_shared/tp + H)*a;
+      dense MLP layer: T*(3*I_dense/tp + H)*a;
+      logits: sampled rows r = min(T, sequences of the group): r*V/tp*a local + r*V*4 gathered fp32.
+    Communication buffers: EP all-to-all (ep > 1): dispatch R*H*a + combine T_moe*k*H*a
+    receive buffers; TP all-reduce (tp > 1): T*H*a.
+    """
+    m = config if isinstance(config, PlanModel) else load_plan_model(config)
+    n = topology.num_devices if isinstance(topology, Topology) else 0
+    ep = n if ep is None and n else ep
+    _validate(m, topology, tp, ep, context, batch, dtype, kv_dtype, max_batched_tokens, block_size, attn_impl,
+              ep_capacity)
+    dp = n // tp
+    wbytes, act_dtype = WEIGHT_DTYPES[dtype]
+    a = torch.empty((), dtype=act_dtype).element_size()
+    quantized = kv_dtype == "int8"
+    mbt = max_batched_tokens or SchedulerKnobs().max_num_batched_tokens
+    seqs_max = _cdiv(batch, dp)
+    t = min(mbt, seqs_max * context)
+    recv = int(-(-_cdiv(t, tp) * m.top_k * ep_capacity // 1))
+    blocks_per_seq = _cdiv(context, block_size)
+
+    # per-device activations and buffers are the same on every device (sized for the fullest DP group)
+    act, peak_stage = step_activations(m, tp=tp, tokens=t, recv_rows=recv, context=context, seqs=seqs_max,
+                                       block_size=block_size, act_bytes=a, attn_impl=attn_impl)
+    comm = comm_buffers(m, tp=tp, ep=ep, tokens=t, recv_rows=recv, act_bytes=a)
+
+    kv_dtype_t = act_dtype  # auto KV: the activation dtype (bf16 under fp8 weights)
+    per_block = m.kv_bytes_per_block(tp, block_size, kv_dtype_t, quantized)
+    devices = []
+    for d in range(n):
+        tp_rank, dp_group, ep_rank = d % tp, d // tp, d % ep
+        experts_local = _shard(m.num_experts, ep, ep_rank)
+        seqs = _shard(batch, dp, dp_group)
+        params = m.weight_params(tp, tp_rank, experts_local)
+        devices.append(DevicePlan(
+            device=d, node=topology.node_of(d), tp_rank=tp_rank, dp_group=dp_group, ep_rank=ep_rank,
+            experts_local=experts_local, sequences=seqs, kv_blocks=seqs * blocks_per_seq,
+            weights={c: params[c] * wbytes for c in CATEGORIES}, kv_cache=seqs * blocks_per_seq * per_block,
+            activations=sum(act.values()), comm_buffers=sum(comm.values()), hbm_bytes=topology.hbm_bytes,
+            activation_detail=dict(act), comm_detail=dict(comm)))
+
+    notes = _notes(m, topology, tp, dp, ep, dtype, kv_dtype, kv_dtype_t, block_size, t, mbt, peak_stage,
+                   attn_impl, ep_capacity, batch, context)
+    return MemoryPlan(model=m, topology=topology, tp=tp, dp=dp, ep=ep, context=context, batch=batch, dtype=dtype,
+                      kv_dtype=kv_dtype, block_size=block_size, tokens_per_step=t, attn_impl=attn_impl,
+                      devices=devices, notes=notes)
+
+
+def _notes(m: PlanModel, topo: Topology, tp, dp, ep, dtype, kv_dtype, kv_t, block_size, t, mbt, peak_stage,
+           attn_impl, ep_capacity, batch, context) -> list[str]:
+    n = topo.num_devices
+    kvn = str(kv_t).replace("torch.", "")
+    notes = [
+        f"layout: devices = TP {tp} x DP {dp}; device d is TP rank d % {tp} of DP group d // {tp} "
+        "(DeepSeek-style DP attention: each DP group serves its own sequences and schedules its own steps)",
+        f"routed experts: EP {ep}, rank d % {ep} holds a contiguous slice of {m.num_experts} // {ep} experts per MoE "
+        "layer (the first E % ep ranks one more); experts are whole on one device (no expert TP)"
+        + (f"; {n // ep} expert replicas since EP < devices" if ep < n else ""),
+        "attention, dense MLP layers and shared experts are split over TP (by heads / by intermediate rows); "
+        "routers, norms and MLA's down-projections (q_a, kv_a) are replicated on every device",
+        "embeddings and LM head are vocabulary-parallel over TP (vocab rows split; no padding of the vocabulary)"
+        + ("; tied: one matrix" if m.tie_word_embeddings else ""),
+        f"weights in {dtype}" + (" (planning only: the engine runs fp32/bf16/fp16; block scales not counted)"
+                                  if dtype == "fp8" else "") + "; no optimizer state, no weight offload to host",
+        f"batch {batch} sequences dealt round-robin to the {dp} DP groups; each sequence's KV holds "
+        f"ceil({context} / {block_size}) blocks of {block_size} tokens (the engine's paged layout)",
+    ]
+    if m.attention == "mla":
+        notes.append(f"MLA KV cache: one compressed latent of kv_lora_rank + qk_rope_head_dim = {m.kv_latent_dim} "
+                     "elements per token and layer (no separate K and V); it is shared by all heads, so it is "
+                     "not split by TP: every TP rank of the group holds the full latent")
+    elif m.num_kv_heads >= tp:
+        notes.append(f"GQA KV cache split over TP by KV heads: {m.num_kv_heads // tp} of {m.num_kv_heads} per device")
+    else:
+        notes.append(f"GQA KV cache: {m.num_kv_heads} KV heads < TP {tp}, one head per device, replicated "
+                     f"{tp // m.num_kv_heads}x")
+    if kv_dtype == "int8":
+        notes.append("INT8 KV: int8 values plus one fp32 scale per (block, head) for K and V, as "
+                     "KVCache.bytes_per_block" + (" (MLA: one scale per (block, layer) for the latent)"
+                                                  if m.attention == "mla" else ""))
+    else:
+        notes.append(f"KV in {kvn} (auto: the activation dtype)")
+    notes += [
+        f"activations sized for T = {t} tokens per step per DP group (min(max_batched_tokens {mbt}, tokens of the "
+        "fullest group)), allocated on every device; peak = residual stream + the largest operator "
+        f"(here: {peak_stage}); between layers only the residual stream lives",
+        f"attention kernel: {attn_impl}" + (" (IO-aware: no score matrix, fp32 accumulator + softmax stats)"
+                                            if attn_impl == "flash" else
+                                            " (the local backend's path: gathered K/V, fp32 scores of the chunk "
+                                            "against the whole context)"),
+        f"MoE tokens split over the TP ranks before dispatch (T_moe = ceil(T / {tp})); each device receives "
+        f"T_moe x top_k x {ep_capacity:g} rows (balanced routing; hot experts need a larger --ep-capacity)",
+        "communication buffers: EP all-to-all dispatch + combine receive buffers (tokens x top_k x hidden x "
+        "activation bytes, both directions) when EP > 1; one TP all-reduce buffer (T x hidden) when TP > 1; "
+        "dispatch in the activation dtype (no fp8 dispatch)",
+        "not counted: CUDA context, allocator fragmentation, CUDA graphs, the rotary tables, the sampler; "
+        "headroom must cover them",
+    ]
+    if tp > topo.devices_per_node:
+        notes.append(f"TP {tp} spans more than one node ({topo.devices_per_node} devices per node)")
+    if ep > topo.devices_per_node:
+        notes.append(f"EP {ep} spans {_cdiv(ep, topo.devices_per_node)} nodes: the all-to-all crosses "
+                     f"the inter-node links ({topo.inter_node_gbps:g} GB/s)")
+    if dp > 1 and batch < dp:
+        notes.append(f"only {batch} of the {dp} DP groups hold a sequence; the others hold no KV cache")
+    return m.notes + notes
+
+
+# ---------------------------------------------------------------------------------------------
+# what would make it fit
+
+
+def fit_suggestions(config, topology: Topology, **options) -> list[dict]:
+    """Single changes that make a plan fit, each as {"change", "fits", "headroom_bytes", "options"}.
+
+    Tried: INT8 KV, fp8 weights, more devices (EP scaled with them), the largest batch and the
+    longest context that fit. Empty when the plan already fits."""
+    m = config if isinstance(config, PlanModel) else load_plan_model(config)
+    base = plan_memory(m, topology, **options)
+    if base.fits:
+        return []
+    out = []
+
+    def attempt(change: str, topo: Topology = topology, **changes):
+        try:
+            p = plan_memory(m, topo, **{**options, **changes})
+        except ValueError:
+            return None
+        if p.fits:
+            out.append({"change": change, "fits": True, "headroom_bytes": p.headroom_bytes, "options": changes})
+        return p
+
+    if options.get("kv_dtype", "auto") != "int8":
+        attempt("--kv-dtype int8", kv_dtype="int8")
+    if options.get("dtype", "bf16") != "fp8":
+        attempt("--dtype fp8 (weights)", dtype="fp8")
+    n, ep = topology.num_devices, options.get("ep") or topology.num_devices
+    factor = 2
+    while n * factor <= 256:  # the fewest more devices that fit; EP grows with them if it spanned all
+        grow = ep == n and ep * factor <= m.num_experts
+        changes = {"ep": ep * factor} if grow else {}
+        p = attempt(f"--devices {n * factor}" + (f" --ep {ep * factor}" if grow else ""),
+                    replace(topology, num_devices=n * factor), **changes)
+        if p is not None and p.fits:
+            break
+        factor *= 2
+    for key, flag in (("batch", "--batch"), ("context", "--context")):
+        cur = options.get(key, 1)
+        best, lo, hi = None, 1, cur - 1  # the largest smaller value that fits (bisection)
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            if plan_memory(m, topology, **{**options, key: mid}).fits:
+                best, lo = mid, mid + 1
+            else:
+                hi = mid - 1
+        if best:
+            attempt(f"{flag} {best}", **{key: best})
+    return out
