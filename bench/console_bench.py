@@ -76,8 +76,8 @@ SPAN_NAMES = ["attention", "router", "experts", "all_to_all dispatch", "all_to_a
 # -- 1. the synthetic trace ----------------------------------------------------------------------
 
 def synthetic_header(expert_bytes: int = 44 << 20) -> dict:
-    from moectl.engine.experts.placement import Placement
     from moectl.engine.core.topology import Topology
+    from moectl.engine.experts.placement import Placement
 
     topology = Topology(num_devices=DEVICES, hbm_bytes=141 << 30)
     return {
@@ -248,9 +248,10 @@ async def _until(condition, timeout_s: float, poll_s: float = 0.01) -> bool:
 # -- 1. frame time -------------------------------------------------------------------------------
 
 async def _frames(path: Path, frames: int, size: tuple[int, int], tabs: tuple[str, ...]) -> dict:
+    from textual.widgets import TabbedContent
+
     from moectl.console.app import MoectlApp
     from moectl.console.sources import ReplaySource
-    from textual.widgets import TabbedContent
 
     source = ReplaySource(path)
     app = MoectlApp(source)
@@ -451,7 +452,10 @@ def report(res: dict) -> None:
             print(f"{name:<34} {'-':>10} {'-':>10}")
             return
         r_med = (target / median if median else float("inf")) if higher_is_better else median / target
-        r_max = "" if worst is None else f"{(target / worst if worst else float('inf')) if higher_is_better else worst / target:.2f}"
+        if worst is None:
+            r_max = ""
+        else:
+            r_max = f"{(target / worst if worst else float('inf')) if higher_is_better else worst / target:.2f}"
         print(f"{name:<34} {median:>8.1f}{unit:>2} {'' if worst is None else f'{worst:>8.1f}{unit:>2}':>10} "
               f"{target:>8.0f}{unit:>2} {r_med:>14.2f} {r_max:>11}")
 
@@ -466,7 +470,8 @@ def report(res: dict) -> None:
         print(f"  ticks {u['ticks_per_s']}/s, records {u['records_per_s']}/s over {u['seconds']} s; "
               f"tick median {u['tick']['median_ms']} ms, max {u['tick']['max_ms']} ms "
               f"(max column: the fewest updates in any one second)")
-    for name, label in (("keys", "live, engine flat out"), ("big_keys", f"big layout {BIG_SIZE[0]}x{BIG_SIZE[1]}, replay paused")):
+    labels = (("keys", "live, engine flat out"), ("big_keys", f"big layout {BIG_SIZE[0]}x{BIG_SIZE[1]}, replay paused"))
+    for name, label in labels:
         if name not in res:
             continue
         k = res[name]

@@ -41,11 +41,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from moectl.engine.core.config import EngineConfig, SchedulerKnobs  # noqa: E402
+from moectl.engine.core.topology import Topology  # noqa: E402
 from moectl.engine.experts.expert_cache import ExpertCache, moe_host_tier, replay  # noqa: E402
-from moectl.engine.llm_engine import LLMEngine  # noqa: E402
 from moectl.engine.experts.placement import Placement  # noqa: E402
 from moectl.engine.experts.prefetch import CoactivationPredictor, RouterPredictor, RoutingRecorder  # noqa: E402
-from moectl.engine.core.topology import Topology  # noqa: E402
+from moectl.engine.llm_engine import LLMEngine  # noqa: E402
 from moectl.engine.tools.workload import WorkloadSpec, make_workload, run_workload  # noqa: E402
 
 TARGET = 0.9
@@ -63,10 +63,10 @@ def default_model_dir(workdir: str | Path | None = None) -> tuple[Path, str]:
     layout (4 layers, 16 experts, top-2) written to workdir (a temporary directory)."""
     if has_weights(SAMPLE_MODEL):
         return SAMPLE_MODEL, "engine/sample_model"
-    from tests.engine_fixtures import make_tiny_checkpoint
+    from tests.checkpoints import tiny_checkpoint
 
     out = Path(workdir or tempfile.mkdtemp(prefix="expert_cache_bench_"))
-    make_tiny_checkpoint(out, num_hidden_layers=4, num_local_experts=16, num_experts_per_tok=2,
+    tiny_checkpoint(out, num_hidden_layers=4, num_local_experts=16, num_experts_per_tok=2,
                          hidden_size=64, intermediate_size=48, max_position_embeddings=1024)
     return out, "tiny random Mixtral (4 layers, 16 experts, top-2; engine/sample_model has no weights yet)"
 

@@ -113,7 +113,7 @@ async def one_stream(session: aiohttp.ClientSession, url: str, i: int, max_token
                     done = True
                 elif b'"error"' in line and "error" in json.loads(line[6:]):
                     error = json.loads(line[6:])["error"]["message"]
-    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+    except (TimeoutError, aiohttp.ClientError) as exc:
         error = f"{type(exc).__name__}: {exc}"
     if error is None and not done:
         error = "stream ended without [DONE]"

@@ -187,7 +187,8 @@ def report(res: dict) -> None:
     print(f"bytes per step       {res['bytes_per_step']:,}  (payload {res['payload_bytes_per_step']:,}, "
           f"of which routing {res['routing_bytes_per_step']:,})")
     print(f"one hour projected   {res['hour_bytes_projected'] / mb:,.0f} MB  = {res['hour_vs_1GB']:.2f} x the 1 GB target")
-    print(f"writer throughput    {res['write_steps_per_s']:,.0f} steps/s  = {res['write_vs_10_per_s']:.0f} x the 10 steps/s needed"
+    print(f"writer throughput    {res['write_steps_per_s']:,.0f} steps/s  "
+          f"= {res['write_vs_10_per_s']:.0f} x the 10 steps/s needed"
           f"  (encode {res['encode_ms']:.2f} ms, decode {res['decode_ms']:.2f} ms per record)")
     print(f"dropped              {res['dropped']}  (producer backed off {res['producer_backoffs']} times)")
     for name in ("seek_step_ms", "seek_time_ms"):

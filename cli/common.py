@@ -13,9 +13,9 @@ from pathlib import Path
 
 import typer
 
+from moectl.engine import sample_model_dir
 from moectl.engine.core.config import EngineConfig
 from moectl.engine.core.topology import Topology, parse_size
-from moectl.engine import sample_model_dir
 
 BACKENDS = ("local", "multi-gpu", "distributed")
 

@@ -6,8 +6,16 @@ from pathlib import Path
 
 import typer
 
-from moectl.cli.common import (DTYPE_OPT, EXPERT_CACHE_OPT, HBM_OPT, MODEL_OPT, THEME_OPT, BadInput, engine_config,
-                               handles_errors)
+from moectl.cli.common import (
+    DTYPE_OPT,
+    EXPERT_CACHE_OPT,
+    HBM_OPT,
+    MODEL_OPT,
+    THEME_OPT,
+    BadInput,
+    engine_config,
+    handles_errors,
+)
 from moectl.themes import check_theme
 
 DEMO_WORKLOAD = "rate=4,prompt=32-256,output=32-128"

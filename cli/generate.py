@@ -11,8 +11,18 @@ from pathlib import Path
 
 import typer
 
-from moectl.cli.common import (DTYPE_OPT, EXPERT_CACHE_OPT, HBM_OPT, JSON_OPT, MODEL_OPT, BadInput, engine_config,
-                               handles_errors, model_dir, parse_ids)
+from moectl.cli.common import (
+    DTYPE_OPT,
+    EXPERT_CACHE_OPT,
+    HBM_OPT,
+    JSON_OPT,
+    MODEL_OPT,
+    BadInput,
+    engine_config,
+    handles_errors,
+    model_dir,
+    parse_ids,
+)
 from moectl.engine.core.topology import format_size
 
 

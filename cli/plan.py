@@ -29,8 +29,8 @@ def plan_memory_cmd(
 ):
     """The operator-level memory table for each device: weights by category, KV cache, activations
     at peak, communication buffers and headroom; whether it fits and, if not, by how much."""
-    from moectl.engine.planning.memory_plan import fit_suggestions, plan_memory
     from moectl.engine.core.topology import Topology, parse_size
+    from moectl.engine.planning.memory_plan import fit_suggestions, plan_memory
 
     topo = Topology(num_devices=devices, hbm_bytes=parse_size(hbm, "--hbm"))
     kw = dict(tp=tp, ep=ep, context=context, batch=batch, dtype=dtype, kv_dtype=kv_dtype)
@@ -67,8 +67,13 @@ def plan_rebalance_cmd(
     (by node when there are nodes), and report balancedness before/after and bytes moved. From a
     trace, the loads are its recorded routing and "before" is the placement it was recorded with
     (exact: routing does not depend on placement)."""
-    from moectl.engine.experts.rebalancer import DEFAULT_EXPERT_BYTES, load_loads_file, run_plan_rebalance, synthetic_loads
     from moectl.engine.core.topology import parse_size
+    from moectl.engine.experts.rebalancer import (
+        DEFAULT_EXPERT_BYTES,
+        load_loads_file,
+        run_plan_rebalance,
+        synthetic_loads,
+    )
 
     if synthetic == (loads_file is not None):
         raise BadInput("give a TRACE or loads FILE, or --synthetic (one of them)")

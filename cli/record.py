@@ -9,8 +9,16 @@ from pathlib import Path
 
 import typer
 
-from moectl.cli.common import (DTYPE_OPT, EXPERT_CACHE_OPT, HBM_OPT, JSON_OPT, MODEL_OPT, BadInput, engine_config,
-                               handles_errors)
+from moectl.cli.common import (
+    DTYPE_OPT,
+    EXPERT_CACHE_OPT,
+    HBM_OPT,
+    JSON_OPT,
+    MODEL_OPT,
+    BadInput,
+    engine_config,
+    handles_errors,
+)
 
 DEFAULT_RECORD_WORKLOAD = "rate=6,prompt=32-256,output=32-128,duration=86400"
 

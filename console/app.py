@@ -18,13 +18,19 @@ from textual.css.query import NoMatches
 from textual.screen import ModalScreen
 from textual.widgets import Footer, Header, Static, TabbedContent, TabPane
 
-from moectl.themes import HEATMAP_SCALE, STYLES, THEMES
-
-from moectl.console.panels import (ActionRequested, ExpertsPanel, MemoryPanel, OverviewPanel, RequestsPanel, TimelinePanel,
-                     TransportBar)
+from moectl.console.panels import (
+    ActionRequested,
+    ExpertsPanel,
+    MemoryPanel,
+    OverviewPanel,
+    RequestsPanel,
+    TimelinePanel,
+    TransportBar,
+)
 from moectl.console.sources import ActionRefused, ReplaySource, counterfactual_plan
 from moectl.console.state import ConsoleState
 from moectl.console.widgets import HeatMap
+from moectl.themes import HEATMAP_SCALE, STYLES, THEMES
 
 REFRESH_S = 0.2  # 5 Hz: the issue asks for >= 4
 ALERT_EVERY_S = 2.0

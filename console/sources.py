@@ -26,9 +26,8 @@ import numpy as np
 
 from moectl.console.state import WINDOW_STEPS
 from moectl.engine.core.driver import RECORD_BUFFER, ActionRefused, EngineDriver
-from moectl.engine.experts.placement import Placement
-from moectl.engine.experts.rebalancer import plan_rebalance
 from moectl.engine.core.topology import Topology
+from moectl.engine.experts.rebalancer import plan_rebalance
 from moectl.engine.tools.workload import WorkloadSpec, make_workload
 from moectl.profiler.analysis import BALANCEDNESS_WARN, KV_USAGE_WARN
 from moectl.profiler.recorder import engine_header
@@ -65,7 +64,7 @@ class DemoLoad:
     paused: bool = False
 
     @classmethod
-    def from_spec(cls, spec: WorkloadSpec) -> "DemoLoad":
+    def from_spec(cls, spec: WorkloadSpec) -> DemoLoad:
         """The live demo's part of a --workload spec: its rate and lengths (it runs until quit)."""
         if spec.source == "jsonl":
             raise ValueError("--workload: the live demo draws corpus prompts; give rate=,prompt=,output=")

@@ -191,10 +191,6 @@ class ConsoleState:
         per_layer, overall = placement.balancedness(self.routing_window())
         return {"overall": float(overall), "per_layer": [float(x) for x in per_layer]}
 
-    def device_experts(self, device: int, top: int = 8) -> list[tuple[int, int, float]]:
-        """(layer, expert, tokens) of the experts bringing `device` most of its window load."""
-        return self.top_experts_per_device(top)[device] if self.placement_shown is not None and self.window else []
-
     def top_experts_per_device(self, top: int = 8) -> list[list[tuple[int, int, float]]]:
         """For every device at once (one vectorised pass, cached per version): its `top` experts
         by the window tokens they bring it, replicas sharing their expert's tokens evenly."""

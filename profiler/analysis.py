@@ -19,15 +19,15 @@ device, so that is the fraction of the MoE time spent on useful work (engine.pla
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import numpy as np
 
-from moectl.engine.experts.placement import Placement, balancedness as _balance
-from moectl.engine.experts.rebalancer import plan_rebalance
-from moectl.engine.core.topology import Topology
-
 from moectl.engine.core.records import ENGINE_LANE
+from moectl.engine.core.topology import Topology
+from moectl.engine.experts.placement import Placement
+from moectl.engine.experts.placement import balancedness as _balance
+from moectl.engine.experts.rebalancer import plan_rebalance
 
 # ---- alert thresholds ------------------------------------------------------------------------
 BALANCEDNESS_WARN = 0.8  # window balancedness below this: imbalance alert

@@ -14,8 +14,8 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 import numpy as np
 

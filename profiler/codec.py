@@ -87,7 +87,7 @@ def decode(data: bytes) -> dict:
         record = _rebuild(head["r"], arrays)
     except TraceError:
         raise
-    except Exception as e:  # zlib.error, json, struct, malformed table: all mean a damaged payload
+    except Exception as e:  # noqa: BLE001 - zlib.error, json, struct, malformed table: all mean a damaged payload
         raise TraceError(f"corrupt record payload: {type(e).__name__}: {e}") from None
     if not isinstance(record, dict):
         raise TraceError("corrupt record payload: top level is not a dict")

@@ -11,13 +11,13 @@ from __future__ import annotations
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from moectl.engine.core.config import EngineConfig
-from moectl.engine.llm_engine import LLMEngine
 from moectl.engine.core.sampling import SamplingParams
 from moectl.engine.core.topology import Topology
+from moectl.engine.llm_engine import LLMEngine
 from moectl.engine.tools.workload import WorkloadSpec, run_workload, workload_for_engine
 
 TARGET_OVERHEAD = 0.03

@@ -258,7 +258,7 @@ class TraceWriter:
         key, record = item
         try:
             payload = codec.encode(record, str_keys=self._str_keys)
-        except Exception as e:  # one bad record must not stop the trace
+        except Exception as e:  # noqa: BLE001 - one bad record must not stop the trace
             self._fail(1, f"encode: {e}")
             return
         (steps if key[0] == "s" else actions).append((*key[1:], payload))
@@ -274,7 +274,7 @@ class TraceWriter:
             self._store_counts(conn, written=self._written + len(steps) + len(actions))
             conn.execute("COMMIT")
             self._written += len(steps) + len(actions)
-        except Exception as e:  # e.g. disk full: count the loss, keep the thread alive
+        except Exception as e:  # noqa: BLE001 - e.g. disk full: count the loss, keep the thread alive
             self._fail(len(steps) + len(actions), f"commit: {e}")
             try:
                 if conn.in_transaction:

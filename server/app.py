@@ -29,7 +29,6 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from moectl.engine.core.driver import EngineDriver
 from moectl.profiler.recorder import engine_header
-
 from moectl.server.control import ControlApi
 from moectl.server.metrics import ServerMetrics
 from moectl.server.openai_api import ApiError, OpenAIApi, error_response
@@ -130,7 +129,7 @@ class ServerThread:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    def start(self) -> "ServerThread":
+    def start(self) -> ServerThread:
         self._thread.start()
         if not self._ready.wait(30) or self._error is not None:
             raise RuntimeError(f"server did not start: {self._error!r}")
@@ -166,7 +165,7 @@ class ServerThread:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(SHUTDOWN_TIMEOUT_S + 10)
 
-    def __enter__(self) -> "ServerThread":
+    def __enter__(self) -> ServerThread:
         return self.start()
 
     def __exit__(self, *exc) -> None:

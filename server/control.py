@@ -24,6 +24,7 @@ import time
 import uuid
 from collections import OrderedDict
 from pathlib import Path
+
 from aiohttp import web
 
 from moectl.server.openai_api import ApiError, is_int, read_json

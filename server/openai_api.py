@@ -22,12 +22,12 @@ import json
 import time
 import uuid
 from dataclasses import dataclass
+
 from aiohttp import web
 
 from moectl.engine.core.sampling import SamplingParams
-
-from moectl.server.streams import AsyncRequestStream, TextDeltas
 from moectl.server.state import ServerState
+from moectl.server.streams import AsyncRequestStream, TextDeltas
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_STOP_STRINGS = 4  # as OpenAI

@@ -5,20 +5,22 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.checkpoints import SMALLER, STD, tiny_checkpoint
+
 
 @pytest.fixture(scope="session")
 def tiny_hf_checkpoint(tmp_path_factory):
     """name -> directory of a tiny transformers-written checkpoint (see tests/tiny_models.SPECS),
     built on first use and cached for the session. Skips when transformers is not installed."""
     pytest.importorskip("transformers")
-    from tests.tiny_models import build_hf_checkpoint
+
 
     root = tmp_path_factory.mktemp("tiny_hf")
     built = {}
 
     def get(name: str):
         if name not in built:
-            built[name] = build_hf_checkpoint(name, root / name)
+            built[name] = tiny_checkpoint(root / name, name)
         return built[name]
 
     return get
@@ -27,9 +29,7 @@ def tiny_hf_checkpoint(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_engine_checkpoint(tmp_path_factory):
     """A tiny Mixtral written by the engine's own saver (no transformers needed)."""
-    from tests.tiny_models import build_engine_checkpoint
-
-    return build_engine_checkpoint(tmp_path_factory.mktemp("tiny_engine"))
+    return tiny_checkpoint(tmp_path_factory.mktemp("tiny_engine"), tokenizer=False, std=STD, **SMALLER)
 
 
 @pytest.fixture(scope="module")

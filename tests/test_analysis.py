@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from moectl.engine.core.records import ENGINE_LANE, device_lane, link_lane
+from moectl.engine.core.topology import Topology
 from moectl.engine.experts.placement import Placement
 from moectl.engine.experts.rebalancer import plan_rebalance
-from moectl.engine.core.topology import Topology
 from moectl.profiler import analysis
-from moectl.engine.core.records import ENGINE_LANE, device_lane, link_lane
 
 # L=2 layers, E=4 experts. Under the contiguous placement on 2 devices (E0,E1 | E2,E3):
 #   layer 0 -> device loads 8 | 4 (balancedness 6/8), layer 1 -> 6 | 2 (4/6); overall 10/14.

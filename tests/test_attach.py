@@ -11,12 +11,12 @@ import pytest
 
 from moectl.console.app import MoectlApp
 from moectl.console.sources import ActionRefused, AttachSource
-from moectl.engine.core.driver import EngineDriver
 from moectl.engine.core.config import EngineConfig
-from moectl.engine.llm_engine import LLMEngine
+from moectl.engine.core.driver import EngineDriver
 from moectl.engine.core.topology import Topology
+from moectl.engine.llm_engine import LLMEngine
 from moectl.server.app import ServerThread
-from tests.engine_fixtures import make_tiny_checkpoint
+from tests.checkpoints import tiny_checkpoint
 from tests.test_console import run_app, text_of, until
 
 TOKEN = "s3cret-token"
@@ -24,7 +24,7 @@ TOKEN = "s3cret-token"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    ckpt = make_tiny_checkpoint(tmp_path_factory.mktemp("attach"))
+    ckpt = tiny_checkpoint(tmp_path_factory.mktemp("attach"))
     config = EngineConfig(model=str(ckpt), block_size=4, num_kv_blocks=256, topology=Topology(num_devices=4),
                           redundant_slots=1, num_threads=1)
     driver = EngineDriver(lambda: LLMEngine(config))

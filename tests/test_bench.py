@@ -6,8 +6,7 @@ import json
 
 import pytest
 
-from moectl.engine.tools import bench
-from moectl.engine.tools import machine_limits
+from moectl.engine.tools import bench, machine_limits
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -98,15 +97,3 @@ def test_machine_limits_measure_small():
     assert mm["matmul_flops"] == max(mm["matmul_flops_by_size"].values()) > 0
     assert set(mm["matmul_flops_by_size"]) == {"32", "64"}
     assert "GB/s" in machine_limits.format_limits({**bw, **mm, "threads": 1})
-
-
-def test_make_tiny_checkpoint_loads_in_the_engine(tmp_path):
-    pytest.importorskip("transformers")
-    from moectl.engine.llm_engine import EngineConfig, LLMEngine
-    from moectl.engine.core.sampling import SamplingParams
-
-    path = bench.make_tiny_checkpoint(tmp_path / "tiny", vocab_size=128, hidden_size=32, num_layers=1,
-                                      num_experts=4, intermediate_size=16, max_positions=64)
-    eng = LLMEngine(EngineConfig(model=str(path), num_kv_blocks=16))
-    out = eng.generate([[1, 2, 3]], SamplingParams(max_tokens=3, ignore_eos=True))
-    assert len(out[0].token_ids) == 3 and eng.model_config.num_experts == 4

@@ -10,14 +10,14 @@ import pytest
 from typer.testing import CliRunner
 
 from moectl.cli.main import app
-from tests.engine_fixtures import make_tiny_checkpoint
+from tests.checkpoints import tiny_checkpoint
 
 runner = CliRunner()
 
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("cli"))
+    return tiny_checkpoint(tmp_path_factory.mktemp("cli"))
 
 
 def run(*args):

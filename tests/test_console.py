@@ -11,9 +11,9 @@ import pytest
 from moectl.console.app import MoectlApp
 from moectl.console.sources import DemoLoad, LiveSource, ReplaySource
 from moectl.engine.core.config import EngineConfig
-from moectl.engine.llm_engine import LLMEngine
 from moectl.engine.core.topology import Topology
-from tests.engine_fixtures import make_tiny_checkpoint
+from moectl.engine.llm_engine import LLMEngine
+from tests.checkpoints import tiny_checkpoint
 
 TRACES = Path(__file__).resolve().parent.parent / "sample_traces"
 SIZE = (160, 50)
@@ -21,7 +21,7 @@ SIZE = (160, 50)
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("console"))
+    return tiny_checkpoint(tmp_path_factory.mktemp("console"))
 
 
 def live(ckpt, **kw) -> LiveSource:

@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from moectl.engine.core.config import EngineConfig
-from moectl.engine.llm_engine import LLMEngine
-from moectl.engine.experts.placement import Placement, PlacementError
-from moectl.engine.experts.rebalancer import plan_rebalance
 from moectl.engine.core.sampling import SamplingParams
 from moectl.engine.core.topology import Topology
-from tests.engine_fixtures import make_tiny_checkpoint
+from moectl.engine.experts.placement import Placement, PlacementError
+from moectl.engine.experts.rebalancer import plan_rebalance
+from moectl.engine.llm_engine import LLMEngine
+from tests.checkpoints import tiny_checkpoint
 from tests.test_engine_core import prompts
 
 GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
@@ -20,7 +20,7 @@ GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("devices"))
+    return tiny_checkpoint(tmp_path_factory.mktemp("devices"))
 
 
 def engine(ckpt, devices=None, **kw) -> LLMEngine:

@@ -13,19 +13,29 @@ from pathlib import Path
 import pytest
 import torch
 
-from moectl.engine.core.paged_attention import DecodeGroup, PagedContext, PrefillSlice
-from moectl.engine.models.config import ModelConfig
-from moectl.engine.parallel.distributed import (DistributedError, GenerateJob, ScoreJob, check_layout, default_tp,
-                                generate_distributed, launch, launch_distributed, pack_step, run_rank, unpack_step)
 from moectl.engine.core.config import EngineConfig, SchedulerKnobs
 from moectl.engine.core.kv_cache import KVCache
-from moectl.engine.llm_engine import LLMEngine
-from moectl.engine.models.loader import save_checkpoint
-from moectl.engine.models.decoder import MoEForCausalLM
-from moectl.engine.parallel.sharding import ParallelError, local_kv_heads, tp_head_layout
+from moectl.engine.core.paged_attention import DecodeGroup, PagedContext, PrefillSlice
 from moectl.engine.core.sampling import SamplingParams
-from tests.engine_fixtures import make_tiny_checkpoint
-from tests.tiny_models import randomize_
+from moectl.engine.llm_engine import LLMEngine
+from moectl.engine.models.config import ModelConfig
+from moectl.engine.models.decoder import MoEForCausalLM
+from moectl.engine.models.loader import save_checkpoint
+from moectl.engine.parallel.distributed import (
+    DistributedError,
+    GenerateJob,
+    ScoreJob,
+    check_layout,
+    default_tp,
+    generate_distributed,
+    launch,
+    launch_distributed,
+    pack_step,
+    run_rank,
+    unpack_step,
+)
+from moectl.engine.parallel.sharding import ParallelError, local_kv_heads, tp_head_layout
+from tests.checkpoints import randomize_, tiny_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -60,8 +70,8 @@ def _engine_checkpoint(raw: dict, out: Path, seed: int = 0) -> Path:
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
     root = tmp_path_factory.mktemp("dist")
-    return {"mixtral": make_tiny_checkpoint(root / "mixtral"),
-            "mixtral_other": make_tiny_checkpoint(root / "mixtral_other", seed=1, with_tokenizer=False),
+    return {"mixtral": tiny_checkpoint(root / "mixtral"),
+            "mixtral_other": tiny_checkpoint(root / "mixtral_other", seed=1, tokenizer=False),
             "olmoe": _engine_checkpoint(OLMOE, root / "olmoe"),
             "qwen2_moe": _engine_checkpoint(QWEN2, root / "qwen2_moe")}
 

@@ -10,15 +10,15 @@ import torch
 
 from moectl.engine.core.config import EngineConfig, KnobError, SchedulerKnobs
 from moectl.engine.core.kv_cache import KVCache
+from moectl.engine.core.sampling import SamplingParams
 from moectl.engine.llm_engine import LLMEngine
 from moectl.engine.models.loader import load_model
-from moectl.engine.core.sampling import SamplingParams
-from tests.engine_fixtures import make_tiny_checkpoint, reference_greedy
+from tests.checkpoints import reference_greedy, tiny_checkpoint
 
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny"))
+    return tiny_checkpoint(tmp_path_factory.mktemp("tiny"))
 
 
 @pytest.fixture(scope="module")
@@ -259,7 +259,7 @@ def test_request_ids_are_unique_while_in_flight_and_reusable_after(ckpt):
 
 
 def test_stop_strings_without_a_tokenizer_are_refused(tmp_path):
-    ckpt = make_tiny_checkpoint(tmp_path / "notok", with_tokenizer=False)
+    ckpt = tiny_checkpoint(tmp_path / "notok", tokenizer=False)
     engine = make_engine(ckpt)
     with pytest.raises(ValueError, match="stop"):
         engine.add_request([5, 6], SamplingParams(stop=("x",)))

@@ -7,16 +7,26 @@ import random
 import pytest
 import torch
 
-from moectl.engine.models.config import ModelConfig
 from moectl.engine.core.config import EngineConfig, SchedulerKnobs
-from moectl.engine.experts.expert_cache import (CachePolicy, ExpertCache, belady, belady_hit_rate, brute_force_min_misses,
-                                 lru_hit_rate, max_working_set, moe_host_tier, replay, simulate)
-from moectl.engine.llm_engine import LLMEngine
-from moectl.engine.models.decoder import MoEForCausalLM
+from moectl.engine.core.sampling import SamplingParams
+from moectl.engine.experts.expert_cache import (
+    CachePolicy,
+    ExpertCache,
+    belady,
+    belady_hit_rate,
+    brute_force_min_misses,
+    lru_hit_rate,
+    max_working_set,
+    moe_host_tier,
+    replay,
+    simulate,
+)
 from moectl.engine.experts.placement import Placement
 from moectl.engine.experts.prefetch import CachePrefetcher, CoactivationPredictor, RouterPredictor, RoutingRecorder
-from moectl.engine.core.sampling import SamplingParams
-from tests.engine_fixtures import TINY_MIXTRAL, make_tiny_checkpoint
+from moectl.engine.llm_engine import LLMEngine
+from moectl.engine.models.config import ModelConfig
+from moectl.engine.models.decoder import MoEForCausalLM
+from tests.checkpoints import TINY_MIXTRAL, tiny_checkpoint
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -230,7 +240,7 @@ def test_coactivation_predictor_learns_transitions(model):
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    ckpt = make_tiny_checkpoint(tmp_path_factory.mktemp("tiny_cache"), num_hidden_layers=3, num_local_experts=8)
+    ckpt = tiny_checkpoint(tmp_path_factory.mktemp("tiny_cache"), num_hidden_layers=3, num_local_experts=8)
     return LLMEngine(EngineConfig(model=str(ckpt), block_size=4, num_kv_blocks=64,
                                   knobs=SchedulerKnobs(max_num_seqs=4)))
 

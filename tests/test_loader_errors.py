@@ -12,9 +12,9 @@ from safetensors.torch import load_file, save_file
 
 from moectl.engine.core.config import EngineConfig
 from moectl.engine.llm_engine import LLMEngine
-from moectl.engine.models.loader import load_model
 from moectl.engine.models.decoder import MoEForCausalLM
-from tests.tiny_models import shard_checkpoint
+from moectl.engine.models.loader import load_model
+from tests.checkpoints import shard_checkpoint
 
 
 @pytest.fixture
@@ -153,9 +153,9 @@ def test_unused_checkpoint_tensor_is_refused(tmp_path):
     from safetensors.torch import load_file, save_file
 
     from moectl.engine.models.loader import CheckpointError, load_model
-    from tests.engine_fixtures import make_tiny_checkpoint
+    from tests.checkpoints import tiny_checkpoint
 
-    ckpt = make_tiny_checkpoint(tmp_path / "m", with_tokenizer=False)
+    ckpt = tiny_checkpoint(tmp_path / "m", tokenizer=False)
     tensors = load_file(str(ckpt / "model.safetensors"))
     tensors["model.layers.0.self_attn.o_proj.bias"] = torch.zeros(32)
     save_file(tensors, str(ckpt / "model.safetensors"))
@@ -173,7 +173,7 @@ def test_unused_checkpoint_tensor_is_refused(tmp_path):
 ])
 def test_wrongly_typed_config_values_name_the_field(change, field):
     from moectl.engine.models.config import ConfigError, ModelConfig
-    from tests.engine_fixtures import TINY_MIXTRAL
+    from tests.checkpoints import TINY_MIXTRAL
 
     with pytest.raises(ConfigError) as err:
         ModelConfig.from_hf({**TINY_MIXTRAL, **change})
@@ -182,7 +182,7 @@ def test_wrongly_typed_config_values_name_the_field(change, field):
 
 def test_generation_config_adds_end_of_sequence_ids(tmp_path):
     from moectl.engine.models.config import ConfigError, ModelConfig
-    from tests.engine_fixtures import TINY_MIXTRAL
+    from tests.checkpoints import TINY_MIXTRAL
 
     (tmp_path / "config.json").write_text(json.dumps(TINY_MIXTRAL))
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 7, 99999]}))

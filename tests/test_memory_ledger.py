@@ -6,22 +6,21 @@ from __future__ import annotations
 import pytest
 
 from moectl.engine.core.config import EngineConfig, KnobError
-from moectl.engine.llm_engine import LLMEngine
-from moectl.engine.experts.memory_ledger import WEIGHT_CATEGORIES
-from moectl.engine.planning.memory_plan import plan_memory
-from moectl.engine.experts.placement import PlacementError
 from moectl.engine.core.sampling import SamplingParams
 from moectl.engine.core.topology import Topology
-from tests.engine_fixtures import make_tiny_checkpoint
+from moectl.engine.experts.memory_ledger import WEIGHT_CATEGORIES
+from moectl.engine.experts.placement import PlacementError
+from moectl.engine.llm_engine import LLMEngine
+from moectl.engine.planning.memory_plan import plan_memory
+from tests.checkpoints import tiny_checkpoint
 from tests.test_engine_core import prompts
-from tests.tiny_models import build_hf_checkpoint
 
 GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("ledger"))
+    return tiny_checkpoint(tmp_path_factory.mktemp("ledger"))
 
 
 def engine(ckpt, devices, hbm=1 << 30, **kw) -> LLMEngine:
@@ -43,7 +42,7 @@ def test_every_weight_category_agrees_with_the_planner(tmp_path, arch):
     """Real tensor bytes per device (each device a DP-attention replica plus its expert slots)
     equal what `plan memory` computes from config.json alone; qwen2_moe adds shared experts and
     a dense layer."""
-    ckpt = make_tiny_checkpoint(tmp_path) if arch == "mixtral" else build_hf_checkpoint(arch, tmp_path)
+    ckpt = tiny_checkpoint(tmp_path, "engine" if arch == "mixtral" else arch)
     devices = 2
     eng = engine(ckpt, devices, num_kv_blocks=64)
     plan = plan_memory(ckpt, Topology(num_devices=devices), tp=1, ep=devices, context=8, batch=devices,

@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from moectl.engine.models.config import ModelConfig
 from moectl.engine.core.kv_cache import KVCache
-from moectl.engine.planning.memory_plan import CATEGORIES, fit_suggestions, load_plan_model, plan_memory
-from moectl.engine.models.decoder import MoEForCausalLM
 from moectl.engine.core.topology import Topology
-from tests.tiny_models import SPECS
+from moectl.engine.models.config import ModelConfig
+from moectl.engine.models.decoder import MoEForCausalLM
+from moectl.engine.planning.memory_plan import CATEGORIES, fit_suggestions, load_plan_model, plan_memory
+from tests.checkpoints import SPECS
 
 CONFIG_3T = Path(__file__).resolve().parent.parent / "docs" / "configs" / "k3-3t-1m.json"
 GIB = 1 << 30
@@ -93,7 +93,10 @@ def test_int8_kv_is_smaller_than_auto():
 
 def test_kv_split_over_tp_by_heads_or_replicated():
     raw = tiny_raw("mixtral")  # 4 query heads, 2 KV heads
-    topo = lambda n: Topology(num_devices=n, hbm_bytes=GIB)
+
+    def topo(n):
+        return Topology(num_devices=n, hbm_bytes=GIB)
+
     full = plan_memory(raw, topo(1), tp=1, ep=1, context=256, batch=1).devices[0].kv_cache
     tp2 = plan_memory(raw, topo(2), tp=2, ep=1, context=256, batch=1)
     tp4 = plan_memory(raw, topo(4), tp=4, ep=1, context=256, batch=1)

@@ -7,8 +7,16 @@ import json
 import pytest
 import torch
 
-from moectl.engine.experts.placement import (Move, Placement, PlacementError, RoutingState, balancedness, device_token_load,
-                              expert_nbytes, traffic_matrix)
+from moectl.engine.experts.placement import (
+    Move,
+    Placement,
+    PlacementError,
+    RoutingState,
+    balancedness,
+    device_token_load,
+    expert_nbytes,
+    traffic_matrix,
+)
 
 
 def small() -> Placement:

@@ -10,8 +10,14 @@ import pytest
 from moectl.engine.core.config import AutoRebalancePolicy, KnobError
 from moectl.engine.core.topology import Topology
 from moectl.engine.experts.placement import Placement
-from moectl.engine.experts.rebalancer import (LoadWindow, RebalanceError, load_loads_file, plan_rebalance,
-                                              run_plan_rebalance, synthetic_loads)
+from moectl.engine.experts.rebalancer import (
+    LoadWindow,
+    RebalanceError,
+    load_loads_file,
+    plan_rebalance,
+    run_plan_rebalance,
+    synthetic_loads,
+)
 
 L, E, D = 4, 64, 8
 

@@ -11,12 +11,12 @@ from typer.testing import CliRunner
 
 from moectl.cli.main import app
 from moectl.engine.core.config import EngineConfig
-from moectl.engine.llm_engine import LLMEngine
 from moectl.engine.core.sampling import SamplingParams
 from moectl.engine.core.topology import Topology
+from moectl.engine.llm_engine import LLMEngine
 from moectl.profiler.recorder import TraceRecorder
 from moectl.profiler.trace_store import TraceReader
-from tests.engine_fixtures import make_tiny_checkpoint
+from tests.checkpoints import tiny_checkpoint
 from tests.test_engine_core import prompts
 
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
@@ -24,7 +24,7 @@ GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("recording"))
+    return tiny_checkpoint(tmp_path_factory.mktemp("recording"))
 
 
 def engine(ckpt, devices=4, **kw) -> LLMEngine:

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from moectl.engine.tools import corpus
 from moectl.engine.models.attention import DenseContext
 from moectl.engine.models.config import ModelConfig
 from moectl.engine.models.loader import load_model
+from moectl.engine.tools import corpus
 from moectl.engine.tools.train import load_tokenizer, train_sample_model
 
 SAMPLE_DIR = Path(__file__).resolve().parents[1] / "engine" / "sample_model"

@@ -25,14 +25,14 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 from moectl.engine.core.config import EngineConfig  # noqa: E402
 from moectl.engine.core.driver import EngineDriver  # noqa: E402
-from moectl.engine.llm_engine import LLMEngine, RequestOutput, RequestStream  # noqa: E402
 from moectl.engine.core.topology import Topology  # noqa: E402
 from moectl.engine.experts.placement import Placement  # noqa: E402
+from moectl.engine.llm_engine import LLMEngine, RequestOutput, RequestStream  # noqa: E402
 from moectl.server.app import STATE, ServerThread, check_bind, run_server  # noqa: E402
 from moectl.server.metrics import ServerMetrics  # noqa: E402
 from moectl.server.streams import EngineBridge, TextDeltas  # noqa: E402
 from moectl.server.telemetry import CLIENT_QUEUE, TelemetryClient  # noqa: E402
-from tests.engine_fixtures import make_tiny_checkpoint  # noqa: E402
+from tests.checkpoints import tiny_checkpoint  # noqa: E402
 
 TOKEN = "s3cret-token"
 PROMPT = "def add(a, b):\n    return"
@@ -40,7 +40,7 @@ PROMPT = "def add(a, b):\n    return"
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("server_ckpt"))
+    return tiny_checkpoint(tmp_path_factory.mktemp("server_ckpt"))
 
 
 def _driver(checkpoint) -> EngineDriver:
@@ -119,7 +119,7 @@ def sample(families: dict, name: str, suffix: str = "", **labels) -> float:
     raise KeyError(f"{name}{suffix} {labels}")
 
 
-def client(srv, api_key: str = "unused") -> "openai.OpenAI":
+def client(srv, api_key: str = "unused") -> openai.OpenAI:
     return openai.OpenAI(base_url=srv.url + "/v1", api_key=api_key, max_retries=0, timeout=60)
 
 

@@ -14,8 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from moectl.profiler import codec
-from moectl.profiler import trace_store
+from moectl.profiler import codec, trace_store
 from moectl.profiler.codec import TraceError, decode, encode
 from moectl.profiler.trace_store import FORMAT_VERSION, TraceReader, TraceWriter
 

@@ -10,11 +10,20 @@ import numpy as np
 import pytest
 
 from moectl.engine.core.config import EngineConfig, SchedulerKnobs
-from moectl.engine.llm_engine import LLMEngine
 from moectl.engine.core.sampling import SamplingParams
+from moectl.engine.llm_engine import LLMEngine
 from moectl.engine.models.tokenizer import Tokenizer
-from moectl.engine.tools.workload import (LengthDist, WorkloadItem, WorkloadSpec, iter_workload, make_workload, percentile,
-                             run_workload, summarize, workload_for_engine)
+from moectl.engine.tools.workload import (
+    LengthDist,
+    WorkloadItem,
+    WorkloadSpec,
+    iter_workload,
+    make_workload,
+    percentile,
+    run_workload,
+    summarize,
+    workload_for_engine,
+)
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

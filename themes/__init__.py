@@ -1,17 +1,18 @@
 """The console's themes: dark, light and high contrast, each with a colour-blind-safe heat-map scale.
 
 A theme is a Textual Theme plus the name of the heat-map scale it uses
-(console/widgets/colour_scale.py). `moectl --theme NAME` picks one at start; the command palette
+(moectl.console.widgets.colour_scale). `moectl --theme NAME` picks one at start; the command palette
 and the "t" key switch them live.
 """
 
 from __future__ import annotations
 
+from importlib import resources
 from pathlib import Path
 
 from textual.theme import Theme
 
-STYLES = Path(__file__).with_name("moectl.tcss")
+STYLES = Path(str(resources.files(__name__) / "moectl.tcss"))  # the layout stylesheet, shipped beside this module
 
 THEMES: dict[str, Theme] = {
     "dark": Theme(
@@ -33,10 +34,6 @@ THEMES: dict[str, Theme] = {
 }
 
 HEATMAP_SCALE = {"dark": "viridis", "light": "cividis", "high-contrast": "grey"}
-
-
-def theme_names() -> tuple[str, ...]:
-    return tuple(THEMES)
 
 
 def check_theme(name: str) -> str:

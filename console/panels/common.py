@@ -6,7 +6,6 @@ from rich.text import Text
 from textual.message import Message
 
 
-
 class ActionRequested(Message):
     """A panel asks the app for an operator action (kind as in Source.act, with its arguments)."""
 

@@ -8,9 +8,8 @@ from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.widgets import Button, Input, Label, Select, Static, Switch
 from textual_plotext import PlotextPlot
 
-from moectl.console.widgets import ColourLegend, HeatMap
-
 from moectl.console.panels.common import ActionRequested
+from moectl.console.widgets import ColourLegend, HeatMap
 
 EDITS = ("move", "replicate", "drop_replica", "pin", "unpin")
 SEGMENT_STYLES = ("bold #4EA8DE", "bold #F4A261", "bold #52B788", "bold #B08BD9", "bold #E5614E", "bold #E9C46A")

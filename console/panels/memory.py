@@ -102,8 +102,8 @@ class MemoryPanel(VerticalScroll):
 
     @staticmethod
     def _plan(state) -> str:
-        from moectl.engine.planning.memory_plan import PlanError, plan_memory
         from moectl.engine.core.topology import Topology
+        from moectl.engine.planning.memory_plan import PlanError, plan_memory
 
         model = (state.header.get("model") or {}).get("path")
         topo = (state.header.get("devices") or {}).get("topology")

@@ -8,9 +8,8 @@ from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical
 from textual.widgets import Button, Input, Label, Static
 
-from moectl.console.widgets import Span, Timeline
+from moectl.console.widgets import Timeline
 from moectl.profiler.analysis import step_breakdown
-
 
 KINDS = ["span", "kernel"]
 
@@ -43,15 +42,6 @@ def columns_of(records: list[dict]) -> tuple[list[str], dict]:
             parts["kind"].append(np.full(count, kind, dtype=np.int64))
     columns = {k: (np.concatenate(v) if v else np.zeros(0)) for k, v in parts.items()}
     return list(lanes), {**columns, "names": list(names), "kinds": KINDS}
-
-
-def spans_of(records: list[dict]) -> tuple[list[str], list[Span]]:
-    """The same as Span objects (for tests and tools; the panel uses columns_of)."""
-    lanes, c = columns_of(records)
-    return lanes, [Span(int(lane), c["names"][int(name)], float(start), float(dur), bool(modeled), int(layer),
-                        int(step), KINDS[int(kind)])
-                   for lane, name, start, dur, modeled, layer, step, kind in
-                   zip(c["lane"], c["name"], c["start_s"], c["dur_s"], c["modeled"], c["layer"], c["step"], c["kind"])]
 
 
 class TimelinePanel(Vertical):

@@ -1,8 +1,9 @@
 """Colour-blind-safe sequential colour scales for heat maps, and a one-line legend.
 
 The stops are the published matplotlib colormaps (viridis, cividis, magma) sampled at ten evenly
-spaced points (0, 1/9, ... 1), interpolated linearly in RGB; between two neighbouring samples these
-maps are close to straight lines, so the error is a few units of 255 at most. "grey" is a plain
+spaced points (0, 1/9, ... 1), interpolated linearly in RGB by textual's Gradient; between two
+neighbouring samples these maps are close to straight lines, so the error is a few units of 255 at
+most. "grey" is a plain
 dark-to-white ramp for high-contrast themes and monochrome screenshots.
 
     scale = ColourScale("viridis")
@@ -18,6 +19,7 @@ from rich.color import Color
 from rich.segment import Segment
 from rich.style import Style
 from textual.app import RenderResult
+from textual.color import Gradient
 from textual.reactive import reactive
 from textual.strip import Strip
 from textual.widget import Widget
@@ -43,18 +45,8 @@ SCALES: tuple[str, ...] = tuple(_STOPS_HEX)
 """Names accepted by ColourScale, the default first."""
 
 
-def _hex_to_rgb(code: str) -> tuple[int, int, int]:
-    code = code.lstrip("#")
-    return int(code[0:2], 16), int(code[2:4], 16), int(code[4:6], 16)
-
-
-_STOPS_RGB: dict[str, tuple[tuple[int, int, int], ...]] = {
-    name: tuple(_hex_to_rgb(h) for h in stops) for name, stops in _STOPS_HEX.items()
-}
-
-
 def _check_name(name: str) -> str:
-    if name not in _STOPS_RGB:
+    if name not in _STOPS_HEX:
         raise ValueError(f"unknown colour scale {name!r}; choose one of: {', '.join(SCALES)}")
     return name
 
@@ -62,11 +54,12 @@ def _check_name(name: str) -> str:
 class ColourScale:
     """A sequential colour scale: values in [0, 1] to colours (darkest at 0, lightest at 1)."""
 
-    __slots__ = ("name", "_stops")
+    __slots__ = ("name", "_gradient")
 
     def __init__(self, name: str = "viridis") -> None:
         self.name = _check_name(name)
-        self._stops = _STOPS_RGB[name]
+        # one gradient step per stop: get_color then blends linearly between neighbouring stops
+        self._gradient = Gradient.from_colors(*_STOPS_HEX[name], quality=len(_STOPS_HEX[name]))
 
     def __repr__(self) -> str:
         return f"ColourScale({self.name!r})"
@@ -75,17 +68,7 @@ class ColourScale:
         """(r, g, b) 0-255 for v in [0, 1]; v is clamped, NaN counts as 0."""
         if v != v:  # NaN
             v = 0.0
-        v = 0.0 if v < 0.0 else 1.0 if v > 1.0 else float(v)
-        stops = self._stops
-        pos = v * (len(stops) - 1)
-        i = min(int(pos), len(stops) - 2)
-        f = pos - i
-        (r0, g0, b0), (r1, g1, b1) = stops[i], stops[i + 1]
-        return (
-            round(r0 + (r1 - r0) * f),
-            round(g0 + (g1 - g0) * f),
-            round(b0 + (b1 - b0) * f),
-        )
+        return self._gradient.get_color(float(v)).rgb
 
     def colour(self, v: float) -> Color:
         """The colour for v in [0, 1] (clamped)."""
@@ -101,10 +84,6 @@ class ColourScale:
         """n background styles, index i for value i / (n - 1): pre-built for fast rendering."""
         return list(_styles(self.name, max(1, int(n))))
 
-    def text_styles(self, n: int) -> list[Style]:
-        """n foreground styles (colour as text colour), index i for value i / (n - 1)."""
-        return list(_text_styles(self.name, max(1, int(n))))
-
 
 @lru_cache(maxsize=64)
 def _styles(name: str, n: int) -> tuple[Style, ...]:
@@ -112,14 +91,6 @@ def _styles(name: str, n: int) -> tuple[Style, ...]:
     if n == 1:
         return (Style(bgcolor=scale.colour(1.0)),)
     return tuple(Style(bgcolor=scale.colour(i / (n - 1))) for i in range(n))
-
-
-@lru_cache(maxsize=64)
-def _text_styles(name: str, n: int) -> tuple[Style, ...]:
-    scale = ColourScale(name)
-    if n == 1:
-        return (Style(color=scale.colour(1.0)),)
-    return tuple(Style(color=scale.colour(i / (n - 1))) for i in range(n))
 
 
 def _fmt(value: float) -> str:

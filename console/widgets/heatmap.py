@@ -12,7 +12,7 @@ colour levels (an int16 matrix), and a row becomes one Segment per run of equal 
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 from rich.cells import cell_len
@@ -108,7 +108,7 @@ class HeatMap(ScrollView, can_focus=True):
     class CellSelected(Message):
         """The cursor moved to a cell, or a cell was clicked."""
 
-        def __init__(self, heat_map: "HeatMap", layer: int, expert: int, value: float, label: str) -> None:
+        def __init__(self, heat_map: HeatMap, layer: int, expert: int, value: float, label: str) -> None:
             super().__init__()
             self.heat_map = heat_map
             self.layer = layer
@@ -120,7 +120,7 @@ class HeatMap(ScrollView, can_focus=True):
             """The row's label (e.g. "L12")."""
 
         @property
-        def control(self) -> "HeatMap":
+        def control(self) -> HeatMap:
             return self.heat_map
 
     scale_name: reactive[str] = reactive("viridis")

@@ -14,7 +14,7 @@ shift+left/right by ten, pageup/pagedown by a tenth of the range, home/end jump 
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 from rich.segment import Segment
 from rich.style import Style
@@ -103,13 +103,13 @@ class ScrubBar(Widget, can_focus=True):
     class Seek(Message):
         """The user moved the position (click, drag or keys)."""
 
-        def __init__(self, scrub_bar: "ScrubBar", step: int) -> None:
+        def __init__(self, scrub_bar: ScrubBar, step: int) -> None:
             super().__init__()
             self.scrub_bar = scrub_bar
             self.step = step
 
         @property
-        def control(self) -> "ScrubBar":
+        def control(self) -> ScrubBar:
             return self.scrub_bar
 
     position: reactive[int] = reactive(0)

@@ -21,8 +21,8 @@ import functools
 import math
 import zlib
 from bisect import bisect_left
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 from rich.cells import cell_len
@@ -236,13 +236,13 @@ class Timeline(ScrollView, can_focus=True):
     class SpanSelected(Message):
         """A span was selected (keys or click)."""
 
-        def __init__(self, timeline: "Timeline", span: Span) -> None:
+        def __init__(self, timeline: Timeline, span: Span) -> None:
             super().__init__()
             self.timeline = timeline
             self.span = span
 
         @property
-        def control(self) -> "Timeline":
+        def control(self) -> Timeline:
             return self.timeline
 
     def __init__(
@@ -304,7 +304,10 @@ class Timeline(ScrollView, can_focus=True):
         lane = np.asarray(lane, dtype=np.int64)
         n = len(lane)
         start_s, dur_s = np.asarray(start_s, dtype=np.float64), np.asarray(dur_s, dtype=np.float64)
-        fill = (lambda col, value, dtype: np.full(n, value, dtype=dtype) if col is None else np.asarray(col, dtype=dtype))
+
+        def fill(col, value, dtype):
+            return np.full(n, value, dtype=dtype) if col is None else np.asarray(col, dtype=dtype)
+
         modeled, layer = fill(modeled, False, bool), fill(layer, -1, np.int64)
         step, kind = fill(step, -1, np.int64), fill(kind, 0, np.int64)
         name = np.asarray(name, dtype=np.int64)

@@ -9,8 +9,9 @@ engine state. Each returns its result, or its exception, through a Future.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, Callable
+from typing import Any
 
 
 class CommandQueue:

@@ -50,7 +50,7 @@ class SchedulerKnobs:
         if self.policy not in POLICIES:
             raise KnobError(f"policy: must be one of {', '.join(POLICIES)}, got {self.policy!r}")
 
-    def updated(self, **changes) -> "SchedulerKnobs":
+    def updated(self, **changes) -> SchedulerKnobs:
         unknown = set(changes) - {f.name for f in fields(self)}
         if unknown:
             raise KnobError(f"{sorted(unknown)[0]}: not a batching knob "

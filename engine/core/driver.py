@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Callable
 
 from moectl.engine.core.config import AutoRebalancePolicy
 
@@ -57,7 +57,7 @@ class EngineDriver:
         if start:
             self.start()
 
-    def start(self) -> "EngineDriver":
+    def start(self) -> EngineDriver:
         self._thread.start()
         return self
 

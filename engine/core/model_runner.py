@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from moectl.engine.core.paged_attention import DecodeGroup, PagedContext, PrefillSlice
 from moectl.engine.core.kv_cache import KVCache
-from moectl.engine.models.decoder import MoEForCausalLM
+from moectl.engine.core.paged_attention import DecodeGroup, PagedContext, PrefillSlice
 from moectl.engine.core.sequence import Sequence
+from moectl.engine.models.decoder import MoEForCausalLM
 
 
 class RoutingProbe:

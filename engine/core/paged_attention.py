@@ -36,7 +36,7 @@ class DecodeGroup:
 @dataclass
 class PagedContext:
     """One engine step: decodes first (one token each), then prefill chunks."""
-    cache: "object"  # a moectl.engine.core.kv_cache.KVCache
+    cache: object  # a moectl.engine.core.kv_cache.KVCache
     slot_mapping: torch.Tensor  # [N] cache slot of every token in the batch
     num_decodes: int = 0
     decode_context_lens: torch.Tensor | None = None  # [B], including the new token

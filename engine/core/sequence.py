@@ -57,10 +57,6 @@ class Sequence:
         return len(self.token_ids) - self.num_computed
 
     @property
-    def is_prefilling(self) -> bool:
-        return self.remaining > 1
-
-    @property
     def finished(self) -> bool:
         return self.status is Status.FINISHED
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
-from typing import Callable
 
 import numpy as np
 import psutil

@@ -87,7 +87,7 @@ class Topology:
         return asdict(self)
 
     @classmethod
-    def from_mapping(cls, raw: dict) -> "Topology":
+    def from_mapping(cls, raw: dict) -> Topology:
         """Keys as in the dataclass; sizes may be strings ('80GiB'); 'devices' and 'hbm' are accepted."""
         aliases = {"devices": "num_devices", "hbm": "hbm_bytes", "host": "host_bytes", "disk": "disk_bytes"}
         known = {f.name for f in fields(cls)}
@@ -100,7 +100,7 @@ class Topology:
         return cls(**kw)
 
     @classmethod
-    def from_file(cls, path: str | Path) -> "Topology":
+    def from_file(cls, path: str | Path) -> Topology:
         path = Path(path)
         try:
             text = path.read_text()

@@ -11,14 +11,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from moectl.engine.core.config import AutoRebalancePolicy
+from moectl.engine.core.topology import Topology, format_size
 from moectl.engine.experts.memory_ledger import MemoryLedger
-from moectl.engine.models.decoder import MoEForCausalLM
-from moectl.engine.models.moe import MoEBlock
 from moectl.engine.experts.placed_experts import PlacedExperts, StepDeviceStats
 from moectl.engine.experts.placement import Placement, PlacementError, RoutingState
-from moectl.engine.core.config import AutoRebalancePolicy
 from moectl.engine.experts.rebalancer import LoadWindow, RebalancePlan, plan_rebalance
-from moectl.engine.core.topology import Topology, format_size
+from moectl.engine.models.decoder import MoEForCausalLM
+from moectl.engine.models.moe import MoEBlock
 
 
 class LocalCluster:

@@ -17,7 +17,7 @@ from concurrent.futures import Future
 from moectl.engine.core.config import AutoRebalancePolicy
 from moectl.engine.experts.cluster import LocalCluster
 from moectl.engine.experts.memory_ledger import MemoryLedger
-from moectl.engine.experts.placement import Placement, PlacementError
+from moectl.engine.experts.placement import Placement
 from moectl.engine.experts.prefetch import CachePrefetcher, CoactivationPredictor, RouterPredictor
 from moectl.engine.experts.rebalancer import RebalancePlan
 
@@ -38,7 +38,7 @@ class ExpertControl:
             self.prefetcher = engine.runner.probe = CachePrefetcher(engine.model, cluster.caches, predictor)
 
     @classmethod
-    def build(cls, engine) -> "ExpertControl":
+    def build(cls, engine) -> ExpertControl:
         """The local (emulated) or multi-GPU expert layer for an engine whose config has a topology."""
         config = engine.config
         blocks = engine.blocks

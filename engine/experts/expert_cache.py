@@ -47,8 +47,8 @@ from __future__ import annotations
 import heapq
 import time
 from collections import OrderedDict
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from itertools import combinations
-from typing import Hashable, Iterable, Mapping, Sequence
 
 import torch
 
@@ -369,7 +369,7 @@ class ExpertCache:
 
     @classmethod
     def for_device(cls, model, placement, device_index: int, capacity: int, device: str | torch.device = "cpu",
-                   *, max_tokens: int | None = None, pin_host: bool = True) -> "ExpertCache":
+                   *, max_tokens: int | None = None, pin_host: bool = True) -> ExpertCache:
         """The cache of one device of a Placement: it serves the experts placed on that device
         (layer index = the decoder layer index, as in Placement). max_tokens bounds the tokens
         of one step (decode of B sequences: B) and so the working set: min(held, top_k x B)."""

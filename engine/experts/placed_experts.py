@@ -19,9 +19,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from moectl.engine.models.tracing import NULL_TRACER
-from moectl.engine.models.moe import StackedExperts, combine, grouped_offsets, grouped_swiglu
 from moectl.engine.experts.placement import Placement, RoutingState, traffic_matrix
+from moectl.engine.models.moe import StackedExperts, combine, grouped_offsets, grouped_swiglu
+from moectl.engine.models.tracing import NULL_TRACER
 
 
 class StepDeviceStats:

@@ -12,7 +12,8 @@ replicas; the runtime (assign_replicas) decides per token and reports real per-d
 
 from __future__ import annotations
 
-from typing import Iterable, NamedTuple
+from collections.abc import Iterable
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -116,7 +117,7 @@ class Placement:
 
     @classmethod
     def contiguous(cls, num_layers: int, num_experts: int, num_devices: int,
-                   redundant_slots_per_device: int = 0) -> "Placement":
+                   redundant_slots_per_device: int = 0) -> Placement:
         """The naive default: experts 0..E/D-1 on device 0 and so on; redundant slots empty."""
         L = _count(num_layers, "layers", 1)
         E = _count(num_experts, "experts", 1)
@@ -136,7 +137,7 @@ class Placement:
                 "pinned": sorted([l, e] for l, e in self.pinned)}
 
     @classmethod
-    def from_dict(cls, raw: dict) -> "Placement":
+    def from_dict(cls, raw: dict) -> Placement:
         if not isinstance(raw, dict):
             raise PlacementError("placement: expected an object")
         for key in ("num_experts", "layers"):
@@ -271,10 +272,10 @@ class Placement:
         if (layer, expert) in self.pinned:
             raise PlacementError(f"expert {expert} of layer {layer} is pinned; unpin it first")
 
-    def _with(self, slots: np.ndarray, pinned=None) -> "Placement":
+    def _with(self, slots: np.ndarray, pinned=None) -> Placement:
         return Placement(slots, self.num_experts, self.pinned if pinned is None else pinned)
 
-    def move(self, layer: int, expert: int, src_device: int, dst_device: int) -> "Placement":
+    def move(self, layer: int, expert: int, src_device: int, dst_device: int) -> Placement:
         """Move one replica to a free slot of another device."""
         layer, expert = self._check(layer, expert)
         self._not_pinned(layer, expert)
@@ -288,7 +289,7 @@ class Placement:
         slots[layer, dst, dst_slot] = expert
         return self._with(slots)
 
-    def swap(self, layer: int, expert_a: int, device_a: int, expert_b: int, device_b: int) -> "Placement":
+    def swap(self, layer: int, expert_a: int, device_a: int, expert_b: int, device_b: int) -> Placement:
         """Exchange two experts between devices (the way to move when no slot is free)."""
         layer, expert_a = self._check(layer, expert_a)
         _, expert_b = self._check(layer, expert_b)
@@ -306,7 +307,7 @@ class Placement:
         return self._with(slots)
 
     def replicate(self, layer: int, expert: int, device: int, expert_bytes: int = 0,
-                  hbm_budget_bytes: int | None = None) -> "Placement":
+                  hbm_budget_bytes: int | None = None) -> Placement:
         """Add a replica in a free slot of `device` (checked against the HBM budget if given)."""
         layer, expert = self._check(layer, expert)
         self._not_pinned(layer, expert)
@@ -319,7 +320,7 @@ class Placement:
         out.check_hbm(expert_bytes, hbm_budget_bytes)
         return out
 
-    def drop_replica(self, layer: int, expert: int, device: int) -> "Placement":
+    def drop_replica(self, layer: int, expert: int, device: int) -> Placement:
         layer, expert = self._check(layer, expert)
         self._not_pinned(layer, expert)
         device, slot = self._where(layer, expert, device)
@@ -329,10 +330,10 @@ class Placement:
         slots[layer, device, slot] = -1
         return self._with(slots)
 
-    def pin(self, layer: int, expert: int) -> "Placement":
+    def pin(self, layer: int, expert: int) -> Placement:
         return self._with(self._slots, self.pinned | {self._check(layer, expert)})
 
-    def unpin(self, layer: int, expert: int) -> "Placement":
+    def unpin(self, layer: int, expert: int) -> Placement:
         return self._with(self._slots, self.pinned - {self._check(layer, expert)})
 
     # ---- analysis -------------------------------------------------------------------------
@@ -352,7 +353,7 @@ class Placement:
     def balancedness(self, loads) -> tuple[np.ndarray, float]:
         return balancedness(self.device_loads(loads))
 
-    def moves_to(self, other: "Placement", expert_bytes: int = 0,
+    def moves_to(self, other: Placement, expert_bytes: int = 0,
                  devices_per_node: int | None = None) -> tuple[list[Move], int]:
         """What it takes to go from this placement to `other`: one Move per slot of `other` that
         gets an expert its device did not hold before (each costs expert_bytes). An expert that
@@ -361,7 +362,7 @@ class Placement:
         rows = self.move_array(other, devices_per_node)
         return [Move(*r) for r in rows.tolist()], len(rows) * int(expert_bytes)
 
-    def move_array(self, other: "Placement", devices_per_node: int | None = None) -> np.ndarray:
+    def move_array(self, other: Placement, devices_per_node: int | None = None) -> np.ndarray:
         """moves_to's moves as an int64 array [M, 5] of Move fields (cheap for 10^4+ moves)."""
         layer, device, slot, expert = self._arrivals(other)
         held = self._held_by_expert()[layer, expert]  # [M, D] candidate sources
@@ -372,11 +373,11 @@ class Placement:
         src = score.argmax(1) if layer.size else layer
         return np.stack([layer, expert, src, device, slot], axis=1)
 
-    def bytes_to(self, other: "Placement", expert_bytes: int) -> int:
+    def bytes_to(self, other: Placement, expert_bytes: int) -> int:
         """moves_to's byte count without building the move list."""
         return int(self._arrivals(other)[0].size) * int(expert_bytes)
 
-    def _arrivals(self, other: "Placement"):
+    def _arrivals(self, other: Placement):
         if not isinstance(other, Placement):
             raise PlacementError("moves_to: expected a Placement")
         if (other.num_layers, other.num_experts, other.num_devices) != \
@@ -408,7 +409,7 @@ class Placement:
         return self._cache[key]
 
     def assign_replicas(self, layer: int, expert_ids: torch.Tensor, token_device: torch.Tensor,
-                        policy: str = "locality", state: "RoutingState | None" = None) -> torch.Tensor:
+                        policy: str = "locality", state: RoutingState | None = None) -> torch.Tensor:
         """Pick a replica (device) for every (token, choice): [N, k] expert ids -> [N, k] devices.
 
         locality: a replica on the token's device, else one on its node (needs

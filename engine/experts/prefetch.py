@@ -29,16 +29,16 @@ on exactly the same access sequence (`RoutingRecorder.compare`).
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from moectl.engine.experts.expert_cache import belady, simulate
 from moectl.engine.core.model_runner import RoutingProbe
-from moectl.engine.models.moe import MoEBlock
+from moectl.engine.experts.expert_cache import belady, simulate
 from moectl.engine.experts.placement import Placement, RoutingState
+from moectl.engine.models.moe import MoEBlock
 
 
 def _moe_layers(model) -> list[int]:

@@ -145,7 +145,7 @@ class ModelConfig:
         return {"params_total": total, "params_active": active}
 
     @classmethod
-    def from_dir(cls, path: str | Path, dtype: str | torch.dtype | None = None) -> "ModelConfig":
+    def from_dir(cls, path: str | Path, dtype: str | torch.dtype | None = None) -> ModelConfig:
         cfg_path = Path(path) / "config.json"
         if not cfg_path.is_file():
             raise ConfigError(f"config.json: not found in {path}")
@@ -169,14 +169,14 @@ class ModelConfig:
         return cfg
 
     @classmethod
-    def from_hf(cls, raw: dict, dtype: str | torch.dtype | None = None) -> "ModelConfig":
+    def from_hf(cls, raw: dict, dtype: str | torch.dtype | None = None) -> ModelConfig:
         try:
             return cls._from_hf(raw, dtype)
         except (TypeError, AttributeError) as exc:  # a value of the wrong JSON type somewhere
             raise ConfigError(f"config.json: a value has the wrong type ({exc})") from None
 
     @classmethod
-    def _from_hf(cls, raw: dict, dtype: str | torch.dtype | None = None) -> "ModelConfig":
+    def _from_hf(cls, raw: dict, dtype: str | torch.dtype | None = None) -> ModelConfig:
         archs = raw.get("architectures") or []
         arch_name = archs[0] if archs else MODEL_TYPES.get(raw.get("model_type", ""), raw.get("model_type"))
         if arch_name not in ARCHITECTURES:

@@ -15,7 +15,6 @@ from torch import nn
 from moectl.engine.models.layers import swiglu
 from moectl.engine.models.tracing import NULL_TRACER, NullTracer
 
-
 GROUPED_MM_MIN_ROWS = 64  # below this the per-expert loop is as fast (few experts are hit)
 _grouped_mm_ok: dict[tuple, bool] = {}
 

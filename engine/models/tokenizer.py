@@ -15,13 +15,13 @@ class Tokenizer:
         self.add_bos = add_bos and bos_token_id is not None
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path, bos_token_id: int | None = None) -> "Tokenizer | None":
+    def from_dir(cls, model_dir: str | Path, bos_token_id: int | None = None) -> Tokenizer | None:
         path = Path(model_dir) / "tokenizer.json"
         if not path.is_file():
             return None
         try:
             inner = _HFTokenizer.from_file(str(path))
-        except Exception as exc:  # the library raises a bare Exception on malformed files
+        except Exception as exc:  # noqa: BLE001 - the library raises a bare Exception on malformed files
             raise ValueError(f"tokenizer.json: unreadable ({exc})") from None
         add_bos = False
         cfg_path = Path(model_dir) / "tokenizer_config.json"

@@ -36,23 +36,30 @@ import pickle
 import queue as queue_mod
 import sys
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from moectl.engine.core.paged_attention import DecodeGroup, PagedContext, PrefillSlice
-from moectl.engine.models.config import ModelConfig
 from moectl.engine.core.config import EngineConfig
 from moectl.engine.core.kv_cache import KVCache
-from moectl.engine.llm_engine import LLMEngine
-from moectl.engine.models.loader import load_model
 from moectl.engine.core.model_runner import ModelRunner
-from moectl.engine.parallel.sharding import (MAX_TP, ParallelError, apply_expert_parallel, apply_tensor_parallel, check_tp_size,
-                       local_kv_heads)
+from moectl.engine.core.paged_attention import DecodeGroup, PagedContext, PrefillSlice
 from moectl.engine.core.sampling import SamplingParams
+from moectl.engine.llm_engine import LLMEngine
+from moectl.engine.models.config import ModelConfig
+from moectl.engine.models.loader import load_model
+from moectl.engine.parallel.sharding import (
+    MAX_TP,
+    ParallelError,
+    apply_expert_parallel,
+    apply_tensor_parallel,
+    check_tp_size,
+    local_kv_heads,
+)
 
 COLLECTIVE_TIMEOUT_S = 300.0  # a compute collective that waits longer than this fails the launch
 IDLE_TIMEOUT_S = 7 * 24 * 3600.0  # workers wait this long for rank 0's next step (an idle server)
@@ -403,7 +410,7 @@ def run_rank(config: EngineConfig, job: Callable[[LLMEngine], Any], tp: int | No
         check_layout(cfg, state.world_size, tp)
         model = load_model(config.model, dtype=config.dtype, device=state.device)
         fp = model_fingerprint(config.model, model)
-    except Exception as exc:  # reported to every rank, then raised there
+    except Exception as exc:  # noqa: BLE001 - reported to every rank, then raised there
         error = exc
     check_agreement(state, fp, settings, error)
     _make_tp_groups(state, tp)
@@ -420,7 +427,7 @@ def run_rank(config: EngineConfig, job: Callable[[LLMEngine], Any], tp: int | No
             cfg = model.cfg
             cache = KVCache(cfg.num_layers, num_blocks, config.block_size, heads, cfg.head_dim, cfg.dtype,
                             config.kv_cache_dtype == "int8", state.device)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - reported to every rank, then raised there
         error = exc
     reports = _exchange(state, _error_report(error) if error is not None else {})
     _raise_first_error(reports, "could not start")
@@ -470,7 +477,7 @@ def _child(rank: int, world: int, port: int, device: str, timeout_s: float, num_
         # plain pickle bytes: torch's queue pickler would pass tensors as shared-memory handles,
         # which die with this process
         results.put(("ok", rank, pickle.dumps(out if rank == 0 else None)))
-    except BaseException as exc:  # noqa: BLE001: everything goes back to the parent as one line
+    except BaseException as exc:  # noqa: BLE001 - everything goes back to the parent as one line
         code = 2 if isinstance(exc, ValueError) else 1
         msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         if not isinstance(exc, ValueError) and not msg.startswith("distributed:"):
@@ -602,16 +609,6 @@ def generate_distributed(model_dir: str | Path, prompts: list,
     config = EngineConfig(model=str(model_dir), dtype=dtype, device=device, **engine_options)
     return launch_distributed(config, GenerateJob(list(prompts), params), nproc, tp, timeout_s)
 
-
-def score_distributed(model_dir: str | Path, token_ids: list[int], nproc: int = 2, tp: int | None = None,
-                      dtype=None, device: str = "cpu", timeout_s: float = LAUNCH_TIMEOUT_S,
-                      **engine_options) -> torch.Tensor:
-    """fp32 logits [len(token_ids), vocab] through the distributed engine (LLMEngine.score)."""
-    config = EngineConfig(model=str(model_dir), dtype=dtype, device=device, **engine_options)
-    return launch_distributed(config, ScoreJob(list(token_ids)), nproc, tp, timeout_s)
-
-
-# ---------------------------------------------------------------- command line (torchrun entry)
 
 def _parse_ids(text: str) -> list[int]:
     try:

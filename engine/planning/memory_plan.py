@@ -32,10 +32,10 @@ from pathlib import Path
 
 import torch
 
-from moectl.engine.models.config import ARCHITECTURES, ConfigError, ModelConfig
 from moectl.engine.core.config import SchedulerKnobs
 from moectl.engine.core.kv_cache import KVCache
 from moectl.engine.core.topology import Topology, format_size
+from moectl.engine.models.config import ARCHITECTURES, ConfigError, ModelConfig
 
 # architectures[0] -> planner family, beyond the runtime's four
 MLA_ARCHITECTURES = {"DeepseekV2ForCausalLM": "deepseek_v2", "DeepseekV3ForCausalLM": "deepseek_v3"}
@@ -504,14 +504,18 @@ class MemoryPlan:
         body.append(["HBM"] + [format_size(d.hbm_bytes) for _, d, _ in groups])
         body.append(["headroom"] + [format_size(d.headroom) for _, d, _ in groups])
         widths = [max(len(r[i]) for r in [header] + body) for i in range(len(header))]
-        line = lambda r: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+
+        def line(r):
+            return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+
         m, p = self.model, self.params
         kvd = self.kv_dtype if self.kv_dtype == "int8" else f"auto ({_kv_torch_dtype(self.dtype)})".replace("torch.", "")
         lines = [
             f"model: {m.name} ({m.hf_architecture}, {m.attention.upper()}): {p['params_total']:,} params "
             f"({_count(p['params_total'])}), {p['params_active']:,} ({_count(p['params_active'])}) active per token",
             f"deployment: {self.topology.num_devices} devices x {format_size(self.topology.hbm_bytes)} HBM "
-            f"({self.topology.num_nodes} node{'s' if self.topology.num_nodes > 1 else ''}); attention TP {self.tp} x DP {self.dp}, experts EP {self.ep}"
+            f"({self.topology.num_nodes} node{'s' if self.topology.num_nodes > 1 else ''}); "
+            f"attention TP {self.tp} x DP {self.dp}, experts EP {self.ep}"
             + (f" ({self.topology.num_devices // self.ep} replicas)" if self.ep < self.topology.num_devices else ""),
             f"load: {self.batch} seq x {self.context:,} tokens; weights {self.dtype}, KV {kvd}, block {self.block_size}, "
             f"{self.tokens_per_step} tokens/step per DP group, attention {self.attn_impl}",

@@ -22,20 +22,20 @@ import os
 import platform
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 
-from moectl.engine.tools import machine_limits
-from moectl.engine.models.config import ModelConfig, parse_dtype
+from moectl.engine import sample_model_dir
 from moectl.engine.core.config import SchedulerKnobs
-from moectl.engine.llm_engine import EngineConfig, LLMEngine
 from moectl.engine.core.sampling import SamplingParams
+from moectl.engine.llm_engine import EngineConfig, LLMEngine
+from moectl.engine.models.config import ModelConfig, parse_dtype
 from moectl.engine.models.tokenizer import Tokenizer
+from moectl.engine.tools import machine_limits
 from moectl.engine.tools.workload import WorkloadItem, WorkloadSpec, make_workload, run_workload, summarize
 
-SAMPLE_MODEL_DIR = Path(__file__).parent / "sample_model"
 TARGET_THROUGHPUT_RATIO = 5.0  # engine output tokens/s over transformers', at least
 TARGET_TPOT_BS1_RATIO = 1.0  # engine batch-1 TPOT over transformers', at most
 
@@ -206,8 +206,8 @@ def run_compare_hf(model_dir: str | Path | None = None, *, num_requests: int = 6
     With keep_outputs the result carries both sides' output token ids ("outputs"). engine_knobs
     overrides the engine's batching knobs (SchedulerKnobs fields); the defaults are what a user gets.
     """
-    from transformers import AutoModelForCausalLM  # optional dependency: only this benchmark needs it
     import transformers
+    from transformers import AutoModelForCausalLM  # optional dependency: only this benchmark needs it
 
     if isinstance(bs1_output_len, bool) or not isinstance(bs1_output_len, int) or bs1_output_len < 2:
         raise ValueError(f"bs1_output_len: must be an integer >= 2 (TPOT needs two tokens), got {bs1_output_len!r}")
@@ -217,7 +217,7 @@ def run_compare_hf(model_dir: str | Path | None = None, *, num_requests: int = 6
                                       or hf_batch_size < 1):
         raise ValueError(f"hf_batch_size: must be an integer >= 1 or None (one batch), got {hf_batch_size!r}")
     started = time.monotonic()
-    model_dir = Path(model_dir or SAMPLE_MODEL_DIR)
+    model_dir = Path(model_dir or sample_model_dir())
     prev_threads = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
@@ -359,7 +359,7 @@ def _log_report(r: dict, log: Callable[[str], None]) -> None:
 def run_serve(model_dir: str | Path | None = None, *, spec: WorkloadSpec, dtype: str | None = None,
               realtime: bool = True, knobs: dict | None = None, log: Callable[[str], None] = print) -> dict:
     """One workload through the engine alone; returns the run summary (and the spec)."""
-    model_dir = Path(model_dir or SAMPLE_MODEL_DIR)
+    model_dir = Path(model_dir or sample_model_dir())
     cfg = EngineConfig(model=str(model_dir), dtype=dtype, **({"knobs": knobs} if knobs else {}))
     engine = LLMEngine(cfg)
     items = make_workload(spec, engine.tokenizer, engine.model_config.vocab_size)
@@ -374,37 +374,3 @@ def run_serve(model_dir: str | Path | None = None, *, spec: WorkloadSpec, dtype:
         f"mean batch {_f(s['mean_batch_size'], digits=1)}")
     return {"workload": spec.describe(), "summary": s}
 
-
-# -- a tiny random checkpoint, for tests and for trying the benchmark before the sample model exists
-
-def make_tiny_checkpoint(out_dir: str | Path, *, vocab_size: int = 512, hidden_size: int = 64, num_layers: int = 2,
-                         num_heads: int = 4, num_kv_heads: int = 2, num_experts: int = 4, top_k: int = 2,
-                         intermediate_size: int = 64, max_positions: int = 1024, seed: int = 0,
-                         initializer_range: float = 0.02, tokenizer: bool = False,
-                         tokenizer_corpus_chars: int = 2_000_000) -> Path:
-    """A random MixtralForCausalLM written by transformers itself (config.json + safetensors).
-    tokenizer=True also trains a byte-level BPE of vocab_size on part of the stdlib corpus
-    (the sample model's recipe, a few seconds)."""
-    from transformers import AutoModelForCausalLM, MixtralConfig
-
-    out_dir = Path(out_dir)
-    cfg = MixtralConfig(vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers,
-                        num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
-                        head_dim=hidden_size // num_heads, num_local_experts=num_experts,
-                        num_experts_per_tok=top_k, intermediate_size=intermediate_size,
-                        max_position_embeddings=max_positions, rope_theta=10000.0, rms_norm_eps=1e-5,
-                        tie_word_embeddings=False, bos_token_id=0, eos_token_id=0, pad_token_id=None,
-                        initializer_range=initializer_range, sliding_window=None)
-    state = torch.random.get_rng_state()
-    try:
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    finally:
-        torch.random.set_rng_state(state)
-    model.save_pretrained(str(out_dir))
-    if tokenizer:
-        from moectl.engine.tools.train import save_tokenizer, train_tokenizer
-
-        tok = train_tokenizer(vocab_size, max_corpus_chars=tokenizer_corpus_chars)
-        save_tokenizer(tok, out_dir, max_positions)
-    return out_dir

@@ -14,9 +14,9 @@ import hashlib
 import random
 import re
 import sysconfig
+from collections.abc import Iterator
 from functools import lru_cache
 from pathlib import Path
-from typing import Iterator
 
 # Directories that are tests, GUI demos, vendored/legacy trees or data tables rather than code.
 SKIP_DIRS = frozenset({

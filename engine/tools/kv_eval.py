@@ -12,9 +12,9 @@ import torch
 
 from moectl.engine.core.config import EngineConfig, SchedulerKnobs
 from moectl.engine.core.kv_cache import KVCache
+from moectl.engine.core.sampling import SamplingParams
 from moectl.engine.llm_engine import LLMEngine
 from moectl.engine.models.loader import load_model
-from moectl.engine.core.sampling import SamplingParams
 
 
 def _nll(logits: torch.Tensor, ids: list[int]) -> float:
@@ -69,8 +69,8 @@ def default_eval_inputs(model_dir, text_tokens: int = 512, num_prompts: int = 8,
     import random
 
     from moectl.engine.models.config import ModelConfig
-    from moectl.engine.tools.corpus import code_snippets
     from moectl.engine.models.tokenizer import Tokenizer
+    from moectl.engine.tools.corpus import code_snippets
     from moectl.engine.tools.verify import default_reference_text
 
     cfg = ModelConfig.from_dir(model_dir)

@@ -16,16 +16,16 @@ import math
 import platform
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 
-from moectl.engine.tools import corpus
 from moectl.engine.models.attention import DenseContext
 from moectl.engine.models.config import ModelConfig
-from moectl.engine.models.loader import load_model, save_checkpoint
 from moectl.engine.models.decoder import MoEForCausalLM
+from moectl.engine.models.loader import load_model, save_checkpoint
+from moectl.engine.tools import corpus
 
 EOS_TOKEN = "<|endoftext|>"  # also the bos token: it separates files in the training stream
 

@@ -20,16 +20,16 @@ from __future__ import annotations
 import gc
 import inspect
 import textwrap
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
-from moectl.engine.models.config import ModelConfig
 from moectl.engine.core.config import EngineConfig, SchedulerKnobs
-from moectl.engine.llm_engine import LLMEngine
 from moectl.engine.core.sampling import SamplingParams
 from moectl.engine.core.sequence import Sequence
+from moectl.engine.llm_engine import LLMEngine
+from moectl.engine.models.config import ModelConfig
 from moectl.engine.models.tokenizer import Tokenizer
 
 THRESHOLDS = {"max_rel_error": 1e-3, "loglik_rel_diff": 0.05}

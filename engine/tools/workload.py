@@ -27,9 +27,10 @@ import json
 import math
 import time
 from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, NamedTuple, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -116,7 +117,7 @@ class LengthDist:
         return f"lognormal(median {self.median:g}, sigma {self.sigma:g}) in [{self.lo}, {self.hi}]"
 
     @classmethod
-    def parse(cls, spec: Any, name: str = "length") -> "LengthDist":
+    def parse(cls, spec: Any, name: str = "length") -> LengthDist:
         """int -> fixed, (lo, hi) -> uniform, dict/str forms as in the module docstring."""
         if isinstance(spec, LengthDist):
             dist = spec
@@ -149,7 +150,7 @@ class LengthDist:
         return dist
 
     @classmethod
-    def _parse_str(cls, s: str, name: str) -> "LengthDist":
+    def _parse_str(cls, s: str, name: str) -> LengthDist:
         try:
             if s.startswith("lognormal:"):
                 parts = [p.strip() for p in s.split(":", 1)[1].split(",")]
@@ -225,7 +226,7 @@ class WorkloadSpec:
         self._output = LengthDist.parse(self.output_len, "output_len")
 
     @classmethod
-    def from_option(cls, text: str) -> "WorkloadSpec":
+    def from_option(cls, text: str) -> WorkloadSpec:
         """The CLI's --workload: a JSONL path, or 'key=value,...' with keys requests, rate, duration,
         prompt, output, seed, source (e.g. 'rate=4,prompt=32-512,output=16-256,requests=64')."""
         if text.endswith(".jsonl") or Path(text).is_file():
@@ -296,8 +297,7 @@ def _corpus_snippets(seed: int, chars: tuple[int, int]) -> Iterator[str]:
     batch = 0
     while True:
         # a distinct, reproducible seed per batch: code_snippets(n, seed) is deterministic
-        for snippet in fetch(_SNIPPET_BATCH, seed=seed * 1_000_003 + batch, min_chars=chars[0], max_chars=chars[1]):
-            yield snippet
+        yield from fetch(_SNIPPET_BATCH, seed=seed * 1_000_003 + batch, min_chars=chars[0], max_chars=chars[1])
         batch += 1
 
 

@@ -1,8 +1,13 @@
-"""Tiny random checkpoints for all four architectures, written by transformers' own classes.
+"""Tiny random checkpoints for the tests: one builder, `tiny_checkpoint`, two writers.
+
+* tiny_checkpoint(dir): a Mixtral (TINY_MIXTRAL plus any overrides) written by the engine's own
+  saver, with a small byte-level BPE tokenizer.json: no transformers needed.
+* tiny_checkpoint(dir, "qwen2_moe") (any key of SPECS): written by transformers' own classes,
+  so the loader and `verify` meet real Hugging Face files.
 
 Every parameter is re-drawn from a seeded generator, including biases and norm weights (which
 transformers initialises to 0 and 1), so a loader that drops or swaps one of them is caught.
-Weights are large enough (std ~0.15) that logits and routing are decisive, not near-tied.
+Weights are large enough that logits and routing are decisive, not near-tied.
 """
 
 from __future__ import annotations
@@ -12,6 +17,8 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from moectl.engine.models.attention import DenseContext
 
 STD = 0.15
 COMMON = dict(hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
@@ -50,6 +57,18 @@ for _name in ("qwen3_moe", "olmoe"):
     _cfg, _model, _kwargs, _ = SPECS[_name]
     SPECS[_name + "_attn_bias"] = (_cfg, _model, dict(_kwargs, attention_bias=True), {})
 
+TINY_MIXTRAL = {
+    "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "vocab_size": 300, "hidden_size": 32,
+    "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "num_local_experts": 8, "num_experts_per_tok": 2, "max_position_embeddings": 512, "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0, "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 1,
+    "sliding_window": None, "dtype": "float32",
+}
+
+# a still smaller one: the loader and workload tests' default (tiny_engine_checkpoint)
+SMALLER = dict(vocab_size=64, hidden_size=16, intermediate_size=24, num_attention_heads=2, num_key_value_heads=1,
+               num_local_experts=4, max_position_embeddings=128)
+
 TOKENIZER_TEXT = [
     "def parse_args(argv):\n    return argv[1:]\n",
     "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n",
@@ -83,40 +102,34 @@ def randomize_(model: torch.nn.Module, seed: int, std: float = STD) -> None:
                 p.copy_(std * noise)
 
 
-def build_hf_checkpoint(name: str, out_dir: Path, seed: int = 0) -> Path:
-    """Write the tiny checkpoint `name` (a key of SPECS) with transformers' save_pretrained."""
-    import transformers
-
-    config_cls, model_cls, kwargs, save_kwargs = SPECS[name]
-    config = getattr(transformers, config_cls)(**kwargs)
-    model = getattr(transformers, model_cls)(config).eval()
-    randomize_(model, seed)
+def tiny_checkpoint(out_dir: Path, name: str = "engine", *, seed: int = 0, std: float | None = None,
+                    tokenizer: bool | None = None, **overrides) -> Path:
+    """The tiny checkpoint `name` in out_dir: "engine" (TINY_MIXTRAL with `overrides`, saved by the
+    engine; std 0.2 by default) or a key of SPECS (saved by transformers; std STD). tokenizer:
+    write tokenizer.json (default: the engine's Mixtral and SPECS' "mixtral" have one)."""
     out_dir = Path(out_dir)
-    model.save_pretrained(out_dir, **save_kwargs)
-    if name == "mixtral":
-        build_tokenizer(config.vocab_size).save(str(out_dir / "tokenizer.json"))
+    if name == "engine":
+        from moectl.engine.models.config import ModelConfig
+        from moectl.engine.models.decoder import MoEForCausalLM
+        from moectl.engine.models.loader import save_checkpoint
+
+        raw = {**TINY_MIXTRAL, **overrides}
+        model = MoEForCausalLM(ModelConfig.from_hf(raw))
+        model.init_weights(std=0.2 if std is None else std, seed=seed)
+        save_checkpoint(model, out_dir)
+        vocab = raw["vocab_size"]
+    else:
+        import transformers
+
+        config_cls, model_cls, kwargs, save_kwargs = SPECS[name]
+        config = getattr(transformers, config_cls)(**{**kwargs, **overrides})
+        model = getattr(transformers, model_cls)(config).eval()
+        randomize_(model, seed, STD if std is None else std)
+        model.save_pretrained(out_dir, **save_kwargs)
+        vocab = config.vocab_size
+    if tokenizer if tokenizer is not None else name in ("engine", "mixtral"):
+        build_tokenizer(vocab).save(str(out_dir / "tokenizer.json"))
     return out_dir
-
-
-# -- checkpoints written by the engine itself (no transformers needed), for the loader tests
-
-ENGINE_MIXTRAL = {
-    "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "vocab_size": 64, "hidden_size": 16,
-    "intermediate_size": 24, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
-    "num_local_experts": 4, "num_experts_per_tok": 2, "max_position_embeddings": 128, "rms_norm_eps": 1e-5,
-    "rope_theta": 10000.0, "tie_word_embeddings": False, "dtype": "float32",
-}
-
-
-def build_engine_checkpoint(out_dir: Path, seed: int = 0, **overrides) -> Path:
-    from moectl.engine.models.config import ModelConfig
-    from moectl.engine.models.loader import save_checkpoint
-    from moectl.engine.models.decoder import MoEForCausalLM
-
-    model = MoEForCausalLM(ModelConfig.from_hf({**ENGINE_MIXTRAL, **overrides}))
-    model.init_weights(std=STD, seed=seed)
-    save_checkpoint(model, out_dir)
-    return Path(out_dir)
 
 
 def shard_checkpoint(model_dir: Path, num_shards: int = 3) -> list[Path]:
@@ -136,3 +149,14 @@ def shard_checkpoint(model_dir: Path, num_shards: int = 3) -> list[Path]:
     (single.parent / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     single.unlink()
     return shards
+
+
+def reference_greedy(model, prompt: list[int], max_tokens: int) -> list[int]:
+    """Greedy decoding by recomputing the whole sequence each step: no cache, no batching."""
+    ids = list(prompt)
+    with torch.inference_mode():
+        for _ in range(max_tokens):
+            t = torch.tensor(ids)
+            hidden = model(t, torch.arange(len(ids)), DenseContext(1, len(ids)))
+            ids.append(int(model.logits(hidden[-1:]).argmax()))
+    return ids[len(prompt):]
