@@ -29,8 +29,9 @@ from moectl.engine.core.driver import RECORD_BUFFER, ActionRefused, EngineDriver
 from moectl.engine.core.topology import Topology
 from moectl.engine.experts.rebalancer import plan_rebalance
 from moectl.engine.tools.workload import WorkloadSpec, make_workload
-from moectl.profiler.analysis import BALANCEDNESS_WARN, KV_USAGE_WARN
+from moectl.profiler.analysis import alerts
 from moectl.profiler.recorder import engine_header
+from moectl.profiler.trace_queries import placement_timeline
 from moectl.profiler.trace_store import TraceError, TraceReader
 
 
@@ -218,34 +219,24 @@ class ReplaySource(Source):
                    if a["kind"] not in ("record_start", "record_stop")]
         return actions + self._alert_markers()
 
-    def _alert_markers(self, samples: int = 400, window: int = 16) -> list[tuple[int, str]]:
-        """Steps where an alert's condition starts to hold, the way the console's alerts see it:
-        over a moving window (`window` sampled steps), so one noisy step marks nothing. Sampled
-        over at most `samples` steps, so a long trace costs the same. Conditions: balancedness of
-        the window's device tokens under the alert threshold; KV usage over its threshold with
-        preemptions in the window."""
-
+    def _alert_markers(self, samples: int = 400, window: int = WINDOW_STEPS) -> list[tuple[int, str]]:
+        """Steps where an alert starts to hold, found by the analysis the console's alert bar runs
+        (profiler.analysis.alerts) over the same moving window, under the placement in force at
+        each step: on a trace of up to `samples` steps a marker is where the alert bar would turn
+        on. Longer traces are sampled every len/samples steps (the window then spans that many
+        times more), so a long trace costs the same."""
+        timeline = placement_timeline(self.reader)
         stride = max(1, len(self.steps) // samples)
         recent: deque = deque(maxlen=window)
         out, was = [], set()
-
         for i in range(0, len(self.steps), stride):
             try:
                 record = self.reader.seek_step(int(self.steps[i]))
             except TraceError:
                 continue  # a damaged row: no marker from it
-            cache = record.get("cache") or {}
-            recent.append((np.asarray((record.get("devices") or {}).get("tokens") or [0], dtype=np.float64),
-                           bool(record["batch"]["preempted"]),
-                           cache.get("kv_blocks_used", 0) / max(cache.get("kv_blocks_total", 1), 1)))
-            if len(recent) < window:
-                continue
-            tokens = np.sum([t for t, _, _ in recent], axis=0)
-            now = set()
-            if tokens.max() > 0 and tokens.mean() / tokens.max() < BALANCEDNESS_WARN:
-                now.add("imbalance")
-            if any(p for _, p, _ in recent) and max(u for _, _, u in recent) > KV_USAGE_WARN:
-                now.add("kv_pressure")
+            recent.append(record)
+            in_force = [p for s, p in timeline if s < record["step"]]
+            now = {a["kind"] for a in alerts(list(recent), in_force[-1] if in_force else None)}
             if now - was:
                 out.append((int(record["step"]), "alert"))
             was = now

@@ -12,7 +12,6 @@ from collections import OrderedDict, deque
 import numpy as np
 
 from moectl.engine.experts.placement import Placement
-from moectl.engine.tools.workload import percentile
 
 WINDOW_STEPS = 64  # the moving window behind the heat map, loads, balancedness and throughput
 HISTORY_STEPS = 600  # curves over time
@@ -223,7 +222,7 @@ class ConsoleState:
         return (busy / wall).tolist() if wall > 0 else [0.0] * len(busy)
 
     def latency(self) -> dict:
-        return {name: {f"p{q}": percentile(list(values), q) for q in (50, 99)}
+        return {name: {f"p{q}": float(np.percentile(values, q)) if values else None for q in (50, 99)}
                 for name, values in (("ttft", self.ttft), ("tpot", self.tpot))}
 
     def request_counts(self) -> dict:

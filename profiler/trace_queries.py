@@ -23,22 +23,30 @@ def trace_routing(reader):
     return loads, placement, num_devices, devices.get("expert_bytes")
 
 
+def placement_timeline(reader) -> list[tuple[int, Placement]]:
+    """The trace's placements in the order they took force: [(from_step, placement)], the
+    header's from step -1, then each placement-changing action's from its step. Empty when the
+    trace has no devices."""
+    devices = reader.header.get("devices") or {}
+    if not devices.get("placement"):
+        return []
+    timeline = [(-1, Placement.from_dict(devices["placement"]))]
+    for action in reader.actions():
+        raw = (action.get("result") or {}).get("placement")
+        if raw is not None:
+            timeline.append((int(action["step"]), Placement.from_dict(raw)))
+    return timeline
+
+
 def placement_in_force(reader, step: int | None):
     """The placement of the trace at `step`: the header's, replaced by each placement-changing
     action before it. Returns (placement or None, steps at which it changed later in the trace)."""
-    devices = reader.header.get("devices") or {}
-    if not devices.get("placement"):
+    timeline = placement_timeline(reader)
+    if not timeline:
         return None, []
-    current, later = Placement.from_dict(devices["placement"]), []
-    for action in reader.actions():
-        raw = (action.get("result") or {}).get("placement")
-        if raw is None:
-            continue
-        if step is None or action["step"] < step:
-            current = Placement.from_dict(raw)
-        else:
-            later.append(action["step"])
-    return current, later
+    before = [p for s, p in timeline if step is None or s < step]
+    later = [s for s, _ in timeline[1:] if step is not None and s >= step]
+    return before[-1], later
 
 
 def trace_summary(reader) -> dict:

@@ -13,6 +13,7 @@ Weights are large enough that logits and routing are decisive, not near-tied.
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
 import torch
@@ -160,3 +161,9 @@ def reference_greedy(model, prompt: list[int], max_tokens: int) -> list[int]:
             hidden = model(t, torch.arange(len(ids)), DenseContext(1, len(ids)))
             ids.append(int(model.logits(hidden[-1:]).argmax()))
     return ids[len(prompt):]
+
+
+def prompts(n: int, seed: int = 0, lo: int = 3, hi: int = 40) -> list[list[int]]:
+    """n random token-id prompts with lengths in [lo, hi], reproducible from seed."""
+    rng = random.Random(seed)
+    return [[rng.randrange(2, 300) for _ in range(rng.randint(lo, hi))] for _ in range(n)]

@@ -10,11 +10,9 @@ from tests.checkpoints import SMALLER, STD, tiny_checkpoint
 
 @pytest.fixture(scope="session")
 def tiny_hf_checkpoint(tmp_path_factory):
-    """name -> directory of a tiny transformers-written checkpoint (see tests/tiny_models.SPECS),
+    """name -> directory of a tiny transformers-written checkpoint (see tests/checkpoints.SPECS),
     built on first use and cached for the session. Skips when transformers is not installed."""
     pytest.importorskip("transformers")
-
-
     root = tmp_path_factory.mktemp("tiny_hf")
     built = {}
 

@@ -122,14 +122,6 @@ class PlanModel:
 
     # -- per-device parameter counts (tp, rank); with tp=1 these are the whole model's
     @property
-    def q_size(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def kv_size(self) -> int:
-        return self.num_kv_heads * self.head_dim
-
-    @property
     def kv_latent_dim(self) -> int:
         return self.kv_lora_rank + self.qk_rope_head_dim
 

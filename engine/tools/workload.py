@@ -43,26 +43,12 @@ _SNIPPET_BATCH = 64  # corpus snippets are fetched in fixed-size batches so the 
 
 # -- small statistics helpers
 
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """The q-th percentile (0..100) by linear interpolation between closest ranks (numpy's
-    default method); None for no values."""
-    data = sorted(v for v in values if v is not None)
-    if not data:
-        return None
-    if not 0 <= q <= 100:
-        raise ValueError(f"q: must be in [0, 100], got {q!r}")
-    pos = (len(data) - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(data) - 1)
-    return data[lo] + (data[hi] - data[lo]) * (pos - lo)
-
-
 def summarize(values: Iterable[float | None], percentiles: Sequence[float] = (50, 90, 99)) -> dict:
     """{"count", "mean", "p50", "p90", "p99", "max"} over the non-None values (None when empty)."""
     data = [float(v) for v in values if v is not None]
     out: dict[str, Any] = {"count": len(data), "mean": (sum(data) / len(data)) if data else None}
     for q in percentiles:
-        out[f"p{q:g}"] = percentile(data, q)
+        out[f"p{q:g}"] = float(np.percentile(data, q)) if data else None
     out["max"] = max(data) if data else None
     return out
 
@@ -594,4 +580,4 @@ def summarize_run(records: list[dict], steps: list, wall_s: float, skipped_s: fl
 
 
 __all__ = ["LengthDist", "WorkloadSpec", "WorkloadItem", "WorkloadResult", "make_workload", "iter_workload",
-           "workload_for_engine", "run_workload", "summarize_run", "percentile", "summarize"]
+           "workload_for_engine", "run_workload", "summarize_run", "summarize"]

@@ -1,0 +1,93 @@
+"""SVG snapshots of the console (pytest-textual-snapshot): the five panels at 80x24 and 160x50 in
+the dark and light themes, and the help screen.
+
+Every screenshot comes from recorded data only: a ReplaySource on
+sample_traces/steady_rebalance.trace, seeked to step 250 and paused (nothing plays, so the app's
+timer re-renders the same state), with the alerts computed before the screenshot (they arrive
+from a worker thread). Nothing on screen depends on the clock: the Header has no clock, replay
+raises no notification here, and the transport shows trace time, not wall time.
+
+    .venv/bin/python -m pytest tests/console/test_console_snapshots.py                    # compare
+    .venv/bin/python -m pytest tests/console/test_console_snapshots.py --snapshot-update  # accept new ones
+
+The SVGs live in tests/console/__snapshots__/test_console_snapshots/; a failing run writes an HTML diff
+report (snapshot_report.html in the working directory).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("pytest_textual_snapshot")
+
+from moectl.console.app import MoectlApp  # noqa: E402
+from moectl.console.sources import ReplaySource  # noqa: E402
+from moectl.engine import sample_model_dir
+from tests.paths import TRACES
+
+TRACE = TRACES / "steady_rebalance.trace"
+SAMPLE_MODEL = sample_model_dir()
+STEP = 250
+PANELS = {"overview": "1", "experts": "2", "memory": "3", "timeline": "4", "requests": "5"}
+SIZES = {"80x24": (80, 24), "160x50": (160, 50)}
+THEMES = ("dark", "light")
+
+
+def replay_app(theme: str) -> MoectlApp:
+    source = ReplaySource(TRACE)
+    # The header names the model by the absolute path it was recorded from; the Memory panel's
+    # plan reads its config.json. Point it at this checkout's sample model so the snapshot does
+    # not depend on where the repository lives.
+    model = source.header.get("model")
+    if isinstance(model, dict):
+        model["path"] = str(SAMPLE_MODEL)
+    return MoectlApp(source, theme=theme)
+
+
+async def _settle(pilot, condition, timeout_s: float = 30.0) -> None:
+    """Let the app run until condition() holds (a worker thread may be involved)."""
+    for _ in range(int(timeout_s / 0.05)):
+        if condition():
+            return
+        await pilot.pause(0.05)
+    raise AssertionError("the console did not settle")
+
+
+def before(key: str | None):
+    """run_before for snap_compare: seek to STEP (paused), wait for the alerts, show a panel."""
+
+    async def run_before(pilot) -> None:
+        app = pilot.app
+        await pilot.pause()
+        app.source.pause()
+        app.source.seek_step(STEP)
+        app.tick()  # refills the window before STEP and starts the alerts worker
+        assert app.state.latest is not None and app.state.latest["step"] == STEP
+        await _settle(pilot, lambda: not app._alerts_running)
+        if key is not None:
+            await pilot.press(key)
+        app.set_focus(None)  # no focused widget: no blinking cursor, no focus highlight
+        app.refresh_panels()
+        await pilot.pause()
+        await pilot.pause()
+
+    return run_before
+
+
+@pytest.mark.parametrize("theme", THEMES)
+@pytest.mark.parametrize("size", list(SIZES))
+@pytest.mark.parametrize("panel", list(PANELS))
+def test_panel(snap_compare, panel: str, size: str, theme: str):
+    """One console panel at a fixed replay position (steady_rebalance.trace, step 250, paused)."""
+    assert snap_compare(replay_app(theme), terminal_size=SIZES[size], run_before=before(PANELS[panel]))
+
+
+def test_help_screen(snap_compare):
+    """The help screen ('?') over the Overview panel, dark theme, 80x24."""
+    async def run_before(pilot) -> None:
+        await before(None)(pilot)
+        await pilot.press("question_mark")
+        await pilot.pause()
+        assert pilot.app.screen.__class__.__name__ == "HelpScreen"
+
+    assert snap_compare(replay_app("dark"), terminal_size=(80, 24), run_before=run_before)

@@ -1,0 +1,239 @@
+"""The distributed backend: 2 ranks on CPU (gloo), tensor + expert parallel, against the
+single-process engine. Each launch spawns two fresh interpreters, so launches are few and each
+one checks several things."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from moectl.engine.core.config import EngineConfig, SchedulerKnobs
+from moectl.engine.core.kv_cache import KVCache
+from moectl.engine.core.paged_attention import DecodeGroup, PagedContext, PrefillSlice
+from moectl.engine.core.sampling import SamplingParams
+from moectl.engine.llm_engine import LLMEngine
+from moectl.engine.models.config import ModelConfig
+from moectl.engine.models.decoder import MoEForCausalLM
+from moectl.engine.models.loader import save_checkpoint
+from moectl.engine.parallel.distributed import (
+    DistributedError,
+    GenerateJob,
+    ScoreJob,
+    check_layout,
+    default_tp,
+    generate_distributed,
+    launch,
+    launch_distributed,
+    pack_step,
+    run_rank,
+    unpack_step,
+)
+from moectl.engine.parallel.sharding import ParallelError, local_kv_heads, tp_head_layout
+from tests.checkpoints import randomize_, tiny_checkpoint
+
+# small prefill chunks and a small block size: chunked prefill, several decode groups, a
+# prefix-cache hit (prompts 0 and 3 share their first blocks)
+KNOBS = SchedulerKnobs(max_num_batched_tokens=12, long_prefill_token_threshold=7)
+ENGINE = dict(knobs=KNOBS, block_size=4, num_kv_blocks=96, num_threads=1)
+PROMPTS = [list(range(3, 26)), [30, 31, 32], list(range(40, 51)), list(range(3, 15)) + [99, 98]]
+PARAMS = SamplingParams(max_tokens=10, ignore_eos=True)
+SCORE_IDS = list(range(5, 36))
+API_PROMPTS = PROMPTS + ["def parse(x):"]
+
+OLMOE = {"architectures": ["OlmoeForCausalLM"], "model_type": "olmoe", "vocab_size": 128, "hidden_size": 32,
+         "intermediate_size": 24, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "num_experts": 8, "num_experts_per_tok": 2, "clip_qkv": 1.5, "norm_topk_prob": False,
+         "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "dtype": "float32"}
+QWEN2 = {"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", "vocab_size": 128, "hidden_size": 32,
+         "intermediate_size": 40, "moe_intermediate_size": 24, "shared_expert_intermediate_size": 36,
+         "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "num_experts": 6,
+         "num_experts_per_tok": 2, "norm_topk_prob": False, "mlp_only_layers": [1], "tie_word_embeddings": True,
+         "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "dtype": "float32"}
+
+
+def _engine_checkpoint(raw: dict, out: Path, seed: int = 0) -> Path:
+    """Every parameter redrawn (norm weights and biases too), so a mis-sharded one shows."""
+    model = MoEForCausalLM(ModelConfig.from_hf(raw))
+    randomize_(model, seed)
+    save_checkpoint(model, out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dist")
+    return {"mixtral": tiny_checkpoint(root / "mixtral"),
+            "mixtral_other": tiny_checkpoint(root / "mixtral_other", seed=1, tokenizer=False),
+            "olmoe": _engine_checkpoint(OLMOE, root / "olmoe"),
+            "qwen2_moe": _engine_checkpoint(QWEN2, root / "qwen2_moe")}
+
+
+def _config(model_dir) -> EngineConfig:
+    return EngineConfig(model=str(model_dir), **ENGINE)
+
+
+@pytest.fixture(scope="module")
+def reference(ckpts, single_thread):
+    """The single-process engine's greedy tokens and scored logits, per model."""
+    out = {}
+    for name in ("mixtral", "olmoe", "qwen2_moe"):
+        eng = LLMEngine(_config(ckpts[name]))
+        out[name] = {"tokens": [o.token_ids for o in eng.generate(PROMPTS, PARAMS)], "logits": eng.score(SCORE_IDS)}
+        if name == "mixtral":
+            out[name]["tokens_api"] = [o.token_ids for o in eng.generate(API_PROMPTS, PARAMS)]
+    return out
+
+
+class BothJob:
+    """Rank 0: a generate batch, then a scored prefill, in one session."""
+
+    def __call__(self, engine):
+        tokens = [o["token_ids"] for o in GenerateJob(PROMPTS, PARAMS)(engine)]
+        return {"tokens": tokens, "logits": ScoreJob(SCORE_IDS)(engine),
+                "kv_heads": engine.kv_cache.k.shape[3], "steps": engine.step_count}
+
+
+class Sessions:
+    """Several sessions (model, tp) one after another in the same two processes."""
+
+    def __init__(self, sessions):
+        self.sessions = sessions
+
+    def __call__(self, state):
+        return {key: run_rank(_config(path), BothJob(), tp, state) for key, path, tp in self.sessions}
+
+
+class PerRankModel:
+    """Rank r loads model_dirs[r]: a launch whose ranks disagree."""
+
+    def __init__(self, model_dirs):
+        self.model_dirs = model_dirs
+
+    def __call__(self, state):
+        return run_rank(_config(self.model_dirs[state.rank]), GenerateJob(PROMPTS[:1], PARAMS), 2, state)
+
+
+@pytest.fixture(scope="module")
+def sessions(ckpts):
+    """One 2-rank launch: Mixtral tp=2 and tp=1, OLMoE tp=2 (full q/k norm), Qwen2-MoE tp=2
+    (shared expert, qkv bias, a dense layer, tied embeddings); EP=2 throughout."""
+    plan = [("mixtral_tp2", ckpts["mixtral"], 2), ("mixtral_tp1", ckpts["mixtral"], 1),
+            ("olmoe_tp2", ckpts["olmoe"], 2), ("qwen2_moe_tp2", ckpts["qwen2_moe"], 2)]
+    return launch(Sessions(plan), nproc=2, timeout_s=120, collective_timeout_s=60, num_threads=1)
+
+
+@pytest.mark.parametrize("key", ["mixtral_tp2", "mixtral_tp1", "olmoe_tp2", "qwen2_moe_tp2"])
+def test_two_ranks_match_single_process(sessions, reference, key):
+    got, ref = sessions[key], reference[key.rsplit("_", 1)[0]]
+    assert got["tokens"] == ref["tokens"]
+    diff = (got["logits"] - ref["logits"]).abs().max().item()
+    assert diff <= 1e-4, diff
+    assert got["steps"] > PARAMS.max_tokens  # prefill took several chunked steps
+    tp = int(key[-1])
+    assert got["kv_heads"] == 2 // tp  # each rank caches only its kv heads
+
+
+def test_generate_distributed_api(ckpts, reference):
+    """The public entry: strings and token ids, tp defaulting to the world size (2)."""
+    outs = generate_distributed(ckpts["mixtral"], API_PROMPTS, PARAMS, nproc=2, timeout_s=120, **ENGINE)
+    assert [o["token_ids"] for o in outs] == reference["mixtral"]["tokens_api"]
+    assert outs[-1]["prompt_ids"] and isinstance(outs[-1]["text"], str) and outs[-1]["text"]
+    assert outs[0]["prompt_ids"] == PROMPTS[0]
+
+
+def test_ranks_loading_different_models_are_refused(ckpts):
+    with pytest.raises(ValueError) as info:
+        launch(PerRankModel([ckpts["mixtral"], ckpts["mixtral_other"]]), nproc=2, timeout_s=90,
+               collective_timeout_s=30, num_threads=1)
+    msg = str(info.value)
+    assert "\n" not in msg
+    assert msg.startswith("distributed: rank 1 loaded a different model than rank 0 (weights differ")
+
+
+class FailsAfterOneRequest:
+    """Rank 0 serves one request, then its job raises: the error comes back as one line and the
+    worker, released by the stop message, exits cleanly."""
+
+    def __call__(self, engine):
+        GenerateJob(PROMPTS[:1], SamplingParams(max_tokens=2))(engine)
+        raise RuntimeError("job failed on purpose")
+
+
+def test_a_failing_rank_stops_the_launch_without_hanging(ckpts):
+    import multiprocessing
+
+    with pytest.raises(DistributedError, match=r"^distributed: rank 0 failed: RuntimeError: job failed on purpose$"):
+        launch_distributed(_config(ckpts["mixtral"]), FailsAfterOneRequest(), nproc=2, timeout_s=90)
+    assert not multiprocessing.active_children()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_torchrun_entry_refuses_disagreeing_ranks_with_exit_code_2(ckpts, tmp_path):
+    """The torchrun path (RANK/WORLD_SIZE/MASTER_* from the environment): exit code 2, a clear
+    line on stderr from every rank, and nobody hangs."""
+    port = _free_port()
+    procs = []
+    for rank, name in enumerate(("mixtral", "mixtral_other")):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "moectl.engine.parallel.distributed", "--model", str(ckpts[name]), "--prompt-ids", "5,6,7",
+             "--device", "cpu", "--json"], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True))
+    try:
+        results = [p.communicate(timeout=90) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, (out, err) in zip(procs, results):
+        assert p.returncode == 2, err
+        assert "rank 1 loaded a different model than rank 0" in err
+        assert out == ""
+
+
+# -- no processes needed
+
+def test_head_layout_and_limits():
+    # 4 q heads, 2 kv heads: tp=2 splits both; tp=4 replicates each kv head on two ranks
+    assert [tp_head_layout(4, 2, r, 2) for r in range(2)] == [(range(0, 2), range(0, 1)), (range(2, 4), range(1, 2))]
+    assert [tp_head_layout(4, 2, r, 4)[1] for r in range(4)] == [range(0, 1), range(0, 1), range(1, 2), range(1, 2)]
+    assert local_kv_heads(32, 8, 8) == 1 and local_kv_heads(32, 8, 2) == 4
+    cfg = ModelConfig.from_hf({**OLMOE, "num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 8})
+    with pytest.raises(ParallelError, match="tp: 4 does not divide the model's 6 attention heads"):
+        check_layout(cfg, 4, 4)
+    with pytest.raises(ParallelError, match=r"tp: tensor-parallel size must be an integer in \[1, 8\], got 16"):
+        check_layout(cfg, 16, 16)
+    with pytest.raises(ParallelError, match="exceed the model's 8 experts"):
+        check_layout(ModelConfig.from_hf(OLMOE), 16, 1)
+    assert default_tp(cfg, 4) == 2 and default_tp(ModelConfig.from_hf(OLMOE), 2) == 2
+
+
+def test_step_message_round_trip():
+    cache = KVCache(1, 8, 4, 1, 2, torch.float32)
+    ctx = PagedContext(cache=cache, slot_mapping=torch.tensor([5, 9, 10, 11]), num_decodes=2,
+                       decode_context_lens=torch.tensor([2, 6]))
+    ctx.decode_groups = [DecodeGroup(0, 1, torch.tensor([1]), 1, torch.tensor([[[[True, True, False, False]]]])),
+                         DecodeGroup(1, 2, torch.tensor([2, 3]), 2, None)]
+    ctx.prefills = [PrefillSlice(2, 4, 0, torch.tensor([4]))]
+    ids, pos, got = unpack_step(pack_step(torch.tensor([7, 8, 9, 10]), torch.tensor([1, 5, 0, 1]), ctx),
+                                cache, torch.device("cpu"))
+    assert ids.tolist() == [7, 8, 9, 10] and pos.tolist() == [1, 5, 0, 1]
+    assert got.slot_mapping.tolist() == [5, 9, 10, 11] and got.num_decodes == 2
+    assert got.decode_context_lens.tolist() == [2, 6]
+    for a, b in zip(got.decode_groups, ctx.decode_groups):
+        assert (a.start, a.end, a.width, a.blocks.tolist()) == (b.start, b.end, b.width, b.blocks.tolist())
+        assert (a.mask is None and b.mask is None) or torch.equal(a.mask, b.mask)
+    p = got.prefills[0]
+    assert (p.start, p.end, p.cached_len, p.block_table.tolist()) == (2, 4, 0, [4])
