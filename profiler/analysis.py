@@ -175,23 +175,43 @@ def counterfactual(records: Iterable[dict], placement: Placement) -> dict:
             "per_layer": bal["per_layer"], "overall": bal["overall"], "per_step": bal["per_step"]}
 
 
+def _step_time(rec: dict) -> tuple[float, bool]:
+    """(the step's parallel time, whether it is modeled): the devices' parallel step where the
+    record has one (modeled on emulated devices, measured on ranks), else the wall time."""
+    st = (rec.get("devices") or {}).get("step_time")
+    if st:
+        return float(st["step_s"]), bool(st.get("modeled"))
+    return _wall(rec), False
+
+
 def utilisation(records: Iterable[dict]) -> dict:
-    """Per device sum(busy_s) / sum(step wall time) over the steps that have devices (measured).
-    A device missing from a record counts neither its busy nor its wall time there."""
-    busy, wall = np.zeros(0), np.zeros(0)
+    """Per device sum(busy_s) / sum(parallel step time) over the steps that have devices: busy
+    is measured; the step time is the devices' parallel step (modeled on emulated devices, which
+    run one after another, measured on distributed ranks), or the wall time in older traces.
+    `wait_s`: each device's mean time per step waiting for the slowest device at the layers'
+    synchronisation points. A device missing from a record counts neither its busy nor its time there."""
+    busy, wall, wait = np.zeros(0), np.zeros(0), np.zeros(0)
     steps = 0
+    modeled = False
     for rec in records:
         dev = rec.get("devices")
         if not dev:
             continue
         b = np.asarray(dev["busy_s"], dtype=np.float64)
         if b.size > busy.size:
-            busy, wall = np.pad(busy, (0, b.size - busy.size)), np.pad(wall, (0, b.size - wall.size))
+            grow = (0, b.size - busy.size)
+            busy, wall, wait = np.pad(busy, grow), np.pad(wall, grow), np.pad(wait, grow)
+        step_s, is_modeled = _step_time(rec)
+        modeled |= is_modeled
         busy[:b.size] += b
-        wall[:b.size] += _wall(rec)
+        wall[:b.size] += step_s
+        w = (dev.get("step_time") or {}).get("wait_s")
+        if w:
+            wait[:len(w)] += np.asarray(w, dtype=np.float64)
         steps += 1
     util = np.divide(busy, wall, out=np.zeros_like(busy), where=wall > 0)
-    return {"per_device": util.tolist(), "busy_s": busy.tolist(), "wall_s": wall.tolist(), "steps": steps}
+    return {"per_device": util.tolist(), "busy_s": busy.tolist(), "wall_s": wall.tolist(), "steps": steps,
+            "wait_s_per_step": (wait / steps).tolist() if steps else [], "step_time_modeled": modeled}
 
 
 def stragglers(records: Iterable[dict], placement: Placement | None = None, top: int = 3) -> list[dict]:
@@ -442,11 +462,19 @@ def _imbalance_alert(records, placement, topology, expert_bytes, redundant) -> d
     overall = bal["overall"]
     if overall is None or overall >= BALANCEDNESS_WARN:
         return None
-    util = utilisation(records)["per_device"]
+    used = utilisation(records)
+    util = used["per_device"]
     routing = _summed_routing(records)
+    waiting = ""
     if util:
         device = int(np.argmax(util))
         head = f"device {device} at {util[device]:.0%} utilisation (balancedness {overall:.2f})"
+        waits = used["wait_s_per_step"]
+        if waits and max(waits) > 0:
+            idle = int(np.argmin(util))
+            how = "modeled" if used["step_time_modeled"] else "measured"
+            waiting = (f"; device {idle} at {util[idle]:.0%} waits {waits[idle] * 1e3:.1f} ms a step for device "
+                       f"{device} ({how} parallel step)")
     else:  # placement but no device records: the busiest device by modeled load
         totals = _device_loads(placement, routing).sum(0)
         device = int(totals.argmax())
@@ -462,6 +490,7 @@ def _imbalance_alert(records, placement, topology, expert_bytes, redundant) -> d
             parts.append(f": {_join(names)} {'carry' if len(hot) > 1 else 'carries'} {share:.0%} of its tokens")
             predicted["experts"] = [[h["layer"], h["expert"]] for h in hot]
             predicted["experts_share"] = share
+    parts.append(waiting)
     action = "preview a rebalance"
     if topology is not None and routing is not None:
         slots = redundant if redundant is not None else (_spare_slots(placement) if placement is not None else 0)

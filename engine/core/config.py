@@ -109,6 +109,9 @@ class EngineConfig:
     auto_rebalance: AutoRebalancePolicy = field(default_factory=AutoRebalancePolicy)  # manual by default
     expert_cache_slots: int | None = None  # tiered expert memory: per-device cache size in experts
     expert_prefetch: str = "router"  # tiered mode: router (next layer's router on the hidden state) | coact | none
+    # the initial expert placement (Placement.to_dict form, what `plan rebalance --json` writes);
+    # None: contiguous with redundant_slots spare slots per device
+    placement: dict | None = None
     # multi-GPU in one process: the torch device of each device's experts (e.g. cuda:0..cuda:N-1)
     expert_devices: tuple[str, ...] | None = None
     profile_spans: bool = True  # always-on spans (profiler/spans.py) in every step record
@@ -133,6 +136,8 @@ class EngineConfig:
             _int_in("expert_cache_slots", self.expert_cache_slots, 1, 1 << 20)
         if self.expert_prefetch not in ("router", "coact", "none"):
             raise KnobError(f"expert_prefetch: must be router, coact or none, got {self.expert_prefetch!r}")
+        if self.placement is not None and (self.topology is None or not isinstance(self.placement, dict)):
+            raise KnobError("placement: needs devices (a topology) and a placement object")
         if self.expert_devices is not None:
             self.expert_devices = tuple(self.expert_devices)
             if self.topology is None or len(self.expert_devices) != self.topology.num_devices:

@@ -35,11 +35,12 @@ from moectl.engine.models.tokenizer import Tokenizer
 
 class EngineCore:
     def __init__(self, config: EngineConfig, model: MoEForCausalLM | None = None, *, experts=None,
-                 kv_heads: int | None = None, runner_factory=None):
+                 kv_heads: int | None = None, runner_factory=None, kv_pools: int | None = None):
         """experts(engine): builds the expert layer once the KV pools, runner and telemetry exist
         (it then serves as `engine.experts`); kv_heads: KV heads this process caches (tensor
         parallelism keeps a share); runner_factory(model, cache, device) builds the model runner
-        (distributed ranks)."""
+        (distributed ranks); kv_pools: KV pools (default one per device: the local backend's
+        devices each cache their own sequences; ranks that shard attention share one)."""
         self.config = config
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
@@ -56,7 +57,7 @@ class EngineCore:
         num_devices = config.topology.num_devices if config.topology is not None else 0
         # one KV pool per device: a sequence's blocks come from its home device's pool
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
-                                   num_pools=max(1, num_devices))
+                                   num_pools=kv_pools or max(1, num_devices))
         self.scheduler = Scheduler(self.blocks, config.knobs)
         self.commands = CommandQueue()
         device = torch.device(config.device)

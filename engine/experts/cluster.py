@@ -3,10 +3,17 @@
 Compute is real and runs on the one torch device; each MoE layer's experts live in real slot
 tensors that belong to emulated devices (see placed_experts.py). What one machine measures is
 reported as measured (each device's expert compute time, tokens, bytes); what it cannot (time on
-a link between devices) is modeled from bytes and the topology's bandwidths and flagged so.
+a link between devices, and the step time the devices would take running at once) is modeled
+from those measurements and the topology's bandwidths, and flagged so.
+
+`ClusterBase` is what every backend's cluster shares (the distributed one is in
+engine/parallel/cluster.py): the placement in force, the load window, planning, and the
+step-time prediction a preview shows.
 """
 
 from __future__ import annotations
+
+from collections import deque
 
 import numpy as np
 import torch
@@ -17,11 +24,120 @@ from moectl.engine.experts.memory_ledger import MemoryLedger
 from moectl.engine.experts.placed_experts import PlacedExperts, StepDeviceStats
 from moectl.engine.experts.placement import Placement, PlacementError, RoutingState
 from moectl.engine.experts.rebalancer import LoadWindow, RebalancePlan, plan_rebalance
+from moectl.engine.experts.step_time import ExpertCostModel, parallel_step, predict_step_times
 from moectl.engine.models.decoder import MoEForCausalLM
 from moectl.engine.models.moe import MoEBlock
 
 
-class LocalCluster:
+class ClusterBase:
+    """The placement in force, the routing window, planning, and step-time prediction."""
+
+    backend = "emulated"
+    link_time = "modeled"
+
+    def _init_base(self, model: MoEForCausalLM, topology: Topology, placement: Placement, policy: str,
+                   auto: AutoRebalancePolicy | None, window_steps: int) -> None:
+        cfg = model.cfg
+        self.topology = topology
+        self.policy = policy
+        self.auto = auto or AutoRebalancePolicy()
+        self.num_layers = cfg.num_layers
+        self.num_experts = cfg.num_experts
+        self.moe_layers = [layer.mlp.layer_idx for layer in model.layers if isinstance(layer.mlp, MoEBlock)]
+        if not self.moe_layers:
+            raise PlacementError("devices: this model has no MoE layers to place")
+        self.window = LoadWindow(cfg.num_layers, cfg.num_experts, size=window_steps)
+        self.cost = ExpertCostModel()
+        self.recent_steps: deque[dict] = deque(maxlen=window_steps)  # step-time splits, beside the window
+        self.placement = placement
+        self.bytes_moved_total = 0
+
+    @property
+    def num_devices(self) -> int:
+        return self.topology.num_devices
+
+    def check_shape(self, placement: Placement, slots_per_device: int | None) -> None:
+        if placement.num_devices != self.num_devices:
+            raise PlacementError(f"placement: has {placement.num_devices} devices, the cluster {self.num_devices}")
+        if placement.num_experts != self.num_experts:
+            raise PlacementError(f"placement: has {placement.num_experts} experts, the model {self.num_experts}")
+        if placement.num_layers != self.num_layers:
+            raise PlacementError(f"placement: has {placement.num_layers} layers, the model {self.num_layers}")
+        if slots_per_device is not None and placement.slots_per_device != slots_per_device:
+            raise PlacementError(f"placement: {placement.slots_per_device} slots per device, the cluster has "
+                                 f"{slots_per_device}")
+
+    @property
+    def redundant_slots(self) -> int:
+        return self.placement.slots_per_device - -(-self.placement.num_experts // self.num_devices)
+
+    def balancedness(self) -> float:
+        """Of the placement in force, over the load window (1.0 before any load)."""
+        loads = self.window.loads()
+        return float(self.placement.balancedness(loads)[1]) if loads.any() else 1.0
+
+    def preview(self) -> RebalancePlan:
+        """A plan for the windowed loads that keeps this cluster's slot count, with its predicted
+        step time before and after; nothing changes."""
+        if not len(self.window):
+            raise PlacementError("rebalance: no routing observed yet")
+        plan = plan_rebalance(self.window.loads(), self.topology, self.redundant_slots, current=self.placement,
+                              expert_bytes=self.expert_bytes)
+        plan.prediction = self.predict_change(plan.placement)
+        return plan
+
+    def observe(self, step: int, routing: torch.Tensor) -> RebalancePlan | None:
+        """Adds a step's routing to the window; returns a plan when auto mode says to rebalance."""
+        self.window.add(routing.numpy())
+        if self.auto.should_rebalance(step, self.balancedness()):
+            plan = self.preview()
+            # an unreachable threshold must not re-plan and re-copy every step for nothing
+            return plan if plan.bytes_moved > 0 else None
+        return None
+
+    # -- time
+    def _time_step(self, wall_s: float, link_s: float, tokens: int, measured_parallel: bool) -> dict:
+        """Splits the step's time (parallel_step), feeds the cost model, keeps the split for predictions."""
+        s = self.stats
+        moe = self.moe_layers
+        split = parallel_step(wall_s, s.busy_layer[:, moe], link_s, measured_parallel)
+        self.cost.observe(s.rows_layer[:, moe], s.active_layer[:, moe], s.busy_layer[:, moe])
+        self.recent_steps.append({"other_s": split["other_s"], "link_s": link_s, "tokens": tokens})
+        split["utilisation"] = (s.busy_s / split["step_s"]).tolist() if split["step_s"] > 0 else [0.0] * len(s.busy_s)
+        # what each device spends waiting for the slowest one at the layers' synchronisation points
+        busy = s.busy_layer[:, moe]
+        split["wait_s"] = (busy.max(0, keepdims=True) - busy).sum(1).tolist() if busy.size else []
+        split["cost_model"] = self.cost.summary()
+        return split
+
+    def predict(self, placement: Placement) -> dict:
+        """Predicted mean step time, throughput and utilisation under `placement` for the routing
+        of the window's steps (the cost model calibrated on this run's measurements)."""
+        recent = list(self.recent_steps)[-len(self.window):]
+        if not recent or not self.cost.samples:
+            raise PlacementError("predict: no measured steps yet")
+        other = float(np.mean([r["other_s"] for r in recent]))
+        link = float(np.mean([r["link_s"] for r in recent]))
+        tokens = float(np.mean([r["tokens"] for r in recent]))
+        out = predict_step_times(self.cost, placement, self.window.step_loads()[-len(recent):], self.moe_layers,
+                                 other, link, tokens)
+        out["modeled_parallel"] = self.link_time == "modeled"
+        return out
+
+    def predict_change(self, placement: Placement) -> dict | None:
+        """Predicted step time and throughput before (the placement in force) and after."""
+        try:
+            before, after = self.predict(self.placement), self.predict(placement)
+        except PlacementError:
+            return None
+        return {"step_s_before": before["step_s"], "step_s_after": after["step_s"],
+                "throughput_before": before["throughput_tok_s"], "throughput_after": after["throughput_tok_s"],
+                "gain": before["step_s"] / after["step_s"] - 1 if after["step_s"] > 0 else 0.0,
+                "min_util_before": min(before["utilisation"]), "min_util_after": min(after["utilisation"]),
+                "calibration": self.cost.summary(), "model": "measured per-expert costs; link time " + self.link_time}
+
+
+class LocalCluster(ClusterBase):
     def __init__(self, model: MoEForCausalLM, topology: Topology, placement: Placement | None = None,
                  policy: str = "locality", redundant_slots: int = 0, auto: AutoRebalancePolicy | None = None,
                  window_steps: int = 64, expert_cache_slots: int | None = None, ledger: MemoryLedger | None = None,
@@ -38,23 +154,18 @@ class LocalCluster:
         if torch_devices is not None and len(torch_devices) != topology.num_devices:
             raise PlacementError(f"devices: {len(torch_devices)} torch devices for {topology.num_devices} devices")
         self.torch_devices = None if torch_devices is None else [torch.device(d) for d in torch_devices]
+        if self.torch_devices is not None:
+            self.backend = "multi-gpu"
         self.ledger = ledger
         self.knobs = knobs
-        self.auto = auto or AutoRebalancePolicy()
-        self.window = LoadWindow(cfg.num_layers, cfg.num_experts, size=window_steps)
-        self.topology = topology
-        self.policy = policy
-        self.stats = StepDeviceStats(topology.num_devices, next(model.parameters()).device)
-        self.stats.link_seconds = self.link_seconds
-        self.routing_state = RoutingState(topology.devices_per_node)
         placement = placement or Placement.contiguous(cfg.num_layers, cfg.num_experts, topology.num_devices,
                                                       redundant_slots)
+        self._init_base(model, topology, placement, policy, auto, window_steps)
+        self.stats = StepDeviceStats(topology.num_devices, next(model.parameters()).device, cfg.num_layers)
+        self.stats.link_seconds = self.link_seconds
+        self.routing_state = RoutingState(topology.devices_per_node)
         self.layers: list[PlacedExperts] = []
-        self.num_layers = cfg.num_layers
-        self.num_experts = cfg.num_experts
         moe_layers = [layer.mlp for layer in model.layers if isinstance(layer.mlp, MoEBlock)]
-        if not moe_layers:
-            raise PlacementError("devices: this model has no MoE layers to place")
         logical = moe_layers[0].experts
         self.expert_bytes = logical.w13[0].nbytes + logical.w2[0].nbytes
         self.num_moe_layers = len(moe_layers)
@@ -69,8 +180,6 @@ class LocalCluster:
                                    tiered=expert_cache_slots is not None, torch_devices=self.torch_devices)
             mlp.experts = placed
             self.layers.append(placed)
-        self.placement = placement
-        self.bytes_moved_total = 0
         self.caches = self._make_caches(placement) if expert_cache_slots is not None else None
         if ledger is not None:
             ledger.expert_category = "expert_weights" if self.caches is None else "expert_cache"
@@ -103,21 +212,9 @@ class LocalCluster:
             layer.caches = caches
         return caches
 
-    @property
-    def num_devices(self) -> int:
-        return self.topology.num_devices
-
     def check(self, placement: Placement) -> None:
         """Refuse (PlacementError, one line) a placement this cluster cannot hold."""
-        if placement.num_devices != self.num_devices:
-            raise PlacementError(f"placement: has {placement.num_devices} devices, the cluster {self.num_devices}")
-        if placement.num_experts != self.num_experts:
-            raise PlacementError(f"placement: has {placement.num_experts} experts, the model {self.num_experts}")
-        if placement.num_layers != self.num_layers:
-            raise PlacementError(f"placement: has {placement.num_layers} layers, the model {self.num_layers}")
-        if self.layers and placement.slots_per_device != self.layers[0].slots_per_device:
-            raise PlacementError(f"placement: {placement.slots_per_device} slots per device, the cluster has "
-                                 f"{self.layers[0].slots_per_device}")
+        self.check_shape(placement, self.layers[0].slots_per_device if self.layers else None)
         if self.cache_slots is not None:
             per_device, what = self.cache_slots * self.expert_bytes, "expert cache"
         else:
@@ -165,31 +262,6 @@ class LocalCluster:
         self.bytes_moved_total += moved
         return moved
 
-    @property
-    def redundant_slots(self) -> int:
-        return self.placement.slots_per_device - -(-self.placement.num_experts // self.num_devices)
-
-    def balancedness(self) -> float:
-        """Of the placement in force, over the load window (1.0 before any load)."""
-        loads = self.window.loads()
-        return float(self.placement.balancedness(loads)[1]) if loads.any() else 1.0
-
-    def preview(self) -> RebalancePlan:
-        """A plan for the windowed loads that keeps this cluster's slot count; nothing changes."""
-        if not len(self.window):
-            raise PlacementError("rebalance: no routing observed yet")
-        return plan_rebalance(self.window.loads(), self.topology, self.redundant_slots, current=self.placement,
-                              expert_bytes=self.expert_bytes)
-
-    def observe(self, step: int, routing: torch.Tensor) -> RebalancePlan | None:
-        """Adds a step's routing to the window; returns a plan when auto mode says to rebalance."""
-        self.window.add(routing.numpy())
-        if self.auto.should_rebalance(step, self.balancedness()):
-            plan = self.preview()
-            # an unreachable threshold must not re-plan and re-copy every step for nothing
-            return plan if plan.bytes_moved > 0 else None
-        return None
-
     def link_seconds(self, traffic: np.ndarray) -> np.ndarray:
         """Modeled seconds each device's links are busy for one all-to-all of `traffic` bytes
         (src x dst): every off-diagonal transfer over its link's bandwidth (within or between
@@ -207,17 +279,21 @@ class LocalCluster:
         self.stats.reset()
         self.stats.token_device = token_device
 
-    def end_step(self) -> dict:
+    def end_step(self, wall_s: float) -> dict:
+        """The step's "devices" record; wall_s: the step's measured (serial) time so far."""
         s = self.stats
         s.resolve()
         link_s = 2 * self.link_seconds(s.traffic)  # dispatch, then combine (the same bytes back)
         record = {
-            "backend": "multi-gpu" if self.torch_devices is not None else "emulated",
+            "backend": self.backend,
             "tokens": s.tokens.tolist(),
             "busy_s": s.busy_s.tolist(),  # measured
             "traffic_bytes": s.traffic.copy(),  # exact bytes of the dispatch all-to-all (combine: transpose)
             "link_s": link_s.tolist(),  # modeled from bytes and bandwidth
             "link_s_modeled": True,
+            # the devices ran one after another here: the parallel step is modeled from what they measured
+            "step_time": self._time_step(wall_s, float(link_s.max()) if link_s.size else 0.0,
+                                         len(s.token_device), measured_parallel=False),
         }
         if self.caches is not None:
             stats = [c.stats() for c in self.caches]

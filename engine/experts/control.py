@@ -45,7 +45,8 @@ class ExpertControl:
         ledger = MemoryLedger(engine.model, config.topology, kv_pool_blocks=blocks.pool_sizes,
                               kv_bytes_per_block=engine.kv_cache.nbytes() // blocks.num_blocks,
                               block_size=config.block_size, max_model_len=engine.max_model_len)
-        cluster = LocalCluster(engine.model, config.topology, policy=config.routing_policy,
+        placement = Placement.from_dict(config.placement) if config.placement is not None else None
+        cluster = LocalCluster(engine.model, config.topology, placement, policy=config.routing_policy,
                                redundant_slots=config.redundant_slots, auto=config.auto_rebalance,
                                expert_cache_slots=config.expert_cache_slots, ledger=ledger, knobs=config.knobs,
                                torch_devices=config.expert_devices)
@@ -70,7 +71,7 @@ class ExpertControl:
 
     @property
     def backend(self) -> str:
-        return "multi-gpu" if self.cluster.torch_devices is not None else "emulated"
+        return self.cluster.backend
 
     def header(self) -> dict:
         """What a trace or a remote console needs to know about the devices."""
@@ -78,7 +79,8 @@ class ExpertControl:
         return {"backend": self.backend, "topology": c.topology.as_dict(), "placement": c.placement.to_dict(),
                 "expert_bytes": c.expert_bytes, "redundant_slots": c.redundant_slots, "routing_policy": c.policy,
                 "tiered_experts": c.cache_slots is not None, "expert_cache_slots": c.cache_slots,
-                "link_time": "modeled"}
+                "link_time": c.link_time,
+                "step_time": "modeled" if c.link_time == "modeled" else "measured"}
 
     def balancedness(self) -> float:
         return self.cluster.balancedness()
@@ -137,10 +139,11 @@ class ExpertControl:
     def begin_step(self, token_device) -> None:
         self.cluster.begin_step(token_device)
 
-    def step_record(self, items, contexts: list[int], kv_blocks_used: list[int]) -> dict:
-        """The step record's "devices": measured work and modeled links, and each device's memory."""
+    def step_record(self, items, contexts: list[int], kv_blocks_used: list[int], t_start: float) -> dict:
+        """The step record's "devices": measured work, links (modeled or measured by backend), the
+        parallel step time, and each device's memory."""
         cluster = self.cluster
-        record = cluster.end_step()
+        record = cluster.end_step(time.monotonic() - t_start)
         work = [{"tokens": 0, "seqs": 0, "context": 0, "recv_rows": int(rows)} for rows in cluster.stats.peak_rows]
         for (seq, n), context in zip(items, contexts):
             w = work[seq.home_device]
@@ -162,6 +165,7 @@ class ExpertControl:
             self._engine.record_action("auto_rebalance_failed", {}, {"error": str(exc)})
 
     def _apply(self, placement: Placement, kind: str) -> dict:
+        predicted = self.cluster.predict_change(placement)  # before the placement in force changes
         t0 = time.perf_counter()
         try:
             moved = self.cluster.apply(placement)
@@ -172,7 +176,8 @@ class ExpertControl:
         seconds = time.perf_counter() - t0
         if self.prefetcher is not None:  # the caches were rebuilt for the new placement
             self.prefetcher.caches = list(self.cluster.caches)
-        result = {"bytes_moved": moved, "seconds": seconds, "placement": placement.to_dict()}
+        result = {"bytes_moved": moved, "seconds": seconds, "placement": placement.to_dict(), "predicted": predicted,
+                  **getattr(self.cluster, "last_migration", {})}
         self._engine.record_action(kind, {}, result)
         return result
 

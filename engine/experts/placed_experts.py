@@ -27,8 +27,9 @@ from moectl.engine.models.tracing import NULL_TRACER
 class StepDeviceStats:
     """Per-step accumulators shared by every layer's PlacedExperts."""
 
-    def __init__(self, num_devices: int, device: torch.device):
+    def __init__(self, num_devices: int, device: torch.device, num_layers: int):
         self.num_devices = num_devices
+        self.num_layers = num_layers
         self.cuda = device.type == "cuda"
         self.token_device = torch.zeros(0, dtype=torch.int64)
         self.tracer = NULL_TRACER  # the engine's SpanRecorder while spans are recorded
@@ -40,8 +41,12 @@ class StepDeviceStats:
         self.tokens = np.zeros(d, dtype=np.int64)  # (token, choice) rows each device computed
         self.peak_rows = np.zeros(d, dtype=np.int64)  # the most rows it computed in one layer (sizes buffers)
         self.busy_s = np.zeros(d)  # measured expert compute time per device
+        # per [device, layer]: measured seconds, rows and distinct experts run (the cost model's samples)
+        self.busy_layer = np.zeros((d, self.num_layers))
+        self.rows_layer = np.zeros((d, self.num_layers), dtype=np.int64)
+        self.active_layer = np.zeros((d, self.num_layers), dtype=np.int64)
         self.traffic = np.zeros((d, d), dtype=np.int64)  # dispatch bytes, src x dst
-        self._events: list[tuple[int, torch.cuda.Event, torch.cuda.Event]] = []
+        self._events: list[tuple[int, int, torch.cuda.Event, torch.cuda.Event]] = []
 
     def timed(self, device: int, fn, torch_device: torch.device | None = None, layer: int = -1):
         """Run fn as `device`'s work and add its time; CUDA events on GPU (recorded on the stream
@@ -53,20 +58,23 @@ class StepDeviceStats:
                 start.record()
                 out = fn()
                 end.record()
-            self._events.append((device, start, end))
+            self._events.append((device, layer, start, end))
             return out
         t0 = time.monotonic()
         out = fn()
         t1 = time.monotonic()
         self.busy_s[device] += t1 - t0
+        self.busy_layer[device, layer] += t1 - t0
         self.tracer.add_measured("experts", 1 + device, layer, t0, t1)
         return out
 
     def resolve(self) -> None:
         if self._events:
-            for device, start, end in self._events:
+            for device, layer, start, end in self._events:
                 end.synchronize()  # each on its own GPU; a plain synchronize() waits on one device only
-                self.busy_s[device] += start.elapsed_time(end) / 1e3
+                seconds = start.elapsed_time(end) / 1e3
+                self.busy_s[device] += seconds
+                self.busy_layer[device, layer] += seconds
             self._events.clear()
 
 
@@ -154,23 +162,25 @@ class PlacedExperts(nn.Module):
                 continue
             end = start + rows
             counts_d = per_device[device]
+            counts_list = counts_d.tolist()  # on the CPU-side copy: no device sync
+            active = [i for i, n in enumerate(counts_list) if n]
             rows_in = x_sorted[start:end]
             real = self.torch_devices[device] if self.torch_devices is not None else None
             if real is not None:  # a real dispatch copy to the GPU that holds these slots
                 rows_in, counts_d = rows_in.to(real, non_blocking=True), counts_d.to(real)
             if self.tiered:  # misses are copied in from the host tier first: that time is the device's too
-                counts_list = counts_d.tolist()
-                active = [i for i, n in enumerate(counts_list) if n]
                 experts = [int(self.slot_expert[device * s + i]) for i in active]
                 result = stats.timed(device, lambda: self.caches[device].run_groups(
                     self.layer_idx, rows_in, experts, [counts_list[i] for i in active]), real, self.layer_idx)
             else:
                 w13, w2 = self.device_w13[device], self.device_w2[device]
                 offsets = grouped_offsets(counts_d, rows, dtype=x.dtype)
-                result = stats.timed(device, lambda: grouped_swiglu(rows_in, counts_d.tolist(), w13, w2, offsets),
+                result = stats.timed(device, lambda: grouped_swiglu(rows_in, counts_list, w13, w2, offsets),
                                      real, self.layer_idx)
             out[start:end] = result  # on a real device: the combine copy back
             stats.tokens[device] += rows
+            stats.rows_layer[device, self.layer_idx] += rows
+            stats.active_layer[device, self.layer_idx] += len(active)
             stats.peak_rows[device] = max(stats.peak_rows[device], rows)
             start = end
         bytes_per_row = x.shape[-1] * x.element_size()

@@ -62,6 +62,7 @@ class RebalancePlan:
     move_array: np.ndarray  # [M, 5] int64 rows of Move fields
     seconds: float  # wall time of planning (perf_counter), the move array included
     layers_kept: int = 0  # layers left exactly as they were (already balanced within tolerance)
+    prediction: dict | None = None  # predicted step time and throughput before/after (step_time.py), when known
 
     @property
     def moves(self) -> list[Move]:
@@ -74,7 +75,8 @@ class RebalancePlan:
         return {"balancedness_before": self.balancedness_before.overall,
                 "balancedness_after": self.balancedness_after.overall,
                 "bytes_moved": self.bytes_moved, "moves": len(self.move_array),
-                "layers_kept": self.layers_kept, "seconds": self.seconds}
+                "layers_kept": self.layers_kept, "seconds": self.seconds,
+                **({"predicted": self.prediction} if self.prediction is not None else {})}
 
 
 def plan_rebalance(loads, topology: Topology | int, redundant_per_device: int,
@@ -571,6 +573,14 @@ class LoadWindow:
 
     def __len__(self) -> int:
         return min(self.steps, self.size)
+
+    def step_loads(self) -> np.ndarray:
+        """[n, L, E]: each of the last n steps' loads, oldest first."""
+        n = len(self)
+        if self.steps <= self.size:
+            return self._ring[:n].copy()
+        start = self.steps % self.size
+        return np.concatenate([self._ring[start:], self._ring[:start]])
 
     def loads(self) -> np.ndarray:
         """[L, E]; zeros before the first step."""

@@ -49,13 +49,17 @@ from moectl.engine.core.kv_cache import KVCache
 from moectl.engine.core.model_runner import ModelRunner
 from moectl.engine.core.paged_attention import DecodeGroup, PagedContext, PrefillSlice
 from moectl.engine.core.sampling import SamplingParams
+from moectl.engine.core.topology import Topology
+from moectl.engine.experts.control import ExpertControl
+from moectl.engine.experts.placement import Placement
 from moectl.engine.llm_engine import LLMEngine
 from moectl.engine.models.config import ModelConfig
 from moectl.engine.models.loader import load_model
+from moectl.engine.parallel.cluster import DistributedCluster
+from moectl.engine.parallel.rank_experts import RankStepStats, install, migrate
 from moectl.engine.parallel.sharding import (
     MAX_TP,
     ParallelError,
-    apply_expert_parallel,
     apply_tensor_parallel,
     check_tp_size,
     local_kv_heads,
@@ -247,12 +251,13 @@ def check_agreement(state: DistState, fingerprint: dict | None, settings: dict, 
 
 # ---------------------------------------------------------------- the step channel
 
-_MAGIC = 0x4D6F45  # "MoE": a payload that does not start with it is a protocol bug
+_MAGIC = 0x4D6F45  # "MoE": a step; a payload that starts with neither magic is a protocol bug
+_PLACEMENT = 0x504C43  # "PLC": a new expert placement, carried out by every rank before the next step
 
 
 class StepChannel:
-    """Rank 0 -> all ranks: one engine step's prepared inputs as one int64 tensor over the gloo
-    control group (a length, then the payload; length 0 means stop)."""
+    """Rank 0 -> all ranks over the gloo control group: one engine step's prepared inputs, or a
+    new placement, as one int64 tensor (a length, then the payload; length 0 means stop)."""
 
     def __init__(self, group, block_size: int):
         self.group = group
@@ -261,23 +266,34 @@ class StepChannel:
     def _broadcast(self, t: torch.Tensor) -> None:
         dist.broadcast(t, src=0, group=self.group)
 
-    def publish(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: PagedContext) -> None:
-        payload = pack_step(input_ids, positions, ctx)
+    def _send(self, payload: torch.Tensor) -> None:
         self._broadcast(torch.tensor([payload.numel()], dtype=torch.int64))
         self._broadcast(payload)
+
+    def publish(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: PagedContext) -> None:
+        self._send(pack_step(input_ids, positions, ctx))
+
+    def publish_placement(self, placement: Placement) -> None:
+        slots = placement.slots
+        head = torch.tensor([_PLACEMENT, placement.num_experts, *slots.shape], dtype=torch.int64)
+        self._send(torch.cat([head, torch.from_numpy(slots.reshape(-1).copy())]))
 
     def publish_stop(self) -> None:
         self._broadcast(torch.zeros(1, dtype=torch.int64))
 
     def receive(self, cache: KVCache, device: torch.device):
-        """(input_ids, positions, ctx) of the next step, or None when rank 0 said stop."""
+        """("step", input_ids, positions, ctx) or ("placement", Placement) of the next message,
+        or None when rank 0 said stop."""
         length = torch.zeros(1, dtype=torch.int64)
         self._broadcast(length)
         if int(length) == 0:
             return None
         payload = torch.empty(int(length), dtype=torch.int64)
         self._broadcast(payload)
-        return unpack_step(payload, cache, device)
+        if int(payload[0]) == _PLACEMENT:
+            num_experts, L, D, S = payload[1:5].tolist()
+            return "placement", Placement(payload[5:].numpy().reshape(L, D, S), num_experts)
+        return ("step", *unpack_step(payload, cache, device))
 
 
 def _i64(t: torch.Tensor) -> torch.Tensor:
@@ -339,10 +355,14 @@ class _PublishingModel:
     def __init__(self, model, channel: StepChannel):
         self.model, self.channel = model, channel
         self.cfg = model.cfg
+        self.after_forward = None  # rank 0's cluster: gathers every rank's figures for the step
 
     def __call__(self, input_ids, positions, ctx, probe=None):
         self.channel.publish(input_ids, positions, ctx)
-        return self.model(input_ids, positions, ctx, probe)
+        hidden = self.model(input_ids, positions, ctx, probe)
+        if self.after_forward is not None:
+            self.after_forward()
+        return hidden
 
     def logits(self, hidden):
         return self.model.logits(hidden)
@@ -363,14 +383,26 @@ class DistributedModelRunner(ModelRunner):
             self.channel.publish_stop()
 
 
-def worker_loop(model, cache: KVCache, channel: StepChannel, device: torch.device) -> int:
-    """Ranks other than 0: run each step rank 0 publishes until it says stop. Returns the step count."""
+def worker_loop(model, cache: KVCache, channel: StepChannel, device: torch.device, experts=None,
+                stats: RankStepStats | None = None, state: DistState | None = None) -> int:
+    """Ranks other than 0: run each step rank 0 publishes, then send rank 0 this rank's figures
+    for it (one fixed-size gather); move experts when rank 0 publishes a placement. Returns the
+    step count when rank 0 says stop."""
     steps = 0
     with torch.inference_mode():
-        while (step := channel.receive(cache, device)) is not None:
-            ids, positions, ctx = step
+        while (message := channel.receive(cache, device)) is not None:
+            if message[0] == "placement":
+                report = migrate(experts, message[1], state.rank, state.world_size, None)
+                dist.all_gather_object([None] * state.world_size, report, group=state.ctrl_group)
+                continue
+            _, ids, positions, ctx = message
+            if stats is not None:
+                stats.reset()
             model(ids, positions, ctx)
             steps += 1
+            if stats is not None:
+                stats.step = steps
+                dist.gather(stats.pack(), None, dst=0, group=state.ctrl_group)
     return steps
 
 
@@ -384,10 +416,31 @@ def kv_blocks_for(config: EngineConfig, cfg: ModelConfig, tp: int) -> tuple[int,
     return heads, config.num_kv_blocks or max(1, config.kv_cache_memory // per_block)
 
 
-def _make_engine(config: EngineConfig, model, kv_heads: int, channel: StepChannel) -> LLMEngine:
+def initial_placement(config: EngineConfig, cfg: ModelConfig, world: int) -> Placement:
+    if config.placement is not None:
+        return Placement.from_dict(config.placement)
+    return Placement.contiguous(cfg.num_layers, cfg.num_experts, world, config.redundant_slots)
+
+
+def _make_engine(config: EngineConfig, model, kv_heads: int, channel: StepChannel, state: DistState,
+                 experts, stats: RankStepStats, placement: Placement) -> LLMEngine:
     """Rank 0's real engine over this rank's share of the KV heads, with a runner that mirrors
-    every forward on the other ranks."""
-    return LLMEngine(config, model=model, kv_heads=kv_heads,
+    every forward on the other ranks, and `engine.experts` over the ranks' experts."""
+    topology = config.topology or Topology(num_devices=state.world_size)
+    if topology.num_devices != state.world_size:
+        raise ValueError(f"devices: the topology has {topology.num_devices} devices, the launch "
+                         f"{state.world_size} ranks")
+    config = dataclasses.replace(config, topology=topology)
+
+    def expert_layer(engine: LLMEngine) -> ExpertControl:
+        per_block = engine.kv_cache.nbytes() // engine.blocks.num_blocks
+        cluster = DistributedCluster(engine.model, topology, placement, experts, stats, state, channel,
+                                     policy=config.routing_policy, auto=config.auto_rebalance, knobs=config.knobs,
+                                     kv_bytes_per_block=per_block, kv_blocks=engine.blocks.num_blocks)
+        engine.runner.model.after_forward = cluster.collect
+        return ExpertControl(engine, cluster, "none")
+
+    return LLMEngine(config, model=model, kv_heads=kv_heads, experts=expert_layer, kv_pools=1,
                      runner_factory=lambda m, cache, device: DistributedModelRunner(m, cache, device, channel))
 
 
@@ -414,15 +467,17 @@ def run_rank(config: EngineConfig, job: Callable[[LLMEngine], Any], tp: int | No
         error = exc
     check_agreement(state, fp, settings, error)
     _make_tp_groups(state, tp)
-    engine = cache = channel = None
+    engine = cache = channel = experts = stats = None
     error = None
     try:
         apply_tensor_parallel(model, state.tp_rank, tp, state.tp_group)
-        apply_expert_parallel(model, state.rank, state.world_size, None)
+        placement = initial_placement(config, model.cfg, state.world_size)
+        stats = RankStepStats(model.cfg.num_layers, state.world_size, state.device)
+        experts = install(model, placement, state.rank, state.world_size, stats, config.routing_policy)
         heads, num_blocks = kv_blocks_for(config, model.cfg, tp)
         channel = StepChannel(state.ctrl_group, config.block_size)
         if state.is_driver:  # the engine sizes its cache by the same rule as kv_blocks_for
-            engine = _make_engine(config, model, heads, channel)
+            engine = _make_engine(config, model, heads, channel, state, experts, stats, placement)
         else:
             cfg = model.cfg
             cache = KVCache(cfg.num_layers, num_blocks, config.block_size, heads, cfg.head_dim, cfg.dtype,
@@ -432,7 +487,7 @@ def run_rank(config: EngineConfig, job: Callable[[LLMEngine], Any], tp: int | No
     reports = _exchange(state, _error_report(error) if error is not None else {})
     _raise_first_error(reports, "could not start")
     if not state.is_driver:
-        worker_loop(model, cache, channel, state.device)
+        worker_loop(model, cache, channel, state.device, experts, stats, state)
         return None
     try:
         return job(engine)

@@ -237,3 +237,104 @@ def test_step_message_round_trip():
         assert (a.mask is None and b.mask is None) or torch.equal(a.mask, b.mask)
     p = got.prefills[0]
     assert (p.start, p.end, p.cached_len, p.block_table.tolist()) == (2, 4, 0, [4])
+
+
+# ---------------------------------------------------------------- placement on ranks, changed live
+
+def _scrambled_placement(num_layers: int, num_experts: int) -> dict:
+    """Two ranks, one spare slot each: experts interleaved (not contiguous), expert 0 replicated."""
+    import numpy as np
+
+    from moectl.engine.experts.placement import Placement
+
+    half = num_experts // 2
+    row = np.full((2, half + 1), -1)
+    row[0, :half] = np.arange(0, num_experts, 2)
+    row[1, :half] = np.arange(1, num_experts, 2)
+    row[1, half] = 0  # a replica of expert 0 on rank 1
+    return Placement(np.broadcast_to(row, (num_layers, 2, half + 1)), num_experts).to_dict()
+
+
+class MigrationJob:
+    """Rank 0: requests in flight, a live placement change mid-run, more steps; the tokens, the
+    migration's measured figures and the step records' device fields."""
+
+    def __init__(self, placement: dict):
+        self.placement = placement
+
+    def __call__(self, engine):
+        from moectl.engine.experts.placement import Placement
+
+        streams = [engine.add_request(p, PARAMS, stream=True) for p in PROMPTS]
+        for _ in range(4):
+            engine.step()
+        before = engine.experts.placement
+        future = engine.experts.apply(Placement.from_dict(self.placement))
+        while engine.has_unfinished():
+            engine.step()
+        result = future.result(timeout=5)
+        records = [s.as_record() for s in engine.step_log]
+        return {"tokens": [list(s)[-1].token_ids for s in streams], "apply": result,
+                "placement_changed": before != engine.experts.placement,
+                "devices": [r["devices"] for r in records], "header": engine.experts.header()}
+
+
+class PlacedSessions:
+    """Sessions with an initial placement (replicas, spare slots) per routing policy, and one
+    with a live migration."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __call__(self, state):
+        cfg = ModelConfig.from_dir(self.path)
+        placed = _scrambled_placement(cfg.num_layers, cfg.num_experts)
+        out = {}
+        for policy in ("locality", "least_loaded", "round_robin"):
+            config = EngineConfig(model=str(self.path), placement=placed, routing_policy=policy,
+                                  topology=_topology(), **ENGINE)
+            out[policy] = run_rank(config, GenerateJob(PROMPTS, PARAMS), 2, state)
+        config = EngineConfig(model=str(self.path), redundant_slots=1, topology=_topology(), **ENGINE)
+        out["migration"] = run_rank(config, MigrationJob(placed), 2, state)
+        return out
+
+
+def _topology():
+    from moectl.engine.core.topology import Topology
+
+    return Topology(num_devices=2)
+
+
+@pytest.fixture(scope="module")
+def placed(ckpts):
+    return launch(PlacedSessions(ckpts["mixtral"]), nproc=2, timeout_s=120, collective_timeout_s=60, num_threads=1)
+
+
+@pytest.mark.parametrize("policy", ["locality", "least_loaded", "round_robin"])
+def test_any_placement_on_ranks_gives_the_same_tokens(placed, reference, policy):
+    assert [o["token_ids"] for o in placed[policy]] == reference["mixtral"]["tokens"]
+
+
+def test_a_live_migration_between_ranks_keeps_tokens_and_is_measured(placed, reference):
+    run = placed["migration"]
+    assert run["tokens"] == reference["mixtral"]["tokens"]  # requests in flight across the change
+    assert run["placement_changed"]
+    migration = run["apply"]["migration"]
+    assert migration["measured"] and len(migration["per_rank"]) == 2
+    assert migration["bytes_transferred"] > 0 and migration["bytes_transferred"] == run["apply"]["bytes_moved"]
+    assert all(r["seconds"] > 0 for r in migration["per_rank"])
+    assert sum(r["bytes_sent"] for r in migration["per_rank"]) == migration["bytes_transferred"]
+
+
+def test_distributed_step_records_are_measured_per_rank(placed):
+    run = placed["migration"]
+    assert run["header"]["backend"] == "distributed" and run["header"]["link_time"] == "measured"
+    for dev in run["devices"]:
+        assert dev["backend"] == "distributed" and dev["link_s_modeled"] is False
+        assert dev["step_time"]["modeled"] is False and dev["step_time"]["step_s"] > 0
+        assert len(dev["busy_s"]) == 2 and all(b > 0 for b in dev["busy_s"])
+        assert len(dev["link_wait_s"]) == 2 and dev["telemetry_s"] > 0
+        assert all(p["rss_bytes"] > 0 for p in dev["process"])
+        assert sum(dev["tokens"]) > 0 and len(dev["memory"]) == 2
+    # the cost model is calibrated from what the ranks measured
+    assert run["devices"][-1]["step_time"]["cost_model"]["samples"] > 0

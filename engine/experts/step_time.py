@@ -1,0 +1,139 @@
+"""Step time across parallel devices: what a step costs when the devices run at once, and what
+it would cost under another placement.
+
+Expert parallelism synchronises at every MoE layer (dispatch, then combine), so a step takes
+
+    other + sum over MoE layers of (the slowest device's expert time in that layer) + link time
+
+where `other` is everything that is not routed-expert compute (attention, router, norms,
+sampling, the dispatch and combine bookkeeping). The emulated devices of the local backend run
+one after another, so there the serial step is measured and the parallel step is *modeled*
+from the same measurements: other = serial wall - the sum of every device's expert time. On
+the distributed backend the ranks really run at once and the step is measured: other = wall -
+the per-layer critical path.
+
+A prediction for another placement needs each device's expert time under loads it never ran,
+so a cost model is calibrated from what the devices did measure: per (device, layer),
+
+    busy = per_expert_s * active experts + per_row_s * (token, choice) rows
+
+fitted by least squares over recent steps (exponentially forgotten), so it follows a machine
+whose speed drifts. The calibration error against the measurements is reported with it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from moectl.engine.experts.placement import Placement
+
+CALIBRATION_DECAY = 0.98  # per step: a sample half a minute old at 20 steps/s weighs almost nothing
+
+
+class ExpertCostModel:
+    """busy ~ per_expert_s * active + per_row_s * rows, calibrated from measured (device, layer) samples."""
+
+    def __init__(self, decay: float = CALIBRATION_DECAY):
+        self.decay = decay
+        self._gram = np.zeros((2, 2))  # decayed sums of x x^T, x = (active, rows)
+        self._xy = np.zeros(2)  # decayed sums of x * busy
+        self._abs_err = 0.0  # decayed sum of |predicted - measured| per sample (with the coefficients then)
+        self._busy = 0.0  # decayed sum of measured busy
+        self.samples = 0
+
+    def observe(self, rows: np.ndarray, active: np.ndarray, busy: np.ndarray) -> None:
+        """One step's per (device, layer) rows computed, distinct experts run and measured seconds."""
+        mask = rows > 0
+        if not mask.any():
+            return
+        x = np.stack([active[mask], rows[mask]]).astype(np.float64)
+        y = np.asarray(busy, dtype=np.float64)[mask]
+        if self.samples:
+            self._abs_err = self.decay * self._abs_err + float(np.abs(self.coefficients() @ x - y).sum())
+            self._busy = self.decay * self._busy + float(y.sum())
+        self._gram = self.decay * self._gram + x @ x.T
+        self._xy = self.decay * self._xy + x @ y
+        self.samples += int(mask.sum())
+
+    def coefficients(self) -> np.ndarray:
+        """(per_expert_s, per_row_s), both >= 0 (a per-row or per-expert cost is never negative)."""
+        if not self.samples:
+            return np.zeros(2)
+        gram = self._gram + np.eye(2) * 1e-12 * max(np.trace(self._gram), 1.0)
+        coef = np.linalg.solve(gram, self._xy)
+        if (coef < 0).any():  # the best fit on one term alone
+            diag = np.diag(gram)
+            only = self._xy / diag
+            fits = [float((self._xy[i] ** 2) / diag[i]) for i in range(2)]
+            coef = np.zeros(2)
+            i = int(np.argmax(fits))
+            coef[i] = max(only[i], 0.0)
+        return coef
+
+    def predict(self, rows: np.ndarray, active: np.ndarray) -> np.ndarray:
+        per_expert, per_row = self.coefficients()
+        return np.where(rows > 0, per_expert * active + per_row * rows, 0.0)
+
+    def summary(self) -> dict:
+        per_expert, per_row = self.coefficients()
+        return {"per_expert_s": float(per_expert), "per_row_s": float(per_row), "samples": self.samples,
+                "relative_error": (self._abs_err / self._busy) if self._busy > 0 else None}
+
+
+def parallel_step(wall_s: float, busy_layer: np.ndarray, link_s: float, measured_parallel: bool) -> dict:
+    """A step's time split, from [D, L] per-device per-layer expert seconds.
+
+    measured_parallel: the devices really ran at once (distributed): wall_s is the parallel step.
+    Otherwise (emulated) they ran one after another and the parallel step is modeled."""
+    critical = float(busy_layer.max(0).sum()) if busy_layer.size else 0.0
+    if measured_parallel:
+        other = max(wall_s - critical, 0.0)
+        step = wall_s
+    else:
+        other = max(wall_s - float(busy_layer.sum()), 0.0)
+        step = other + critical + link_s
+    return {"step_s": step, "other_s": other, "expert_critical_s": critical, "link_s": link_s,
+            "modeled": not measured_parallel}
+
+
+def _replica_shares(placement: Placement) -> np.ndarray:
+    """[L, E, D]: the share of an expert's tokens each device computes, split evenly over its
+    replicas (what the least-loaded and round-robin policies do on average)."""
+    slots = placement.slots  # [L, D, S]
+    L, D, _ = slots.shape
+    E = placement.num_experts
+    held = np.zeros((L, E + 1, D))
+    l_idx = np.arange(L)[:, None, None]
+    d_idx = np.arange(D)[None, :, None]
+    np.add.at(held, (np.broadcast_to(l_idx, slots.shape), np.where(slots < 0, E, slots),
+                     np.broadcast_to(d_idx, slots.shape)), 1.0)
+    held = held[:, :E]
+    return held / np.maximum(held.sum(2, keepdims=True), 1.0)
+
+
+def device_work(placement: Placement, step_loads: np.ndarray, moe_layers: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """(rows, active experts) per [step, device, layer] that `placement` gives these per-step
+    [S, L, E] routing counts, over the MoE layers only."""
+    share = _replica_shares(placement)[moe_layers]  # [M, E, D]
+    loads = np.asarray(step_loads, dtype=np.float64)[:, moe_layers]  # [S, M, E]
+    rows = np.einsum("sme,med->sdm", loads, share)
+    active = np.einsum("sme,med->sdm", (loads > 0).astype(np.float64), (share > 0).astype(np.float64))
+    return rows, active
+
+
+def predict_step_times(model: ExpertCostModel, placement: Placement, step_loads: np.ndarray, moe_layers: list[int],
+                       other_s: float, link_s: float, tokens_per_step: float) -> dict:
+    """Predicted mean step time and throughput under `placement` for recorded per-step routing.
+
+    other_s and link_s: the mean non-expert and link time of the same steps (kept as measured or
+    modeled: a new placement moves expert work, not attention)."""
+    if len(step_loads) == 0:
+        raise ValueError("predict: no routing observed yet")
+    rows, active = device_work(placement, step_loads, moe_layers)
+    busy = model.predict(rows, active)  # [S, D, M]
+    critical = busy.max(1).sum(1)  # per step
+    step_s = other_s + float(critical.mean()) + link_s
+    device_busy = busy.sum(2).mean(0)
+    return {"step_s": step_s, "throughput_tok_s": tokens_per_step / step_s if step_s > 0 else 0.0,
+            "expert_critical_s": float(critical.mean()),
+            "utilisation": (device_busy / step_s).tolist() if step_s > 0 else [0.0] * len(device_busy)}

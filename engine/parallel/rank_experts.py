@@ -1,0 +1,290 @@
+"""Expert parallelism over ranks, with any placement: slots, replicas, routing policies, live moves.
+
+Each rank holds `slots_per_device` expert slots per MoE layer: the experts that placement row
+gives it (a contiguous split is just one placement). Every rank computes the same hidden states
+between layers, so in `dispatch` rank r takes token shard r, picks a replica for each (token,
+choice) with the placement's routing policy, sends the rows to the ranks owning those slots
+with all_to_all, runs its own slots on what it receives, sends the results back and combines
+them exactly as `moe.combine` does; an all_gather gives every rank the whole layer output.
+
+Every collective is timed on this rank (`RankStepStats`): the expert compute (busy), the tiny
+count exchange and a one-value all_reduce before the results go back (the time spent *waiting*
+for slower ranks: a collective moving a few bytes is all wait), and the payload all_to_alls and
+the all_gather (the *transfer*). At the end of a step the figures travel to rank 0 in one
+fixed-size tensor (`pack` / `unpack`).
+
+`migrate` changes the placement between steps with real transfers: every rank derives the same
+plan from the old and new placements (which rank sends which expert to which), packs what it
+sends into one buffer and exchanges all of it in one all_to_all; experts that stay on a rank are
+copied locally. Its bytes and seconds are measured on every rank.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import psutil
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from moectl.engine.experts.placement import Placement, RoutingState
+from moectl.engine.models.moe import MoEBlock, combine, grouped_offsets, grouped_swiglu
+
+MEMORY_SAMPLE_S = 0.5  # RSS is read at most this often (psutil costs tens of microseconds)
+_SCALARS = ("wait_s", "dispatch_s", "combine_s", "rss_bytes", "cuda_allocated", "cuda_reserved",
+            "cuda_max_allocated", "step")
+
+
+def _split_bounds(total: int, parts: int) -> list[int]:
+    return [total * i // parts for i in range(parts + 1)]
+
+
+class RankStepStats:
+    """One rank's measurements for one step, per layer where it matters."""
+
+    def __init__(self, num_layers: int, world: int, device: torch.device):
+        self.num_layers, self.world, self.device = num_layers, world, device
+        self.cuda = device.type == "cuda"
+        self._process = psutil.Process()
+        self._memory_at = -1.0
+        self._memory = (0, 0, 0, 0)
+        self.step = 0
+        self.reset()
+
+    def reset(self) -> None:
+        L = self.num_layers
+        self.busy = np.zeros(L)
+        self.rows = np.zeros(L)
+        self.active = np.zeros(L)
+        self.send_rows = np.zeros(self.world)  # dispatch rows this rank sent to each rank
+        self.wait_s = self.dispatch_s = self.combine_s = 0.0
+
+    @staticmethod
+    def size(num_layers: int, world: int) -> int:
+        return 3 * num_layers + world + len(_SCALARS)
+
+    def _sample_memory(self) -> tuple:
+        now = time.monotonic()
+        if now - self._memory_at >= MEMORY_SAMPLE_S:
+            cuda = (torch.cuda.memory_allocated(self.device), torch.cuda.memory_reserved(self.device),
+                    torch.cuda.max_memory_allocated(self.device)) if self.cuda else (0, 0, 0)
+            self._memory = (self._process.memory_info().rss, *cuda)
+            self._memory_at = now
+        return self._memory
+
+    def pack(self) -> torch.Tensor:
+        scalars = [self.wait_s, self.dispatch_s, self.combine_s, *self._sample_memory(), self.step]
+        return torch.from_numpy(np.concatenate([self.busy, self.rows, self.active, self.send_rows,
+                                                np.asarray(scalars, dtype=np.float64)]))
+
+
+def unpack(gathered: torch.Tensor, num_layers: int, world: int) -> dict:
+    """[world, size] gathered rank statistics -> arrays by name ([world, L] per-layer ones)."""
+    a = gathered.numpy()
+    L = num_layers
+    out = {"busy_layer": a[:, :L], "rows_layer": a[:, L:2 * L], "active_layer": a[:, 2 * L:3 * L],
+           "send_rows": a[:, 3 * L:3 * L + world]}
+    for i, name in enumerate(_SCALARS):
+        out[name] = a[:, 3 * L + world + i]
+    return out
+
+
+class RankExperts(nn.Module):
+    """This rank's expert slots for one MoE layer, and the placement-aware dispatch/combine."""
+
+    def __init__(self, layer_idx: int, w13: torch.Tensor, w2: torch.Tensor, placement: Placement, rank: int,
+                 world: int, stats: RankStepStats, policy: str, routing_state: RoutingState, group=None):
+        """w13/w2: this rank's slots, already filled for `placement` (see `install`)."""
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.w13 = nn.Parameter(w13, requires_grad=False)
+        self.w2 = nn.Parameter(w2, requires_grad=False)
+        self.rank, self.world, self.group = rank, world, group
+        self.stats, self.policy, self.routing_state = stats, policy, routing_state
+        self.set_placement(placement)
+
+    def set_placement(self, placement: Placement) -> None:
+        self.placement = placement
+        self.slots = placement.slots_per_device
+        row = placement.slots[self.layer_idx].reshape(-1)
+        table = np.full((placement.num_experts, placement.num_devices), -1, dtype=np.int64)
+        for slot, expert in enumerate(row):
+            if expert >= 0:
+                table[expert, slot // self.slots] = slot
+        self.slot_of = torch.from_numpy(table)
+
+    def extra_repr(self) -> str:
+        experts = self.placement.experts_on(self.layer_idx, self.rank)
+        return f"layer {self.layer_idx}: experts {experts} in {self.slots} slots on rank {self.rank}/{self.world}"
+
+    def _timed(self, fn):
+        if self.stats.cuda:
+            torch.cuda.synchronize(self.stats.device)
+        t0 = time.perf_counter()
+        out = fn()
+        if self.stats.cuda:
+            torch.cuda.synchronize(self.stats.device)
+        return out, time.perf_counter() - t0
+
+    def dispatch(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, counts_t: torch.Tensor):
+        n, hidden = x.shape
+        W, S, rank, group, stats = self.world, self.slots, self.rank, self.group, self.stats
+        tb = _split_bounds(n, W)
+        a, b = tb[rank], tb[rank + 1]
+        xs, ws, ids_s = x[a:b], weights[a:b], ids[a:b]
+        top_k = ids.shape[1]
+        # (1) a replica for every (token, choice) of this shard; rows sorted by global slot are
+        #     contiguous per destination rank
+        ids_cpu = ids_s.cpu()
+        home = torch.full((b - a,), rank, dtype=torch.int64)
+        dest = self.placement.assign_replicas(self.layer_idx, ids_cpu, home, self.policy, self.routing_state)
+        slots = self.slot_of[ids_cpu, dest].flatten().to(x.device)
+        order = torch.argsort(slots, stable=True)
+        send = xs.index_select(0, order // top_k)
+        counts = torch.bincount(slots, minlength=W * S)
+        # (2) per-slot counts to each slot's rank: a few bytes, so its time is waiting for the others
+        recv_counts = torch.empty_like(counts)
+        _, wait = self._timed(lambda: dist.all_to_all_single(recv_counts, counts, group=group))
+        send_rows = counts.view(W, S).sum(1).tolist()
+        recv_counts = recv_counts.view(W, S)
+        recv_rows = recv_counts.sum(1).tolist()
+        recv = send.new_empty((sum(recv_rows), hidden))
+        _, transfer = self._timed(lambda: dist.all_to_all_single(recv, send, recv_rows, send_rows, group=group))
+        # (3) this rank's slots on the rows it received, grouped by slot
+        local_ids = torch.repeat_interleave(torch.arange(S, device=x.device).repeat(W), recv_counts.flatten())
+        local_order = torch.argsort(local_ids, stable=True)
+        local_counts = recv_counts.sum(0)
+        counts_list = local_counts.tolist()
+        offsets = grouped_offsets(local_counts, local_order.numel(), False, x.dtype)
+        out_sorted, busy = self._timed(lambda: grouped_swiglu(recv.index_select(0, local_order), counts_list,
+                                                              self.w13, self.w2, offsets))
+        out_recv = torch.empty_like(out_sorted).index_copy_(0, local_order, out_sorted)
+        # (4) wait for the slowest rank's experts (a one-value all_reduce), then send results back
+        flag = torch.zeros(1, device=x.device)
+        _, wait_back = self._timed(lambda: dist.all_reduce(flag, group=group))
+        back = send.new_empty((sum(send_rows), hidden))
+        _, back_s = self._timed(lambda: dist.all_to_all_single(back, out_recv, send_rows, recv_rows, group=group))
+        # (5) the weighted sum in moe.combine's order; (6) every rank gets every shard (padded)
+        width = max(tb[i + 1] - tb[i] for i in range(W))
+        padded = x.new_zeros((width, hidden))
+        if b > a:
+            padded[:b - a] = combine(back, order, ws, x.dtype)
+        parts = [torch.empty_like(padded) for _ in range(W)]
+        _, gather_s = self._timed(lambda: dist.all_gather(parts, padded, group=group))
+        layer = self.layer_idx
+        stats.busy[layer] += busy
+        stats.rows[layer] += sum(counts_list)
+        stats.active[layer] += sum(1 for c in counts_list if c)
+        stats.send_rows += np.asarray(send_rows, dtype=np.float64)
+        stats.wait_s += wait + wait_back
+        stats.dispatch_s += transfer
+        stats.combine_s += back_s + gather_s
+        return torch.cat([p[:tb[i + 1] - tb[i]] for i, p in enumerate(parts)])
+
+    # -- moving experts between ranks
+    @property
+    def expert_numel(self) -> int:
+        return self.w13[0].numel() + self.w2[0].numel()
+
+    def flat_slot(self, slot: int) -> torch.Tensor:
+        return torch.cat([self.w13[slot].reshape(-1), self.w2[slot].reshape(-1)])
+
+    def write_slot(self, slot: int, flat: torch.Tensor) -> None:
+        k = self.w13[slot].numel()
+        with torch.no_grad():
+            self.w13[slot].copy_(flat[:k].view_as(self.w13[slot]))
+            self.w2[slot].copy_(flat[k:].view_as(self.w2[slot]))
+
+
+def install(model: nn.Module, placement: Placement, rank: int, world: int, stats: RankStepStats, policy: str,
+            group=None) -> list[RankExperts]:
+    """Swaps every MoE layer's stacked experts for this rank's slots under `placement` (the
+    experts it does not hold are freed). The placement is checked against the model first."""
+    cfg = model.cfg
+    if placement.num_devices != world:
+        raise ValueError(f"placement: has {placement.num_devices} devices, the launch {world} ranks")
+    if placement.num_experts != cfg.num_experts or placement.num_layers != cfg.num_layers:
+        raise ValueError(f"placement: is for {placement.num_layers} layers x {placement.num_experts} experts, "
+                         f"the model has {cfg.num_layers} x {cfg.num_experts}")
+    routing_state = RoutingState()
+    layers = []
+    for module in list(model.modules()):
+        if isinstance(module, MoEBlock):
+            old = module.experts
+            row = placement.slots[module.layer_idx, rank]
+            w13 = old.w13.new_zeros((len(row), *old.w13.shape[1:]))
+            w2 = old.w2.new_zeros((len(row), *old.w2.shape[1:]))
+            for slot, expert in enumerate(row):
+                if expert >= 0:
+                    w13[slot], w2[slot] = old.w13[expert], old.w2[expert]
+            module.experts = RankExperts(module.layer_idx, w13, w2, placement, rank, world, stats, policy,
+                                         routing_state, group)
+            layers.append(module.experts)
+            del old
+    return layers
+
+
+def migration_plan(old: Placement, new: Placement, layers: list[int]) -> list[tuple[int, int, int, int, int]]:
+    """Every slot whose expert changes: (layer, dst rank, dst slot, src rank, src slot), the source
+    being the destination rank itself when it already holds the expert, else the lowest rank
+    that does. Every rank derives the same list, in the same order."""
+    moves = []
+    for layer in layers:
+        before, after = old.slots[layer], new.slots[layer]
+        for dst, slot in zip(*np.nonzero(after != before)):
+            expert = int(after[dst, slot])
+            if expert < 0:
+                continue
+            own = np.nonzero(before[dst] == expert)[0]
+            if own.size:
+                moves.append((layer, int(dst), int(slot), int(dst), int(own[0])))
+            else:
+                src, src_slot = np.argwhere(before == expert)[0]
+                moves.append((layer, int(dst), int(slot), int(src), int(src_slot)))
+    return moves
+
+
+def migrate(layers: list[RankExperts], new: Placement, rank: int, world: int, group=None) -> dict:
+    """Moves this rank's share of the change to `new` (every rank calls it between the same two
+    steps). Returns what this rank measured: bytes sent and received, seconds."""
+    t0 = time.perf_counter()
+    by_layer = {m.layer_idx: m for m in layers}
+    old = layers[0].placement
+    moves = migration_plan(old, new, list(by_layer))
+    numel = layers[0].expert_numel
+    dtype, device = layers[0].w13.dtype, layers[0].w13.device
+    outgoing = [[] for _ in range(world)]  # per destination: (layer, src slot), in plan order
+    incoming = [[] for _ in range(world)]  # per source: (layer, dst slot)
+    local = []
+    for layer, dst, slot, src, src_slot in moves:
+        if dst == rank and src == rank:
+            local.append((layer, slot, src_slot))
+        elif src == rank:
+            outgoing[dst].append((layer, src_slot))
+        elif dst == rank:
+            incoming[src].append((layer, slot))
+    send_counts = [len(o) * numel for o in outgoing]
+    recv_counts = [len(i) * numel for i in incoming]
+    sends = [by_layer[layer].flat_slot(s) for o in outgoing for layer, s in o]
+    send = torch.cat(sends) if sends else torch.zeros(0, dtype=dtype, device=device)
+    # old contents of locally copied slots, read before any slot is written
+    local_src = [by_layer[layer].flat_slot(src_slot) for layer, _, src_slot in local]
+    recv = torch.empty(sum(recv_counts), dtype=dtype, device=device)
+    if world > 1:
+        dist.all_to_all_single(recv, send, recv_counts, send_counts, group=group)
+    cursor = 0
+    for source in incoming:
+        for layer, slot in source:
+            by_layer[layer].write_slot(slot, recv[cursor:cursor + numel])
+            cursor += numel
+    for (layer, slot, _), flat in zip(local, local_src):
+        by_layer[layer].write_slot(slot, flat)
+    for m in layers:
+        m.set_placement(new)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    element = torch.empty(0, dtype=dtype).element_size()
+    return {"bytes_sent": sum(send_counts) * element, "bytes_received": sum(recv_counts) * element,
+            "bytes_local": len(local) * numel * element, "seconds": time.perf_counter() - t0}
