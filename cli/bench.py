@@ -6,14 +6,26 @@ from pathlib import Path
 
 import typer
 
-from moectl.cli.common import DTYPE_OPT, JSON_OPT, MODEL_OPT, BadInput, emit_json, handles_errors, model_dir, progress
+from moectl.cli.common import (
+    BACKEND_OPT,
+    DTYPE_OPT,
+    JSON_OPT,
+    MODEL_OPT,
+    NPROC_OPT,
+    BadInput,
+    emit_json,
+    handles_errors,
+    model_dir,
+    progress,
+)
 
 
 @handles_errors
 def bench(
     compare: str | None = typer.Option(None, "--compare", help="'hf': this engine vs transformers' generate."),
     suite: str | None = typer.Option(None, "--suite",
-                                        help="compare-hf | serve | kv-int8 | profiler | limits (default: compare-hf)."),
+                                        help="compare-hf | serve | kv-int8 | profiler | rebalance | limits "
+                                             "(default: compare-hf)."),
     model: Path | None = MODEL_OPT,
     workload: str | None = typer.Option(None, "--workload",
                                            help="serve suite: a JSONL file or 'rate=4,prompt=32-512,output=16-256,"
@@ -21,6 +33,10 @@ def bench(
     requests: int = typer.Option(64, "--requests", help="compare-hf: number of requests, all arriving at once."),
     dtype: str | None = DTYPE_OPT,
     threads: int | None = typer.Option(None, "--threads", help="torch threads (default: torch's own)."),
+    backend: str = BACKEND_OPT,
+    nproc: int | None = NPROC_OPT,
+    devices: int = typer.Option(2, "--devices", "-d", help="rebalance: devices (emulated on the local backend)."),
+    phase_s: float = typer.Option(6.0, "--phase-seconds", help="rebalance: seconds per phase (A B A B)."),
     seed: int = typer.Option(0, "--seed"),
     as_json: bool = JSON_OPT,
 ):
@@ -58,11 +74,22 @@ def bench(
         from moectl.profiler.overhead_bench import run_profiler_overhead
 
         result = run_profiler_overhead(path, dtype=dtype, log=log)
+    elif name == "rebalance":
+        from moectl.engine.tools.rebalance_bench import run_rebalance_bench
+
+        if backend not in ("local", "distributed"):
+            raise BadInput(f"--backend: the rebalance suite runs on local or distributed, got {backend!r}")
+        if nproc is not None and backend != "distributed":
+            raise BadInput("--nproc: only with --backend distributed")
+        if not 0 < phase_s <= 600:
+            raise BadInput("--phase-seconds: must be in (0, 600]")
+        result = run_rebalance_bench(path, backend=backend, devices=nproc or devices, phase_s=phase_s,
+                                     dtype=dtype, threads=threads, log=log)
     elif name == "limits":
         from moectl.engine.tools import machine_limits
 
         result = machine_limits.measure(dtype or "float32")
         log(machine_limits.format_limits(result))
     else:
-        raise BadInput(f"--suite: {name!r} is not one of compare-hf, serve, kv-int8, profiler, limits")
+        raise BadInput(f"--suite: {name!r} is not one of compare-hf, serve, kv-int8, profiler, rebalance, limits")
     emit_json(result, as_json)

@@ -27,6 +27,12 @@ DTYPE_OPT = typer.Option(None, "--dtype", help="fp32, bf16 or fp16 (default: the
 THEME_OPT = typer.Option("dark", "--theme", help="dark, light or high-contrast (switch live with 't').")
 EXPERT_CACHE_OPT = typer.Option(None, "--expert-cache", help="Tiered expert memory (with --devices): experts stay "
                                                              "in host memory and each device caches this many in HBM.")
+BACKEND_OPT = typer.Option("local", "--backend", help="local (devices emulated in this process), multi-gpu (device "
+                                                      "d's experts on cuda:d) or distributed (one process per "
+                                                      "device, torch.distributed; see --nproc).")
+NPROC_OPT = typer.Option(None, "--nproc", help="distributed: processes, one per device (default: --devices).")
+PLACEMENT_OPT = typer.Option(None, "--placement", help="Initial expert placement: the JSON `plan rebalance --json` "
+                                                       "writes or the console exports (any backend).")
 
 
 class BadInput(ValueError):
@@ -77,14 +83,49 @@ def parse_ids(spec: str) -> list[int]:
     return ids
 
 
+def read_placement(path: Path | None) -> dict | None:
+    """A placement file: Placement.to_dict's JSON, or a `plan rebalance --json` result holding one."""
+    if path is None:
+        return None
+    import json
+
+    from moectl.engine.experts.placement import Placement
+
+    try:
+        raw = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise BadInput(f"--placement: {path}: no such file") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise BadInput(f"--placement: {path} is not JSON ({exc})") from None
+    if isinstance(raw, dict) and isinstance(raw.get("placement"), dict):
+        raw = raw["placement"]
+    try:
+        return Placement.from_dict(raw).to_dict()
+    except ValueError as exc:
+        raise BadInput(f"--placement: {path}: {exc}") from None
+
+
 def engine_config(model: Path | None, *, devices: int | None = None, hbm: str = "80GiB", backend: str = "local",
-                  expert_cache: int | None = None, device: str = "cpu", **options) -> EngineConfig:
+                  expert_cache: int | None = None, device: str = "cpu", nproc: int | None = None,
+                  placement: Path | None = None, **options) -> EngineConfig:
     """The EngineConfig the device options describe. devices None: one device, no placement.
     options: any other EngineConfig field (dtype, redundant_slots, num_threads, ...)."""
     if backend not in BACKENDS:
         raise BadInput(f"--backend: must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    if nproc is not None and backend != "distributed":
+        raise BadInput("--nproc: only with --backend distributed")
+    if backend == "distributed":
+        if expert_cache is not None:
+            raise BadInput("--expert-cache: not on the distributed backend (each rank holds its experts)")
+        devices = nproc or devices or 2
+        if devices < 1:
+            raise BadInput(f"--nproc: must be >= 1, got {devices}")
     if expert_cache is not None and devices is None:
         raise BadInput("--expert-cache: needs --devices")
+    if placement is not None:
+        if devices is None:
+            raise BadInput("--placement: needs --devices")
+        options["placement"] = read_placement(placement)
     topology = None
     if devices is not None:
         topology = Topology(num_devices=devices, hbm_bytes=parse_size(hbm, "--hbm"))
@@ -98,6 +139,27 @@ def engine_config(model: Path | None, *, devices: int | None = None, hbm: str = 
         device = "cuda:0"
     return EngineConfig(model=str(model_dir(model)), device=device, topology=topology,
                         expert_cache_slots=expert_cache, **options)
+
+
+class Engines:
+    """make_engine() for the backend the options chose, and close() for what it started: on the
+    distributed backend this process becomes rank 0 and the other ranks are spawned now."""
+
+    def __init__(self, config: EngineConfig, backend: str = "local"):
+        self.group = None
+        if backend == "distributed":
+            from moectl.engine.parallel.group import RankGroup
+
+            self.group = RankGroup(config, config.topology.num_devices)
+            self.make_engine = self.group.make_engine
+        else:
+            from moectl.engine.llm_engine import LLMEngine
+
+            self.make_engine = lambda: LLMEngine(config)
+
+    def close(self) -> None:
+        if self.group is not None:
+            self.group.close()
 
 
 def emit_json(result, as_json: bool) -> None:

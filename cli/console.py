@@ -7,12 +7,16 @@ from pathlib import Path
 import typer
 
 from moectl.cli.common import (
+    BACKEND_OPT,
     DTYPE_OPT,
     EXPERT_CACHE_OPT,
     HBM_OPT,
     MODEL_OPT,
+    NPROC_OPT,
+    PLACEMENT_OPT,
     THEME_OPT,
     BadInput,
+    Engines,
     engine_config,
     handles_errors,
 )
@@ -22,9 +26,9 @@ DEMO_WORKLOAD = "rate=4,prompt=32-256,output=32-128"
 
 
 def live_source(model: Path | None, devices: int, hbm: str, redundant: int, expert_cache: int | None,
-                workload: str, dtype: str | None, threads: int):
+                workload: str, dtype: str | None, threads: int, backend: str = "local", nproc: int | None = None,
+                placement: Path | None = None):
     from moectl.console.sources import DemoLoad, LiveSource
-    from moectl.engine.llm_engine import LLMEngine
     from moectl.engine.tools.workload import WorkloadSpec
 
     try:
@@ -33,16 +37,25 @@ def live_source(model: Path | None, devices: int, hbm: str, redundant: int, expe
         message = str(exc)
         raise BadInput(message if message.startswith("--workload") else f"--workload: {message}") from None
     config = engine_config(model, devices=devices, hbm=hbm, expert_cache=expert_cache, dtype=dtype,
-                           redundant_slots=redundant, num_threads=threads)
-    return LiveSource(lambda: LLMEngine(config), load)
+                           redundant_slots=redundant, num_threads=threads, backend=backend, nproc=nproc,
+                           placement=placement)
+    engines = Engines(config, backend)
+    try:
+        return LiveSource(engines.make_engine, load, on_close=engines.close)
+    except BaseException:
+        engines.close()
+        raise
 
 
 @handles_errors
 def run(
     model: Path | None = MODEL_OPT,
-    devices: int = typer.Option(4, "--devices", "-d", help="Emulated devices (local backend)."),
+    devices: int = typer.Option(4, "--devices", "-d", help="Devices for the experts (emulated on the local backend)."),
     hbm: str = HBM_OPT,
     redundant: int = typer.Option(1, "--redundant", help="Redundant expert slots per device (room for replicas)."),
+    backend: str = BACKEND_OPT,
+    nproc: int | None = NPROC_OPT,
+    placement: Path | None = PLACEMENT_OPT,
     expert_cache: int | None = EXPERT_CACHE_OPT,
     workload: str = typer.Option(DEMO_WORKLOAD, "--workload", help="The demo workload: rate=R,prompt=LO-HI,"
                                                                    "output=LO-HI (editable live)."),
@@ -56,7 +69,8 @@ def run(
     from moectl.console.app import MoectlApp
 
     check_theme(theme)
-    source = live_source(model, devices, hbm, redundant, expert_cache, workload, dtype, threads)
+    source = live_source(model, devices, hbm, redundant, expert_cache, workload, dtype, threads, backend, nproc,
+                         placement)
     MoectlApp(source, theme=theme).run()
 
 

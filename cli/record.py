@@ -10,12 +10,16 @@ from pathlib import Path
 import typer
 
 from moectl.cli.common import (
+    BACKEND_OPT,
     DTYPE_OPT,
     EXPERT_CACHE_OPT,
     HBM_OPT,
     JSON_OPT,
     MODEL_OPT,
+    NPROC_OPT,
+    PLACEMENT_OPT,
     BadInput,
+    Engines,
     engine_config,
     handles_errors,
 )
@@ -29,8 +33,11 @@ def record(
     steps: int | None = typer.Option(None, "--steps", help="Stop after this many engine steps."),
     seconds: float | None = typer.Option(None, "--seconds", help="Stop after this many seconds."),
     model: Path | None = MODEL_OPT,
-    devices: int = typer.Option(4, "--devices", "-d", help="Emulated devices (local backend)."),
+    devices: int = typer.Option(4, "--devices", "-d", help="Devices for the experts (emulated on the local backend)."),
     hbm: str = HBM_OPT,
+    backend: str = BACKEND_OPT,
+    nproc: int | None = NPROC_OPT,
+    placement: Path | None = PLACEMENT_OPT,
     expert_cache: int | None = EXPERT_CACHE_OPT,
     redundant: int = typer.Option(0, "--redundant", help="Redundant expert slots per device."),
     workload: str = typer.Option(DEFAULT_RECORD_WORKLOAD, "--workload",
@@ -47,13 +54,8 @@ def record(
     as_json: bool = JSON_OPT,
 ):
     """Run the engine headless on a workload and record every step and action to TRACE."""
-    from rich.console import Console
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from moectl.engine.core.driver import EngineDriver
-    from moectl.engine.llm_engine import LLMEngine
-    from moectl.engine.tools.workload import WorkloadFeed, WorkloadSpec, workload_for_engine
-    from moectl.profiler.recorder import TraceRecorder
+    from moectl.engine.tools.workload import WorkloadSpec
 
     if (steps is None) == (seconds is None):
         raise BadInput("give --steps N or --seconds S (one of them)")
@@ -65,8 +67,24 @@ def record(
         raise BadInput(f"{trace}: exists (use --overwrite to replace it)")
     spec = WorkloadSpec.from_option(workload)
     config = engine_config(model, devices=devices, hbm=hbm, expert_cache=expert_cache, dtype=dtype,
-                           redundant_slots=redundant, num_kv_blocks=kv_blocks)
-    driver = EngineDriver(lambda: LLMEngine(config), buffer_records=False, start=False, name="moectl-record")
+                           redundant_slots=redundant, num_kv_blocks=kv_blocks, backend=backend, nproc=nproc,
+                           placement=placement)
+    engines = Engines(config, backend)
+    try:
+        return _record(engines, trace, steps, seconds, spec, rebalance_at, capture, overwrite, as_json)
+    finally:
+        engines.close()
+
+
+def _record(engines, trace: Path, steps, seconds, spec, rebalance_at, capture, overwrite: bool, as_json: bool):
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from moectl.engine.core.driver import EngineDriver
+    from moectl.engine.tools.workload import WorkloadFeed, workload_for_engine
+    from moectl.profiler.recorder import TraceRecorder
+
+    driver = EngineDriver(engines.make_engine, buffer_records=False, start=False, name="moectl-record")
     engine = driver.engine
     feed = driver.feed = WorkloadFeed(workload_for_engine(spec, engine))
     recorder = TraceRecorder(engine, trace, overwrite=overwrite, max_steps=steps)

@@ -6,7 +6,19 @@ from pathlib import Path
 
 import typer
 
-from moectl.cli.common import DTYPE_OPT, EXPERT_CACHE_OPT, HBM_OPT, MODEL_OPT, BadInput, engine_config, handles_errors
+from moectl.cli.common import (
+    BACKEND_OPT,
+    DTYPE_OPT,
+    EXPERT_CACHE_OPT,
+    HBM_OPT,
+    MODEL_OPT,
+    NPROC_OPT,
+    PLACEMENT_OPT,
+    BadInput,
+    Engines,
+    engine_config,
+    handles_errors,
+)
 
 
 @handles_errors
@@ -16,9 +28,12 @@ def serve(
     token: str | None = typer.Option(None, "--token", help="Bearer token for /v1/control/* (and required for "
                                                            "a non-loopback bind)."),
     model: Path | None = MODEL_OPT,
-    devices: int = typer.Option(4, "--devices", "-d", help="Emulated devices (local backend)."),
+    devices: int = typer.Option(4, "--devices", "-d", help="Devices for the experts (emulated on the local backend)."),
     hbm: str = HBM_OPT,
     redundant: int = typer.Option(1, "--redundant"),
+    backend: str = BACKEND_OPT,
+    nproc: int | None = NPROC_OPT,
+    placement: Path | None = PLACEMENT_OPT,
     expert_cache: int | None = EXPERT_CACHE_OPT,
     dtype: str | None = DTYPE_OPT,
     threads: int | None = typer.Option(None, "--threads", help="torch threads for the engine."),
@@ -26,16 +41,20 @@ def serve(
     """An OpenAI-compatible server (/v1/completions, /v1/chat/completions, /v1/models, /health),
     Prometheus /metrics, the /v1/telemetry record stream, and /v1/control/* for operators."""
     from moectl.engine.core.driver import EngineDriver
-    from moectl.engine.llm_engine import LLMEngine
     from moectl.server.app import check_bind, run_server
 
     if not 0 < port < 65536:
         raise BadInput(f"--port: must be in 1-65535, got {port}")
     check_bind(host, token)  # before loading anything: a public bind without a token is refused
     config = engine_config(model, devices=devices, hbm=hbm, expert_cache=expert_cache, dtype=dtype,
-                           redundant_slots=redundant, num_threads=threads)
-    driver = EngineDriver(lambda: LLMEngine(config), name="moectl-serve")
+                           redundant_slots=redundant, num_threads=threads, backend=backend, nproc=nproc,
+                           placement=placement)
+    engines = Engines(config, backend)
     try:
-        run_server(driver, host=host, port=port, token=token)
+        driver = EngineDriver(engines.make_engine, name="moectl-serve")
+        try:
+            run_server(driver, host=host, port=port, token=token)
+        finally:
+            driver.close()
     finally:
-        driver.close()
+        engines.close()

@@ -28,6 +28,7 @@ from moectl.console.state import WINDOW_STEPS
 from moectl.engine.core.driver import RECORD_BUFFER, ActionRefused, EngineDriver
 from moectl.engine.core.topology import Topology
 from moectl.engine.experts.rebalancer import plan_rebalance
+from moectl.engine.experts.step_time import predict_from_records
 from moectl.engine.tools.workload import WorkloadSpec, make_workload
 from moectl.profiler.analysis import alerts
 from moectl.profiler.recorder import engine_header
@@ -128,8 +129,10 @@ class LiveSource(Source):
 
     mode = "live"
 
-    def __init__(self, make_engine, load: DemoLoad | None = None):
-        """make_engine(): builds a fresh LLMEngine (also used by restart)."""
+    def __init__(self, make_engine, load: DemoLoad | None = None, on_close=None):
+        """make_engine(): builds a fresh LLMEngine (also used by restart). on_close(): after the
+        driver stops (the distributed backend's ranks are released there)."""
+        self._on_close = on_close
         self._load = load or DemoLoad()
         self.workload = DemoWorkload(self._load)
         self.driver = EngineDriver(make_engine, feed=self.workload.feed)
@@ -173,6 +176,8 @@ class LiveSource(Source):
 
     def close(self) -> None:
         self.driver.close()
+        if self._on_close is not None:
+            self._on_close()
 
 
 # -- replay
@@ -347,8 +352,10 @@ def counterfactual_plan(state, redundant: int | None = None):
         raise ActionRefused("rebalance: no routing in the window yet")
     slots = state.placement.slots_per_device
     spare = slots - -(-state.num_experts // state.num_devices)
-    return plan_rebalance(loads, Topology.from_mapping(topology), spare if redundant is None else redundant,
+    plan = plan_rebalance(loads, Topology.from_mapping(topology), spare if redundant is None else redundant,
                           current=state.placement, expert_bytes=state.expert_bytes or 0)
+    plan.prediction = predict_from_records(list(state.window), state.placement, plan.placement)
+    return plan
 
 
 # -- attach

@@ -61,6 +61,7 @@ class ConsoleState:
         self.tpot: deque[float] = deque(maxlen=KEEP_LATENCIES)
         self.actions: list[dict] = []
         self.placement = self.recorded_placement
+        self.last_apply: dict | None = None  # the last applied placement's prediction and the window before it
         self.steps_seen = 0
         self._routing_cache = self._top_cache = (None, None)
         # never back to 0: the caches are keyed on the version, and a reset must not revive them
@@ -88,6 +89,10 @@ class ConsoleState:
             self.knobs = dict(result)
         if action["kind"] == "rebalance_preview":
             self.preview = dict(result)
+        if result.get("placement") is not None and result.get("predicted"):
+            # the measured outcome is compared with this prediction once steps arrive after it
+            self.last_apply = {"time": action["time"], "predicted": result["predicted"],
+                               "before": list(self.window)}
 
     def _apply_step(self, record: dict) -> None:
         self.latest = record
@@ -155,6 +160,23 @@ class ConsoleState:
                      else np.zeros((self.num_layers, self.num_experts), dtype=np.int64))
             self._routing_cache = ((self.version, len(self.window)), total)
         return self._routing_cache[1]
+
+    def apply_outcome(self, min_steps: int = 8) -> dict | None:
+        """The last apply's prediction beside what the steps on either side of it measured: tokens
+        per second of the devices' parallel step (modeled on emulated devices, measured on ranks)."""
+        last = self.last_apply
+        if last is None:
+            return None
+        after = [r for r in self.window if r["t_start"] >= last["time"]]
+        before = [r for r in last["before"] if r["t_start"] < last["time"]]
+        if len(after) < min_steps or not before:
+            return None
+        b, modeled = parallel_throughput(before)
+        a, _ = parallel_throughput(after)
+        if not b or not a:
+            return None
+        return {"before": b, "after": a, "gain": a / b - 1, "modeled": modeled, "steps_after": len(after),
+                "predicted": last["predicted"]}
 
     def throughput(self) -> float:
         """Tokens (prefill + decode) per second over the window."""
@@ -252,3 +274,12 @@ class ConsoleState:
     def memory(self) -> list[dict]:
         """The newest record's HBM bytes per device by category."""
         return list(((self.latest or {}).get("devices") or {}).get("memory") or [])
+
+
+def parallel_throughput(records: list[dict]) -> tuple[float, bool]:
+    """(tokens / the devices' parallel step time summed, whether that time is modeled)."""
+    timed = [r for r in records if (r.get("devices") or {}).get("step_time")]
+    seconds = sum(r["devices"]["step_time"]["step_s"] for r in timed)
+    tokens = sum(r["batch"]["prefill_tokens"] + r["batch"]["decode_tokens"] for r in timed)
+    modeled = bool(timed and timed[0]["devices"]["step_time"].get("modeled"))
+    return (tokens / seconds if seconds > 0 else 0.0), modeled

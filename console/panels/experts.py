@@ -37,6 +37,7 @@ class ExpertsPanel(VerticalScroll):
             yield Button("Preview", id="ex-preview", variant="primary")
             yield Button("Apply", id="ex-apply", variant="warning", disabled=True)
             yield Static(id="ex-preview-result")
+            yield Static(id="ex-apply-outcome")
         with Horizontal(classes="controls"):
             yield Label("auto")
             yield Switch(id="ex-auto", value=False)
@@ -67,6 +68,7 @@ class ExpertsPanel(VerticalScroll):
         legend.scale_name = heat.scale_name
         self._show_cell(state)
         self._show_stacked(state)
+        self._show_outcome(state)
         plot = self.query_one("#ex-balance-plot", PlotextPlot)
         steps = [h["step"] for h in state.history]
         plt = plot.plt
@@ -137,15 +139,32 @@ class ExpertsPanel(VerticalScroll):
         lines.append("[dim]* replicated  ^ pinned  - empty slot[/]")
         self.query_one("#ex-placement", Static).update("\n".join(lines))
 
+    def _show_outcome(self, state) -> None:
+        outcome = state.apply_outcome()
+        if outcome is None:
+            return
+        predicted = outcome["predicted"]
+        how = "modeled parallel" if outcome["modeled"] else "measured"
+        self.query_one("#ex-apply-outcome", Static).update(
+            f"after the apply ({outcome['steps_after']} steps): {outcome['before']:,.0f} -> {outcome['after']:,.0f} "
+            f"tok/s {how} ({outcome['gain']:+.1%}); predicted {predicted['throughput_before']:,.0f} -> "
+            f"{predicted['throughput_after']:,.0f} ({predicted['gain']:+.1%})")
+
     def show_preview(self, summary: dict | None, error: str | None = None) -> None:
         result = self.query_one("#ex-preview-result", Static)
         if error:
             result.update(f"[red]{error}[/]")
             self.query_one("#ex-apply", Button).disabled = True
             return
-        result.update(f"predicted balancedness {summary['balancedness_before']:.3f} -> "
-                      f"{summary['balancedness_after']:.3f}, {summary['bytes_moved']:,} bytes to move "
-                      f"({summary['moves']} moves)")
+        text = (f"predicted balancedness {summary['balancedness_before']:.3f} -> "
+                f"{summary['balancedness_after']:.3f}, {summary['bytes_moved']:,} bytes to move "
+                f"({summary['moves']} moves)")
+        predicted = summary.get("predicted")
+        if predicted:
+            text += (f"\npredicted step {predicted['step_s_before'] * 1e3:.1f} -> {predicted['step_s_after'] * 1e3:.1f} ms, "
+                     f"throughput {predicted['throughput_before']:,.0f} -> {predicted['throughput_after']:,.0f} tok/s "
+                     f"({predicted['gain']:+.1%}; {predicted['model']})")
+        result.update(text)
         self.query_one("#ex-apply", Button).disabled = False
 
     def on_heat_map_cell_selected(self, event: HeatMap.CellSelected) -> None:

@@ -32,11 +32,12 @@ class OverviewPanel(VerticalScroll):
         devices = latest.get("devices") or {}
         backend = devices.get("backend") or state.backend
         kind = {"emulated": "emulated on one torch device", "multi-gpu": "real GPUs in one process",
-                "distributed": "one process per device"}.get(backend, backend)
+                "distributed": "distributed, one process per device"}.get(backend, backend)
         self.query_one("#ov-title", Static).update(
             f"[b]{state.model_name}[/b]  {state.num_layers} layers x {state.num_experts} experts  |  "
             f"{state.num_devices or 1} device(s), {kind}  |  {state.mode}"
-            + ("  |  link time modeled" if backend == "emulated" else ""))
+            + ("  |  link time and parallel step modeled" if backend == "emulated" else "")
+            + ("  |  link time and step measured" if backend == "distributed" else ""))
         box = self.query_one("#ov-error-box")
         box.set_class(source_error is None, "hidden")
         self.query_one("#ov-restart", Button).display = state.mode == "live"

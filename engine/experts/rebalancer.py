@@ -652,4 +652,5 @@ def run_plan_rebalance(loads, devices: int, redundant: int, devices_per_node: in
         "balancedness_after_per_layer": plan.balancedness_after.per_layer.tolist(),
         "bytes_moved": plan.bytes_moved, "moves": len(plan.move_array), "layers_kept": plan.layers_kept,
         "max_replicas": int(counts.max()), "seconds": plan.seconds,
+        "placement": plan.placement.to_dict(),  # what `--placement FILE` loads at start
     }

@@ -41,6 +41,14 @@ class ExpertCostModel:
         self._busy = 0.0  # decayed sum of measured busy
         self.samples = 0
 
+    @classmethod
+    def fixed(cls, per_expert_s: float, per_row_s: float) -> ExpertCostModel:
+        """A model with these coefficients (from a record), not calibrated further."""
+        model = cls()
+        model._fixed = np.array([per_expert_s, per_row_s], dtype=np.float64)
+        model.samples = int(per_expert_s > 0 or per_row_s > 0)
+        return model
+
     def observe(self, rows: np.ndarray, active: np.ndarray, busy: np.ndarray) -> None:
         """One step's per (device, layer) rows computed, distinct experts run and measured seconds."""
         mask = rows > 0
@@ -57,6 +65,8 @@ class ExpertCostModel:
 
     def coefficients(self) -> np.ndarray:
         """(per_expert_s, per_row_s), both >= 0 (a per-row or per-expert cost is never negative)."""
+        if getattr(self, "_fixed", None) is not None:
+            return self._fixed
         if not self.samples:
             return np.zeros(2)
         gram = self._gram + np.eye(2) * 1e-12 * max(np.trace(self._gram), 1.0)
@@ -137,3 +147,30 @@ def predict_step_times(model: ExpertCostModel, placement: Placement, step_loads:
     return {"step_s": step_s, "throughput_tok_s": tokens_per_step / step_s if step_s > 0 else 0.0,
             "expert_critical_s": float(critical.mean()),
             "utilisation": (device_busy / step_s).tolist() if step_s > 0 else [0.0] * len(device_busy)}
+
+
+def predict_from_records(records: list[dict], before: Placement, after: Placement) -> dict | None:
+    """The preview's prediction (ClusterBase.predict_change) from recorded step records: their
+    routing, their step-time split and the cost model's coefficients as the engine had calibrated
+    them. None when the records carry no step time (older traces, no devices)."""
+    timed = [r for r in records if (r.get("devices") or {}).get("step_time") and r.get("routing") is not None]
+    if not timed:
+        return None
+    last = timed[-1]["devices"]["step_time"]
+    coef = last.get("cost_model") or {}
+    model = ExpertCostModel.fixed(coef.get("per_expert_s", 0.0), coef.get("per_row_s", 0.0))
+    if not model.samples:
+        return None
+    loads = np.stack([np.asarray(r["routing"], dtype=np.float64) for r in timed])
+    moe_layers = [int(i) for i in np.nonzero(loads.sum((0, 2)))[0]]
+    splits = [r["devices"]["step_time"] for r in timed]
+    other = float(np.mean([s["other_s"] for s in splits]))
+    link = 0.0 if not last.get("modeled") else float(np.mean([s["link_s"] for s in splits]))
+    tokens = float(np.mean([r["batch"]["prefill_tokens"] + r["batch"]["decode_tokens"] for r in timed]))
+    b = predict_step_times(model, before, loads, moe_layers, other, link, tokens)
+    a = predict_step_times(model, after, loads, moe_layers, other, link, tokens)
+    return {"step_s_before": b["step_s"], "step_s_after": a["step_s"], "throughput_before": b["throughput_tok_s"],
+            "throughput_after": a["throughput_tok_s"], "gain": b["step_s"] / a["step_s"] - 1 if a["step_s"] else 0.0,
+            "min_util_before": min(b["utilisation"]), "min_util_after": min(a["utilisation"]),
+            "calibration": coef, "model": "recorded per-expert costs; " + ("modeled" if last.get("modeled") else
+                                                                          "measured") + " parallel step"}

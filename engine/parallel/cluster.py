@@ -88,7 +88,7 @@ class DistributedCluster(ClusterBase):
         self.channel.publish_placement(placement)
         mine = migrate(self.layers, placement, 0, self.world, None)
         reports = [None] * self.world
-        dist.all_gather_object(reports, mine, group=self.state.ctrl_group)
+        dist.all_gather_object(reports, mine)
         self.placement = placement
         moved = int(sum(r["bytes_received"] for r in reports))
         self.bytes_moved_total += moved
@@ -106,7 +106,7 @@ class DistributedCluster(ClusterBase):
         t0 = time.perf_counter()
         gathered = [torch.empty(RankStepStats.size(self.num_layers, self.world), dtype=torch.float64)
                     for _ in range(self.world)]
-        dist.gather(self.rank_stats.pack(), gathered, dst=0, group=self.state.ctrl_group)
+        dist.gather(self.rank_stats.pack(), gathered, dst=0)  # the default group: a hung rank times out
         self.stats.fill(torch.stack(gathered).numpy(), self.world, self.num_layers)
         self.telemetry_s = time.perf_counter() - t0
 

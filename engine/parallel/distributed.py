@@ -376,6 +376,17 @@ class DistributedModelRunner(ModelRunner):
         super().__init__(_PublishingModel(model, channel), cache, device)
         self.channel = channel
         self.closed = False
+        self.health = None  # health(error=None): raises naming a failed rank (group.RankGroup.check)
+
+    def run(self, *args, **kwargs):
+        if self.health is None:
+            return super().run(*args, **kwargs)
+        self.health()  # a rank that died while idle fails this step before it starts
+        try:
+            return super().run(*args, **kwargs)
+        except RuntimeError as exc:  # a collective failed or timed out: say which rank
+            self.health(exc)
+            raise
 
     def shutdown(self) -> None:
         if not self.closed:
@@ -393,7 +404,7 @@ def worker_loop(model, cache: KVCache, channel: StepChannel, device: torch.devic
         while (message := channel.receive(cache, device)) is not None:
             if message[0] == "placement":
                 report = migrate(experts, message[1], state.rank, state.world_size, None)
-                dist.all_gather_object([None] * state.world_size, report, group=state.ctrl_group)
+                dist.all_gather_object([None] * state.world_size, report)
                 continue
             _, ids, positions, ctx = message
             if stats is not None:
@@ -402,7 +413,7 @@ def worker_loop(model, cache: KVCache, channel: StepChannel, device: torch.devic
             steps += 1
             if stats is not None:
                 stats.step = steps
-                dist.gather(stats.pack(), None, dst=0, group=state.ctrl_group)
+                dist.gather(stats.pack(), None, dst=0)  # the default group: a hung rank times out
     return steps
 
 
@@ -450,6 +461,19 @@ def run_rank(config: EngineConfig, job: Callable[[LLMEngine], Any], tp: int | No
     rank 0 runs `job(engine)` on a real LLMEngine (its return value is returned) while the
     other ranks serve its steps (they return None)."""
     state = state or init_distributed(config.device)
+    engine = start_rank(config, tp, state)
+    if engine is None:
+        return None
+    try:
+        return job(engine)
+    finally:
+        engine.runner.shutdown()
+
+
+def start_rank(config: EngineConfig, tp: int | None, state: DistState) -> LLMEngine | None:
+    """Load, agree, shard. Rank 0 gets its LLMEngine back (call `engine.runner.shutdown()` to
+    release the others); every other rank serves rank 0's steps until it says stop, then
+    returns None."""
     if config.num_threads is not None:
         torch.set_num_threads(config.num_threads)
     model = fp = error = None
@@ -489,10 +513,7 @@ def run_rank(config: EngineConfig, job: Callable[[LLMEngine], Any], tp: int | No
     if not state.is_driver:
         worker_loop(model, cache, channel, state.device, experts, stats, state)
         return None
-    try:
-        return job(engine)
-    finally:
-        engine.runner.shutdown()
+    return engine
 
 
 # ---------------------------------------------------------------- jobs for rank 0

@@ -1,0 +1,170 @@
+"""The distributed backend under a long-running front end (console, server, recorder, bench).
+
+`RankGroup` makes this process rank 0 of N and spawns ranks 1..N-1 as worker processes. Rank 0
+holds the scheduler and whatever front end runs here; the workers follow its steps. A failing
+rank must not hang the front end:
+
+* a worker that dies is seen by a watchdog thread within WATCH_S, and the step in flight (or
+  the next one) fails with "distributed: rank R exited with code C";
+* a worker that hangs (stopped, stuck) stops beating its heartbeat in the rendezvous store; after
+  STALE_S the watchdog names it and stops it for good (a collective blocked on it, which may
+  wait far longer than any timeout rank 0 could give the idle workers, then fails at once);
+  collectives of the compute group also time out on their own after RANK_TIMEOUT_S.
+
+The engine driver then fails every request in flight and reports the error; nothing waits on
+the dead rank again.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from moectl.engine.core.config import EngineConfig
+from moectl.engine.llm_engine import LLMEngine
+from moectl.engine.models.config import ModelConfig
+from moectl.engine.parallel.distributed import (
+    DistributedError,
+    _init_from_store,
+    check_layout,
+    default_tp,
+    start_rank,
+)
+
+RANK_TIMEOUT_S = 8.0  # a compute collective waiting longer than this fails: a rank hangs
+HEARTBEAT_S = 0.5
+STALE_S = 5.0  # a heartbeat older than this names its rank as the one that hangs (and it is stopped)
+WATCH_S = 0.2
+
+
+def _heartbeat(port: int, rank: int, parent: int) -> None:
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
+    while True:
+        if os.getppid() != parent:  # rank 0 is gone: never outlive it
+            os._exit(1)
+        try:
+            store.set(f"moectl/heartbeat/{rank}", repr(time.time()))
+        except Exception:  # noqa: BLE001 - the store (rank 0) is gone
+            os._exit(1)
+        time.sleep(HEARTBEAT_S)
+
+
+def _worker(rank: int, world: int, port: int, config: EngineConfig, tp: int | None, num_threads: int | None,
+            parent: int) -> None:
+    code = 0
+    try:
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        threading.Thread(target=_heartbeat, args=(port, rank, parent), daemon=True).start()
+        state = _init_from_store(rank, world, port, config.device, RANK_TIMEOUT_S)
+        start_rank(config, tp, state)  # serves rank 0's steps until it says stop
+    except BaseException:  # noqa: BLE001 - rank 0 reports the failure (agreement or watchdog)
+        code = 1
+    os._exit(code)
+
+
+class RankGroup:
+    def __init__(self, config: EngineConfig, nproc: int, tp: int | None = None, num_threads: int | None = None):
+        """Spawns ranks 1..nproc-1 and joins them as rank 0 (returns once all are in the group).
+        Bad layouts are refused (ValueError) before anything starts."""
+        import torch.multiprocessing as mp
+
+        if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
+            raise ValueError(f"--nproc: must be a positive integer, got {nproc!r}")
+        cfg = ModelConfig.from_dir(config.model, dtype=config.dtype)
+        self.tp = default_tp(cfg, nproc) if tp is None else tp
+        check_layout(cfg, nproc, self.tp)
+        if num_threads is None and not str(config.device).startswith("cuda"):
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+            num_threads = max(1, cores // nproc)
+        self.config = config if config.num_threads is not None else _with_threads(config, num_threads)
+        self.nproc = nproc
+        self.store = dist.TCPStore("127.0.0.1", 0, nproc + 1, True, wait_for_workers=False,
+                                   timeout=timedelta(seconds=RANK_TIMEOUT_S))
+        ctx = mp.get_context("spawn")
+        self.procs = [ctx.Process(target=_worker, args=(r, nproc, self.store.port, self.config, self.tp, num_threads,
+                                                        os.getpid()), daemon=True, name=f"moectl-rank{r}")
+                      for r in range(1, nproc)]
+        for p in self.procs:
+            p.start()
+        self.failure: str | None = None
+        self._closed = threading.Event()
+        self.engine: LLMEngine | None = None
+        self.state = _init_from_store(0, nproc, self.store.port, config.device, RANK_TIMEOUT_S)
+        threading.Thread(target=self._watch, name="moectl-rank-watchdog", daemon=True).start()
+
+    def make_engine(self) -> LLMEngine:
+        """Rank 0's engine (once: a new engine needs a new launch of every rank)."""
+        if self.engine is not None:
+            raise DistributedError("distributed: the ranks serve one engine; restart the command for a new one")
+        self.engine = start_rank(self.config, self.tp, self.state)
+        self.engine.runner.health = self.check
+        return self.engine
+
+    # -- failure detection
+    def _watch(self) -> None:
+        while not self._closed.wait(WATCH_S):
+            if self.failure is not None:
+                continue
+            for rank, p in enumerate(self.procs, start=1):
+                if p.exitcode is not None:
+                    self.failure = f"distributed: rank {rank} exited with code {p.exitcode}"
+                    break
+            else:
+                stale = self._stale_rank()
+                if stale is not None:
+                    self.failure = (f"distributed: rank {stale} stopped responding (no heartbeat for "
+                                    f"{STALE_S:.0f} s); it was stopped")
+                    self.procs[stale - 1].kill()
+
+    def _stale_rank(self) -> int | None:
+        now = time.time()
+        for rank in range(1, self.nproc):
+            try:
+                beat = float(self.store.get(f"moectl/heartbeat/{rank}").decode())
+            except Exception:  # noqa: BLE001 - no heartbeat yet, or unreadable
+                continue
+            if now - beat > STALE_S:
+                return rank
+        return None
+
+    def check(self, error: BaseException | None = None) -> None:
+        """Raise DistributedError naming the failed rank: before a step (a rank died while idle)
+        or after a collective failed (`error`)."""
+        if error is None and self.failure is None:
+            return
+        if error is not None:
+            deadline = time.monotonic() + 1.0  # a dead rank's exit code may take a moment to show
+            while self.failure is None and time.monotonic() < deadline:
+                time.sleep(WATCH_S / 2)
+        why = self.failure or f"distributed: a collective failed ({str(error).splitlines()[0] if error else ''})"
+        raise DistributedError(why)
+
+    def close(self) -> None:
+        self._closed.set()
+        if self.engine is not None and self.failure is None:
+            try:
+                self.engine.runner.shutdown()
+            except Exception:  # noqa: BLE001 - a rank already gone: stop the rest below
+                pass
+        for p in self.procs:
+            p.join(5 if self.failure is None else 0.5)
+            if p.is_alive():
+                p.kill()
+                p.join(2)
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001
+                pass
+
+
+def _with_threads(config: EngineConfig, num_threads: int | None) -> EngineConfig:
+    import dataclasses
+
+    return dataclasses.replace(config, num_threads=num_threads)
