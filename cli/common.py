@@ -105,6 +105,20 @@ def read_placement(path: Path | None) -> dict | None:
         raise BadInput(f"--placement: {path}: {exc}") from None
 
 
+def _check_placement_fits(path: Path, placement: dict, model: Path, devices: int) -> None:
+    """The placement file against the checkpoint's config.json and the device count, before
+    anything is loaded, so the error names the option."""
+    from moectl.engine.models.config import ModelConfig
+
+    cfg = ModelConfig.from_dir(model)
+    layers, num_devices = len(placement["layers"]), placement["num_devices"]
+    if (layers, placement["num_experts"]) != (cfg.num_layers, cfg.num_experts):
+        raise BadInput(f"--placement: {path} is for {layers} layers x {placement['num_experts']} experts, "
+                       f"the model has {cfg.num_layers} x {cfg.num_experts}")
+    if num_devices != devices:
+        raise BadInput(f"--placement: {path} places experts on {num_devices} devices, this run has {devices}")
+
+
 def engine_config(model: Path | None, *, devices: int | None = None, hbm: str = "80GiB", backend: str = "local",
                   expert_cache: int | None = None, device: str = "cpu", nproc: int | None = None,
                   placement: Path | None = None, **options) -> EngineConfig:
@@ -126,6 +140,7 @@ def engine_config(model: Path | None, *, devices: int | None = None, hbm: str = 
         if devices is None:
             raise BadInput("--placement: needs --devices")
         options["placement"] = read_placement(placement)
+        _check_placement_fits(placement, options["placement"], model_dir(model), devices)
     topology = None
     if devices is not None:
         topology = Topology(num_devices=devices, hbm_bytes=parse_size(hbm, "--hbm"))

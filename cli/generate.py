@@ -12,15 +12,18 @@ from pathlib import Path
 import typer
 
 from moectl.cli.common import (
+    BACKEND_OPT,
     DTYPE_OPT,
     EXPERT_CACHE_OPT,
     HBM_OPT,
     JSON_OPT,
     MODEL_OPT,
+    NPROC_OPT,
+    PLACEMENT_OPT,
     BadInput,
+    Engines,
     engine_config,
     handles_errors,
-    model_dir,
     parse_ids,
 )
 from moectl.engine.core.topology import format_size
@@ -48,10 +51,10 @@ def generate(
                                             "no placement)."),
     hbm: str = HBM_OPT,
     expert_cache: int | None = EXPERT_CACHE_OPT,
-    backend: str = typer.Option("local", "--backend",
-                                help="local (devices emulated on --device), multi-gpu (device d's experts on "
-                                     "cuda:d, attention on cuda:0, real copies) or distributed."),
-    nproc: int | None = typer.Option(None, "--nproc", help="distributed: processes, one per device."),
+    backend: str = BACKEND_OPT,
+    nproc: int | None = NPROC_OPT,
+    redundant: int = typer.Option(0, "--redundant", help="Redundant expert slots per device (room for replicas)."),
+    placement: Path | None = PLACEMENT_OPT,
     device_stats: bool = typer.Option(False, "--device-stats",
                                       help="With --devices: print each device's tokens, measured busy time, "
                                            "modeled link time and expert-cache hits over the run (to stderr)."),
@@ -60,21 +63,23 @@ def generate(
     """Generate completions with the embedded engine (continuous batching over all prompts).
     With --devices N the experts are placed on N emulated devices; the tokens are the same."""
     from moectl.engine.core.sampling import SamplingParams
-    from moectl.engine.llm_engine import LLMEngine
 
     inputs: list = list(prompts or []) + [parse_ids(s) for s in (prompt_ids or [])]
     if not inputs:
         raise BadInput("give a PROMPT or --prompt-ids")
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                             seed=seed, stop=tuple(stop or ()), ignore_eos=ignore_eos)
-    if backend == "distributed":
-        _generate_distributed(model_dir(model), inputs, params, nproc or devices or 2, dtype, as_json)
-        return
-    engine = LLMEngine(engine_config(model, devices=devices, hbm=hbm, backend=backend, expert_cache=expert_cache,
-                                     device=device, dtype=dtype, kv_cache_dtype=kv_cache_dtype))
-    outputs = engine.generate(inputs, params)
-    if device_stats and engine.experts is not None:
-        _print_device_stats(engine)
+    config = engine_config(model, devices=devices, hbm=hbm, backend=backend, expert_cache=expert_cache,
+                           device=device, dtype=dtype, kv_cache_dtype=kv_cache_dtype, nproc=nproc,
+                           redundant_slots=redundant, placement=placement)
+    engines = Engines(config, backend)
+    try:
+        engine = engines.make_engine()
+        outputs = engine.generate(inputs, params)
+        if device_stats and engine.experts is not None:
+            _print_device_stats(engine)
+    finally:
+        engines.close()
     for out in outputs:
         if as_json:
             typer.echo(json.dumps({"prompt_ids": out.prompt_ids, "token_ids": out.token_ids, "text": out.text,
@@ -95,7 +100,8 @@ def _print_device_stats(engine) -> None:
     busy = np.sum([r["busy_s"] for r in records], axis=0)
     link = np.sum([r["link_s"] for r in records], axis=0)
     say = lambda line: typer.echo(line, err=True)  # noqa: E731
-    say(f"{'device':>6} {'tokens':>8} {'busy ms (measured)':>19} {'link ms (modeled)':>18} {'cache hits':>11} "
+    link_how = "modeled" if records[0]["link_s_modeled"] else "measured"
+    say(f"{'device':>6} {'tokens':>8} {'busy ms (measured)':>19} {'link ms (' + link_how + ')':>18} {'cache hits':>11} "
         f"{'peak HBM (accounted)':>21}")
     hbm = records[0]["memory_capacity"]["hbm"]
     for d in range(len(tokens)):
@@ -113,13 +119,3 @@ def _print_device_stats(engine) -> None:
         why = " (chosen: HBM cannot hold the placed experts)" if tiered == "auto" else ""
         say(f"experts: host tier, a {slots}-expert cache per device{why}")
     say(f"balancedness (mean/max device tokens): {tokens.mean() / max(tokens.max(), 1):.3f}")
-
-
-def _generate_distributed(path: Path, inputs: list, params, nproc: int, dtype, as_json: bool) -> None:
-    from moectl.engine.parallel.distributed import generate_distributed
-
-    for out in generate_distributed(str(path), inputs, params, nproc=nproc, dtype=dtype, timeout_s=1800.0):
-        if as_json:
-            typer.echo(json.dumps({k: out[k] for k in ("prompt_ids", "token_ids", "text")}))
-        else:
-            typer.echo(out["text"] or str(out["token_ids"]))

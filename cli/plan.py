@@ -77,7 +77,7 @@ def plan_rebalance_cmd(
 
     if synthetic == (loads_file is not None):
         raise BadInput("give a TRACE or loads FILE, or --synthetic (one of them)")
-    current, size = None, DEFAULT_EXPERT_BYTES
+    current, size, final = None, DEFAULT_EXPERT_BYTES, None
     if synthetic:
         loads = synthetic_loads(layers, experts, seed=seed, skew=skew)
     elif loads_file.suffix in (".npy", ".json"):
@@ -87,6 +87,14 @@ def plan_rebalance_cmd(
 
         with open_trace(loads_file) as reader:
             loads, current, trace_devices, trace_bytes = trace_routing(reader)
+            from moectl.profiler.trace_queries import placement_timeline
+
+            last = reader.last_step
+            # the prediction's window: the trace's last steps (their routing, step time and costs),
+            # on the placement in force at the end of the trace
+            recent = list(reader.steps(max(reader.first_step, last - 63), last + 1)) if last is not None else []
+            timeline = placement_timeline(reader)
+            final = timeline[-1][1] if timeline else None
         size = trace_bytes or size
         if devices is None or devices == trace_devices:
             devices = trace_devices
@@ -95,8 +103,18 @@ def plan_rebalance_cmd(
     result = run_plan_rebalance(loads, devices or 8, redundant, devices_per_node=devices_per_node,
                                 expert_bytes=size if expert_bytes is None else parse_size(expert_bytes, "--expert-bytes"),
                                 current=current)
+    if not synthetic and current is not None and final is not None and loads_file.suffix not in (".npy", ".json"):
+        from moectl.engine.experts.placement import Placement
+        from moectl.engine.experts.step_time import predict_from_records
+
+        result["predicted"] = predict_from_records(recent, final, Placement.from_dict(result["placement"]))
     if as_json:
         typer.echo(json.dumps(result, default=str))
         return
     typer.echo(f"balancedness {result['balancedness_before']:.4f} -> {result['balancedness_after']:.4f}, "
                f"{result['bytes_moved']:,} bytes moved, planned in {result['seconds'] * 1e3:.1f} ms")
+    predicted = result.get("predicted")
+    if predicted:
+        typer.echo(f"predicted step {predicted['step_s_before'] * 1e3:.2f} -> {predicted['step_s_after'] * 1e3:.2f} ms, "
+                   f"throughput {predicted['throughput_before']:,.0f} -> {predicted['throughput_after']:,.0f} tok/s "
+                   f"({predicted['gain']:+.1%}; {predicted['model']})")

@@ -163,12 +163,14 @@ def _print_report(r: dict) -> None:
         say(f"balancedness {bal['overall']:.3f}" + (f" (per layer: {per_layer})" if per_layer else ""))
     util = r["utilisation"]["per_device"]
     if util:
-        say("utilisation (measured expert busy / step wall): " + ", ".join(f"d{d} {u:.0%}" for d, u in enumerate(util)))
+        step = "modeled parallel step" if r["utilisation"].get("step_time_modeled") else "measured step"
+        say(f"utilisation (measured expert busy / {step}): " + ", ".join(f"d{d} {u:.0%}" for d, u in enumerate(util)))
         say("straggler steps per device: " + ", ".join(f"d{d} {n}" for d, n in sorted(r["straggler_steps_per_device"].items())))
     say("hottest experts: " + ", ".join(f"L{e['layer']}/E{e['expert']} {e['share']:.0%}" for e in r["hottest_experts"]))
     b = r["breakdown"]
     say("step time, mean (measured): " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in b["measured_mean_s"].items())
-        + f"; communication (modeled) {b['communication_modeled_mean_s'] * 1e3:.4f} ms")
+        + (f"; communication (modeled) {b['communication_modeled_mean_s'] * 1e3:.4f} ms"
+           if b['communication_modeled_mean_s'] else ""))
     lat = r["latency"]
     for key in ("ttft_s", "tpot_s"):
         p = lat.get(key) or {}

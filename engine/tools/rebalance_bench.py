@@ -67,7 +67,11 @@ def _summary(tokens: int, wall: float, records: list[dict]) -> dict:
     busy = np.array([r["devices"]["busy_s"] for r in records if r.get("devices")])
     util = busy.sum(0) / step_s.sum() if step_s.size else np.zeros(0)
     modeled = bool(steps and steps[0]["modeled"])
-    return {"output_tokens": tokens, "wall_s": wall, "steps": len(records),
+    # distributed: rank 0's time in the per-step gather of every rank's figures (the telemetry's cost)
+    telemetry = [r["devices"]["telemetry_s"] for r in records if (r.get("devices") or {}).get("telemetry_s")]
+    return {"telemetry_s_mean": float(np.mean(telemetry)) if telemetry else None,
+            "telemetry_share": float(np.sum(telemetry) / step_s.sum()) if telemetry and step_s.sum() else None,
+            "output_tokens": tokens, "wall_s": wall, "steps": len(records),
             "throughput_measured": tokens / wall if wall > 0 else 0.0,
             # emulated devices: tokens over the modeled parallel time of the same steps
             "throughput_parallel": tokens / step_s.sum() if step_s.sum() > 0 else 0.0,
@@ -149,6 +153,8 @@ def _run(engine, backend, devices, phase_s, rounds, concurrency, max_tokens, war
         "serial_throughput_before": float(np.mean([p["throughput_measured"] for p in phases["before"]])),
         "serial_throughput_after": float(np.mean([p["throughput_measured"] for p in phases["after"]])),
         "calibration": predicted.get("calibration"), "phases": phases,
+        "telemetry_share": (float(np.mean([p["telemetry_share"] for p in phases["before"] + phases["after"]]))
+                            if phases["before"][0]["telemetry_share"] is not None else None),
         "placement_after": Placement.to_dict(planned),
     }
     log(f"throughput {before:.1f} -> {after:.1f} tok/s ({result['gain_is']}): gain {measured_gain:+.1%}, "
