@@ -115,8 +115,11 @@ def init_distributed(device: str | None = None, timeout_s: float = COLLECTIVE_TI
     return _make_ctrl(DistState(rank, world, local_rank, dev))
 
 
-def _init_from_store(rank: int, world: int, port: int, device: str, timeout_s: float) -> DistState:
-    """For processes spawned by `launch`: the parent hosts the TCPStore, so no port can race."""
+def _init_from_store(rank: int, world: int, port: int, device: str, timeout_s: float,
+                     store_timeout_s: float | None = None) -> DistState:
+    """For processes spawned by `launch`: the parent hosts the TCPStore, so no port can race.
+    timeout_s: the compute collectives'; store_timeout_s: the rendezvous' (default the same),
+    which must cover every rank's start-up."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     use_cuda = str(device).startswith("cuda")
@@ -129,7 +132,7 @@ def _init_from_store(rank: int, world: int, port: int, device: str, timeout_s: f
         dev, backend = torch.device("cuda", rank), "nccl"
     else:
         dev, backend = torch.device("cpu"), "gloo"
-    store = dist.TCPStore("127.0.0.1", port, world + 1, False, timeout=timedelta(seconds=timeout_s))
+    store = dist.TCPStore("127.0.0.1", port, world + 1, False, timeout=timedelta(seconds=store_timeout_s or timeout_s))
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
     return _make_ctrl(DistState(rank, world, rank, dev))
 

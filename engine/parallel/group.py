@@ -37,6 +37,7 @@ from moectl.engine.parallel.distributed import (
 )
 
 RANK_TIMEOUT_S = 8.0  # a compute collective waiting longer than this fails: a rank hangs
+STARTUP_TIMEOUT_S = 300.0  # every rank must have joined (interpreter, torch, the checkpoint) by then
 HEARTBEAT_S = 0.5
 STALE_S = 5.0  # a heartbeat older than this names its rank as the one that hangs (and it is stopped)
 WATCH_S = 0.2
@@ -61,7 +62,7 @@ def _worker(rank: int, world: int, port: int, config: EngineConfig, tp: int | No
         if num_threads:
             torch.set_num_threads(num_threads)
         threading.Thread(target=_heartbeat, args=(port, rank, parent), daemon=True).start()
-        state = _init_from_store(rank, world, port, config.device, RANK_TIMEOUT_S)
+        state = _init_from_store(rank, world, port, config.device, RANK_TIMEOUT_S, STARTUP_TIMEOUT_S)
         start_rank(config, tp, state)  # serves rank 0's steps until it says stop
     except BaseException:  # noqa: BLE001 - rank 0 reports the failure (agreement or watchdog)
         code = 1
@@ -85,7 +86,7 @@ class RankGroup:
         self.config = config if config.num_threads is not None else _with_threads(config, num_threads)
         self.nproc = nproc
         self.store = dist.TCPStore("127.0.0.1", 0, nproc + 1, True, wait_for_workers=False,
-                                   timeout=timedelta(seconds=RANK_TIMEOUT_S))
+                                   timeout=timedelta(seconds=STARTUP_TIMEOUT_S))
         ctx = mp.get_context("spawn")
         self.procs = [ctx.Process(target=_worker, args=(r, nproc, self.store.port, self.config, self.tp, num_threads,
                                                         os.getpid()), daemon=True, name=f"moectl-rank{r}")
@@ -95,7 +96,7 @@ class RankGroup:
         self.failure: str | None = None
         self._closed = threading.Event()
         self.engine: LLMEngine | None = None
-        self.state = _init_from_store(0, nproc, self.store.port, config.device, RANK_TIMEOUT_S)
+        self.state = _init_from_store(0, nproc, self.store.port, config.device, RANK_TIMEOUT_S, STARTUP_TIMEOUT_S)
         threading.Thread(target=self._watch, name="moectl-rank-watchdog", daemon=True).start()
 
     def make_engine(self) -> LLMEngine:
