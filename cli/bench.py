@@ -71,9 +71,13 @@ def bench(
         # fp32 by default: the accuracy cost is then INT8's alone, not bf16 rounding on top of it
         result = run_kv_int8_eval(str(path), text_ids, prompts, dtype=dtype or "float32", log=log)
     elif name == "profiler":
-        from moectl.profiler.overhead_bench import run_profiler_overhead
+        from moectl.profiler.overhead_bench import rank_telemetry_cost, run_profiler_overhead
 
+        if backend not in ("local", "distributed"):
+            raise BadInput(f"--backend: the profiler suite runs on local or distributed, got {backend!r}")
         result = run_profiler_overhead(path, dtype=dtype, log=log)
+        if backend == "distributed":  # the ranks' own telemetry, measured directly
+            result["rank_telemetry"] = rank_telemetry_cost(path, nproc=nproc or 2, dtype=dtype, log=log)
     elif name == "rebalance":
         from moectl.engine.tools.rebalance_bench import run_rebalance_bench
 

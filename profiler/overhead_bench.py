@@ -84,3 +84,31 @@ def _encode_cost(trace: Path, limit: int = 300) -> dict:
             codec.encode(record, str_keys=fast)
         out[name] = (time.perf_counter() - t0) / max(len(records), 1) * 1e6
     return out
+
+
+def rank_telemetry_cost(model_dir: str | Path, *, nproc: int = 2, requests: int = 64, dtype: str | None = None,
+                        log: Callable[[str], None] = print) -> dict:
+    """The distributed backend's per-rank telemetry: rank 0's time in the one fixed-size gather
+    of every rank's figures per step, against the measured step time, on the same workload."""
+    import numpy as np
+
+    from moectl.engine.parallel.group import RankGroup
+
+    spec = WorkloadSpec(num_requests=requests, prompt_len=(32, 128), output_len=(32, 64), seed=7)
+    config = EngineConfig(model=str(model_dir), dtype=dtype, topology=Topology(num_devices=nproc))
+    group = RankGroup(config, nproc)
+    try:
+        engine = group.make_engine()
+        engine.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
+        run_workload(engine, workload_for_engine(spec, engine), realtime=False)
+        records = [s.as_record()["devices"] for s in engine.step_log]
+    finally:
+        group.close()
+    gather = np.array([r["telemetry_s"] for r in records])
+    step = np.array([r["step_time"]["step_s"] for r in records])
+    out = {"ranks": nproc, "steps": len(records), "gather_us_mean": float(gather.mean() * 1e6),
+           "gather_us_p99": float(np.percentile(gather, 99) * 1e6), "share_of_step": float(gather.sum() / step.sum()),
+           "measured": True}
+    log(f"per-rank telemetry on {nproc} ranks: {out['gather_us_mean']:.0f} us per step in the gather "
+        f"(p99 {out['gather_us_p99']:.0f} us), {out['share_of_step']:.2%} of the measured step time")
+    return out

@@ -115,11 +115,8 @@ def init_distributed(device: str | None = None, timeout_s: float = COLLECTIVE_TI
     return _make_ctrl(DistState(rank, world, local_rank, dev))
 
 
-def _init_from_store(rank: int, world: int, port: int, device: str, timeout_s: float,
-                     store_timeout_s: float | None = None) -> DistState:
-    """For processes spawned by `launch`: the parent hosts the TCPStore, so no port can race.
-    timeout_s: the compute collectives'; store_timeout_s: the rendezvous' (default the same),
-    which must cover every rank's start-up."""
+def _init_from_store(rank: int, world: int, port: int, device: str, timeout_s: float) -> DistState:
+    """For processes spawned by `launch`: the parent hosts the TCPStore, so no port can race."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     use_cuda = str(device).startswith("cuda")
@@ -132,7 +129,7 @@ def _init_from_store(rank: int, world: int, port: int, device: str, timeout_s: f
         dev, backend = torch.device("cuda", rank), "nccl"
     else:
         dev, backend = torch.device("cpu"), "gloo"
-    store = dist.TCPStore("127.0.0.1", port, world + 1, False, timeout=timedelta(seconds=store_timeout_s or timeout_s))
+    store = dist.TCPStore("127.0.0.1", port, world + 1, False, timeout=timedelta(seconds=timeout_s))
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
     return _make_ctrl(DistState(rank, world, rank, dev))
 
@@ -473,10 +470,12 @@ def run_rank(config: EngineConfig, job: Callable[[LLMEngine], Any], tp: int | No
         engine.runner.shutdown()
 
 
-def start_rank(config: EngineConfig, tp: int | None, state: DistState) -> LLMEngine | None:
+def start_rank(config: EngineConfig, tp: int | None, state: DistState,
+               compute_timeout_s: float | None = None) -> LLMEngine | None:
     """Load, agree, shard. Rank 0 gets its LLMEngine back (call `engine.runner.shutdown()` to
     release the others); every other rank serves rank 0's steps until it says stop, then
-    returns None."""
+    returns None. compute_timeout_s: once every rank has started (which may take long), the
+    compute collectives' timeout, so a rank that hangs mid-step fails the step quickly."""
     if config.num_threads is not None:
         torch.set_num_threads(config.num_threads)
     model = fp = error = None
@@ -513,10 +512,21 @@ def start_rank(config: EngineConfig, tp: int | None, state: DistState) -> LLMEng
         error = exc
     reports = _exchange(state, _error_report(error) if error is not None else {})
     _raise_first_error(reports, "could not start")
+    if compute_timeout_s is not None:
+        _set_compute_timeout(state, compute_timeout_s)
     if not state.is_driver:
         worker_loop(model, cache, channel, state.device, experts, stats, state)
         return None
     return engine
+
+
+def _set_compute_timeout(state: DistState, seconds: float) -> None:
+    # torch has no public setter; without it the start-up timeout stays (slower failure detection)
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    _set_pg_timeout(timedelta(seconds=seconds))  # the default group: expert parallelism, the gathers
+    if state.tp_group is not None:
+        _set_pg_timeout(timedelta(seconds=seconds), state.tp_group)
 
 
 # ---------------------------------------------------------------- jobs for rank 0

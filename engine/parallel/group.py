@@ -62,8 +62,8 @@ def _worker(rank: int, world: int, port: int, config: EngineConfig, tp: int | No
         if num_threads:
             torch.set_num_threads(num_threads)
         threading.Thread(target=_heartbeat, args=(port, rank, parent), daemon=True).start()
-        state = _init_from_store(rank, world, port, config.device, RANK_TIMEOUT_S, STARTUP_TIMEOUT_S)
-        start_rank(config, tp, state)  # serves rank 0's steps until it says stop
+        state = _init_from_store(rank, world, port, config.device, STARTUP_TIMEOUT_S)
+        start_rank(config, tp, state, RANK_TIMEOUT_S)  # serves rank 0's steps until it says stop
     except BaseException:  # noqa: BLE001 - rank 0 reports the failure (agreement or watchdog)
         code = 1
     os._exit(code)
@@ -96,14 +96,14 @@ class RankGroup:
         self.failure: str | None = None
         self._closed = threading.Event()
         self.engine: LLMEngine | None = None
-        self.state = _init_from_store(0, nproc, self.store.port, config.device, RANK_TIMEOUT_S, STARTUP_TIMEOUT_S)
+        self.state = _init_from_store(0, nproc, self.store.port, config.device, STARTUP_TIMEOUT_S)
         threading.Thread(target=self._watch, name="moectl-rank-watchdog", daemon=True).start()
 
     def make_engine(self) -> LLMEngine:
         """Rank 0's engine (once: a new engine needs a new launch of every rank)."""
         if self.engine is not None:
             raise DistributedError("distributed: the ranks serve one engine; restart the command for a new one")
-        self.engine = start_rank(self.config, self.tp, self.state)
+        self.engine = start_rank(self.config, self.tp, self.state, RANK_TIMEOUT_S)
         self.engine.runner.health = self.check
         return self.engine
 
