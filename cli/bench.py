@@ -36,7 +36,7 @@ def bench(
     backend: str = BACKEND_OPT,
     nproc: int | None = NPROC_OPT,
     devices: int = typer.Option(2, "--devices", "-d", help="rebalance: devices (emulated on the local backend)."),
-    phase_s: float = typer.Option(6.0, "--phase-seconds", help="rebalance: seconds per phase (A B A B)."),
+    rounds: int = typer.Option(2, "--rounds", help="rebalance: rounds of (naive, planned) phases."),
     seed: int = typer.Option(0, "--seed"),
     as_json: bool = JSON_OPT,
 ):
@@ -77,6 +77,8 @@ def bench(
             raise BadInput(f"--backend: the profiler suite runs on local or distributed, got {backend!r}")
         result = run_profiler_overhead(path, dtype=dtype, log=log)
         if backend == "distributed":  # the ranks' own telemetry, measured directly
+            if nproc is not None and nproc < 2:
+                raise BadInput(f"--nproc: the ranks' telemetry needs at least 2, got {nproc}")
             result["rank_telemetry"] = rank_telemetry_cost(path, nproc=nproc or 2, dtype=dtype, log=log)
     elif name == "rebalance":
         from moectl.engine.tools.rebalance_bench import run_rebalance_bench
@@ -85,10 +87,15 @@ def bench(
             raise BadInput(f"--backend: the rebalance suite runs on local or distributed, got {backend!r}")
         if nproc is not None and backend != "distributed":
             raise BadInput("--nproc: only with --backend distributed")
-        if not 0 < phase_s <= 600:
-            raise BadInput("--phase-seconds: must be in (0, 600]")
-        result = run_rebalance_bench(path, backend=backend, devices=nproc or devices, phase_s=phase_s,
-                                     dtype=dtype, threads=threads, log=log)
+        if not 1 <= rounds <= 20:
+            raise BadInput("--rounds: must be in 1-20")
+        if not 1 <= requests <= 4096:
+            raise BadInput("--requests: must be in 1-4096")
+        count = nproc if nproc is not None else devices
+        if not 1 <= count <= 64:
+            raise BadInput(f"--{'nproc' if nproc is not None else 'devices'}: must be in 1-64, got {count}")
+        result = run_rebalance_bench(path, backend=backend, devices=count, rounds=rounds,
+                                     requests=48 if requests == 64 else requests, dtype=dtype, threads=threads, log=log)
     elif name == "limits":
         from moectl.engine.tools import machine_limits
 

@@ -16,6 +16,7 @@ import typer
 from moectl.engine import sample_model_dir
 from moectl.engine.core.config import EngineConfig
 from moectl.engine.core.topology import Topology, parse_size
+from moectl.engine.parallel.backends import Engines  # noqa: F401 - every command's engine, on its backend
 
 BACKENDS = ("local", "multi-gpu", "distributed")
 
@@ -128,12 +129,14 @@ def engine_config(model: Path | None, *, devices: int | None = None, hbm: str = 
         raise BadInput(f"--backend: must be one of {', '.join(BACKENDS)}, got {backend!r}")
     if nproc is not None and backend != "distributed":
         raise BadInput("--nproc: only with --backend distributed")
+    if nproc is not None and nproc < 1:
+        raise BadInput(f"--nproc: must be >= 1, got {nproc}")
+    if devices is not None and devices < 1:
+        raise BadInput(f"--devices: must be >= 1, got {devices}")
     if backend == "distributed":
         if expert_cache is not None:
             raise BadInput("--expert-cache: not on the distributed backend (each rank holds its experts)")
-        devices = nproc or devices or 2
-        if devices < 1:
-            raise BadInput(f"--nproc: must be >= 1, got {devices}")
+        devices = nproc if nproc is not None else (devices or 2)
     if expert_cache is not None and devices is None:
         raise BadInput("--expert-cache: needs --devices")
     if placement is not None:
@@ -154,27 +157,6 @@ def engine_config(model: Path | None, *, devices: int | None = None, hbm: str = 
         device = "cuda:0"
     return EngineConfig(model=str(model_dir(model)), device=device, topology=topology,
                         expert_cache_slots=expert_cache, **options)
-
-
-class Engines:
-    """make_engine() for the backend the options chose, and close() for what it started: on the
-    distributed backend this process becomes rank 0 and the other ranks are spawned now."""
-
-    def __init__(self, config: EngineConfig, backend: str = "local"):
-        self.group = None
-        if backend == "distributed":
-            from moectl.engine.parallel.group import RankGroup
-
-            self.group = RankGroup(config, config.topology.num_devices)
-            self.make_engine = self.group.make_engine
-        else:
-            from moectl.engine.llm_engine import LLMEngine
-
-            self.make_engine = lambda: LLMEngine(config)
-
-    def close(self) -> None:
-        if self.group is not None:
-            self.group.close()
 
 
 def emit_json(result, as_json: bool) -> None:

@@ -175,9 +175,11 @@ class LiveSource(Source):
         return self._load
 
     def close(self) -> None:
-        self.driver.close()
-        if self._on_close is not None:
-            self._on_close()
+        try:
+            self.driver.close()
+        finally:
+            if self._on_close is not None:
+                self._on_close()
 
 
 # -- replay

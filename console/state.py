@@ -89,10 +89,10 @@ class ConsoleState:
             self.knobs = dict(result)
         if action["kind"] == "rebalance_preview":
             self.preview = dict(result)
-        if result.get("placement") is not None and result.get("predicted"):
-            # the measured outcome is compared with this prediction once steps arrive after it
-            self.last_apply = {"time": action["time"], "predicted": result["predicted"],
-                               "before": list(self.window)}
+        if result.get("placement") is not None and "bytes_moved" in result:  # an applied placement
+            # the measured outcome is compared with its prediction once steps arrive after it
+            self.last_apply = ({"time": action["time"], "predicted": result["predicted"], "before": list(self.window)}
+                               if result.get("predicted") else None)
 
     def _apply_step(self, record: dict) -> None:
         self.latest = record

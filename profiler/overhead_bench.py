@@ -92,18 +92,18 @@ def rank_telemetry_cost(model_dir: str | Path, *, nproc: int = 2, requests: int 
     of every rank's figures per step, against the measured step time, on the same workload."""
     import numpy as np
 
-    from moectl.engine.parallel.group import RankGroup
+    from moectl.engine.parallel.backends import Engines
 
     spec = WorkloadSpec(num_requests=requests, prompt_len=(32, 128), output_len=(32, 64), seed=7)
     config = EngineConfig(model=str(model_dir), dtype=dtype, topology=Topology(num_devices=nproc))
-    group = RankGroup(config, nproc)
+    engines = Engines(config, "distributed")
     try:
-        engine = group.make_engine()
+        engine = engines.make_engine()
         engine.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
         run_workload(engine, workload_for_engine(spec, engine), realtime=False)
         records = [s.as_record()["devices"] for s in engine.step_log]
     finally:
-        group.close()
+        engines.close()
     gather = np.array([r["telemetry_s"] for r in records])
     step = np.array([r["step_time"]["step_s"] for r in records])
     out = {"ranks": nproc, "steps": len(records), "gather_us_mean": float(gather.mean() * 1e6),

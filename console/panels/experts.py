@@ -142,6 +142,7 @@ class ExpertsPanel(VerticalScroll):
     def _show_outcome(self, state) -> None:
         outcome = state.apply_outcome()
         if outcome is None:
+            self.query_one("#ex-apply-outcome", Static).update("")
             return
         predicted = outcome["predicted"]
         how = "modeled parallel" if outcome["modeled"] else "measured"

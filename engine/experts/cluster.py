@@ -102,7 +102,9 @@ class ClusterBase:
         moe = self.moe_layers
         split = parallel_step(wall_s, s.busy_layer[:, moe], link_s, measured_parallel)
         self.cost.observe(s.rows_layer[:, moe], s.active_layer[:, moe], s.busy_layer[:, moe])
-        self.recent_steps.append({"other_s": split["other_s"], "link_s": link_s, "tokens": tokens})
+        # measured: the ranks' collectives are already inside other_s, so predictions add no link time
+        self.recent_steps.append({"other_s": split["other_s"], "link_s": 0.0 if measured_parallel else link_s,
+                                  "tokens": tokens})
         split["utilisation"] = (s.busy_s / split["step_s"]).tolist() if split["step_s"] > 0 else [0.0] * len(s.busy_s)
         # what each device spends waiting for the slowest one at the layers' synchronisation points
         busy = s.busy_layer[:, moe]

@@ -145,7 +145,7 @@ class PlacedExperts(nn.Module):
         token_device = stats.token_device
         # replica tables live on the CPU; route there, then bring the choice to the compute device
         devices_cpu = self.placement.assign_replicas(self.layer_idx, ids.cpu(), token_device.cpu(), self.policy,
-                                                     self.routing_state)
+                                                     self.routing_state, check=False)
         devices = devices_cpu.to(ids.device)
         slots = self.slot_of[ids, devices].flatten()
         order = torch.argsort(slots, stable=True)

@@ -408,14 +408,22 @@ class Placement:
             self._cache[key] = (torch.from_numpy(table), torch.from_numpy(counts.copy()))
         return self._cache[key]
 
+    def _single_replica(self, layer: int) -> bool:
+        key = ("single", layer)
+        if key not in self._cache:
+            self._cache[key] = bool(self._counts[layer].max() == 1)
+        return self._cache[key]
+
     def assign_replicas(self, layer: int, expert_ids: torch.Tensor, token_device: torch.Tensor,
-                        policy: str = "locality", state: RoutingState | None = None) -> torch.Tensor:
+                        policy: str = "locality", state: RoutingState | None = None, check: bool = True) -> torch.Tensor:
         """Pick a replica (device) for every (token, choice): [N, k] expert ids -> [N, k] devices.
 
         locality: a replica on the token's device, else one on its node (needs
           state.devices_per_node), else any; ties are spread to even out this step's device load.
         least_loaded: spread each expert's tokens over its replicas so device loads even out.
         round_robin: cycle through the replicas; the cycle continues across calls via `state`.
+        check=False skips validating the ids and devices (the engine's own router output, per layer
+        and step, where the checks cost more than the routing of a layer without replicas).
         """
         layer = _index(layer, "layer", self.num_layers)
         if policy not in POLICIES:
@@ -424,17 +432,19 @@ class Placement:
         if ids.dim() != 2:
             raise PlacementError(f"expert_ids: expected shape [tokens, k], got {list(ids.shape)}")
         ids = ids.long()
+        table, counts = self._replica_table(layer)
+        if not check and self._single_replica(layer):  # no choice to make: each expert's one device
+            return table[ids.reshape(-1), 0].view_as(ids)
         tok = torch.as_tensor(token_device).long()
         if tok.shape != ids.shape[:1]:
             raise PlacementError(f"token_device: expected shape [{ids.shape[0]}], got {list(tok.shape)}")
-        if ids.numel() and (ids.min() < 0 or ids.max() >= self.num_experts):
+        if check and ids.numel() and (ids.min() < 0 or ids.max() >= self.num_experts):
             bad = ids[(ids < 0) | (ids >= self.num_experts)][0].item()
             raise PlacementError(f"expert {bad} out of range [0, {self.num_experts}) (layer {layer})")
-        if tok.numel() and (tok.min() < 0 or tok.max() >= self.num_devices):
+        if check and tok.numel() and (tok.min() < 0 or tok.max() >= self.num_devices):
             bad = tok[(tok < 0) | (tok >= self.num_devices)][0].item()
             raise PlacementError(f"device {bad} out of range [0, {self.num_devices}) in token_device")
 
-        table, counts = self._replica_table(layer)
         flat = ids.reshape(-1)
         cand, cnt = table[flat], counts[flat]  # [M, Rmax], [M]
         if policy == "round_robin":

@@ -65,6 +65,7 @@ class DistributedCluster(ClusterBase):
         self.bytes_per_row = model.cfg.hidden_size * first.w13.element_size()
         self.telemetry_s = 0.0
         self.last_migration: dict = {}
+        self.health = None  # health(error=None): raises naming a failed rank (group.RankGroup.check)
         self.check(placement)
 
     # -- placement
@@ -85,10 +86,17 @@ class DistributedCluster(ClusterBase):
         """Every rank moves its experts to `placement` now (between steps). Returns the bytes that
         crossed between ranks; `last_migration` has each rank's measured bytes and seconds."""
         self.check(placement)
-        self.channel.publish_placement(placement)
-        mine = migrate(self.layers, placement, 0, self.world, None)
-        reports = [None] * self.world
-        dist.all_gather_object(reports, mine)
+        if self.health is not None:
+            self.health()  # never publish to a group that has lost a rank
+        try:
+            self.channel.publish_placement(placement)
+            mine = migrate(self.layers, placement, 0, self.world, None)
+            reports = [None] * self.world
+            dist.all_gather_object(reports, mine)
+        except RuntimeError as exc:  # a rank failed mid-migration: say which
+            if self.health is not None:
+                self.health(exc)
+            raise
         self.placement = placement
         moved = int(sum(r["bytes_received"] for r in reports))
         self.bytes_moved_total += moved

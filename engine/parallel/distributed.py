@@ -35,6 +35,7 @@ import os
 import pickle
 import queue as queue_mod
 import sys
+import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -262,13 +263,15 @@ class StepChannel:
     def __init__(self, group, block_size: int):
         self.group = group
         self.block_size = block_size
+        self._lock = threading.Lock()  # a stop from another thread never splits a length from its payload
 
     def _broadcast(self, t: torch.Tensor) -> None:
         dist.broadcast(t, src=0, group=self.group)
 
     def _send(self, payload: torch.Tensor) -> None:
-        self._broadcast(torch.tensor([payload.numel()], dtype=torch.int64))
-        self._broadcast(payload)
+        with self._lock:
+            self._broadcast(torch.tensor([payload.numel()], dtype=torch.int64))
+            self._broadcast(payload)
 
     def publish(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: PagedContext) -> None:
         self._send(pack_step(input_ids, positions, ctx))
@@ -279,7 +282,8 @@ class StepChannel:
         self._send(torch.cat([head, torch.from_numpy(slots.reshape(-1).copy())]))
 
     def publish_stop(self) -> None:
-        self._broadcast(torch.zeros(1, dtype=torch.int64))
+        with self._lock:
+            self._broadcast(torch.zeros(1, dtype=torch.int64))
 
     def receive(self, cache: KVCache, device: torch.device):
         """("step", input_ids, positions, ctx) or ("placement", Placement) of the next message,
@@ -412,7 +416,6 @@ def worker_loop(model, cache: KVCache, channel: StepChannel, device: torch.devic
             model(ids, positions, ctx)
             steps += 1
             if stats is not None:
-                stats.step = steps
                 dist.gather(stats.pack(), None, dst=0)  # the default group: a hung rank times out
     return steps
 
@@ -499,7 +502,9 @@ def start_rank(config: EngineConfig, tp: int | None, state: DistState,
         apply_tensor_parallel(model, state.tp_rank, tp, state.tp_group)
         placement = initial_placement(config, model.cfg, state.world_size)
         stats = RankStepStats(model.cfg.num_layers, state.world_size, state.device)
-        experts = install(model, placement, state.rank, state.world_size, stats, config.routing_policy)
+        node = config.topology.devices_per_node if config.topology is not None else None
+        experts = install(model, placement, state.rank, state.world_size, stats, config.routing_policy,
+                          devices_per_node=node)
         heads, num_blocks = kv_blocks_for(config, model.cfg, tp)
         channel = StepChannel(state.ctrl_group, config.block_size)
         if state.is_driver:  # the engine sizes its cache by the same rule as kv_blocks_for
@@ -600,9 +605,8 @@ def launch(fn: Callable[[DistState], Any], nproc: int, device: str = "cpu", time
 
     if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
         raise ValueError(f"nproc: must be a positive integer, got {nproc!r}")
-    if num_threads is None and not str(device).startswith("cuda"):
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        num_threads = max(1, cores // nproc)
+    if num_threads is None:
+        num_threads = threads_per_rank(device, nproc)
     store = dist.TCPStore("127.0.0.1", 0, nproc + 1, True, wait_for_workers=False,
                           timeout=timedelta(seconds=collective_timeout_s))
     ctx = mp.get_context("spawn")
@@ -665,6 +669,14 @@ def launch(fn: Callable[[DistState], Any], nproc: int, device: str = "cpu", time
         return pickle.loads(done[0])
     finally:
         _stop(procs)
+
+
+def threads_per_rank(device: str, nproc: int) -> int | None:
+    """On CPU the ranks share this machine's cores: each gets its share (None on GPUs)."""
+    if str(device).startswith("cuda"):
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // nproc)
 
 
 class _Session:

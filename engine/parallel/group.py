@@ -7,9 +7,12 @@ rank must not hang the front end:
 * a worker that dies is seen by a watchdog thread within WATCH_S, and the step in flight (or
   the next one) fails with "distributed: rank R exited with code C";
 * a worker that hangs (stopped, stuck) stops beating its heartbeat in the rendezvous store; after
-  STALE_S the watchdog names it and stops it for good (a collective blocked on it, which may
-  wait far longer than any timeout rank 0 could give the idle workers, then fails at once);
-  collectives of the compute group also time out on their own after RANK_TIMEOUT_S.
+  STALE_S the watchdog names it and stops it for good, so a collective blocked on it fails at
+  once. Compute collectives also time out after RANK_TIMEOUT_S, a backstop long enough for a
+  big prefill or an expert migration on a slow machine.
+
+Any failure is final: the group is not used again (every collective after a failed one could
+be out of step), and the workers are stopped.
 
 The engine driver then fails every request in flight and reports the error; nothing waits on
 the dead rank again.
@@ -17,6 +20,7 @@ the dead rank again.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import time
@@ -34,9 +38,10 @@ from moectl.engine.parallel.distributed import (
     check_layout,
     default_tp,
     start_rank,
+    threads_per_rank,
 )
 
-RANK_TIMEOUT_S = 8.0  # a compute collective waiting longer than this fails: a rank hangs
+RANK_TIMEOUT_S = 60.0  # a compute collective waiting longer than this fails (the heartbeat is faster)
 STARTUP_TIMEOUT_S = 300.0  # every rank must have joined (interpreter, torch, the checkpoint) by then
 HEARTBEAT_S = 0.5
 STALE_S = 5.0  # a heartbeat older than this names its rank as the one that hangs (and it is stopped)
@@ -80,10 +85,9 @@ class RankGroup:
         cfg = ModelConfig.from_dir(config.model, dtype=config.dtype)
         self.tp = default_tp(cfg, nproc) if tp is None else tp
         check_layout(cfg, nproc, self.tp)
-        if num_threads is None and not str(config.device).startswith("cuda"):
-            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-            num_threads = max(1, cores // nproc)
-        self.config = config if config.num_threads is not None else _with_threads(config, num_threads)
+        if num_threads is None:
+            num_threads = threads_per_rank(config.device, nproc)
+        self.config = config if config.num_threads is not None else dataclasses.replace(config, num_threads=num_threads)
         self.nproc = nproc
         self.store = dist.TCPStore("127.0.0.1", 0, nproc + 1, True, wait_for_workers=False,
                                    timeout=timedelta(seconds=STARTUP_TIMEOUT_S))
@@ -96,15 +100,37 @@ class RankGroup:
         self.failure: str | None = None
         self._closed = threading.Event()
         self.engine: LLMEngine | None = None
-        self.state = _init_from_store(0, nproc, self.store.port, config.device, STARTUP_TIMEOUT_S)
+        self.state = None
+        try:
+            self._await_workers()
+            self.state = _init_from_store(0, nproc, self.store.port, config.device, STARTUP_TIMEOUT_S)
+        except BaseException:
+            self.close()
+            raise
         threading.Thread(target=self._watch, name="moectl-rank-watchdog", daemon=True).start()
+
+    def _await_workers(self) -> None:
+        """Until every worker's first heartbeat: a worker that dies while starting is reported
+        at once, not after the rendezvous timeout."""
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        waiting = set(range(1, self.nproc))
+        while waiting:
+            for rank in list(waiting):
+                p = self.procs[rank - 1]
+                if p.exitcode is not None:
+                    raise DistributedError(f"distributed: rank {rank} exited with code {p.exitcode} while starting")
+                if self.store.check([f"moectl/heartbeat/{rank}"]):
+                    waiting.discard(rank)
+            if time.monotonic() > deadline:
+                raise DistributedError(f"distributed: ranks {sorted(waiting)} did not start in {STARTUP_TIMEOUT_S:.0f} s")
+            time.sleep(WATCH_S / 2)
 
     def make_engine(self) -> LLMEngine:
         """Rank 0's engine (once: a new engine needs a new launch of every rank)."""
         if self.engine is not None:
             raise DistributedError("distributed: the ranks serve one engine; restart the command for a new one")
         self.engine = start_rank(self.config, self.tp, self.state, RANK_TIMEOUT_S)
-        self.engine.runner.health = self.check
+        self.engine.runner.health = self.engine.experts.cluster.health = self.check
         return self.engine
 
     # -- failure detection
@@ -117,7 +143,8 @@ class RankGroup:
                     self.failure = f"distributed: rank {rank} exited with code {p.exitcode}"
                     break
             else:
-                stale = self._stale_rank()
+                # only once serving: loading and the start-up exchanges may hold a worker's GIL for long
+                stale = self._stale_rank() if self.engine is not None else None
                 if stale is not None:
                     self.failure = (f"distributed: rank {stale} stopped responding (no heartbeat for "
                                     f"{STALE_S:.0f} s); it was stopped")
@@ -143,8 +170,15 @@ class RankGroup:
             deadline = time.monotonic() + 1.0  # a dead rank's exit code may take a moment to show
             while self.failure is None and time.monotonic() < deadline:
                 time.sleep(WATCH_S / 2)
-        why = self.failure or f"distributed: a collective failed ({str(error).splitlines()[0] if error else ''})"
-        raise DistributedError(why)
+        if self.failure is None:
+            self.failure = f"distributed: a collective failed ({str(error).splitlines()[0] if error else ''})"
+        self._stop_workers()  # the ranks may be out of step now: nothing runs on this group again
+        raise DistributedError(self.failure)
+
+    def _stop_workers(self) -> None:
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
 
     def close(self) -> None:
         self._closed.set()
@@ -158,14 +192,8 @@ class RankGroup:
             if p.is_alive():
                 p.kill()
                 p.join(2)
-        if dist.is_initialized():
+        if self.state is not None and dist.is_initialized():
             try:
                 dist.destroy_process_group()
             except Exception:  # noqa: BLE001
                 pass
-
-
-def _with_threads(config: EngineConfig, num_threads: int | None) -> EngineConfig:
-    import dataclasses
-
-    return dataclasses.replace(config, num_threads=num_threads)

@@ -14,9 +14,10 @@ the all_gather (the *transfer*). At the end of a step the figures travel to rank
 fixed-size tensor (`pack` / `unpack`).
 
 `migrate` changes the placement between steps with real transfers: every rank derives the same
-plan from the old and new placements (which rank sends which expert to which), packs what it
-sends into one buffer and exchanges all of it in one all_to_all; experts that stay on a rank are
-copied locally. Its bytes and seconds are measured on every rank.
+plan from the old and new placements (which rank sends which expert to which) and, layer by
+layer, packs what it sends into one buffer and exchanges it in one all_to_all (so the extra
+memory is one layer's moves, not the whole change); experts that stay on a rank are copied
+locally. Its bytes and seconds are measured on every rank.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from moectl.engine.models.moe import MoEBlock, combine, grouped_offsets, grouped
 
 MEMORY_SAMPLE_S = 0.5  # RSS is read at most this often (psutil costs tens of microseconds)
 _SCALARS = ("wait_s", "dispatch_s", "combine_s", "rss_bytes", "cuda_allocated", "cuda_reserved",
-            "cuda_max_allocated", "step")
+            "cuda_max_allocated")
 
 
 def _split_bounds(total: int, parts: int) -> list[int]:
@@ -50,7 +51,6 @@ class RankStepStats:
         self._process = psutil.Process()
         self._memory_at = -1.0
         self._memory = (0, 0, 0, 0)
-        self.step = 0
         self.reset()
 
     def reset(self) -> None:
@@ -75,7 +75,7 @@ class RankStepStats:
         return self._memory
 
     def pack(self) -> torch.Tensor:
-        scalars = [self.wait_s, self.dispatch_s, self.combine_s, *self._sample_memory(), self.step]
+        scalars = [self.wait_s, self.dispatch_s, self.combine_s, *self._sample_memory()]
         return torch.from_numpy(np.concatenate([self.busy, self.rows, self.active, self.send_rows,
                                                 np.asarray(scalars, dtype=np.float64)]))
 
@@ -139,7 +139,8 @@ class RankExperts(nn.Module):
         #     contiguous per destination rank
         ids_cpu = ids_s.cpu()
         home = torch.full((b - a,), rank, dtype=torch.int64)
-        dest = self.placement.assign_replicas(self.layer_idx, ids_cpu, home, self.policy, self.routing_state)
+        dest = self.placement.assign_replicas(self.layer_idx, ids_cpu, home, self.policy, self.routing_state,
+                                              check=False)
         slots = self.slot_of[ids_cpu, dest].flatten().to(x.device)
         order = torch.argsort(slots, stable=True)
         send = xs.index_select(0, order // top_k)
@@ -199,7 +200,7 @@ class RankExperts(nn.Module):
 
 
 def install(model: nn.Module, placement: Placement, rank: int, world: int, stats: RankStepStats, policy: str,
-            group=None) -> list[RankExperts]:
+            group=None, devices_per_node: int | None = None) -> list[RankExperts]:
     """Swaps every MoE layer's stacked experts for this rank's slots under `placement` (the
     experts it does not hold are freed). The placement is checked against the model first."""
     cfg = model.cfg
@@ -208,7 +209,7 @@ def install(model: nn.Module, placement: Placement, rank: int, world: int, stats
     if placement.num_experts != cfg.num_experts or placement.num_layers != cfg.num_layers:
         raise ValueError(f"placement: is for {placement.num_layers} layers x {placement.num_experts} experts, "
                          f"the model has {cfg.num_layers} x {cfg.num_experts}")
-    routing_state = RoutingState()
+    routing_state = RoutingState(devices_per_node)  # locality's node tier, when ranks span nodes
     layers = []
     for module in list(model.modules()):
         if isinstance(module, MoEBlock):
@@ -248,43 +249,47 @@ def migration_plan(old: Placement, new: Placement, layers: list[int]) -> list[tu
 
 def migrate(layers: list[RankExperts], new: Placement, rank: int, world: int, group=None) -> dict:
     """Moves this rank's share of the change to `new` (every rank calls it between the same two
-    steps). Returns what this rank measured: bytes sent and received, seconds."""
+    steps), one MoE layer at a time. Returns what this rank measured: bytes sent and received,
+    bytes copied within the rank, seconds."""
     t0 = time.perf_counter()
-    by_layer = {m.layer_idx: m for m in layers}
     old = layers[0].placement
-    moves = migration_plan(old, new, list(by_layer))
     numel = layers[0].expert_numel
     dtype, device = layers[0].w13.dtype, layers[0].w13.device
-    outgoing = [[] for _ in range(world)]  # per destination: (layer, src slot), in plan order
-    incoming = [[] for _ in range(world)]  # per source: (layer, dst slot)
-    local = []
-    for layer, dst, slot, src, src_slot in moves:
-        if dst == rank and src == rank:
-            local.append((layer, slot, src_slot))
-        elif src == rank:
-            outgoing[dst].append((layer, src_slot))
-        elif dst == rank:
-            incoming[src].append((layer, slot))
-    send_counts = [len(o) * numel for o in outgoing]
-    recv_counts = [len(i) * numel for i in incoming]
-    sends = [by_layer[layer].flat_slot(s) for o in outgoing for layer, s in o]
-    send = torch.cat(sends) if sends else torch.zeros(0, dtype=dtype, device=device)
-    # old contents of locally copied slots, read before any slot is written
-    local_src = [by_layer[layer].flat_slot(src_slot) for layer, _, src_slot in local]
-    recv = torch.empty(sum(recv_counts), dtype=dtype, device=device)
-    if world > 1:
-        dist.all_to_all_single(recv, send, recv_counts, send_counts, group=group)
-    cursor = 0
-    for source in incoming:
-        for layer, slot in source:
-            by_layer[layer].write_slot(slot, recv[cursor:cursor + numel])
-            cursor += numel
-    for (layer, slot, _), flat in zip(local, local_src):
-        by_layer[layer].write_slot(slot, flat)
+    sent = received = local_moves = 0
+    for m in layers:
+        outgoing = [[] for _ in range(world)]  # per destination: src slots, in plan order
+        incoming = [[] for _ in range(world)]  # per source: dst slots
+        local = []
+        moves = migration_plan(old, new, [m.layer_idx])
+        for _, dst, slot, src, src_slot in moves:
+            if dst == rank and src == rank:
+                local.append((slot, src_slot))
+            elif src == rank:
+                outgoing[dst].append(src_slot)
+            elif dst == rank:
+                incoming[src].append(slot)
+        send_counts = [len(o) * numel for o in outgoing]
+        recv_counts = [len(i) * numel for i in incoming]
+        # copies of every source, taken before any slot of the layer is written
+        local_src = [m.flat_slot(src_slot) for _, src_slot in local]
+        sends = [m.flat_slot(s) for o in outgoing for s in o]
+        recv = torch.empty(sum(recv_counts), dtype=dtype, device=device)
+        # the same answer on every rank (the plan is global), so all take part in the collective or none
+        if world > 1 and any(src != dst for _, dst, _, src, _ in moves):
+            send = torch.cat(sends) if sends else torch.zeros(0, dtype=dtype, device=device)
+            dist.all_to_all_single(recv, send, recv_counts, send_counts, group=group)
+        cursor = 0
+        for source in incoming:
+            for slot in source:
+                m.write_slot(slot, recv[cursor:cursor + numel])
+                cursor += numel
+        for (slot, _), flat in zip(local, local_src):
+            m.write_slot(slot, flat)
+        sent, received, local_moves = sent + sum(send_counts), received + sum(recv_counts), local_moves + len(local)
     for m in layers:
         m.set_placement(new)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     element = torch.empty(0, dtype=dtype).element_size()
-    return {"bytes_sent": sum(send_counts) * element, "bytes_received": sum(recv_counts) * element,
-            "bytes_local": len(local) * numel * element, "seconds": time.perf_counter() - t0}
+    return {"bytes_sent": sent * element, "bytes_received": received * element,
+            "bytes_local": local_moves * numel * element, "seconds": time.perf_counter() - t0}

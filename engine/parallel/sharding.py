@@ -25,11 +25,6 @@ class ParallelError(ValueError):
     """A tensor/expert-parallel layout this model cannot take; the message says why."""
 
 
-def _split_bounds(total: int, parts: int) -> list[int]:
-    """Contiguous split of `total` items into `parts` nearly equal ranges: parts + 1 bounds."""
-    return [total * i // parts for i in range(parts + 1)]
-
-
 # ---------------------------------------------------------------- tensor parallelism (attention)
 
 def tp_head_layout(num_heads: int, num_kv_heads: int, tp_rank: int, tp_size: int) -> tuple[range, range]:

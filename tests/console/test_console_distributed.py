@@ -93,9 +93,12 @@ def test_a_hung_rank_is_named_within_the_bound(ckpt):
             await until(pilot, lambda: source.error is not None, timeout=30)
             detected = time.monotonic() - t0
         finally:
-            os.kill(group.procs[0].pid, signal.SIGCONT)
+            try:
+                os.kill(group.procs[0].pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass  # already stopped for good by the watchdog
         assert detected < STALE_S + 3.0 <= 10.0, detected
-        assert "rank 1" in source.error
+        assert "rank 1" in source.error and "stopped responding" in source.error
     try:
         run_app(MoectlApp(source), body)
     finally:
