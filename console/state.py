@@ -12,6 +12,7 @@ from collections import OrderedDict, deque
 import numpy as np
 
 from moectl.engine.experts.placement import Placement
+from moectl.profiler.analysis import utilisation as device_utilisation
 
 WINDOW_STEPS = 64  # the moving window behind the heat map, loads, balancedness and throughput
 HISTORY_STEPS = 600  # curves over time
@@ -236,12 +237,10 @@ class ConsoleState:
         return out
 
     def utilisation(self) -> list[float]:
-        recs = [r for r in self.window if r.get("devices")]
-        if not recs:
-            return [0.0] * self.num_devices
-        busy = np.sum([r["devices"]["busy_s"] for r in recs], axis=0)
-        wall = sum(r["t_end"] - r["t_start"] for r in recs)
-        return (busy / wall).tolist() if wall > 0 else [0.0] * len(busy)
+        """Each device's measured busy time over the devices' parallel step time (modeled on
+        emulated devices, measured on ranks), over the window."""
+        per_device = device_utilisation(self.window)["per_device"]
+        return per_device or [0.0] * self.num_devices
 
     def latency(self) -> dict:
         return {name: {f"p{q}": float(np.percentile(values, q)) if values else None for q in (50, 99)}

@@ -35,8 +35,20 @@ Step record (format 1):
   devices         None without devices, else the cluster's record:
                   {"backend": "emulated"|"multi-gpu"|"distributed",
                    "tokens": [int] (expert rows each device computed),
-                   "busy_s": [float] (measured), "util": [float] (busy_s / step wall time),
-                   "link_s": [float] (modeled), "link_s_modeled": bool,
+                   "busy_s": [float] (measured),
+                   "link_s": [float] (modeled from bytes on emulated devices; measured on ranks:
+                             the payload all_to_alls and the all_gather), "link_s_modeled": bool,
+                   "link_wait_s": [float] (distributed: measured time in the tiny collectives, i.e.
+                                  waiting for the other ranks),
+                   "step_time": {"step_s": the devices' parallel step, "modeled": bool (emulated:
+                                 other + per-layer slowest device + link; distributed: the measured
+                                 step), "other_s", "expert_critical_s", "link_s",
+                                 "utilisation": [busy_s / step_s], "wait_s": [per device, waiting
+                                 for the slowest device at the layers' synchronisation points],
+                                 "cost_model": {"per_expert_s", "per_row_s", "samples",
+                                 "relative_error"} (calibrated from the measured busy times)},
+                   "telemetry_s": float (distributed: rank 0's time in the per-step gather),
+                   "process": [{"rss_bytes", "cuda"}] (distributed: each rank's, measured),
                    "traffic_bytes": int64 [D, D] (dispatch bytes src x dst; combine is the transpose),
                    "memory": [{category: bytes}] per device, HBM tier (categories: *_weights,
                              expert_weights | expert_cache, kv_blocks, activations, comm_buffers),
@@ -47,7 +59,10 @@ Step record (format 1):
                                      "bytes_copied", "miss_wait_s"}] (tiered only)}
 
 Action record: {"time": float (engine clock), "step": int (the last finished step),
-"kind": str, "args": dict, "result": dict}. Kinds: knobs, rebalance_preview, rebalance_apply,
+"kind": str, "args": dict, "result": dict}. An applied placement's result has "bytes_moved",
+"seconds", "placement", "predicted" (step time and throughput before/after, or None) and, on
+ranks, "migration": {"per_rank": [{"bytes_sent", "bytes_received", "bytes_local", "seconds"}],
+"bytes_transferred", "seconds_max", "measured": true}. Kinds: knobs, rebalance_preview, rebalance_apply,
 placement, move, swap, replicate, drop_replica, pin, unpin, auto_rebalance_plan, capture,
 record_start, record_stop, and "<kind>_failed" with {"error": str}.
 """
@@ -100,10 +115,7 @@ class StepStats:
     knobs: dict = field(default_factory=dict)
 
     def as_record(self) -> dict:
-        wall = max(self.t_end - self.t_start, 1e-12)
         devices = self.devices
-        if devices is not None:
-            devices = {**devices, "util": [b / wall for b in devices["busy_s"]]}
         record = {
             "step": self.step, "t_start": self.t_start, "t_end": self.t_end,
             "batch": {"prefill_tokens": self.prefill_tokens, "decode_tokens": self.decode_tokens,
