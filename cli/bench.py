@@ -37,6 +37,8 @@ def bench(
     nproc: int | None = NPROC_OPT,
     devices: int = typer.Option(2, "--devices", "-d", help="rebalance: devices (emulated on the local backend)."),
     rounds: int = typer.Option(2, "--rounds", help="rebalance: rounds of (naive, planned) phases."),
+    redundant: int = typer.Option(0, "--redundant", help="rebalance: spare slots per device for replicas (0: "
+                                                         "re-hash the experts over the devices)."),
     seed: int = typer.Option(0, "--seed"),
     as_json: bool = JSON_OPT,
 ):
@@ -94,7 +96,9 @@ def bench(
         count = nproc if nproc is not None else devices
         if not 1 <= count <= 64:
             raise BadInput(f"--{'nproc' if nproc is not None else 'devices'}: must be in 1-64, got {count}")
-        result = run_rebalance_bench(path, backend=backend, devices=count, rounds=rounds,
+        if not 0 <= redundant <= 64:
+            raise BadInput("--redundant: must be in 0-64")
+        result = run_rebalance_bench(path, backend=backend, devices=count, rounds=rounds, redundant=redundant,
                                      requests=48 if requests == 64 else requests, dtype=dtype, threads=threads, log=log)
     elif name == "limits":
         from moectl.engine.tools import machine_limits

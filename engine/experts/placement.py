@@ -456,13 +456,16 @@ class Placement:
             out = cand.gather(1, (rank % cnt).unsqueeze(1)).squeeze(1)
             return out.view_as(ids)
 
-        out = cand[:, 0].clone()  # the only choice for single-replica experts
+        # numpy from here: [tokens x k] arrays of small ints, where each torch op's overhead dominated
+        cand, flat, cnt = cand.numpy(), flat.numpy(), cnt.numpy()
+        out = cand[:, 0].copy()  # the only choice for single-replica experts
         open_ = cnt > 1
         if policy == "locality":
-            tok_dev = tok.repeat_interleave(ids.shape[1])
-            local = (cand == tok_dev[:, None])
+            tok_dev = np.repeat(tok.numpy(), ids.shape[1])
+            local = cand == tok_dev[:, None]
             has_local = local.any(1) & open_
-            out[has_local] = cand[has_local].gather(1, local[has_local].int().argmax(1, keepdim=True)).squeeze(1)
+            rows = np.flatnonzero(has_local)
+            out[rows] = cand[rows, local[rows].argmax(1)]
             open_ &= ~has_local
             dpn = state.devices_per_node if state is not None else None
             group = flat * (self.num_devices + 1)  # group key: expert, and node when tier 2
@@ -470,16 +473,16 @@ class Placement:
             if dpn:
                 same = (cand >= 0) & (cand // dpn == (tok_dev // dpn)[:, None])
                 tier2 = open_ & same.any(1)
-                group = torch.where(tier2, group + 1 + tok_dev // dpn, group)
-                allowed = torch.where(tier2[:, None], same, allowed)
-                single = tier2 & (same.sum(1) == 1)  # one replica on the node: no choice to make
-                out[single] = cand[single].gather(1, same[single].int().argmax(1, keepdim=True)).squeeze(1)
-                open_ &= ~single
+                group = np.where(tier2, group + 1 + tok_dev // dpn, group)
+                allowed = np.where(tier2[:, None], same, allowed)
+                single = np.flatnonzero(tier2 & (same.sum(1) == 1))  # one replica on the node: no choice
+                out[single] = cand[single, same[single].argmax(1)]
+                open_[single] = False
         else:
             group, allowed = flat, cand >= 0
-        load = torch.bincount(out[~open_], minlength=self.num_devices)
-        _spread(out, open_.nonzero().squeeze(1), group, cand, allowed, load)
-        return out.view_as(ids)
+        load = np.bincount(out[~open_], minlength=self.num_devices)
+        _spread(out, np.flatnonzero(open_), group, cand, allowed, load)
+        return torch.from_numpy(out).view_as(ids)
 
 
 class RoutingState:
@@ -511,27 +514,28 @@ def _occurrence_rank(keys: torch.Tensor) -> torch.Tensor:
     return rank
 
 
-def _spread(out: torch.Tensor, entries: torch.Tensor, group: torch.Tensor, cand: torch.Tensor,
-            allowed: torch.Tensor, load: torch.Tensor, passes: int = 3) -> None:
+def _spread(out: np.ndarray, entries: np.ndarray, group: np.ndarray, cand: np.ndarray,
+            allowed: np.ndarray, load: np.ndarray, passes: int = 3) -> None:
     """Route the open entries group by group (entries of a group share their candidate devices).
     Each group starts split evenly over its candidates; then, a few times over, each group in
     turn is taken off and water-filled back onto its least-loaded candidates given everyone
     else (coordinate descent on the busiest device: one greedy pass can dump a big group on a
     device another group needs more). A Python loop over groups, not tokens: only replicated
     experts form groups."""
-    if entries.numel() == 0:
+    if entries.size == 0:
         return
     keys = group[entries]
-    order = torch.argsort(keys, stable=True)
-    entries, keys = entries[order], keys[order]
-    _, sizes = torch.unique_consecutive(keys, return_counts=True)
-    starts = (torch.cumsum(sizes, 0) - sizes).tolist()
-    sizes = sizes.tolist()
-    load_np = load.numpy().astype(np.int64)
+    order = np.argsort(keys, kind="stable")
+    entries_np, keys = entries[order], keys[order]
+    bounds = np.flatnonzero(np.diff(keys)) + 1
+    starts = np.concatenate([[0], bounds]).tolist()
+    sizes = np.diff(np.concatenate([starts, [keys.size]])).tolist()
+    cand_np, allowed_np = cand, allowed
+    load_np = load.astype(np.int64)
     devs, quotas = [], []
     for start, size in zip(starts, sizes):
-        first = entries[start]
-        d = np.unique(cand[first][allowed[first]].numpy())
+        first = entries_np[start]
+        d = np.unique(cand_np[first][allowed_np[first]])
         q = np.full(d.size, size // d.size, dtype=np.int64)
         q[:size % d.size] += 1
         load_np[d] += q
@@ -544,10 +548,11 @@ def _spread(out: torch.Tensor, entries: torch.Tensor, group: torch.Tensor, cand:
             load_np[d] -= quotas[g]
             quotas[g] = _water_fill(load_np[d], sizes[g])
             load_np[d] += quotas[g]
+    picked = np.empty(entries_np.size, dtype=np.int64)
     for start, size, d, q in zip(starts, sizes, devs, quotas):
         # the group's r-th token goes to the device whose cumulative quota first exceeds r
-        pick = np.searchsorted(np.cumsum(q), np.arange(size), side="right")
-        out[entries[start:start + size]] = torch.from_numpy(d[pick])
+        picked[start:start + size] = d[np.searchsorted(np.cumsum(q), np.arange(size), side="right")]
+    out[entries_np] = picked
 
 
 def _water_fill(levels: np.ndarray, amount: int) -> np.ndarray:

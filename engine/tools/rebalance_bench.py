@@ -85,9 +85,12 @@ def _summary(wall: float, records: list[dict]) -> dict:
 
 
 def run_rebalance_bench(model_dir, backend: str = "local", devices: int = 2, requests: int = 48, rounds: int = 2,
-                        concurrency: int = 16, dtype=None, threads: int | None = None, log=print) -> dict:
+                        concurrency: int = 16, redundant: int = 0, dtype=None, threads: int | None = None,
+                        log=print) -> dict:
+    """redundant: spare expert slots per device for replicas of hot experts; 0 re-hashes the
+    experts over the devices (the seeds' move), without replicas to choose between."""
     config = EngineConfig(model=str(model_dir), dtype=dtype, topology=Topology(num_devices=devices),
-                          redundant_slots=1, num_threads=threads, enable_prefix_caching=False,
+                          redundant_slots=redundant, num_threads=threads, enable_prefix_caching=False,
                           knobs=SchedulerKnobs(max_num_seqs=concurrency, max_num_batched_tokens=1024))
     if backend not in ("local", "distributed"):
         raise ValueError(f"--backend: the rebalance suite runs on local or distributed, got {backend!r}")
@@ -95,7 +98,7 @@ def run_rebalance_bench(model_dir, backend: str = "local", devices: int = 2, req
     try:
         engine = engines.make_engine()
         try:
-            return _run(engine, backend, devices, requests, rounds, concurrency, log)
+            return {"redundant_slots": redundant, **_run(engine, backend, devices, requests, rounds, concurrency, log)}
         finally:
             engine.fail_all("abort")
     finally:
