@@ -20,17 +20,26 @@ from moectl.engine.core.topology import Topology, format_size
 from moectl.engine.experts.cluster import ClusterBase
 from moectl.engine.experts.memory_ledger import non_expert_weight_bytes
 from moectl.engine.experts.placement import Placement, PlacementError
-from moectl.engine.models.tracing import NULL_TRACER
 from moectl.engine.parallel.rank_experts import RankExperts, RankStepStats, migrate, unpack
 
 
 class GatheredStats:
     """Every rank's figures for the step, as the local backend's StepDeviceStats names them."""
 
-    def __init__(self, world: int, num_layers: int):
-        self.tracer = NULL_TRACER
+    def __init__(self, world: int, num_layers: int, rank_stats: RankStepStats):
+        self._rank_stats = rank_stats
         self.token_device = torch.zeros(0, dtype=torch.int64)
         self.fill(np.zeros((world, RankStepStats.size(num_layers, world))), world, num_layers)
+
+    @property
+    def tracer(self):
+        return self._rank_stats.tracer
+
+    @tracer.setter
+    def tracer(self, tracer) -> None:
+        """Rank 0's own expert and collective spans go to the engine's timeline (measured); the
+        other ranks' figures arrive as per-layer sums, without times to draw them at."""
+        self._rank_stats.tracer = tracer
 
     def fill(self, gathered: np.ndarray, world: int, num_layers: int) -> None:
         figures = unpack(torch.as_tensor(gathered), num_layers, world)
@@ -59,7 +68,7 @@ class DistributedCluster(ClusterBase):
         self.world = state.world_size
         first = layers[0]
         self.expert_bytes = first.w13[0].nbytes + first.w2[0].nbytes
-        self.stats = GatheredStats(self.world, self.num_layers)
+        self.stats = GatheredStats(self.world, self.num_layers, rank_stats)
         self.weights = {k: v for k, v in non_expert_weight_bytes(model).items() if v}
         self.kv_bytes_per_block, self.kv_blocks = kv_bytes_per_block, kv_blocks
         self.bytes_per_row = model.cfg.hidden_size * first.w13.element_size()
@@ -92,7 +101,7 @@ class DistributedCluster(ClusterBase):
             self.channel.publish_placement(placement)
             mine = migrate(self.layers, placement, 0, self.world, None)
             reports = [None] * self.world
-            dist.all_gather_object(reports, mine)
+            dist.all_gather_object(reports, mine, group=self.state.ctrl_group)
         except RuntimeError as exc:  # a rank failed mid-migration: say which
             if self.health is not None:
                 self.health(exc)
@@ -114,7 +123,8 @@ class DistributedCluster(ClusterBase):
         t0 = time.perf_counter()
         gathered = [torch.empty(RankStepStats.size(self.num_layers, self.world), dtype=torch.float64)
                     for _ in range(self.world)]
-        dist.gather(self.rank_stats.pack(), gathered, dst=0)  # the default group: a hung rank times out
+        # the gloo control group: these are CPU tensors, also when the compute group is NCCL
+        dist.gather(self.rank_stats.pack(), gathered, dst=0, group=self.state.ctrl_group)
         self.stats.fill(torch.stack(gathered).numpy(), self.world, self.num_layers)
         self.telemetry_s = time.perf_counter() - t0
 

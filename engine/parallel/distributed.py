@@ -408,7 +408,7 @@ def worker_loop(model, cache: KVCache, channel: StepChannel, device: torch.devic
         while (message := channel.receive(cache, device)) is not None:
             if message[0] == "placement":
                 report = migrate(experts, message[1], state.rank, state.world_size, None)
-                dist.all_gather_object([None] * state.world_size, report)
+                dist.all_gather_object([None] * state.world_size, report, group=state.ctrl_group)
                 continue
             _, ids, positions, ctx = message
             if stats is not None:
@@ -416,7 +416,7 @@ def worker_loop(model, cache: KVCache, channel: StepChannel, device: torch.devic
             model(ids, positions, ctx)
             steps += 1
             if stats is not None:
-                dist.gather(stats.pack(), None, dst=0)  # the default group: a hung rank times out
+                dist.gather(stats.pack(), None, dst=0, group=state.ctrl_group)
     return steps
 
 

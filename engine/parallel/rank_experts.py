@@ -32,6 +32,7 @@ from torch import nn
 
 from moectl.engine.experts.placement import Placement, RoutingState
 from moectl.engine.models.moe import MoEBlock, combine, grouped_offsets, grouped_swiglu
+from moectl.engine.models.tracing import NULL_TRACER
 
 MEMORY_SAMPLE_S = 0.5  # RSS is read at most this often (psutil costs tens of microseconds)
 _SCALARS = ("wait_s", "dispatch_s", "combine_s", "rss_bytes", "cuda_allocated", "cuda_reserved",
@@ -47,6 +48,7 @@ class RankStepStats:
 
     def __init__(self, num_layers: int, world: int, device: torch.device):
         self.num_layers, self.world, self.device = num_layers, world, device
+        self.tracer = NULL_TRACER  # rank 0: the engine's spans (its own lanes, measured)
         self.cuda = device.type == "cuda"
         self._process = psutil.Process()
         self._memory_at = -1.0
@@ -119,14 +121,20 @@ class RankExperts(nn.Module):
         experts = self.placement.experts_on(self.layer_idx, self.rank)
         return f"layer {self.layer_idx}: experts {experts} in {self.slots} slots on rank {self.rank}/{self.world}"
 
-    def _timed(self, fn):
+    def _timed(self, fn, name: str | None = None, lane: int = 0):
+        """fn() and its seconds (synchronised on a GPU: collectives and kernels are asynchronous);
+        with a name, also a measured span on rank 0's timeline (this rank's own lanes)."""
         if self.stats.cuda:
             torch.cuda.synchronize(self.stats.device)
-        t0 = time.perf_counter()
+        t0 = time.monotonic()  # the engine clock, which span times are on
         out = fn()
         if self.stats.cuda:
             torch.cuda.synchronize(self.stats.device)
-        return out, time.perf_counter() - t0
+        t1 = time.monotonic()
+        tracer = self.stats.tracer
+        if name is not None and tracer.enabled:
+            tracer.add_measured(name, lane, self.layer_idx, t0, t1)
+        return out, t1 - t0
 
     def dispatch(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, counts_t: torch.Tensor):
         n, hidden = x.shape
@@ -147,12 +155,15 @@ class RankExperts(nn.Module):
         counts = torch.bincount(slots, minlength=W * S)
         # (2) per-slot counts to each slot's rank: a few bytes, so its time is waiting for the others
         recv_counts = torch.empty_like(counts)
-        _, wait = self._timed(lambda: dist.all_to_all_single(recv_counts, counts, group=group))
+        device_lane, link_lane = 1 + rank, 1 + W + rank
+        _, wait = self._timed(lambda: dist.all_to_all_single(recv_counts, counts, group=group), "wait for ranks",
+                              link_lane)
         send_rows = counts.view(W, S).sum(1).tolist()
         recv_counts = recv_counts.view(W, S)
         recv_rows = recv_counts.sum(1).tolist()
         recv = send.new_empty((sum(recv_rows), hidden))
-        _, transfer = self._timed(lambda: dist.all_to_all_single(recv, send, recv_rows, send_rows, group=group))
+        _, transfer = self._timed(lambda: dist.all_to_all_single(recv, send, recv_rows, send_rows, group=group),
+                                  "all_to_all dispatch", link_lane)
         # (3) this rank's slots on the rows it received, grouped by slot
         local_ids = torch.repeat_interleave(torch.arange(S, device=x.device).repeat(W), recv_counts.flatten())
         local_order = torch.argsort(local_ids, stable=True)
@@ -160,20 +171,21 @@ class RankExperts(nn.Module):
         counts_list = local_counts.tolist()
         offsets = grouped_offsets(local_counts, local_order.numel(), False, x.dtype)
         out_sorted, busy = self._timed(lambda: grouped_swiglu(recv.index_select(0, local_order), counts_list,
-                                                              self.w13, self.w2, offsets))
+                                                              self.w13, self.w2, offsets), "experts", device_lane)
         out_recv = torch.empty_like(out_sorted).index_copy_(0, local_order, out_sorted)
         # (4) wait for the slowest rank's experts (a one-value all_reduce), then send results back
         flag = torch.zeros(1, device=x.device)
-        _, wait_back = self._timed(lambda: dist.all_reduce(flag, group=group))
+        _, wait_back = self._timed(lambda: dist.all_reduce(flag, group=group), "wait for ranks", link_lane)
         back = send.new_empty((sum(send_rows), hidden))
-        _, back_s = self._timed(lambda: dist.all_to_all_single(back, out_recv, send_rows, recv_rows, group=group))
+        _, back_s = self._timed(lambda: dist.all_to_all_single(back, out_recv, send_rows, recv_rows, group=group),
+                                "all_to_all combine", link_lane)
         # (5) the weighted sum in moe.combine's order; (6) every rank gets every shard (padded)
         width = max(tb[i + 1] - tb[i] for i in range(W))
         padded = x.new_zeros((width, hidden))
         if b > a:
             padded[:b - a] = combine(back, order, ws, x.dtype)
         parts = [torch.empty_like(padded) for _ in range(W)]
-        _, gather_s = self._timed(lambda: dist.all_gather(parts, padded, group=group))
+        _, gather_s = self._timed(lambda: dist.all_gather(parts, padded, group=group), "all_gather", link_lane)
         layer = self.layer_idx
         stats.busy[layer] += busy
         stats.rows[layer] += sum(counts_list)

@@ -275,7 +275,7 @@ class MigrationJob:
         result = future.result(timeout=5)
         records = [s.as_record() for s in engine.step_log]
         return {"tokens": [list(s)[-1].token_ids for s in streams], "apply": result,
-                "placement_changed": before != engine.experts.placement,
+                "placement_changed": before != engine.experts.placement, "spans": records[-1]["spans"],
                 "devices": [r["devices"] for r in records], "header": engine.experts.header()}
 
 
@@ -338,3 +338,13 @@ def test_distributed_step_records_are_measured_per_rank(placed):
         assert sum(dev["tokens"]) > 0 and len(dev["memory"]) == 2
     # the cost model is calibrated from what the ranks measured
     assert run["devices"][-1]["step_time"]["cost_model"]["samples"] > 0
+
+
+def test_rank_zeros_timeline_has_its_measured_expert_and_link_spans(placed):
+    run = placed["migration"]
+    spans = run["spans"]
+    names = set(spans["names"])
+    assert {"experts", "all_to_all dispatch", "all_to_all combine", "wait for ranks"} <= names
+    lanes = [spans["lanes"][i] for i in set(spans["lane"].tolist())]
+    assert "device 0" in lanes and "link 0" in lanes
+    assert not spans["modeled"].any()  # nothing on this backend's timeline is modeled
