@@ -63,7 +63,7 @@ def test_attached_console_shows_the_remote_engine_and_controls_it(server):
         await pilot.press("2")
         await pilot.press("r")
         await until(pilot, lambda: app.plan is not None)
-        assert "predicted balancedness" in text_of(app, "#ex-preview-result")
+        await until(pilot, lambda: "predicted balancedness" in text_of(app, "#ex-preview-result"), timeout=5)
         await pilot.press("A")
         await until(pilot, lambda: driver.engine.experts.placement != before)
         await until(pilot, lambda: app.state.placement == driver.engine.experts.placement)

@@ -47,7 +47,8 @@ def test_rebalance_preview_then_apply_changes_the_engines_placement(ckpt):
         await pilot.press("2")
         await pilot.press("r")
         await until(pilot, lambda: app.plan is not None)
-        assert "predicted balancedness" in text_of(app, "#ex-preview-result")
+        # the panel's text follows the plan on the UI thread: wait for it rather than race it
+        await until(pilot, lambda: "predicted balancedness" in text_of(app, "#ex-preview-result"), timeout=5)
         await pilot.press("A")
         await until(pilot, lambda: source.engine.experts.placement != before)
         await until(pilot, lambda: app.state.placement == source.engine.experts.placement)

@@ -50,6 +50,7 @@ def test_console_on_ranks_rebalances_and_shows_predicted_and_measured(ckpt):
         await pilot.press("2")
         await pilot.press("r")
         await until(pilot, lambda: app.plan is not None, timeout=30)
+        await until(pilot, lambda: "predicted balancedness" in text_of(app, "#ex-preview-result"), timeout=5)
         preview = text_of(app, "#ex-preview-result")
         assert "predicted balancedness" in preview and "predicted step" in preview and "measured" in preview
         await pilot.press("A")
