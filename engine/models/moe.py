@@ -8,6 +8,8 @@ contiguous slice.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -90,25 +92,67 @@ def combine(expert_out: torch.Tensor, order: torch.Tensor, weights: torch.Tensor
     return (unsorted.view(-1, top_k, expert_out.shape[-1]) * weights.unsqueeze(-1)).sum(1).to(dtype)
 
 
+@dataclass(frozen=True)
+class GroupedSigmoidRouter:
+    """DeepSeek-V3's router (transformers' DeepseekV3TopkRouter): sigmoid scores in fp32; a
+    per-expert correction bias that steers the *selection* only; experts in n_group groups of
+    which the topk_group with the best top-2 sums stay eligible; the chosen experts' unbiased
+    scores as weights (normalised when norm_topk_prob), times routed_scaling_factor."""
+
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+
+
 class MoEBlock(nn.Module):
     def __init__(self, layer_idx: int, hidden: int, num_experts: int, top_k: int, intermediate: int,
-                 norm_topk_prob: bool, shared_intermediate: int = 0):
+                 norm_topk_prob: bool, shared_intermediate: int = 0, *, shared_gated: bool = True,
+                 grouped_sigmoid: GroupedSigmoidRouter | None = None):
+        """shared_gated: Qwen2-MoE's sigmoid gate on the shared expert (DeepSeek adds it ungated).
+        grouped_sigmoid: DeepSeek-V3's router instead of a softmax over all experts."""
         super().__init__()
         self.layer_idx = layer_idx
         self.num_experts = num_experts
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
         self.gate = nn.Parameter(torch.empty(num_experts, hidden))
+        self.grouped_sigmoid = grouped_sigmoid
+        if grouped_sigmoid is not None:
+            if num_experts % grouped_sigmoid.n_group or not 1 <= grouped_sigmoid.topk_group <= grouped_sigmoid.n_group:
+                raise ValueError(f"router: {num_experts} experts cannot form {grouped_sigmoid.n_group} groups with "
+                                 f"topk_group {grouped_sigmoid.topk_group}")
+            self.register_buffer("e_score_correction_bias", torch.zeros(num_experts, dtype=torch.float32))
         self.experts = StackedExperts(num_experts, hidden, intermediate)
+        self.shared_gate = None
         if shared_intermediate:
             self.shared_w13 = nn.Parameter(torch.empty(2 * shared_intermediate, hidden))
             self.shared_w2 = nn.Parameter(torch.empty(hidden, shared_intermediate))
-            self.shared_gate = nn.Parameter(torch.empty(1, hidden))
+            if shared_gated:
+                self.shared_gate = nn.Parameter(torch.empty(1, hidden))
         else:
             self.shared_w13 = None
 
+    def _route_grouped_sigmoid(self, x: torch.Tensor):
+        cfg = self.grouped_sigmoid
+        logits = F.linear(x.float(), self.gate.float())
+        scores = torch.sigmoid(logits)
+        choice = scores + self.e_score_correction_bias
+        if cfg.n_group > 1:
+            per_group = self.num_experts // cfg.n_group
+            group_scores = choice.view(-1, cfg.n_group, per_group).topk(min(2, per_group), dim=-1).values.sum(-1)
+            kept = torch.zeros_like(group_scores, dtype=torch.bool)
+            kept.scatter_(1, group_scores.topk(cfg.topk_group, dim=-1).indices, True)
+            choice = choice.masked_fill(~kept.repeat_interleave(per_group, dim=1), float("-inf"))
+        ids = choice.topk(self.top_k, dim=-1).indices
+        weights = scores.gather(1, ids)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return logits, weights * cfg.routed_scaling_factor, ids
+
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Returns (router logits, fp32 top-k weights, top-k expert ids)."""
+        if self.grouped_sigmoid is not None:
+            return self._route_grouped_sigmoid(x)
         logits = F.linear(x, self.gate)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
@@ -135,7 +179,7 @@ class MoEBlock(nn.Module):
         out = self.experts.dispatch(x, weights, ids, counts_t)
         if self.shared_w13 is not None:
             shared = swiglu(x, self.shared_w13, self.shared_w2)
-            out = out + torch.sigmoid(F.linear(x, self.shared_gate)) * shared
+            out = out + (shared if self.shared_gate is None else torch.sigmoid(F.linear(x, self.shared_gate)) * shared)
         return out
 
     def aux_loss(self, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
