@@ -48,8 +48,7 @@ STALE_S = 5.0  # a heartbeat older than this names its rank as the one that hang
 WATCH_S = 0.2
 
 
-def _heartbeat(port: int, rank: int, parent: int) -> None:
-    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
+def _heartbeat(store, rank: int, parent: int) -> None:
     while True:
         if os.getppid() != parent:  # rank 0 is gone: never outlive it
             os._exit(1)
@@ -66,7 +65,11 @@ def _worker(rank: int, world: int, port: int, config: EngineConfig, tp: int | No
     try:
         if num_threads:
             torch.set_num_threads(num_threads)
-        threading.Thread(target=_heartbeat, args=(port, rank, parent), daemon=True).start()
+        # the heartbeat's store client is made here, before the process group's: nothing of c10d is
+        # constructed from two threads at once
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
+        store.set(f"moectl/heartbeat/{rank}", repr(time.time()))
+        threading.Thread(target=_heartbeat, args=(store, rank, parent), daemon=True).start()
         state = _init_from_store(rank, world, port, config.device, STARTUP_TIMEOUT_S)
         start_rank(config, tp, state, RANK_TIMEOUT_S)  # serves rank 0's steps until it says stop
     except BaseException:  # noqa: BLE001 - rank 0 reports the failure (agreement or watchdog)
@@ -92,9 +95,10 @@ class RankGroup:
         self.store = dist.TCPStore("127.0.0.1", 0, nproc + 1, True, wait_for_workers=False,
                                    timeout=timedelta(seconds=STARTUP_TIMEOUT_S))
         ctx = mp.get_context("spawn")
-        self.procs = [ctx.Process(target=_worker, args=(r, nproc, self.store.port, self.config, self.tp, num_threads,
-                                                        os.getpid()), daemon=True, name=f"moectl-rank{r}")
-                      for r in range(1, nproc)]
+        self._spawn = lambda rank: ctx.Process(target=_worker, args=(rank, nproc, self.store.port, self.config,
+                                                                     self.tp, num_threads, os.getpid()),
+                                               daemon=True, name=f"moectl-rank{rank}")
+        self.procs = [self._spawn(r) for r in range(1, nproc)]
         for p in self.procs:
             p.start()
         self.failure: str | None = None
@@ -114,10 +118,17 @@ class RankGroup:
         at once, not after the rendezvous timeout."""
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         waiting = set(range(1, self.nproc))
+        respawned: set[int] = set()
         while waiting:
             for rank in list(waiting):
                 p = self.procs[rank - 1]
-                if p.exitcode is not None:
+                if p.exitcode is not None and p.exitcode < 0 and rank not in respawned:
+                    # killed by a signal before it said anything (seen once: a crash while the
+                    # interpreter and torch load): it joined nothing yet, so start it once more
+                    respawned.add(rank)
+                    self.procs[rank - 1] = p = self._spawn(rank)
+                    p.start()
+                elif p.exitcode is not None:
                     raise DistributedError(f"distributed: rank {rank} exited with code {p.exitcode} while starting")
                 if self.store.check([f"moectl/heartbeat/{rank}"]):
                     waiting.discard(rank)
