@@ -16,7 +16,6 @@ import typer
 from moectl.engine import sample_model_dir
 from moectl.engine.core.config import EngineConfig
 from moectl.engine.core.topology import Topology, parse_size
-from moectl.engine.parallel.backends import Engines  # noqa: F401 - every command's engine, on its backend
 
 BACKENDS = ("local", "multi-gpu", "distributed")
 

@@ -16,10 +16,10 @@ from moectl.cli.common import (
     PLACEMENT_OPT,
     THEME_OPT,
     BadInput,
-    Engines,
     engine_config,
     handles_errors,
 )
+from moectl.engine.parallel.backends import Engines
 from moectl.themes import check_theme
 
 DEMO_WORKLOAD = "rate=4,prompt=32-256,output=32-128"

@@ -21,12 +21,12 @@ from moectl.cli.common import (
     NPROC_OPT,
     PLACEMENT_OPT,
     BadInput,
-    Engines,
     engine_config,
     handles_errors,
     parse_ids,
 )
 from moectl.engine.core.topology import format_size
+from moectl.engine.parallel.backends import Engines
 
 
 @handles_errors

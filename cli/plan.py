@@ -103,7 +103,7 @@ def plan_rebalance_cmd(
     result = run_plan_rebalance(loads, devices or 8, redundant, devices_per_node=devices_per_node,
                                 expert_bytes=size if expert_bytes is None else parse_size(expert_bytes, "--expert-bytes"),
                                 current=current)
-    if not synthetic and current is not None and final is not None and loads_file.suffix not in (".npy", ".json"):
+    if final is not None:  # a trace with devices: predict from its last steps
         from moectl.engine.experts.placement import Placement
         from moectl.engine.experts.step_time import predict_from_records
 

@@ -19,10 +19,10 @@ from moectl.cli.common import (
     NPROC_OPT,
     PLACEMENT_OPT,
     BadInput,
-    Engines,
     engine_config,
     handles_errors,
 )
+from moectl.engine.parallel.backends import Engines
 
 DEFAULT_RECORD_WORKLOAD = "rate=6,prompt=32-256,output=32-128,duration=86400"
 

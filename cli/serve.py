@@ -15,10 +15,10 @@ from moectl.cli.common import (
     NPROC_OPT,
     PLACEMENT_OPT,
     BadInput,
-    Engines,
     engine_config,
     handles_errors,
 )
+from moectl.engine.parallel.backends import Engines
 
 
 @handles_errors

@@ -24,7 +24,7 @@ from moectl.engine.experts.memory_ledger import MemoryLedger
 from moectl.engine.experts.placed_experts import PlacedExperts, StepDeviceStats
 from moectl.engine.experts.placement import Placement, PlacementError, RoutingState
 from moectl.engine.experts.rebalancer import LoadWindow, RebalancePlan, plan_rebalance
-from moectl.engine.experts.step_time import ExpertCostModel, parallel_step, predict_step_times
+from moectl.engine.experts.step_time import ExpertCostModel, change, parallel_step, predict_step_times
 from moectl.engine.models.decoder import MoEForCausalLM
 from moectl.engine.models.moe import MoEBlock
 
@@ -132,11 +132,11 @@ class ClusterBase:
             before, after = self.predict(self.placement), self.predict(placement)
         except PlacementError:
             return None
-        return {"step_s_before": before["step_s"], "step_s_after": after["step_s"],
-                "throughput_before": before["throughput_tok_s"], "throughput_after": after["throughput_tok_s"],
-                "gain": before["step_s"] / after["step_s"] - 1 if after["step_s"] > 0 else 0.0,
-                "min_util_before": min(before["utilisation"]), "min_util_after": min(after["utilisation"]),
-                "calibration": self.cost.summary(), "model": "measured per-expert costs; link time " + self.link_time}
+        return change(before, after, self.cost.summary(), "measured per-expert costs; link time " + self.link_time)
+
+    def expert_slot_bytes(self, slots_per_device: int) -> int:
+        """Routed-expert bytes one device holds with this many slots in every MoE layer."""
+        return slots_per_device * self.expert_bytes * len(self.moe_layers)
 
 
 class LocalCluster(ClusterBase):
@@ -170,8 +170,7 @@ class LocalCluster(ClusterBase):
         moe_layers = [layer.mlp for layer in model.layers if isinstance(layer.mlp, MoEBlock)]
         logical = moe_layers[0].experts
         self.expert_bytes = logical.w13[0].nbytes + logical.w2[0].nbytes
-        self.num_moe_layers = len(moe_layers)
-        self.host_expert_bytes = self.expert_bytes * cfg.num_experts * self.num_moe_layers
+        self.host_expert_bytes = self.expert_bytes * cfg.num_experts * len(self.moe_layers)
         self.tiered_auto = False
         if expert_cache_slots is None and ledger is not None:
             expert_cache_slots = self._cache_slots_if_experts_overflow(placement)
@@ -250,9 +249,6 @@ class LocalCluster(ClusterBase):
         """Refuse knobs whose largest step would not fit next to what the devices hold."""
         if self.ledger is not None:
             self.ledger.check(knobs, what=f"at max_num_batched_tokens {knobs.max_num_batched_tokens}, ")
-
-    def expert_slot_bytes(self, slots_per_device: int) -> int:
-        return slots_per_device * self.expert_bytes * self.num_moe_layers
 
     def apply(self, placement: Placement) -> int:
         """Copy experts into their new slots (between steps). Returns bytes copied."""

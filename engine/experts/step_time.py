@@ -35,6 +35,7 @@ class ExpertCostModel:
 
     def __init__(self, decay: float = CALIBRATION_DECAY):
         self.decay = decay
+        self._fixed: np.ndarray | None = None  # coefficients taken from a record (`fixed`), not fitted
         self._gram = np.zeros((2, 2))  # decayed sums of x x^T, x = (active, rows)
         self._xy = np.zeros(2)  # decayed sums of x * busy
         self._abs_err = 0.0  # decayed sum of |predicted - measured| per sample (with the coefficients then)
@@ -65,19 +66,17 @@ class ExpertCostModel:
 
     def coefficients(self) -> np.ndarray:
         """(per_expert_s, per_row_s), both >= 0 (a per-row or per-expert cost is never negative)."""
-        if getattr(self, "_fixed", None) is not None:
+        if self._fixed is not None:
             return self._fixed
         if not self.samples:
             return np.zeros(2)
         gram = self._gram + np.eye(2) * 1e-12 * max(np.trace(self._gram), 1.0)
         coef = np.linalg.solve(gram, self._xy)
-        if (coef < 0).any():  # the best fit on one term alone
+        if (coef < 0).any():  # then the one term whose fit alone explains most (largest xy^2 / xx)
             diag = np.diag(gram)
-            only = self._xy / diag
-            fits = [float((self._xy[i] ** 2) / diag[i]) for i in range(2)]
+            i = int(np.argmax(self._xy ** 2 / diag))
             coef = np.zeros(2)
-            i = int(np.argmax(fits))
-            coef[i] = max(only[i], 0.0)
+            coef[i] = max(self._xy[i] / diag[i], 0.0)
         return coef
 
     def predict(self, rows: np.ndarray, active: np.ndarray) -> np.ndarray:
@@ -167,10 +166,15 @@ def predict_from_records(records: list[dict], before: Placement, after: Placemen
     other = float(np.mean([s["other_s"] for s in splits]))
     link = 0.0 if not last.get("modeled") else float(np.mean([s["link_s"] for s in splits]))
     tokens = float(np.mean([r["batch"]["prefill_tokens"] + r["batch"]["decode_tokens"] for r in timed]))
-    b = predict_step_times(model, before, loads, moe_layers, other, link, tokens)
-    a = predict_step_times(model, after, loads, moe_layers, other, link, tokens)
-    return {"step_s_before": b["step_s"], "step_s_after": a["step_s"], "throughput_before": b["throughput_tok_s"],
-            "throughput_after": a["throughput_tok_s"], "gain": b["step_s"] / a["step_s"] - 1 if a["step_s"] else 0.0,
-            "min_util_before": min(b["utilisation"]), "min_util_after": min(a["utilisation"]),
-            "calibration": coef, "model": "recorded per-expert costs; " + ("modeled" if last.get("modeled") else
-                                                                          "measured") + " parallel step"}
+    return change(predict_step_times(model, before, loads, moe_layers, other, link, tokens),
+                  predict_step_times(model, after, loads, moe_layers, other, link, tokens), coef,
+                  "recorded per-expert costs; " + ("modeled" if last.get("modeled") else "measured") + " parallel step")
+
+
+def change(before: dict, after: dict, calibration: dict, model: str) -> dict:
+    """A preview's prediction: two predict_step_times results as before -> after."""
+    return {"step_s_before": before["step_s"], "step_s_after": after["step_s"],
+            "throughput_before": before["throughput_tok_s"], "throughput_after": after["throughput_tok_s"],
+            "gain": before["step_s"] / after["step_s"] - 1 if after["step_s"] > 0 else 0.0,
+            "min_util_before": min(before["utilisation"]), "min_util_after": min(after["utilisation"]),
+            "calibration": calibration, "model": model}

@@ -78,9 +78,6 @@ class DistributedCluster(ClusterBase):
         self.check(placement)
 
     # -- placement
-    def expert_slot_bytes(self, slots_per_device: int) -> int:
-        return slots_per_device * self.expert_bytes * len(self.moe_layers)
-
     def check(self, placement: Placement) -> None:
         self.check_shape(placement, self.layers[0].slots)
         need = self.expert_slot_bytes(placement.slots_per_device)
