@@ -175,17 +175,18 @@ class MoectlApp(App):
 
     def refresh_panels(self) -> None:
         self._shown_version, self._shown_error = self.state.version, self.source.error
-        active = self.query_one(TabbedContent).active
-        panel = self.query_one(f"#panel-{active}")
-        try:
+        try:  # at start-up, or on a tab switched to just now, the panel may still be composing
+            active = self.query_one(TabbedContent).active
+            panel = self.query_one(f"#panel-{active}")
             if active == "overview":
                 panel.show(self.state, self.source.error)
             else:
                 panel.show(self.state)
             if active == "requests":
                 panel.fill_forms(self.state.knobs, getattr(self.source, "load", None))
-        except NoMatches:  # a tab switched to just now is still composing; the next tick shows it
-            pass
+        except NoMatches:
+            self._shown_version = None  # so that the next tick draws it
+            return
         if self.replay:
             self.query_one(TransportBar).show(self.source)
 
