@@ -66,10 +66,13 @@ def handles_errors(fn):
     return wrapper
 
 
-def model_dir(model: Path | None) -> Path:
+def model_dir(model: Path | None, config_file: bool = False) -> Path:
+    """--model's checkpoint directory (config_file: a bare config.json file will do too)."""
     path = Path(model) if model is not None else sample_model_dir()
+    if config_file and path.is_file():
+        return path
     if not path.is_dir():
-        raise BadInput(f"--model: {path} is not a directory")
+        raise BadInput(f"--model: {path} is not a directory" + (" or a config.json file" if config_file else ""))
     return path
 
 

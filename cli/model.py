@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from moectl.cli.common import JSON_OPT, MODEL_OPT, emit_json, handles_errors, model_dir, progress
+from moectl.cli.common import JSON_OPT, MODEL_OPT, BadInput, emit_json, handles_errors, model_dir, progress
 
 model_app = typer.Typer(no_args_is_help=True, help="Inspect or train models.")
 
@@ -18,21 +18,58 @@ def model_info(model: Path | None = MODEL_OPT, as_json: bool = JSON_OPT):
     """Print a checkpoint's architecture, size and parameter counts (from config.json alone)."""
     from moectl.engine.models.config import ModelConfig
 
-    path = model_dir(model)
+    path = model_dir(model, config_file=True)
     cfg = ModelConfig.from_dir(path)
+    folder = path if path.is_dir() else path.parent
     info = {"path": str(path.resolve()), "architecture": cfg.hf_architecture, "layers": cfg.num_layers,
             "experts": cfg.num_experts, "top_k": cfg.top_k, **cfg.param_counts(),
             "hidden_size": cfg.hidden_size, "heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads,
-            "head_dim": cfg.head_dim, "expert_intermediate_size": cfg.expert_intermediate_size,
+            "head_dim": cfg.head_dim, "attention": cfg.attention, "kv_values_per_token_per_layer": _kv_values(cfg),
+            "expert_intermediate_size": cfg.expert_intermediate_size,
             "shared_expert_intermediate_size": cfg.shared_expert_intermediate_size,
             "vocab_size": cfg.vocab_size, "max_position_embeddings": cfg.max_position_embeddings,
-            "dtype": str(cfg.dtype).removeprefix("torch."), "tokenizer": (path / "tokenizer.json").is_file()}
+            "dtype": str(cfg.dtype).removeprefix("torch."), "tokenizer": (folder / "tokenizer.json").is_file()}
     if as_json:
         typer.echo(json.dumps(info))
         return
     for key, value in info.items():
         typer.echo(f"{key:>32}: {value:,}" if isinstance(value, int) and not isinstance(value, bool)
                    else f"{key:>32}: {value}")
+
+
+def _kv_values(cfg) -> int:
+    heads, k_width, v_width = cfg.kv_entry()
+    return heads * (k_width + v_width)
+
+
+@model_app.command("make-tiny")
+@handles_errors
+def model_make_tiny(
+    like: Path = typer.Option(..., "--like", help="config.json (or a checkpoint directory) whose architecture and "
+                                                  "options to copy, e.g. docs/configs/k3-3t-1m.json."),
+    out: Path = typer.Option(..., "--out", help="Directory to write the random checkpoint to."),
+    layers: int = typer.Option(4, "--layers", help="Decoder layers (dense first layers kept, at most one)."),
+    hidden: int = typer.Option(64, "--hidden", help="hidden_size (a multiple of 16)."),
+    experts: int = typer.Option(16, "--experts", help="Routed experts per MoE layer."),
+    seed: int = typer.Option(0, "--seed"),
+    as_json: bool = JSON_OPT,
+):
+    """Write a scaled-down random checkpoint with a config's layer kinds (attention, routing, RoPE
+    scaling, shared and dense layers), with the sample model's tokenizer: runs in the engine,
+    the console and the server. Random weights: for plumbing and placement, not for text."""
+    from moectl.cli.common import sample_model_dir
+    from moectl.engine.tools.make_tiny import make_tiny
+
+    if out.exists() and any(out.iterdir()):
+        raise BadInput(f"--out: {out} exists and is not empty")
+    info = make_tiny(like, out, layers=layers, hidden=hidden, experts=experts, seed=seed,
+                     tokenizer_dir=sample_model_dir())
+    if as_json:
+        typer.echo(json.dumps(info))
+        return
+    for key, value in info.items():
+        typer.echo(f"{key:>16}: {value:,}" if isinstance(value, int) and not isinstance(value, bool)
+                   else f"{key:>16}: {value}")
 
 
 @model_app.command("train")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from moectl.cli.common import HBM_OPT, JSON_OPT, BadInput, handles_errors, open_trace
+from moectl.cli.common import HBM_OPT, JSON_OPT, BadInput, handles_errors, model_dir, open_trace
 
 plan_app = typer.Typer(no_args_is_help=True, help="Offline planning: expert rebalancing and device memory.")
 DEVICES_OPT = typer.Option(8, "--devices", "-d", help="Number of devices (1-256).")
@@ -50,8 +50,12 @@ def plan_rebalance_cmd(
     loads_file: Path | None = typer.Argument(None, help="A recorded trace (moectl record), or per-layer x "
                                                            "per-expert loads (.npy or .json)."),
     synthetic: bool = typer.Option(False, "--synthetic", help="Plan for synthetic skewed (Zipf) loads."),
-    layers: int = typer.Option(61, "--layers"),
-    experts: int = typer.Option(384, "--experts"),
+    model: Path | None = typer.Option(None, "--model", "-m",
+                                      help="With --synthetic: a config.json (or checkpoint) that gives the MoE "
+                                           "layers, routed experts and expert bytes."),
+    layers: int | None = typer.Option(None, "--layers", help="MoE layers of --synthetic (default: --model's, else 61)."),
+    experts: int | None = typer.Option(None, "--experts",
+                                       help="Routed experts per layer of --synthetic (default: --model's, else 384)."),
     skew: float = typer.Option(1.0, "--skew", help="Zipf exponent of the synthetic loads."),
     devices: int | None = typer.Option(None, "--devices", "-d",
                                           help="Number of devices (default: the trace's, else 8)."),
@@ -78,8 +82,16 @@ def plan_rebalance_cmd(
     if synthetic == (loads_file is not None):
         raise BadInput("give a TRACE or loads FILE, or --synthetic (one of them)")
     current, size, final = None, DEFAULT_EXPERT_BYTES, None
+    if model is not None and not synthetic:
+        raise BadInput("--model: only with --synthetic (a trace or loads file carries its own shape)")
     if synthetic:
-        loads = synthetic_loads(layers, experts, seed=seed, skew=skew)
+        if model is not None:
+            from moectl.engine.models.config import ModelConfig
+
+            cfg = ModelConfig.from_dir(model_dir(model, config_file=True))
+            layers, experts = layers or sum(cfg.sparse_layers), experts or cfg.num_experts
+            size = 3 * cfg.hidden_size * cfg.expert_intermediate_size * cfg.dtype.itemsize
+        loads = synthetic_loads(layers or 61, experts or 384, seed=seed, skew=skew)
     elif loads_file.suffix in (".npy", ".json"):
         loads = load_loads_file(loads_file)
     else:

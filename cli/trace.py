@@ -159,7 +159,7 @@ def _print_report(r: dict) -> None:
     say(f"steps {lo}-{hi}" + (f" (placement changed at steps {r['placement_changes_in_range']}: figures use the "
                               f"one in force at step {lo})" if r["placement_changes_in_range"] else ""))
     if bal.get("overall") is not None:
-        per_layer = ", ".join(f"{b:.2f}" for b in bal["per_layer"] or [])
+        per_layer = ", ".join("-" if b is None else f"{b:.2f}" for b in bal["per_layer"] or [])
         say(f"balancedness {bal['overall']:.3f}" + (f" (per layer: {per_layer})" if per_layer else ""))
     util = r["utilisation"]["per_device"]
     if util:

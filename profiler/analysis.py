@@ -132,8 +132,9 @@ def balancedness(records: Iterable[dict], placement: Placement | None = None) ->
 
     With a placement: each record's routing mapped to devices through it (replica rule); per layer
     and overall over the window's summed routing (the figure plan_rebalance reports as "before"
-    for the same loads and placement). Without one: each step's devices.tokens (all layers
-    together, so per_layer is None). source is "placement", "devices" or None (nothing to measure).
+    for the same loads and placement); None for a layer that routed nothing (a dense layer).
+    Without one: each step's devices.tokens (all layers together, so per_layer is None).
+    source is "placement", "devices" or None (nothing to measure).
     """
     records = list(records)
     if placement is not None:
@@ -143,8 +144,11 @@ def balancedness(records: Iterable[dict], placement: Placement | None = None) ->
                     "per_step": [], "steps": []}
         stack = np.stack([r for _, r in steps])
         per_step = [_balance(dl)[1] for dl in _device_loads(placement, stack)]
-        per_layer, overall = _balance(_device_loads(placement, stack.sum(0)))
-        return {"source": "placement", "overall": overall, "per_layer": per_layer.tolist(),
+        summed = stack.sum(0)
+        per_layer, overall = _balance(_device_loads(placement, summed))
+        routed = summed.sum(-1) > 0  # a dense layer (no experts) routes nothing: no balance to report
+        per_layer = [float(b) if r else None for b, r in zip(per_layer.tolist(), routed)]
+        return {"source": "placement", "overall": overall, "per_layer": per_layer,
                 "per_step": per_step, "steps": [int(s) for s, _ in steps]}
     with_devices = [rec for rec in records if rec.get("devices")]
     if not with_devices:

@@ -52,7 +52,31 @@ SPECS = {
                         dict(COMMON, num_key_value_heads=4, vocab_size=256, intermediate_size=32, num_experts=4,
                              num_experts_per_tok=2, clip_qkv=None, norm_topk_prob=True, tie_word_embeddings=True,
                              pad_token_id=None, bos_token_id=None, eos_token_id=None), {}),
+    # MLA with a q LoRA, YaRN with mscale != mscale_all_dim, grouped sigmoid routing (4 groups, 2 kept),
+    # two shared experts, one dense first layer; dv != dn and rms_norm_eps != the latent norms' 1e-6
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
+                    dict(COMMON, num_key_value_heads=4, vocab_size=256, intermediate_size=48, moe_intermediate_size=16,
+                         n_routed_experts=8, num_experts_per_tok=3, n_group=4, topk_group=2, n_shared_experts=2,
+                         first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=12,
+                         qk_rope_head_dim=8, v_head_dim=10, routed_scaling_factor=2.5, norm_topk_prob=True,
+                         rope_theta=10000.0, rope_scaling=dict(type="yarn", factor=4.0,
+                                                               original_max_position_embeddings=128, beta_fast=32,
+                                                               beta_slow=1, mscale=0.707, mscale_all_dim=1.0),
+                         bos_token_id=None, eos_token_id=None), {}),
+    # a plain q_proj, default RoPE without interleaving, attention bias, no group step, plain top-k weights
+    "deepseek_v3_plain": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
+                          dict(COMMON, num_key_value_heads=4, vocab_size=256, intermediate_size=40,
+                               moe_intermediate_size=16, n_routed_experts=6, num_experts_per_tok=2, n_group=1,
+                               topk_group=1, n_shared_experts=1, first_k_dense_replace=0, kv_lora_rank=12,
+                               q_lora_rank=None, qk_nope_head_dim=8, qk_rope_head_dim=6, v_head_dim=8,
+                               rope_interleave=False, attention_bias=True, routed_scaling_factor=1.5,
+                               norm_topk_prob=False, rope_theta=10000.0, tie_word_embeddings=True,
+                               bos_token_id=None, eos_token_id=None), {}),
 }
+# Kimi-K2: DeepSeek-V3's architecture and tensors under its own model_type (one group, as K2 has)
+SPECS["kimi_k2"] = (*SPECS["deepseek_v3"][:2], dict(SPECS["deepseek_v3"][2], n_group=1, topk_group=1,
+                                                     routed_scaling_factor=2.827, rope_theta=50000.0), {})
+CONFIG_EDITS = {"kimi_k2": {"model_type": "kimi_k2"}}  # written into config.json after saving
 # attention_bias on the architectures whose o_proj then has a bias too (see test_verify_attention_bias)
 for _name in ("qwen3_moe", "olmoe"):
     _cfg, _model, _kwargs, _ = SPECS[_name]
@@ -92,7 +116,8 @@ def build_tokenizer(vocab_size: int) -> Tokenizer:
 
 
 def randomize_(model: torch.nn.Module, seed: int, std: float = STD) -> None:
-    """Redraw every parameter: matrices N(0, std), biases N(0, std), norm weights 1 + N(0, 0.1)."""
+    """Redraw every parameter: matrices N(0, std), biases N(0, std), norm weights 1 + N(0, 0.1);
+    and DeepSeek-V3's routing correction bias N(0, 0.5)."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():  # tied weights are listed once
@@ -101,6 +126,10 @@ def randomize_(model: torch.nn.Module, seed: int, std: float = STD) -> None:
                 p.copy_(1.0 + 0.1 * noise)
             else:
                 p.copy_(std * noise)
+        # DeepSeek-V3's correction bias is a zero buffer: drawn large enough to change which experts win
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.5 * torch.randn(b.shape, generator=gen))
 
 
 def tiny_checkpoint(out_dir: Path, name: str = "engine", *, seed: int = 0, std: float | None = None,
@@ -128,6 +157,9 @@ def tiny_checkpoint(out_dir: Path, name: str = "engine", *, seed: int = 0, std: 
         randomize_(model, seed, STD if std is None else std)
         model.save_pretrained(out_dir, **save_kwargs)
         vocab = config.vocab_size
+        if name in CONFIG_EDITS:
+            path = out_dir / "config.json"
+            path.write_text(json.dumps({**json.loads(path.read_text()), **CONFIG_EDITS[name]}, indent=2))
     if tokenizer if tokenizer is not None else name in ("engine", "mixtral"):
         build_tokenizer(vocab).save(str(out_dir / "tokenizer.json"))
     return out_dir

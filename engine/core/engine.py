@@ -49,11 +49,10 @@ class EngineCore:
         self.model_config = cfg
         self.tokenizer = Tokenizer.from_dir(config.model, cfg.bos_token_id)
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        per_block = KVCache.bytes_per_block(cfg.num_layers, config.block_size, kv_heads or cfg.num_kv_heads,
-                                            cfg.head_dim, cfg.dtype, config.kv_cache_dtype == "int8")
+        quantized = config.kv_cache_dtype == "int8"
+        per_block = KVCache.block_bytes_for(cfg, config.block_size, quantized, kv_heads)
         num_blocks = config.num_kv_blocks or max(1, config.kv_cache_memory // per_block)
-        self.kv_cache = KVCache(cfg.num_layers, num_blocks, config.block_size, kv_heads or cfg.num_kv_heads,
-                                cfg.head_dim, cfg.dtype, config.kv_cache_dtype == "int8", config.device)
+        self.kv_cache = KVCache.for_model(cfg, num_blocks, config.block_size, quantized, config.device, kv_heads)
         num_devices = config.topology.num_devices if config.topology is not None else 0
         # one KV pool per device: a sequence's blocks come from its home device's pool
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,

@@ -1,4 +1,7 @@
-"""KV-cache storage: one [layers, blocks, block_size, kv_heads, head_dim] tensor each for K and V.
+"""KV-cache storage: one [layers, blocks, block_size, kv_heads, width] tensor each for K and V.
+
+K and V may differ in width: MLA caches its RoPE key (qk_rope_head_dim) as K and its latent
+(kv_lora_rank) as V, with one "head" shared by all query heads.
 
 With kv_dtype="int8" the values are stored as int8 with one fp32 scale per (block, head):
 symmetric absmax quantisation. When a write raises a block's absmax, the block is re-quantised
@@ -14,7 +17,7 @@ import torch
 
 class KVCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, quantized: bool = False, device="cpu"):
+                 dtype: torch.dtype, quantized: bool = False, device="cpu", v_head_dim: int | None = None):
         self.num_blocks, self.block_size = num_blocks, block_size
         self.quantized = quantized
         shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
@@ -22,18 +25,32 @@ class KVCache:
         # zeros, then written: a zeroed allocation is mapped lazily, so without the fill the
         # process would grow as blocks are first used and look like a leak in the memory curves
         self.k = torch.zeros(shape, dtype=store, device=device).fill_(0)
-        self.v = torch.zeros(shape, dtype=store, device=device).fill_(0)
+        self.v = torch.zeros((*shape[:-1], v_head_dim or head_dim), dtype=store, device=device).fill_(0)
         if quantized:
             self.k_scale = torch.ones(num_layers, num_blocks, num_kv_heads, dtype=torch.float32, device=device)
             self.v_scale = torch.ones_like(self.k_scale)
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
-                        dtype: torch.dtype, quantized: bool) -> int:
+                        dtype: torch.dtype, quantized: bool, v_head_dim: int | None = None) -> int:
         elem = 1 if quantized else torch.empty((), dtype=dtype).element_size()
-        data = 2 * num_layers * block_size * num_kv_heads * head_dim * elem
+        data = num_layers * block_size * num_kv_heads * (head_dim + (v_head_dim or head_dim)) * elem
         scales = 2 * num_layers * num_kv_heads * 4 if quantized else 0
         return data + scales
+
+    @classmethod
+    def for_model(cls, cfg, num_blocks: int, block_size: int, quantized: bool, device="cpu",
+                  kv_heads: int | None = None) -> KVCache:
+        """The cache a ModelConfig's layers write (`ModelConfig.kv_entry`); kv_heads: this process's share."""
+        heads, k_width, v_width = cfg.kv_entry(kv_heads)
+        return cls(cfg.num_layers, num_blocks, block_size, heads, k_width, cfg.dtype, quantized, device, v_width)
+
+    @staticmethod
+    def block_bytes_for(cfg, block_size: int, quantized: bool, kv_heads: int | None = None,
+                        dtype: torch.dtype | None = None) -> int:
+        heads, k_width, v_width = cfg.kv_entry(kv_heads)
+        return KVCache.bytes_per_block(cfg.num_layers, block_size, heads, k_width, dtype or cfg.dtype, quantized,
+                                       v_width)
 
     def nbytes(self) -> int:
         n = self.k.nbytes + self.v.nbytes
@@ -80,7 +97,6 @@ class KVCache:
         if self.quantized:
             return self.gather(layer, blocks.view(rows, width), dtype)
         nb = self.num_blocks
-        shape = (rows, width * self.block_size, *self.k.shape[3:])
-        k = self.k[layer].view(nb, -1).index_select(0, blocks).view(shape)
-        v = self.v[layer].view(nb, -1).index_select(0, blocks).view(shape)
+        k = self.k[layer].view(nb, -1).index_select(0, blocks).view(rows, width * self.block_size, *self.k.shape[3:])
+        v = self.v[layer].view(nb, -1).index_select(0, blocks).view(rows, width * self.block_size, *self.v.shape[3:])
         return k, v

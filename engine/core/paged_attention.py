@@ -3,7 +3,8 @@
 The model's Attention calls `ctx.attend(layer, q, k, v, scale)`; this context writes the step's
 K/V into their cache slots and attends each row to its sequence's whole context: decodes in
 groups of similar length (one padded batch each), prefill chunks one by one (causal within the
-chunk, over everything cached before it).
+chunk, over everything cached before it). With latent_keys (MLA), K is the RoPE key and V the
+latent, and the key attended is [V; K] (see moectl.engine.models.mla).
 """
 
 from __future__ import annotations
@@ -43,24 +44,28 @@ class PagedContext:
     decode_groups: list[DecodeGroup] = field(default_factory=list)  # length-bucketed decodes
     prefills: list[PrefillSlice] = field(default_factory=list)
 
-    def attend(self, layer, q, k, v, scale):
+    def attend(self, layer, q, k, v, scale, latent_keys: bool = False):
         self.cache.write(layer, self.slot_mapping, k, v)
-        out = torch.empty_like(q)
+        out = q.new_empty(*q.shape[:-1], v.shape[-1])
         for g in self.decode_groups:
             keys, values = self.cache.gather_blocks(layer, g.blocks, g.end - g.start, g.width, q.dtype)
+            keys = torch.cat([values, keys], dim=-1) if latent_keys else keys
             out[g.start:g.end] = sdpa(q[g.start:g.end, None], keys, values, scale, mask=g.mask)[:, 0]
         bs = self.cache.block_size
         for p in self.prefills:
             # 4-D [1, L, H, D] inputs: the CPU flash kernel takes them; 3-D ones fall back to the math path
             qs = q[None, p.start:p.end]
             if p.cached_len == 0:
-                out[p.start:p.end] = sdpa(qs, k[None, p.start:p.end], v[None, p.start:p.end], scale, causal=True)[0]
+                ks, vs = k[None, p.start:p.end], v[None, p.start:p.end]
+                ks = torch.cat([vs, ks], dim=-1) if latent_keys else ks
+                out[p.start:p.end] = sdpa(qs, ks, vs, scale, causal=True)[0]
                 continue
             # this chunk's K/V are already written: read the whole context back from the cache
             n = p.end - p.start
             total = p.cached_len + n
             nblocks = -(-total // bs)
             ks, vs = self.cache.gather_blocks(layer, p.block_table[:nblocks], 1, nblocks, q.dtype)
+            ks = torch.cat([vs, ks], dim=-1) if latent_keys else ks
             rows = torch.arange(n, device=q.device)[:, None] + p.cached_len
             mask = torch.arange(total, device=q.device)[None, :] <= rows
             out[p.start:p.end] = sdpa(qs, ks[:, :total], vs[:, :total], scale, mask=mask[None, None])[0]

@@ -45,7 +45,7 @@ def _category_of(name: str) -> str | None:
         return "attention"  # q/k norms and biases included, as the planner counts them
     if ".mlp.shared_" in name:
         return "shared_experts"
-    if ".mlp.gate" in name or "norm" in name:
+    if ".mlp.gate" in name or "norm" in name or name.endswith(".e_score_correction_bias"):
         return "norms_routers"
     if ".mlp." in name:
         return "dense_mlp"
@@ -55,7 +55,9 @@ def _category_of(name: str) -> str | None:
 def non_expert_weight_bytes(model: nn.Module) -> dict[str, int]:
     """Bytes of every weight but the routed experts, by category (tied weights once)."""
     out = dict.fromkeys(WEIGHT_CATEGORIES.values(), 0)
-    for name, param in model.named_parameters():  # named_parameters skips a tied duplicate
+    # named_parameters skips a tied duplicate; DeepSeek's routing correction bias is a buffer
+    bias = [(n, b) for n, b in model.named_buffers() if n.endswith(".e_score_correction_bias")]
+    for name, param in [*model.named_parameters(), *bias]:
         category = _category_of(name)
         if category is not None:
             out[WEIGHT_CATEGORIES[category]] += param.nbytes

@@ -33,7 +33,6 @@ from collections.abc import Iterable
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from moectl.engine.core.model_runner import RoutingProbe
 from moectl.engine.experts.expert_cache import belady, simulate
@@ -92,11 +91,11 @@ class RouterPredictor(Predictor):
         block = self.model.layers[layer]
         mlp = block.mlp
         with torch.no_grad():
-            logits = F.linear(block.post_norm(x), mlp.gate)
-            probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-            p, ids = torch.topk(probs, min(mlp.top_k + self.extra, mlp.num_experts), dim=-1)
-            score = torch.zeros(mlp.num_experts, dtype=torch.float32, device=p.device)
-            score.index_add_(0, ids.flatten(), p.flatten())
+            preference, weight = mlp.selection_scores(block.post_norm(x))
+            top, ids = torch.topk(preference, min(mlp.top_k + self.extra, mlp.num_experts), dim=-1)
+            eligible = torch.isfinite(top)  # not in one of DeepSeek's masked groups
+            score = torch.zeros(mlp.num_experts, dtype=torch.float32, device=ids.device)
+            score.index_add_(0, ids[eligible], weight.gather(1, ids)[eligible])
         return _rank(score)
 
     def on_hidden(self, index: int, x: torch.Tensor) -> dict[int, list[int]]:

@@ -35,7 +35,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(cfg.kv_size, cfg.rms_norm_eps)
         self.clip_qkv = cfg.clip_qkv
         self.rope = rope
-        self.scale = cfg.head_dim ** -0.5
+        self.scale = cfg.attention_scale
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
         q, k, v = self.qkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -67,8 +67,9 @@ class DenseContext:
     batch: int
     seq_len: int
 
-    def attend(self, layer, q, k, v, scale):
+    def attend(self, layer, q, k, v, scale, latent_keys: bool = False):
         shape = (self.batch, self.seq_len)
+        k = torch.cat([v, k], dim=-1) if latent_keys else k  # MLA: see moectl.engine.models.mla
         o = sdpa(q.view(*shape, *q.shape[1:]), k.view(*shape, *k.shape[1:]),
                  v.view(*shape, *v.shape[1:]), scale, causal=True)
-        return o.reshape(q.shape)
+        return o.reshape(*q.shape[:-1], v.shape[-1])

@@ -7,6 +7,7 @@ downstream has to guess what a checkpoint means.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,7 +19,10 @@ ARCHITECTURES = {
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "OlmoeForCausalLM": "olmoe",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
 }
+# model_type values each architecture accepts (Kimi-K2 ships DeepSeek-V3's architecture)
+MODEL_TYPE_ALIASES = {"kimi_k2": "deepseek_v3"}
 MODEL_TYPES = {v: k for k, v in ARCHITECTURES.items()}
 
 DTYPES = {
@@ -30,6 +34,35 @@ DTYPES = {
 
 class ConfigError(ValueError):
     """A config value this engine cannot run; the message names the field."""
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """rope_scaling / rope_parameters: default RoPE, or YaRN with transformers' parameters."""
+    kind: str = "default"  # default | yarn
+    factor: float = 1.0
+    original_max_position_embeddings: int = 0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None  # None: derived from factor and the mscales
+    truncate: bool = True
+
+    @staticmethod
+    def yarn_mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    @property
+    def cos_sin_factor(self) -> float:
+        """The factor transformers multiplies into cos and sin."""
+        if self.kind != "yarn":
+            return 1.0
+        if self.attention_factor is not None:
+            return self.attention_factor
+        if self.mscale and self.mscale_all_dim:
+            return self.yarn_mscale(self.factor, self.mscale) / self.yarn_mscale(self.factor, self.mscale_all_dim)
+        return self.yarn_mscale(self.factor)
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
@@ -45,7 +78,7 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
 
 @dataclass
 class ModelConfig:
-    architecture: str  # mixtral | qwen2_moe | qwen3_moe | olmoe
+    architecture: str  # mixtral | qwen2_moe | qwen3_moe | olmoe | deepseek_v3
     vocab_size: int
     hidden_size: int
     num_layers: int
@@ -66,6 +99,21 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE only; 0 = no shared expert
     dense_intermediate_size: int = 0  # for layers that use a dense MLP instead of experts
     sparse_layers: tuple[bool, ...] = ()
+    rope_scaling: RopeScaling = RopeScaling()
+    # DeepSeek-V3 / Kimi-K2: multi-head latent attention (head_dim is then qk_nope + qk_rope)
+    attention: str = "gqa"  # gqa | mla
+    q_lora_rank: int = 0  # 0: a plain q_proj
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False  # the checkpoint's rope rows interleaved (permuted away at load)
+    # ... and its router: sigmoid scores, grouped selection, a selection-only correction bias
+    router: str = "softmax"  # softmax | grouped_sigmoid
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    shared_expert_gated: bool = True  # Qwen2-MoE gates its shared expert; DeepSeek adds it as is
     dtype: torch.dtype = torch.float32
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -86,7 +134,7 @@ class ModelConfig:
                               f"num_attention_heads {self.num_heads}")
         if self.top_k > self.num_experts:
             raise ConfigError(f"num_experts_per_tok: {self.top_k} exceeds the {self.num_experts} experts")
-        if self.head_dim % 2:
+        if self.attention == "gqa" and self.head_dim % 2:
             raise ConfigError(f"head_dim: {self.head_dim} must be even for RoPE")
         if not self.sparse_layers:
             self.sparse_layers = (True,) * self.num_layers
@@ -96,11 +144,65 @@ class ModelConfig:
             raise ConfigError("intermediate_size: required for the dense (mlp_only) layers")
         if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
             raise ConfigError("rms_norm_eps/rope_theta: must be positive")
+        if self.attention == "mla":
+            self._check_mla()
+        if self.router == "grouped_sigmoid":
+            self._check_grouped_router()
+
+    def _check_mla(self) -> None:
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"{name}: must be a positive integer, got {value!r}")
+        if isinstance(self.q_lora_rank, bool) or not isinstance(self.q_lora_rank, int) or self.q_lora_rank < 0:
+            raise ConfigError(f"q_lora_rank: must be a positive integer or null, got {self.q_lora_rank!r}")
+        if self.qk_rope_head_dim % 2:
+            raise ConfigError(f"qk_rope_head_dim: {self.qk_rope_head_dim} must be even for RoPE")
+        if self.num_kv_heads != self.num_heads:
+            # MLA has no KV heads of its own; transformers breaks on any other value
+            raise ConfigError(f"num_key_value_heads: must equal num_attention_heads ({self.num_heads}) "
+                              f"with MLA, got {self.num_kv_heads}")
+
+    def _check_grouped_router(self) -> None:
+        e, g, tg = self.num_experts, self.n_group, self.topk_group
+        if not isinstance(g, int) or g <= 0 or e % g:
+            raise ConfigError(f"n_group: {g!r} must divide n_routed_experts ({e})")
+        if not isinstance(tg, int) or not 1 <= tg <= g:
+            raise ConfigError(f"topk_group: must be in 1..n_group ({g}), got {tg!r}")
+        if g > 1 and e // g < 2:
+            raise ConfigError(f"n_group: {g} groups of {e // g} expert leave no top-2 to score a group")
+        if tg * (e // g) < self.top_k:
+            raise ConfigError(f"topk_group: {tg} groups of {e // g} experts hold fewer than num_experts_per_tok "
+                              f"({self.top_k})")
+        if self.routed_scaling_factor <= 0:
+            raise ConfigError(f"routed_scaling_factor: must be positive, got {self.routed_scaling_factor!r}")
 
     # -- derived sizes used by the runtime, the planner and `model info`
     @property
     def q_size(self) -> int:
         return self.num_heads * self.head_dim
+
+    @property
+    def rope_dim(self) -> int:
+        return self.qk_rope_head_dim if self.attention == "mla" else self.head_dim
+
+    @property
+    def attention_scale(self) -> float:
+        """The softmax scale: head_dim^-0.5, and for MLA under YaRN times mscale(factor, mscale_all_dim)^2
+        (transformers' DeepseekV3Attention)."""
+        scale = self.head_dim ** -0.5
+        rope = self.rope_scaling
+        if self.attention == "mla" and rope.kind != "default" and rope.mscale_all_dim:
+            scale *= RopeScaling.yarn_mscale(rope.factor, rope.mscale_all_dim) ** 2
+        return scale
+
+    def kv_entry(self, kv_heads: int | None = None) -> tuple[int, int, int]:
+        """(heads, K width, V width) of one token's KV-cache entry per layer. MLA caches one latent
+        shared by all heads: K = the roped k_pe (qk_rope_head_dim), V = the normed latent (kv_lora_rank);
+        attention reads [latent; k_pe] as the key and the latent as the value."""
+        if self.attention == "mla":
+            return 1, self.qk_rope_head_dim, self.kv_lora_rank
+        return kv_heads or self.num_kv_heads, self.head_dim, self.head_dim
 
     @property
     def kv_size(self) -> int:
@@ -119,20 +221,23 @@ class ModelConfig:
         """Total and per-token-active parameter counts, from shapes alone."""
         h = self.hidden_size
         attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
-        if self.attention_bias:
+        if self.attention == "mla":
+            attn = self._mla_params()
+        elif self.attention_bias:
             attn += self.q_size + 2 * self.kv_size + (h if self.o_proj_bias else 0)
         if self.qk_norm == "per_head":
             attn += 2 * self.head_dim
         elif self.qk_norm == "full":
             attn += self.q_size + self.kv_size
         expert = 3 * h * self.expert_intermediate_size
-        shared = 3 * h * self.shared_expert_intermediate_size + (h if self.shared_expert_intermediate_size else 0)
+        shared = 3 * h * self.shared_expert_intermediate_size
+        shared += h if self.shared_expert_intermediate_size and self.shared_expert_gated else 0
         dense = 3 * h * self.dense_intermediate_size
         total = active = 0
         for sparse in self.sparse_layers:
             norms = 2 * h
             if sparse:
-                router = h * self.num_experts
+                router = h * self.num_experts + (self.num_experts if self.router == "grouped_sigmoid" else 0)
                 total += attn + norms + router + self.num_experts * expert + shared
                 active += attn + norms + router + self.top_k * expert + shared
             else:
@@ -144,9 +249,23 @@ class ModelConfig:
         active += embed + head + h
         return {"params_total": total, "params_active": active}
 
+    def _mla_params(self) -> int:
+        h, heads, r, dr = self.hidden_size, self.num_heads, self.kv_lora_rank, self.qk_rope_head_dim
+        bias = self.attention_bias
+        if self.q_lora_rank:
+            n = h * self.q_lora_rank + (self.q_lora_rank if bias else 0) + self.q_lora_rank
+            n += self.q_lora_rank * heads * self.head_dim
+        else:
+            n = h * heads * self.head_dim
+        n += h * (r + dr) + ((r + dr) if bias else 0) + r  # kv_a_proj_with_mqa, kv_a_layernorm
+        n += r * heads * (self.qk_nope_head_dim + self.v_head_dim)  # kv_b_proj
+        return n + heads * self.v_head_dim * h + (h if bias else 0)  # o_proj
+
     @classmethod
     def from_dir(cls, path: str | Path, dtype: str | torch.dtype | None = None) -> ModelConfig:
-        cfg_path = Path(path) / "config.json"
+        """A checkpoint directory, or a config.json file on its own (sizes only, no weights)."""
+        cfg_path = Path(path) if Path(path).is_file() else Path(path) / "config.json"
+        path = cfg_path.parent
         if not cfg_path.is_file():
             raise ConfigError(f"config.json: not found in {path}")
         try:
@@ -178,7 +297,8 @@ class ModelConfig:
     @classmethod
     def _from_hf(cls, raw: dict, dtype: str | torch.dtype | None = None) -> ModelConfig:
         archs = raw.get("architectures") or []
-        arch_name = archs[0] if archs else MODEL_TYPES.get(raw.get("model_type", ""), raw.get("model_type"))
+        model_type = raw.get("model_type", "")
+        arch_name = archs[0] if archs else MODEL_TYPES.get(MODEL_TYPE_ALIASES.get(model_type, model_type), model_type)
         if arch_name not in ARCHITECTURES:
             raise ConfigError(f"architectures: {arch_name!r} is not supported "
                               f"(supported: {', '.join(ARCHITECTURES)})")
@@ -194,7 +314,7 @@ class ModelConfig:
             method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
             raise ConfigError(f"quantization_config.quant_method: {method!r} checkpoints are not supported "
                               "(dequantise to bf16/fp16/fp32 first)")
-        _refuse_rope_scaling(raw)
+        rope_scaling = _rope_scaling(raw)
         if raw.get("hidden_act", "silu") != "silu":
             raise ConfigError(f"hidden_act: {raw['hidden_act']!r} is not supported (only silu)")
         if raw.get("use_sliding_window") or (arch == "mixtral" and raw.get("sliding_window")):
@@ -208,6 +328,12 @@ class ModelConfig:
             experts, expert_size = need("num_local_experts"), need("intermediate_size")
             norm_topk = True  # Mixtral always renormalises its top-k weights
             bias = False
+        elif arch == "deepseek_v3":
+            experts, expert_size = need("n_routed_experts"), need("moe_intermediate_size")
+            norm_topk = _flag(raw, "norm_topk_prob", True)
+            bias = _flag(raw, "attention_bias", False)
+            kw.update(_deepseek_v3(raw, need, layers))
+            head_dim = kw.pop("head_dim")  # config.json's head_dim is the RoPE width here
         elif arch == "olmoe":
             experts = raw.get("num_experts") or need("num_local_experts")
             expert_size = need("intermediate_size")
@@ -248,7 +374,7 @@ class ModelConfig:
             norm_topk_prob=norm_topk, rms_norm_eps=_number(raw, "rms_norm_eps", 1e-6),
             rope_theta=float(theta), max_position_embeddings=need("max_position_embeddings"),
             tie_word_embeddings=_flag(raw, "tie_word_embeddings", False), attention_bias=bias,
-            dtype=parse_dtype(load_dtype), bos_token_id=raw.get("bos_token_id"), eos_token_ids=eos_ids,
+            rope_scaling=rope_scaling, dtype=parse_dtype(load_dtype), bos_token_id=raw.get("bos_token_id"), eos_token_ids=eos_ids,
             raw=raw, **kw)
 
 
@@ -270,15 +396,85 @@ def _number(raw: dict, key: str, default: float) -> float:
     return float(value)
 
 
-def _refuse_rope_scaling(raw: dict) -> None:
-    for key in ("rope_scaling", "rope_parameters"):
-        spec = raw.get(key)
-        if not spec:
+def _rope_scaling(raw: dict) -> RopeScaling:
+    """rope_parameters (transformers v5) or the legacy rope_scaling; only default RoPE and YaRN."""
+    spec, key = None, None
+    for name in ("rope_parameters", "rope_scaling"):
+        value = raw.get(name)
+        if value is None:
             continue
-        if not isinstance(spec, dict):
-            raise ConfigError(f"{key}: must be an object, got {spec!r}")
-        kind = spec.get("rope_type", spec.get("type", "default"))
-        if kind != "default":
-            raise ConfigError(f"{key}.rope_type: {kind!r} is not supported (only default RoPE)")
-        if spec.get("partial_rotary_factor", 1.0) != 1.0:
-            raise ConfigError(f"{key}.partial_rotary_factor: only 1.0 is supported")
+        if not isinstance(value, dict):
+            raise ConfigError(f"{name}: must be an object, got {value!r}")
+        if spec is None or value.get("rope_type", value.get("type", "default")) != "default":
+            spec, key = value, name
+    if spec is None:
+        return RopeScaling()
+    kind = spec.get("rope_type", spec.get("type", "default"))
+    if spec.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ConfigError(f"{key}.partial_rotary_factor: only 1.0 is supported")
+    if kind == "default":
+        return RopeScaling()
+    if kind != "yarn":
+        raise ConfigError(f"{key}.rope_type: {kind!r} is not supported (default or yarn)")
+
+    def number(field_name: str, default, positive: bool = True):
+        value = spec.get(field_name, default)
+        if value is None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or (positive and value <= 0):
+            raise ConfigError(f"{key}.{field_name}: must be a positive number, got {value!r}")
+        return float(value)
+
+    if "original_max_position_embeddings" not in spec:
+        raise ConfigError(f"{key}.original_max_position_embeddings: missing from the yarn block")
+    original = spec["original_max_position_embeddings"]
+    if isinstance(original, bool) or not isinstance(original, int) or original <= 0:
+        raise ConfigError(f"{key}.original_max_position_embeddings: must be a positive integer, got {original!r}")
+    if "factor" not in spec:
+        raise ConfigError(f"{key}.factor: missing from the yarn block")
+    factor = number("factor", None)
+    if factor is None:  # transformers: the context's growth over the original
+        max_pos = raw.get("max_position_embeddings")
+        if not isinstance(max_pos, int) or max_pos <= 0:
+            raise ConfigError(f"{key}.factor: null needs max_position_embeddings to derive it")
+        factor = max_pos / original
+    truncate = spec.get("truncate", True)
+    if not isinstance(truncate, bool):
+        raise ConfigError(f"{key}.truncate: must be true or false, got {truncate!r}")
+    return RopeScaling(kind="yarn", factor=factor, original_max_position_embeddings=original,
+                       beta_fast=number("beta_fast", None) or 32.0, beta_slow=number("beta_slow", None) or 1.0,
+                       mscale=number("mscale", None, positive=False),
+                       mscale_all_dim=number("mscale_all_dim", None, positive=False),
+                       attention_factor=number("attention_factor", None), truncate=truncate)
+
+
+def _deepseek_v3(raw: dict, need, layers) -> dict:
+    """DeepSeek-V3 / Kimi-K2 fields. Values transformers silently ignores but a checkpoint may still
+    set to something else (scoring_func, topk_method, moe_layer_freq) are refused, not guessed."""
+    for key, computed in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc"), ("moe_layer_freq", 1)):
+        if raw.get(key, computed) != computed:
+            raise ConfigError(f"{key}: {raw[key]!r} is not supported (DeepseekV3ForCausalLM computes {computed!r})")
+
+    def integer(key: str, low: int = 1) -> int:
+        value = need(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ConfigError(f"{key}: must be an integer >= {low}, got {value!r}")
+        return value
+
+    if "q_lora_rank" not in raw:
+        raise ConfigError("q_lora_rank: missing from config.json (null for a plain q_proj)")
+    q_lora = 0 if raw["q_lora_rank"] is None else integer("q_lora_rank")
+    first_dense = integer("first_k_dense_replace", 0)
+    if isinstance(layers, int) and first_dense >= layers:
+        raise ConfigError(f"first_k_dense_replace: {first_dense} leaves none of the {layers} layers MoE")
+    expert_size = integer("moe_intermediate_size")
+    nope, rope = integer("qk_nope_head_dim"), integer("qk_rope_head_dim")
+    return dict(
+        attention="mla", q_lora_rank=q_lora, kv_lora_rank=integer("kv_lora_rank"), qk_nope_head_dim=nope,
+        qk_rope_head_dim=rope, v_head_dim=integer("v_head_dim"), head_dim=nope + rope,
+        rope_interleave=_flag(raw, "rope_interleave", True), router="grouped_sigmoid",
+        n_group=integer("n_group"), topk_group=integer("topk_group"),
+        routed_scaling_factor=_number(raw, "routed_scaling_factor", 1.0),
+        shared_expert_intermediate_size=integer("n_shared_experts", 0) * expert_size, shared_expert_gated=False,
+        sparse_layers=tuple(i >= first_dense for i in range(layers)) if isinstance(layers, int) else (),
+        dense_intermediate_size=int(raw.get("intermediate_size") or 0))

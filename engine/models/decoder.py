@@ -1,7 +1,8 @@
 """The MoE decoder: embeddings, N x (attention + MoE or dense MLP), final norm, LM head.
 
-All four supported architectures are this one module; ModelConfig says which pieces a
-checkpoint uses (shared expert, q/k norms, attention bias, dense layers).
+All supported architectures are this one module; ModelConfig says which pieces a checkpoint
+uses (GQA or latent attention, softmax or grouped sigmoid routing, shared expert, q/k norms,
+attention bias, dense layers).
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from torch import nn
 from moectl.engine.models.attention import Attention, DenseContext
 from moectl.engine.models.config import ModelConfig
 from moectl.engine.models.layers import DenseMLP, RMSNorm, RotaryEmbedding
-from moectl.engine.models.moe import MoEBlock
+from moectl.engine.models.mla import MLAttention
+from moectl.engine.models.moe import GroupedSigmoidRouter, MoEBlock
 from moectl.engine.models.tracing import NULL_TRACER, NullTracer
 
 
@@ -21,11 +23,14 @@ class DecoderLayer(nn.Module):
     def __init__(self, idx: int, cfg: ModelConfig, rope: RotaryEmbedding):
         super().__init__()
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.attn = Attention(idx, cfg, rope)
+        self.attn = (MLAttention if cfg.attention == "mla" else Attention)(idx, cfg, rope)
         self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if cfg.sparse_layers[idx]:
+            grouped = (GroupedSigmoidRouter(cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor)
+                       if cfg.router == "grouped_sigmoid" else None)
             self.mlp = MoEBlock(idx, cfg.hidden_size, cfg.num_experts, cfg.top_k, cfg.expert_intermediate_size,
-                                cfg.norm_topk_prob, cfg.shared_expert_intermediate_size)
+                                cfg.norm_topk_prob, cfg.shared_expert_intermediate_size,
+                                shared_gated=cfg.shared_expert_gated, grouped_sigmoid=grouped)
         else:
             self.mlp = DenseMLP(cfg.hidden_size, cfg.dense_intermediate_size)
 
@@ -47,7 +52,7 @@ class MoEForCausalLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
+        rope = RotaryEmbedding(cfg.rope_dim, cfg.rope_theta, cfg.max_position_embeddings, cfg.rope_scaling)
         self.layers = nn.ModuleList(DecoderLayer(i, cfg, rope) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)

@@ -1,6 +1,8 @@
-"""Small building blocks: RMSNorm, rotary embeddings, the SwiGLU feed-forward."""
+"""Small building blocks: RMSNorm, rotary embeddings (default and YaRN), the SwiGLU feed-forward."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -22,14 +24,38 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(dtype)
 
 
-class RotaryEmbedding(nn.Module):
-    """Default (unscaled) RoPE; cos/sin are built for positions on demand and cached."""
+def rope_inv_freq(dim: int, theta: float, scaling=None) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [dim / 2] and the factor on cos/sin, as transformers computes them
+    (`_compute_yarn_parameters` for YaRN: interpolated frequencies below the beta_slow correction
+    dimension, extrapolated above beta_fast, a linear ramp between)."""
+    pos_freqs = theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    if scaling is None or scaling.kind == "default":
+        return 1.0 / pos_freqs, 1.0
 
-    def __init__(self, head_dim: int, theta: float, max_positions: int):
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(scaling.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(scaling.beta_fast), correction_dim(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    inv_freq = ramp / (scaling.factor * pos_freqs) + (1 - ramp) / pos_freqs
+    return inv_freq, scaling.cos_sin_factor
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE over the first `head_dim` values of each head (default or YaRN frequencies); cos/sin
+    are built for positions on demand and cached."""
+
+    def __init__(self, head_dim: int, theta: float, max_positions: int, scaling=None):
         super().__init__()
         # plain attributes, not buffers: the model may be built on the meta device before loading
         self.head_dim, self.theta = head_dim, theta
         self.max_positions = max_positions
+        self.scaling = scaling
         self._cache_len = 0
         self._cos = self._sin = None
 
@@ -37,10 +63,10 @@ class RotaryEmbedding(nn.Module):
         if length > self._cache_len or self._cos.device != device:
             size = max(length, min(2 * self._cache_len, self.max_positions), 256)
             t = torch.arange(size, device=device, dtype=torch.float32)
-            inv_freq = 1.0 / (self.theta ** (torch.arange(0, self.head_dim, 2, device=device).float() / self.head_dim))
-            freqs = torch.outer(t, inv_freq)
+            inv_freq, factor = rope_inv_freq(self.head_dim, self.theta, self.scaling)
+            freqs = torch.outer(t, inv_freq.to(device))
             emb = torch.cat((freqs, freqs), dim=-1)
-            self._cos, self._sin, self._cache_len = emb.cos(), emb.sin(), size
+            self._cos, self._sin, self._cache_len = emb.cos() * factor, emb.sin() * factor, size
         return self._cos, self._sin
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):

@@ -67,6 +67,38 @@ class _TensorSource:
             raise CheckpointError(f"{path.name}: cannot read tensor {name} ({exc})") from None
 
 
+# MLA tensors: our name under layers.{i}.attn. -> the checkpoint's under model.layers.{i}.self_attn.
+MLA_NAMES = {"q_a_proj": "q_a_proj", "q_a_norm": "q_a_layernorm", "q_b_proj": "q_b_proj", "q_proj": "q_proj",
+             "kv_a_proj": "kv_a_proj_with_mqa", "kv_a_norm": "kv_a_layernorm", "kv_b_proj": "kv_b_proj",
+             "o_proj": "o_proj"}
+
+
+def _rope_rows(cfg: ModelConfig, name: str, inverse: bool = False) -> torch.Tensor | None:
+    """The row order that turns a checkpoint's interleaved RoPE rows (rope_interleave) into the
+    half-split layout our rotation uses (or back, with inverse): transformers' interleaved
+    rotation equals de-interleaving, then the half-split one. None: the tensor keeps its rows."""
+    dr = cfg.qk_rope_head_dim
+    perm = torch.cat([torch.arange(0, dr, 2), torch.arange(1, dr, 2)])
+    if inverse:
+        perm = torch.argsort(perm)
+    if name in ("q_proj", "q_b_proj"):  # per head: qk_nope rows, then the rope rows
+        qk = cfg.head_dim
+        head = torch.cat([torch.arange(cfg.qk_nope_head_dim), cfg.qk_nope_head_dim + perm])
+        return torch.cat([h * qk + head for h in range(cfg.num_heads)])
+    if name == "kv_a_proj":  # the latent's rows, then the shared rope key's
+        return torch.cat([torch.arange(cfg.kv_lora_rank), cfg.kv_lora_rank + perm])
+    return None
+
+
+def _mla_parts(cfg: ModelConfig) -> list[str]:
+    parts = ["q_a_proj", "q_a_norm", "q_b_proj"] if cfg.q_lora_rank else ["q_proj"]
+    return [*parts, "kv_a_proj", "kv_a_norm", "kv_b_proj", "o_proj"]
+
+
+def _mla_has_bias(cfg: ModelConfig, part: str) -> bool:
+    return cfg.attention_bias and part in ("q_a_proj", "kv_a_proj", "o_proj")
+
+
 def _checkpoint_names(cfg: ModelConfig, i: int) -> dict:
     """HF tensor names for layer i, by role."""
     p = f"model.layers.{i}."
@@ -97,6 +129,31 @@ def _stack_experts(src: _TensorSource, moe: str, roles: tuple[str, str, str], nu
     return torch.stack(w13), torch.stack(w2)
 
 
+def _read_attention(cfg: ModelConfig, src: _TensorSource, n: dict, ours: str, sd: dict) -> None:
+    if cfg.attention == "mla":
+        base = n["q"].rsplit(".", 1)[0] + "."  # model.layers.{i}.self_attn.
+        for part in _mla_parts(cfg):
+            rows = _rope_rows(cfg, part) if cfg.rope_interleave else None
+            for kind in ("weight", "bias") if _mla_has_bias(cfg, part) else ("weight",):
+                t = src.get(f"{base}{MLA_NAMES[part]}.{kind}")
+                # a tensor of the wrong size keeps its rows: the shape check names it below
+                sd[f"{ours}attn.{part}.{kind}"] = t if rows is None or t.shape[0] != rows.numel() else t[rows]
+        return
+    sd[ours + "attn.qkv.weight"] = torch.cat([src.get(n[x] + ".weight") for x in "qkv"])
+    if cfg.attention_bias:
+        sd[ours + "attn.qkv.bias"] = torch.cat([src.get(n[x] + ".bias") for x in "qkv"])
+    sd[ours + "attn.o_proj.weight"] = src.get(n["o"])
+    if cfg.o_proj_bias:
+        sd[ours + "attn.o_proj.bias"] = src.get(n["o_bias"])
+    if cfg.qk_norm != "none":
+        sd[ours + "attn.q_norm.weight"] = src.get(n["q_norm"])
+        sd[ours + "attn.k_norm.weight"] = src.get(n["k_norm"])
+
+
+def _shared_names(cfg: ModelConfig, moe: str) -> str:
+    return moe + ("shared_experts." if cfg.architecture == "deepseek_v3" else "shared_expert.")
+
+
 def read_state_dict(cfg: ModelConfig, model_dir: Path) -> dict[str, torch.Tensor]:
     """Our parameter names -> tensors, read from the checkpoint (not yet shape-checked)."""
     src = _TensorSource(model_dir)
@@ -107,34 +164,45 @@ def read_state_dict(cfg: ModelConfig, model_dir: Path) -> dict[str, torch.Tensor
         n, ours = _checkpoint_names(cfg, i), f"layers.{i}."
         sd[ours + "input_norm.weight"] = src.get(n["input_norm"])
         sd[ours + "post_norm.weight"] = src.get(n["post_norm"])
-        sd[ours + "attn.qkv.weight"] = torch.cat([src.get(n[x] + ".weight") for x in "qkv"])
-        if cfg.attention_bias:
-            sd[ours + "attn.qkv.bias"] = torch.cat([src.get(n[x] + ".bias") for x in "qkv"])
-        sd[ours + "attn.o_proj.weight"] = src.get(n["o"])
-        if cfg.o_proj_bias:
-            sd[ours + "attn.o_proj.bias"] = src.get(n["o_bias"])
-        if cfg.qk_norm != "none":
-            sd[ours + "attn.q_norm.weight"] = src.get(n["q_norm"])
-            sd[ours + "attn.k_norm.weight"] = src.get(n["k_norm"])
+        _read_attention(cfg, src, n, ours, sd)
         moe, (g, u, d) = n["moe"], n["expert"]
         if cfg.sparse_layers[i]:
             sd[ours + "mlp.gate"] = src.get(moe + "gate.weight")
+            if cfg.router == "grouped_sigmoid":
+                sd[ours + "mlp.e_score_correction_bias"] = src.get(moe + "gate.e_score_correction_bias")
             sd[ours + "mlp.experts.w13"], sd[ours + "mlp.experts.w2"] = _stack_experts(src, moe, n["expert"], cfg.num_experts)
             if cfg.shared_expert_intermediate_size:
-                sd[ours + "mlp.shared_w13"] = torch.cat([src.get(f"{moe}shared_expert.{g}.weight"),
-                                                         src.get(f"{moe}shared_expert.{u}.weight")])
-                sd[ours + "mlp.shared_w2"] = src.get(f"{moe}shared_expert.{d}.weight")
-                sd[ours + "mlp.shared_gate"] = src.get(moe + "shared_expert_gate.weight")
+                shared = _shared_names(cfg, moe)
+                sd[ours + "mlp.shared_w13"] = torch.cat([src.get(f"{shared}{g}.weight"), src.get(f"{shared}{u}.weight")])
+                sd[ours + "mlp.shared_w2"] = src.get(f"{shared}{d}.weight")
+                if cfg.shared_expert_gated:
+                    sd[ours + "mlp.shared_gate"] = src.get(moe + "shared_expert_gate.weight")
         else:
             sd[ours + "mlp.w13"] = torch.cat([src.get(f"{moe}{g}.weight"), src.get(f"{moe}{u}.weight")])
             sd[ours + "mlp.w2"] = src.get(f"{moe}{d}.weight")
     # a tensor we do not read is a weight we would silently drop: refuse it instead
-    unused = sorted(n for n in src.names - src.used if not n.endswith("rotary_emb.inv_freq"))
+    unused = sorted(n for n in src.names - src.used if not n.endswith("rotary_emb.inv_freq")
+                    and not _is_mtp_layer(cfg, n))
     if unused:
         more = f" (and {len(unused) - 1} more)" if len(unused) > 1 else ""
         raise CheckpointError(f"checkpoint: tensor {unused[0]}{more} is not part of the "
                               f"{cfg.hf_architecture} layout this config describes")
     return sd
+
+
+def _is_mtp_layer(cfg: ModelConfig, name: str) -> bool:
+    """DeepSeek-V3's multi-token-prediction module sits in layers past num_hidden_layers; inference
+    without speculative decoding does not use it (transformers skips it too)."""
+    if cfg.architecture != "deepseek_v3" or not name.startswith("model.layers."):
+        return False
+    index = name.split(".", 3)[2]
+    return index.isdigit() and int(index) >= cfg.num_layers
+
+
+def _keeps_fp32(cfg: ModelConfig, name: str) -> bool:
+    """DeepSeek-V3's router weight and correction bias stay fp32 whatever the model dtype
+    (transformers' _keep_in_fp32_modules_strict): in bf16 the sigmoid scores would tie."""
+    return cfg.router == "grouped_sigmoid" and name.endswith(("mlp.gate", "mlp.e_score_correction_bias"))
 
 
 def load_model(model_dir: str | Path, dtype=None, device: str | torch.device = "cpu") -> MoEForCausalLM:
@@ -152,13 +220,34 @@ def load_model(model_dir: str | Path, dtype=None, device: str | torch.device = "
         got = tuple(sd[name].shape)
         if got != shape:
             raise CheckpointError(f"{name}: checkpoint shape {got} does not match config shape {shape}")
-    sd = {k: v.to(device=device, dtype=cfg.dtype) for k, v in sd.items()}
+    sd = {k: v.to(device=device, dtype=torch.float32 if _keeps_fp32(cfg, k) else cfg.dtype) for k, v in sd.items()}
     if cfg.tie_word_embeddings:  # state_dict() lists the tied head too, so strict loading wants it
         sd["lm_head.weight"] = sd["embed.weight"]
     model.load_state_dict(sd, strict=True, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed.weight
     return model.eval().requires_grad_(False)
+
+
+def _write_attention(cfg: ModelConfig, sd: dict, n: dict, ours: str, hf: dict) -> None:
+    if cfg.attention == "mla":
+        base = n["q"].rsplit(".", 1)[0] + "."
+        for part in _mla_parts(cfg):
+            rows = _rope_rows(cfg, part, inverse=True) if cfg.rope_interleave else None
+            for kind in ("weight", "bias") if _mla_has_bias(cfg, part) else ("weight",):
+                t = sd[f"{ours}attn.{part}.{kind}"]
+                hf[f"{base}{MLA_NAMES[part]}.{kind}"] = (t if rows is None else t[rows]).contiguous()
+        return
+    for part, t in zip("qkv", sd[ours + "attn.qkv.weight"].split([cfg.q_size, cfg.kv_size, cfg.kv_size])):
+        hf[n[part] + ".weight"] = t.contiguous()
+    if cfg.attention_bias:
+        for part, t in zip("qkv", sd[ours + "attn.qkv.bias"].split([cfg.q_size, cfg.kv_size, cfg.kv_size])):
+            hf[n[part] + ".bias"] = t.contiguous()
+    hf[n["o"]] = sd[ours + "attn.o_proj.weight"]
+    if cfg.o_proj_bias:
+        hf[n["o_bias"]] = sd[ours + "attn.o_proj.bias"]
+    if cfg.qk_norm != "none":
+        hf[n["q_norm"]], hf[n["k_norm"]] = sd[ours + "attn.q_norm.weight"], sd[ours + "attn.k_norm.weight"]
 
 
 def save_checkpoint(model: MoEForCausalLM, out_dir: str | Path, dtype: torch.dtype | None = None,
@@ -177,25 +266,20 @@ def save_checkpoint(model: MoEForCausalLM, out_dir: str | Path, dtype: torch.dty
         n, ours = _checkpoint_names(cfg, i), f"layers.{i}."
         hf[n["input_norm"]] = sd[ours + "input_norm.weight"]
         hf[n["post_norm"]] = sd[ours + "post_norm.weight"]
-        for part, t in zip("qkv", sd[ours + "attn.qkv.weight"].split([cfg.q_size, cfg.kv_size, cfg.kv_size])):
-            hf[n[part] + ".weight"] = t.contiguous()
-        if cfg.attention_bias:
-            for part, t in zip("qkv", sd[ours + "attn.qkv.bias"].split([cfg.q_size, cfg.kv_size, cfg.kv_size])):
-                hf[n[part] + ".bias"] = t.contiguous()
-        hf[n["o"]] = sd[ours + "attn.o_proj.weight"]
-        if cfg.o_proj_bias:
-            hf[n["o_bias"]] = sd[ours + "attn.o_proj.bias"]
-        if cfg.qk_norm != "none":
-            hf[n["q_norm"]], hf[n["k_norm"]] = sd[ours + "attn.q_norm.weight"], sd[ours + "attn.k_norm.weight"]
+        _write_attention(cfg, sd, n, ours, hf)
         moe, (g, u, d) = n["moe"], n["expert"]
         if cfg.sparse_layers[i]:
             hf[moe + "gate.weight"] = sd[ours + "mlp.gate"]
+            if cfg.router == "grouped_sigmoid":
+                hf[moe + "gate.e_score_correction_bias"] = sd[ours + "mlp.e_score_correction_bias"].float()
             if cfg.shared_expert_intermediate_size:
+                shared = _shared_names(cfg, moe)
                 gate_w, up_w = sd[ours + "mlp.shared_w13"].chunk(2)
-                hf[f"{moe}shared_expert.{g}.weight"] = gate_w.contiguous()
-                hf[f"{moe}shared_expert.{u}.weight"] = up_w.contiguous()
-                hf[f"{moe}shared_expert.{d}.weight"] = sd[ours + "mlp.shared_w2"]
-                hf[moe + "shared_expert_gate.weight"] = sd[ours + "mlp.shared_gate"]
+                hf[f"{shared}{g}.weight"] = gate_w.contiguous()
+                hf[f"{shared}{u}.weight"] = up_w.contiguous()
+                hf[f"{shared}{d}.weight"] = sd[ours + "mlp.shared_w2"]
+                if cfg.shared_expert_gated:
+                    hf[moe + "shared_expert_gate.weight"] = sd[ours + "mlp.shared_gate"]
             for e in range(cfg.num_experts):
                 gate_w, up_w = sd[ours + "mlp.experts.w13"][e].chunk(2)
                 hf[f"{moe}experts.{e}.{g}.weight"] = gate_w.contiguous()

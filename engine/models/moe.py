@@ -132,7 +132,8 @@ class MoEBlock(nn.Module):
         else:
             self.shared_w13 = None
 
-    def _route_grouped_sigmoid(self, x: torch.Tensor):
+    def _grouped_choice(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(logits, sigmoid scores, selection scores: biased, -inf outside the kept groups)."""
         cfg = self.grouped_sigmoid
         logits = F.linear(x.float(), self.gate.float())
         scores = torch.sigmoid(logits)
@@ -143,6 +144,21 @@ class MoEBlock(nn.Module):
             kept = torch.zeros_like(group_scores, dtype=torch.bool)
             kept.scatter_(1, group_scores.topk(cfg.topk_group, dim=-1).indices, True)
             choice = choice.masked_fill(~kept.repeat_interleave(per_group, dim=1), float("-inf"))
+        return logits, scores, choice
+
+    def selection_scores(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """([N, E] preference, [N, E] weight), fp32: what a prefetcher ranks experts by. Softmax
+        routers: the probabilities twice. DeepSeek: the biased scores (-inf outside the kept groups)
+        and the unbiased sigmoid scores."""
+        if self.grouped_sigmoid is not None:
+            _, scores, choice = self._grouped_choice(x)
+            return choice, scores
+        probs = torch.softmax(F.linear(x, self.gate), dim=-1, dtype=torch.float32)
+        return probs, probs
+
+    def _route_grouped_sigmoid(self, x: torch.Tensor):
+        cfg = self.grouped_sigmoid
+        logits, scores, choice = self._grouped_choice(x)
         ids = choice.topk(self.top_k, dim=-1).indices
         weights = scores.gather(1, ids)
         if self.norm_topk_prob:

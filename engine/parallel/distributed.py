@@ -424,9 +424,9 @@ def worker_loop(model, cache: KVCache, channel: StepChannel, device: torch.devic
 
 def kv_blocks_for(config: EngineConfig, cfg: ModelConfig, tp: int) -> tuple[int, int]:
     """(kv heads per rank, KV blocks): kv_cache_memory is each rank's budget for its own heads."""
-    heads = local_kv_heads(cfg.num_heads, cfg.num_kv_heads, tp)
+    heads = local_kv_heads(cfg.num_heads, cfg.num_kv_heads, tp) if cfg.attention == "gqa" else None
     quantized = config.kv_cache_dtype == "int8"
-    per_block = KVCache.bytes_per_block(cfg.num_layers, config.block_size, heads, cfg.head_dim, cfg.dtype, quantized)
+    per_block = KVCache.block_bytes_for(cfg, config.block_size, quantized, heads)
     return heads, config.num_kv_blocks or max(1, config.kv_cache_memory // per_block)
 
 
@@ -511,8 +511,8 @@ def start_rank(config: EngineConfig, tp: int | None, state: DistState,
             engine = _make_engine(config, model, heads, channel, state, experts, stats, placement)
         else:
             cfg = model.cfg
-            cache = KVCache(cfg.num_layers, num_blocks, config.block_size, heads, cfg.head_dim, cfg.dtype,
-                            config.kv_cache_dtype == "int8", state.device)
+            cache = KVCache.for_model(cfg, num_blocks, config.block_size, config.kv_cache_dtype == "int8",
+                                      state.device, heads)
     except Exception as exc:  # noqa: BLE001 - reported to every rank, then raised there
         error = exc
     reports = _exchange(state, _error_report(error) if error is not None else {})

@@ -2,7 +2,10 @@
 
 `apply_tensor_parallel` shards every Attention by heads: the fused qkv projection is split by
 rows (column parallel), o_proj by columns (row parallel), and a forward hook on o_proj
-all-reduces its partial output over the tensor-parallel group. Expert parallelism (any
+all-reduces its partial output over the tensor-parallel group. Latent attention (MLA) splits
+its per-head projections the same way (q_b_proj or q_proj and kv_b_proj by rows, o_proj by
+columns); the latent itself (q_a_proj, kv_a_proj and their norms) is computed whole on every
+rank, so every rank caches the same latent, as MLA serving does. Expert parallelism (any
 placement over the ranks) is rank_experts.py's `install`.
 
 Everything else (embeddings, norms, router, LM head, dense MLP layers and Qwen2-MoE's shared
@@ -17,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from moectl.engine.models.attention import Attention
+from moectl.engine.models.mla import MLAttention
 
 MAX_TP = 8
 
@@ -110,10 +114,36 @@ def _shard_attention(attn: Attention, tp_rank: int, tp_size: int, group) -> None
     o.register_forward_hook(_all_reduce_hook(group))
 
 
+def _rows(linear: nn.Linear, rows: torch.Tensor) -> None:
+    linear.weight = nn.Parameter(linear.weight.index_select(0, rows).contiguous(), requires_grad=False)
+    linear.out_features = rows.numel()
+
+
+def _shard_mla(attn: MLAttention, tp_rank: int, tp_size: int, group) -> None:
+    per = attn.num_heads // tp_size
+    heads = range(tp_rank * per, (tp_rank + 1) * per)
+    dev = attn.kv_b_proj.weight.device
+
+    def head_rows(width: int) -> torch.Tensor:
+        return torch.arange(heads.start * width, heads.stop * width, device=dev)
+
+    q = attn.q_proj if hasattr(attn, "q_proj") else attn.q_b_proj
+    _rows(q, head_rows(attn.nope + attn.rope_dim))
+    _rows(attn.kv_b_proj, head_rows(attn.nope + attn.v_dim))
+    o = attn.o_proj
+    o.weight = nn.Parameter(o.weight[:, heads.start * attn.v_dim:heads.stop * attn.v_dim].contiguous(),
+                            requires_grad=False)
+    o.in_features = per * attn.v_dim
+    if o.bias is not None and tp_rank != 0:
+        o.bias = None
+    attn.num_heads = per
+    o.register_forward_hook(_all_reduce_hook(group))
+
+
 def apply_tensor_parallel(model: nn.Module, tp_rank: int, tp_size: int, group=None) -> nn.Module:
     """Shards every Attention of `model` in place for rank `tp_rank` of a `tp_size` group.
     tp_size 1 leaves the model untouched. Each rank's KV cache then holds only its kv heads
-    (`local_kv_heads`)."""
+    (`local_kv_heads`; MLA: the whole latent)."""
     cfg = model.cfg
     check_tp_size(cfg.num_heads, cfg.num_kv_heads, tp_size)
     if tp_size == 1:
@@ -123,6 +153,8 @@ def apply_tensor_parallel(model: nn.Module, tp_rank: int, tp_size: int, group=No
     for module in list(model.modules()):
         if isinstance(module, Attention):
             _shard_attention(module, tp_rank, tp_size, group)
+        elif isinstance(module, MLAttention):
+            _shard_mla(module, tp_rank, tp_size, group)
     return model
 
 

@@ -206,12 +206,12 @@ class PlanModel:
     def kv_bytes_per_block(self, tp: int, block_size: int, dtype: torch.dtype, quantized: bool) -> int:
         """One KV block of all layers on one device, in the engine's layout (`KVCache.bytes_per_block`).
 
-        MLA stores one compressed latent (kv_lora_rank + qk_rope_head_dim) per token and layer
-        instead of K and V: the engine's layout with one 'head' of that width and a single tensor,
-        i.e. half of bytes_per_block(..., 1 head, latent width, ...) (INT8: one fp32 scale per
-        (block, layer))."""
+        MLA stores one compressed latent (kv_lora_rank) and one shared RoPE key (qk_rope_head_dim)
+        per token and layer instead of per-head K and V: the engine keeps them as V and K of one
+        'head' (INT8: one fp32 scale per block and layer for each)."""
         if self.attention == "mla":
-            return KVCache.bytes_per_block(self.num_layers, block_size, 1, self.kv_latent_dim, dtype, quantized) // 2
+            return KVCache.bytes_per_block(self.num_layers, block_size, 1, self.qk_rope_head_dim, dtype, quantized,
+                                           v_head_dim=self.kv_lora_rank)
         return KVCache.bytes_per_block(self.num_layers, block_size, self.kv_heads_per_device(tp), self.head_dim,
                                        dtype, quantized)
 
@@ -224,9 +224,12 @@ def plan_model_of(cfg: ModelConfig, name: str, notes: list[str]) -> PlanModel:
         expert_intermediate_size=cfg.expert_intermediate_size, sparse_layers=tuple(cfg.sparse_layers),
         dense_intermediate_size=cfg.dense_intermediate_size,
         shared_intermediate_size=cfg.shared_expert_intermediate_size,
-        shared_gate=bool(cfg.shared_expert_intermediate_size), tie_word_embeddings=cfg.tie_word_embeddings,
-        attention="gqa", num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-        attention_bias=cfg.attention_bias, o_proj_bias=cfg.o_proj_bias, qk_norm=cfg.qk_norm, notes=notes)
+        shared_gate=bool(cfg.shared_expert_intermediate_size) and cfg.shared_expert_gated,
+        router_bias=cfg.router == "grouped_sigmoid", tie_word_embeddings=cfg.tie_word_embeddings,
+        attention=cfg.attention, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+        attention_bias=cfg.attention_bias, o_proj_bias=cfg.o_proj_bias, qk_norm=cfg.qk_norm,
+        q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank, qk_nope_head_dim=cfg.qk_nope_head_dim,
+        qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim, notes=notes)
 
 
 # keys the runtime refuses but that do not change any tensor's size
@@ -248,6 +251,9 @@ def _parse_runnable(raw: dict, name: str) -> PlanModel:
         used = ", ".join(k for k in _RUNTIME_ONLY if raw.get(k))
         notes.append(f"config uses {used}, which the engine cannot run; sizes do not depend on it, "
                      "so it is planned as if absent")
+    if raw.get("num_nextn_predict_layers"):
+        notes.append(f"num_nextn_predict_layers={raw['num_nextn_predict_layers']}: the multi-token-prediction "
+                     "module is not counted (inference without speculative MTP does not load it)")
     return plan_model_of(cfg, name, notes)
 
 
@@ -775,7 +781,7 @@ def _notes(m: PlanModel, topo: Topology, tp, dp, ep, dtype, kv_dtype, kv_t, bloc
                      f"{tp // m.num_kv_heads}x")
     if kv_dtype == "int8":
         notes.append("INT8 KV: int8 values plus one fp32 scale per (block, head) for K and V, as "
-                     "KVCache.bytes_per_block" + (" (MLA: one scale per (block, layer) for the latent)"
+                     "KVCache.bytes_per_block" + (" (MLA: one each for the latent and the RoPE key)"
                                                   if m.attention == "mla" else ""))
     else:
         notes.append(f"KV in {kvn} (auto: the activation dtype)")

@@ -40,9 +40,8 @@ def run_kv_int8_eval(model_dir: str, token_ids: list[int], prompts: list[list[in
     a = engines["auto"].generate(prompts, greedy)
     b = engines["int8"].generate(prompts, greedy)
     agree = sum(_common_prefix(x.token_ids, y.token_ids) for x, y in zip(a, b))
-    per_block = {q: KVCache.bytes_per_block(cfg.num_layers, 16, cfg.num_kv_heads, cfg.head_dim, cfg.dtype, q)
-                 for q in (False, True)}
-    bf16_block = KVCache.bytes_per_block(cfg.num_layers, 16, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16, False)
+    per_block = {q: KVCache.block_bytes_for(cfg, 16, q) for q in (False, True)}
+    bf16_block = KVCache.block_bytes_for(cfg, 16, False, dtype=torch.bfloat16)
     result = {
         "model_dtype": str(cfg.dtype).removeprefix("torch."),
         "bytes_per_block_model_dtype": per_block[False], "bytes_per_block_int8": per_block[True],

@@ -29,7 +29,7 @@ from moectl.engine.core.config import EngineConfig, SchedulerKnobs
 from moectl.engine.core.sampling import SamplingParams
 from moectl.engine.core.sequence import Sequence
 from moectl.engine.llm_engine import LLMEngine
-from moectl.engine.models.config import ModelConfig
+from moectl.engine.models.config import MODEL_TYPE_ALIASES, ModelConfig
 from moectl.engine.models.tokenizer import Tokenizer
 
 THRESHOLDS = {"max_rel_error": 1e-3, "loglik_rel_diff": 0.05}
@@ -117,7 +117,14 @@ def run_verify(model_dir, *, prompts=None, reference_text=None, max_new_tokens: 
     def reference(dtype):
         say(f"loading transformers reference ({dtype})")
         # eager attention: the plainest reference, independent of the SDPA kernel this engine uses
-        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="eager").eval()
+        kwargs = dict(dtype=dtype, attn_implementation="eager")
+        if cfg.raw.get("model_type") in MODEL_TYPE_ALIASES:
+            # transformers knows no kimi_k2 model_type, and keys its weight conversion on model_type:
+            # load the architecture it names under the model_type that architecture has
+            config = transformers.AutoConfig.for_model(MODEL_TYPE_ALIASES[cfg.raw["model_type"]],
+                                                       **{k: v for k, v in cfg.raw.items() if k != "model_type"})
+            kwargs["config"] = config
+        return AutoModelForCausalLM.from_pretrained(model_dir, **kwargs).eval()
 
     def engine(dtype, blocks, engine_knobs=None):
         say(f"loading engine ({dtype})")

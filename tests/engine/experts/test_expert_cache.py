@@ -211,7 +211,17 @@ def test_cuda_cache_copies_on_a_side_stream(model):
 
 # ---- predictors and the recorder -----------------------------------------------------------------
 
-def test_router_predictor_on_the_routers_own_input_is_exact(model):
+@pytest.fixture(scope="module")
+def deepseek_model(tiny_hf_checkpoint):
+    from moectl.engine.models.loader import load_model
+
+    return load_model(tiny_hf_checkpoint("deepseek_v3"))
+
+
+@pytest.mark.parametrize("which", ["mixtral", "deepseek_v3"])
+def test_router_predictor_on_the_routers_own_input_is_exact(model, deepseek_model, which):
+    """DeepSeek's router: the prediction follows its biased, group-masked selection."""
+    model = model if which == "mixtral" else deepseek_model
     torch.manual_seed(1)
     pred = RouterPredictor(model)
     block = model.layers[2]

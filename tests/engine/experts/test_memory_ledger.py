@@ -36,7 +36,7 @@ def first_prefill_memory(eng, context: int, n: int, seed: int = 3) -> list[dict]
     return eng.step_log[-1].devices["memory"]
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "deepseek_v3"])
 def test_every_weight_category_agrees_with_the_planner(tmp_path, arch):
     """Real tensor bytes per device (each device a DP-attention replica plus its expert slots)
     equal what `plan memory` computes from config.json alone; qwen2_moe adds shared experts and
@@ -114,18 +114,22 @@ def test_hbm_too_small_is_refused_with_the_breakdown(ckpt):
         engine(ckpt, 2, hbm=200 << 10)
 
 
-def test_tiered_memory_is_chosen_when_experts_do_not_fit(ckpt, tmp_path):
+@pytest.mark.parametrize("which", ["mixtral", "deepseek_v3"])
+def test_tiered_memory_is_chosen_when_experts_do_not_fit(ckpt, tiny_hf_checkpoint, which):
     """An HBM that holds everything but the placed experts: the engine puts the experts in the
     host tier with the largest cache that fits, and greedy tokens are unchanged."""
+    ckpt = ckpt if which == "mixtral" else tiny_hf_checkpoint("deepseek_v3")
     reference = engine(ckpt, 2)
-    want = [o.token_ids for o in reference.generate(prompts(4), GREEDY)]
+    vocab = reference.model_config.vocab_size
+    batch = [[t % vocab for t in p] for p in prompts(4)]
+    want = [o.token_ids for o in reference.generate(batch, GREEDY)]
     ledger = reference.experts.cluster.ledger
     cluster = reference.experts.cluster
     slot_bytes = cluster.expert_slot_bytes(cluster.placement.slots_per_device)
     fixed = ledger.fixed_bytes(0, reference.knobs)
     eng = engine(ckpt, 2, hbm=fixed + slot_bytes - 1)  # one byte short: the cache holds one expert less
     assert eng.experts.cluster.tiered_auto and eng.experts.cluster.caches[0].capacity == slot_bytes // cluster.expert_bytes - 1
-    assert [o.token_ids for o in eng.generate(prompts(4), GREEDY)] == want
+    assert [o.token_ids for o in eng.generate(batch, GREEDY)] == want
     record = eng.step_log[-1].devices
     assert record["tiered_experts"] == "auto"
     assert all(m["expert_cache"] <= slot_bytes - 1 and "expert_weights" not in m for m in record["memory"])

@@ -56,6 +56,16 @@ QWEN2 = {"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", "v
          "num_experts_per_tok": 2, "norm_topk_prob": False, "mlp_only_layers": [1], "tie_word_embeddings": True,
          "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "dtype": "float32"}
 
+# latent attention with a q LoRA and YaRN, grouped sigmoid routing, a shared expert, a dense first layer
+DEEPSEEK = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 128,
+            "hidden_size": 32, "intermediate_size": 40, "moe_intermediate_size": 16, "num_hidden_layers": 3,
+            "num_attention_heads": 4, "num_key_value_heads": 4, "n_routed_experts": 8, "num_experts_per_tok": 2,
+            "n_group": 4, "topk_group": 2, "n_shared_experts": 1, "first_k_dense_replace": 1, "q_lora_rank": 24,
+            "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 10,
+            "routed_scaling_factor": 2.5, "norm_topk_prob": True, "max_position_embeddings": 256,
+            "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "dtype": "float32",
+            "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}}
+
 
 def _engine_checkpoint(raw: dict, out: Path, seed: int = 0) -> Path:
     """Every parameter redrawn (norm weights and biases too), so a mis-sharded one shows."""
@@ -71,7 +81,8 @@ def ckpts(tmp_path_factory):
     return {"mixtral": tiny_checkpoint(root / "mixtral"),
             "mixtral_other": tiny_checkpoint(root / "mixtral_other", seed=1, tokenizer=False),
             "olmoe": _engine_checkpoint(OLMOE, root / "olmoe"),
-            "qwen2_moe": _engine_checkpoint(QWEN2, root / "qwen2_moe")}
+            "qwen2_moe": _engine_checkpoint(QWEN2, root / "qwen2_moe"),
+            "deepseek_v3": _engine_checkpoint(DEEPSEEK, root / "deepseek_v3")}
 
 
 def _config(model_dir) -> EngineConfig:
@@ -82,7 +93,7 @@ def _config(model_dir) -> EngineConfig:
 def reference(ckpts, single_thread):
     """The single-process engine's greedy tokens and scored logits, per model."""
     out = {}
-    for name in ("mixtral", "olmoe", "qwen2_moe"):
+    for name in ("mixtral", "olmoe", "qwen2_moe", "deepseek_v3"):
         eng = LLMEngine(_config(ckpts[name]))
         out[name] = {"tokens": [o.token_ids for o in eng.generate(PROMPTS, PARAMS)], "logits": eng.score(SCORE_IDS)}
         if name == "mixtral":
@@ -122,13 +133,15 @@ class PerRankModel:
 @pytest.fixture(scope="module")
 def sessions(ckpts):
     """One 2-rank launch: Mixtral tp=2 and tp=1, OLMoE tp=2 (full q/k norm), Qwen2-MoE tp=2
-    (shared expert, qkv bias, a dense layer, tied embeddings); EP=2 throughout."""
+    (shared expert, qkv bias, a dense layer, tied embeddings), DeepSeek-V3 tp=2 (latent attention
+    split by heads, the latent cached whole on each rank); EP=2 throughout."""
     plan = [("mixtral_tp2", ckpts["mixtral"], 2), ("mixtral_tp1", ckpts["mixtral"], 1),
-            ("olmoe_tp2", ckpts["olmoe"], 2), ("qwen2_moe_tp2", ckpts["qwen2_moe"], 2)]
+            ("olmoe_tp2", ckpts["olmoe"], 2), ("qwen2_moe_tp2", ckpts["qwen2_moe"], 2),
+            ("deepseek_v3_tp2", ckpts["deepseek_v3"], 2)]
     return launch(Sessions(plan), nproc=2, timeout_s=120, collective_timeout_s=60, num_threads=1)
 
 
-@pytest.mark.parametrize("key", ["mixtral_tp2", "mixtral_tp1", "olmoe_tp2", "qwen2_moe_tp2"])
+@pytest.mark.parametrize("key", ["mixtral_tp2", "mixtral_tp1", "olmoe_tp2", "qwen2_moe_tp2", "deepseek_v3_tp2"])
 def test_two_ranks_match_single_process(sessions, reference, key):
     got, ref = sessions[key], reference[key.rsplit("_", 1)[0]]
     assert got["tokens"] == ref["tokens"]
@@ -136,7 +149,8 @@ def test_two_ranks_match_single_process(sessions, reference, key):
     assert diff <= 1e-4, diff
     assert got["steps"] > PARAMS.max_tokens  # prefill took several chunked steps
     tp = int(key[-1])
-    assert got["kv_heads"] == 2 // tp  # each rank caches only its kv heads
+    # each rank caches only its kv heads; MLA's one latent "head" is whole on every rank
+    assert got["kv_heads"] == (1 if key.startswith("deepseek") else 2 // tp)
 
 
 def test_generate_distributed_api(ckpts, reference):

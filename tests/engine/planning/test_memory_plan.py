@@ -34,7 +34,7 @@ def engine_category(name: str) -> str:
         return "experts"
     if ".mlp.shared_" in name:  # shared_w13, shared_w2 and the shared expert's sigmoid gate
         return "shared_experts"
-    if name.endswith(".mlp.gate") or "norm" in name:
+    if name.endswith((".mlp.gate", ".e_score_correction_bias")) or "norm" in name:
         return "norms_routers"
     if ".mlp.w13" in name or ".mlp.w2" in name:
         return "dense_mlp"
@@ -55,7 +55,9 @@ def test_param_counts_and_weight_bytes_match_the_engine(name):
     engine = MoEForCausalLM(cfg)
     for dtype, torch_dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         real = dict.fromkeys(CATEGORIES, 0)
-        for pname, p in engine.to(torch_dtype).named_parameters():  # tied weights listed once
+        engine.to(torch_dtype)
+        routing_bias = [(n, b) for n, b in engine.named_buffers() if n.endswith("e_score_correction_bias")]
+        for pname, p in [*engine.named_parameters(), *routing_bias]:  # tied weights listed once
             real[engine_category(pname)] += p.numel() * p.element_size()
         plan = plan_memory(raw, one_device(), tp=1, ep=1, context=64, batch=2, dtype=dtype)
         assert plan.devices[0].weights == real, dtype
@@ -145,7 +147,8 @@ def test_3t_config_plans_at_1m_context(capsys):
     # MLA: the compressed latent (kv_lora_rank + rope dim), not split over TP
     latent = model.kv_lora_rank + model.qk_rope_head_dim
     kv0 = plan.devices[0].kv_cache
-    assert kv0 == model.num_layers * (1 << 20) * latent + model.num_layers * (1 << 20) // 16 * 4
+    # INT8: one byte a value, plus one fp32 scale per block and layer for each of the latent and the RoPE key
+    assert kv0 == model.num_layers * (1 << 20) * latent + model.num_layers * (1 << 20) // 16 * 2 * 4
     table = plan.format_table()
     assert "devices 0-7" in table and "devices 8-255" in table and "fits: yes" in table
     assert any("MLA" in n for n in out["notes"]) and any("num_nextn_predict_layers" in n for n in out["notes"])
@@ -184,7 +187,7 @@ def test_deepseek_v3_shapes_give_its_published_size():
                intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=128,
                n_shared_experts=1, n_routed_experts=256, kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64,
                v_head_dim=128, qk_nope_head_dim=128, num_experts_per_tok=8, first_k_dense_replace=3,
-               max_position_embeddings=163840)
+               n_group=8, topk_group=4, routed_scaling_factor=2.5, max_position_embeddings=163840)
     counts = load_plan_model(raw).param_counts()
     assert round(counts["params_total"] / 1e9) == 671 and 37e9 < counts["params_active"] < 38e9
 
@@ -239,5 +242,5 @@ def test_unknown_architecture_names_architectures(tmp_path):
     bad.write_text("{not json")
     with pytest.raises(ValueError, match="^config.json:"):
         load_plan_model(tmp_path)
-    with pytest.raises(ValueError, match="^n_routed_experts: missing"):
+    with pytest.raises(ValueError, match="^hidden_size: missing"):
         load_plan_model({"architectures": ["DeepseekV3ForCausalLM"], "num_hidden_layers": 4})

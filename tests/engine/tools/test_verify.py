@@ -16,7 +16,8 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 
 # small prefill chunks and token budget, so the greedy run mixes chunked prefills with decodes
 CHUNKY = SchedulerKnobs(long_prefill_token_threshold=8, max_num_batched_tokens=24)
-ARCHS = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "olmoe_norm_topk"]
+ARCHS = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "olmoe_norm_topk", "deepseek_v3", "deepseek_v3_plain", "kimi_k2"]
+FAMILY = {"olmoe_norm_topk": "olmoe", "deepseek_v3_plain": "deepseek_v3", "kimi_k2": "deepseek_v3"}
 
 
 def test_tiny_checkpoints_cover_the_variants(tiny_hf_checkpoint):
@@ -30,12 +31,24 @@ def test_tiny_checkpoints_cover_the_variants(tiny_hf_checkpoint):
     assert cfg["qwen2_moe"]["shared_expert_intermediate_size"] and cfg["qwen2_moe"]["mlp_only_layers"]
     assert cfg["olmoe"]["clip_qkv"] and cfg["olmoe_norm_topk"]["clip_qkv"] is None
     assert cfg["qwen2_moe"]["tie_word_embeddings"] and not cfg["mixtral"]["tie_word_embeddings"]
+    ds, plain, kimi = cfg["deepseek_v3"], cfg["deepseek_v3_plain"], cfg["kimi_k2"]
+    assert ds["q_lora_rank"] and plain["q_lora_rank"] is None
+    assert ds["rope_interleave"] and not plain["rope_interleave"]
+    assert ds["v_head_dim"] != ds["qk_nope_head_dim"] and ds["first_k_dense_replace"] == 1
+    assert ds["n_group"] > ds["topk_group"] > 1 and plain["n_group"] == 1 and not plain["norm_topk_prob"]
+    assert ds["rope_parameters"]["rope_type"] == "yarn" and ds["rope_parameters"]["mscale"] != 1.0
+    assert plain["attention_bias"] and plain["tie_word_embeddings"] and plain["first_k_dense_replace"] == 0
+    assert kimi["model_type"] == "kimi_k2" and kimi["architectures"] == ["DeepseekV3ForCausalLM"]
+    from safetensors import safe_open
+    with safe_open(str(tiny_hf_checkpoint("deepseek_v3") / "model.safetensors"), "pt") as f:
+        bias = f.get_tensor("model.layers.1.mlp.gate.e_score_correction_bias")
+    assert bias.abs().max() > 0.1  # drawn, so the selection-only bias path is exercised
 
 
 @pytest.mark.parametrize("name", ARCHS)
 def test_verify_passes(tiny_hf_checkpoint, name):
     r = run_verify(tiny_hf_checkpoint(name), knobs=CHUNKY)
-    assert r["architecture"] == name.removesuffix("_norm_topk")
+    assert r["architecture"] == FAMILY.get(name, name)
     assert len(r["layer_rel_errors"]) == r["num_layers"] + 1
     assert r["max_rel_error"] <= THRESHOLDS["max_rel_error"], r["layer_rel_errors"]
     assert r["loglik_rel_diff"] <= THRESHOLDS["loglik_rel_diff"], (r["loglik_engine"], r["loglik_reference"])

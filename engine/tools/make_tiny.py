@@ -1,0 +1,120 @@
+"""`moectl model make-tiny --like CONFIG`: a scaled-down random checkpoint with a config's layer kinds.
+
+The architecture and every option that changes the computation stay as the config has them
+(MLA with or without a q LoRA, YaRN, grouped routing, shared experts, dense first layers, biases,
+tied embeddings); only the widths and counts shrink. The sample model's tokenizer is copied in
+(and the vocabulary sized to it), so the engine, the console and the server run on the result.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import torch
+
+from moectl.engine.models.config import ConfigError, ModelConfig
+from moectl.engine.models.decoder import MoEForCausalLM
+from moectl.engine.models.loader import save_checkpoint
+
+
+def _deepseek(raw: dict, hidden: int, experts: int) -> dict:
+    groups = raw.get("n_group") or 1
+    while groups > 1 and (experts % groups or experts // groups < 2):
+        groups //= 2
+    top_k = min(raw["num_experts_per_tok"], max(1, experts // 4))
+    keep = max(1, min(raw.get("topk_group") or 1, groups))
+    while keep < groups and keep * (experts // groups) < top_k:
+        keep += 1
+    return dict(
+        n_routed_experts=experts, num_experts_per_tok=top_k, n_group=groups, topk_group=keep,
+        moe_intermediate_size=hidden // 2, intermediate_size=2 * hidden,
+        q_lora_rank=None if raw.get("q_lora_rank") is None else hidden // 2 + hidden // 4,
+        kv_lora_rank=hidden // 2, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+        first_k_dense_replace=min(raw.get("first_k_dense_replace", 0), 1), num_key_value_heads=4,
+        num_nextn_predict_layers=0)
+
+
+def _generic(raw: dict, cfg: ModelConfig, hidden: int, experts: int) -> dict:
+    out = dict(num_key_value_heads=min(cfg.num_kv_heads, 2), head_dim=hidden // 4,
+               num_experts_per_tok=min(cfg.top_k, max(1, experts // 2)))
+    for key in ("num_local_experts", "num_experts"):
+        if key in raw:
+            out[key] = experts
+    if "moe_intermediate_size" in raw:
+        out["moe_intermediate_size"] = hidden
+        out["intermediate_size"] = 2 * hidden
+        if raw.get("shared_expert_intermediate_size"):
+            out["shared_expert_intermediate_size"] = hidden + hidden // 2
+    else:
+        out["intermediate_size"] = hidden + hidden // 2
+    if raw.get("mlp_only_layers"):
+        out["mlp_only_layers"] = [1]
+    return out
+
+
+def tiny_config(raw: dict, *, layers: int = 4, hidden: int = 64, experts: int = 16, vocab_size: int,
+                max_positions: int = 4096) -> dict:
+    """config.json of the scaled-down model: the same architecture and options, small shapes."""
+    cfg = ModelConfig.from_hf(raw)  # refuses what the engine cannot run, naming the field
+    if hidden % 16 or hidden < 32:
+        raise ConfigError(f"--hidden: must be a multiple of 16 and at least 32, got {hidden}")
+    if not 2 <= experts <= cfg.num_experts:
+        raise ConfigError(f"--experts: must be in 2..{cfg.num_experts} (the config's routed experts), got {experts}")
+    if not 1 <= layers <= cfg.num_layers:
+        raise ConfigError(f"--layers: must be in 1..{cfg.num_layers}, got {layers}")
+    out = {k: v for k, v in raw.items() if not k.startswith("_")}
+    out.update(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4, vocab_size=vocab_size,
+               max_position_embeddings=min(cfg.max_position_embeddings, max_positions), dtype="float32")
+    out.pop("torch_dtype", None)
+    out.update(_deepseek(raw, hidden, experts) if cfg.architecture == "deepseek_v3" else _generic(raw, cfg, hidden, experts))
+    if cfg.architecture == "deepseek_v3" and layers == 1:
+        out["first_k_dense_replace"] = 0
+    for key in ("rope_scaling", "rope_parameters"):  # keep YaRN, over the shorter context
+        spec = raw.get(key)
+        if isinstance(spec, dict) and spec.get("original_max_position_embeddings"):
+            factor = cfg.rope_scaling.factor
+            out[key] = dict(spec, original_max_position_embeddings=max(16, int(out["max_position_embeddings"] / factor)))
+    for key in ("bos_token_id", "eos_token_id"):
+        out[key] = {"bos_token_id": 0, "eos_token_id": 1}[key]  # the sample tokenizer's <s> and </s>
+    ModelConfig.from_hf(out)  # the result must itself be a valid config
+    return out
+
+
+def make_tiny(like: str | Path, out_dir: str | Path, *, layers: int = 4, hidden: int = 64, experts: int = 16,
+              seed: int = 0, tokenizer_dir: str | Path) -> dict:
+    """Write a random checkpoint shaped like `like` (a config.json or a checkpoint directory) to
+    out_dir, with the tokenizer of tokenizer_dir. Returns `model info`-style facts about it."""
+    like, out_dir, tokenizer_dir = Path(like), Path(out_dir), Path(tokenizer_dir)
+    src = like if like.is_file() else like / "config.json"
+    try:
+        raw = json.loads(src.read_text())
+    except OSError as exc:
+        raise ConfigError(f"--like: cannot read {src} ({exc.strerror})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"--like: {src} is not valid JSON ({exc})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError("--like: the config's top level must be an object")
+    vocab = json.loads((tokenizer_dir / "config.json").read_text())["vocab_size"]
+    tiny = tiny_config(raw, layers=layers, hidden=hidden, experts=experts, vocab_size=vocab)
+    model = MoEForCausalLM(ModelConfig.from_hf(tiny))
+    # std 1/sqrt(hidden): activations keep their scale through the layers, so routing is not a near-tie
+    model.init_weights(std=1.0 / math.sqrt(hidden), seed=seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(0.1 * torch.randn(buf.shape, generator=gen))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_checkpoint(model, out_dir)
+    (out_dir / "config.json").write_text(json.dumps(tiny, indent=2) + "\n")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        if (tokenizer_dir / name).is_file():
+            shutil.copy(tokenizer_dir / name, out_dir / name)
+    cfg = ModelConfig.from_dir(out_dir)
+    return {"out": str(out_dir), "architecture": cfg.hf_architecture, "model_type": tiny.get("model_type"),
+            "layers": cfg.num_layers, "dense_layers": cfg.num_layers - sum(cfg.sparse_layers),
+            "experts": cfg.num_experts, "top_k": cfg.top_k, "attention": cfg.attention,
+            "rope": cfg.rope_scaling.kind, **cfg.param_counts()}

@@ -1,0 +1,110 @@
+"""The seeds' model class end to end: the 3T config read like any checkpoint, a scaled-down random
+checkpoint of it (`model make-tiny --like`) in the engine, the console, the server and a trace."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+from typer.testing import CliRunner
+
+from moectl.cli.main import app
+from moectl.console.app import MoectlApp
+from moectl.console.sources import DemoLoad, LiveSource
+from moectl.engine.core.config import EngineConfig
+from moectl.engine.core.driver import EngineDriver
+from moectl.engine.core.topology import Topology
+from moectl.engine.llm_engine import LLMEngine
+from moectl.engine.models.config import ModelConfig
+from moectl.server.app import ServerThread
+from tests.paths import DOCS
+from tests.pilot import run_app, text_of, until
+
+CONFIG_3T = DOCS / "configs" / "k3-3t-1m.json"
+runner = CliRunner()
+
+
+def run(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+@pytest.fixture(scope="module")
+def tiny_k3(tmp_path_factory):
+    out = tmp_path_factory.mktemp("k3") / "tiny"
+    res = run("model", "make-tiny", "--like", CONFIG_3T, "--out", out, "--json")
+    assert res.exit_code == 0, res.output
+    return out
+
+
+def test_3t_config_is_a_deepseek_v3_config_json():
+    res = run("model", "info", "--model", CONFIG_3T, "--json")
+    assert res.exit_code == 0, res.output
+    info = json.loads(res.stdout)
+    assert info["architecture"] == "DeepseekV3ForCausalLM" and info["attention"] == "mla"
+    assert (info["layers"], info["experts"], info["top_k"]) == (80, 512, 8)
+    assert 2.9e12 < info["params_total"] < 3.1e12
+    assert info["kv_values_per_token_per_layer"] == 512 + 64
+    res = run("plan", "rebalance", "--synthetic", "--model", CONFIG_3T, "--devices", 64, "--json")
+    assert res.exit_code == 0, res.output
+    plan = json.loads(res.stdout)
+    # the MoE layers (80 less 3 dense) and experts of the config; a bf16 expert's bytes
+    assert (plan["layers"], plan["experts"], plan["devices"]) == (77, 512, 64)
+    assert plan["expert_bytes"] == 3 * 8192 * 3072 * 2
+    assert plan["balancedness_after"] > plan["balancedness_before"]
+
+
+def test_make_tiny_keeps_the_layer_kinds(tiny_k3):
+    big, tiny = ModelConfig.from_dir(CONFIG_3T), ModelConfig.from_dir(tiny_k3)
+    assert tiny.architecture == big.architecture == "deepseek_v3"
+    for field in ("attention", "router", "shared_expert_gated", "rope_interleave", "norm_topk_prob",
+                  "routed_scaling_factor"):
+        assert getattr(tiny, field) == getattr(big, field), field
+    assert tiny.rope_scaling.kind == "yarn" and tiny.rope_scaling.factor == big.rope_scaling.factor
+    assert bool(tiny.q_lora_rank) == bool(big.q_lora_rank) and tiny.n_group > 1
+    assert not tiny.sparse_layers[0] and all(tiny.sparse_layers[1:])  # a dense first layer, then MoE
+    assert tiny.shared_expert_intermediate_size > 0
+    assert (tiny_k3 / "tokenizer.json").is_file()
+    res = run("generate", "--model", tiny_k3, "def f(", "--max-tokens", 6, "--ignore-eos", "--devices", 4, "--json")
+    assert res.exit_code == 0, res.output
+    assert len(json.loads(res.stdout)["token_ids"]) == 6
+
+
+@pytest.mark.parametrize("args, needle", [
+    (("--like", "/nonexistent/config.json"), "--like"),
+    (("--like", CONFIG_3T, "--experts", "1"), "--experts"),
+    (("--like", CONFIG_3T, "--hidden", "40"), "--hidden"),
+])
+def test_make_tiny_bad_input_is_one_line(tmp_path, args, needle):
+    res = run("model", "make-tiny", "--out", tmp_path / "x", *args)
+    assert res.exit_code == 2 and needle in res.output and len(res.output.strip().splitlines()) == 1, res.output
+
+
+def test_console_runs_on_the_tiny_3t(tiny_k3):
+    config = EngineConfig(model=str(tiny_k3), block_size=4, num_kv_blocks=256, topology=Topology(num_devices=4),
+                          num_threads=1)
+    source = LiveSource(lambda: LLMEngine(config), DemoLoad(rate=40.0, prompt_len="8-24", output_len="8-16"))
+
+    async def body(app, pilot):
+        await until(pilot, lambda: app.state.steps_seen > 5 and app.state.throughput() > 0)
+        await pilot.pause(0.3)
+        assert "tok/s" in text_of(app, "#ov-metrics")
+        assert text_of(app, "#ov-load").count("d") >= 4
+        await pilot.press("2")  # the Experts panel: the routed experts of the MoE layers only
+        await pilot.press("r")
+        await until(pilot, lambda: app.plan is not None)
+        # routed experts only: the dense first layer (no experts) is never part of a move
+        assert app.plan.move_array.size == 0 or (app.plan.move_array[:, 0] >= 1).all()
+    run_app(MoectlApp(source), body)
+
+
+def test_server_answers_on_the_tiny_3t(tiny_k3):
+    driver = EngineDriver(lambda: LLMEngine(EngineConfig(model=str(tiny_k3), block_size=4, num_kv_blocks=128,
+                                                         num_threads=1)))
+    try:
+        with ServerThread(driver) as srv:
+            c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+            out = c.completions.create(model=c.models.list().data[0].id, prompt="def f(", max_tokens=5)
+            assert out.usage.completion_tokens >= 1
+    finally:
+        driver.close()
