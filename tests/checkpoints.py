@@ -72,6 +72,29 @@ SPECS = {
                                rope_interleave=False, attention_bias=True, routed_scaling_factor=1.5,
                                norm_topk_prob=False, rope_theta=10000.0, tie_word_embeddings=True,
                                bos_token_id=None, eos_token_id=None), {}),
+    # alternating sliding (window 3, shorter than the prompts) and full layers, sinks, router and expert
+    # biases, a clamp small enough to bite, head_dim 16 != hidden/heads, YaRN without truncation
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM",
+                dict(COMMON, vocab_size=256, intermediate_size=24, head_dim=16, num_local_experts=4,
+                     num_experts_per_tok=2, sliding_window=3, swiglu_limit=0.5,
+                     rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=4.0, beta_fast=32.0,
+                                          beta_slow=1.0, truncate=False, original_max_position_embeddings=128),
+                     bos_token_id=None, eos_token_id=None, pad_token_id=None), {}),
+    # every layer full but the last, MHA, default RoPE, tied embeddings, the default clamp
+    "gpt_oss_full": ("GptOssConfig", "GptOssForCausalLM",
+                     dict(COMMON, num_key_value_heads=4, vocab_size=256, intermediate_size=16, head_dim=8,
+                          num_local_experts=6, num_experts_per_tok=3, sliding_window=5,
+                          layer_types=["full_attention", "full_attention", "sliding_attention"],
+                          rope_parameters=dict(rope_type="default", rope_theta=10000.0), tie_word_embeddings=True,
+                          bos_token_id=None, eos_token_id=None, pad_token_id=None), {}),
+    # Mixtral and Qwen3-MoE with sliding_window set: honoured on every layer
+    "mixtral_sliding": ("MixtralConfig", "MixtralForCausalLM",
+                        dict(COMMON, vocab_size=256, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
+                             sliding_window=6, rope_theta=10000.0, bos_token_id=None, eos_token_id=None), {}),
+    "qwen3_moe_sliding": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                          dict(COMMON, vocab_size=256, head_dim=8, intermediate_size=32, moe_intermediate_size=16,
+                               num_experts=4, num_experts_per_tok=2, use_sliding_window=True, sliding_window=5,
+                               bos_token_id=None, eos_token_id=None), {}),
 }
 # Kimi-K2: DeepSeek-V3's architecture and tensors under its own model_type (one group, as K2 has)
 SPECS["kimi_k2"] = (*SPECS["deepseek_v3"][:2], dict(SPECS["deepseek_v3"][2], n_group=1, topk_group=1,
@@ -126,6 +149,10 @@ def randomize_(model: torch.nn.Module, seed: int, std: float = STD) -> None:
                 p.copy_(1.0 + 0.1 * noise)
             else:
                 p.copy_(std * noise)
+        # gpt-oss's sinks: large enough that the sink column takes a real share of each softmax
+        for name, p in model.named_parameters():
+            if name.endswith(".sinks"):
+                p.copy_(torch.randn(p.shape, generator=gen))
         # DeepSeek-V3's correction bias is a zero buffer: drawn large enough to change which experts win
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moectl.engine.models.attention import sdpa
+from moectl.engine.models.attention import sdpa, window_mask
 
 
 @dataclass
@@ -44,29 +44,35 @@ class PagedContext:
     decode_groups: list[DecodeGroup] = field(default_factory=list)  # length-bucketed decodes
     prefills: list[PrefillSlice] = field(default_factory=list)
 
-    def attend(self, layer, q, k, v, scale, latent_keys: bool = False):
+    def attend(self, layer, q, k, v, scale, latent_keys: bool = False, window: int = 0, sinks=None):
+        """window > 0: each query sees only its last `window` positions; sinks: gpt-oss's per-head
+        sink logits (see models.attention.sdpa)."""
         self.cache.write(layer, self.slot_mapping, k, v)
         out = q.new_empty(*q.shape[:-1], v.shape[-1])
         for g in self.decode_groups:
             keys, values = self.cache.gather_blocks(layer, g.blocks, g.end - g.start, g.width, q.dtype)
             keys = torch.cat([values, keys], dim=-1) if latent_keys else keys
-            out[g.start:g.end] = sdpa(q[g.start:g.end, None], keys, values, scale, mask=g.mask)[:, 0]
+            mask = g.mask
+            if window:  # a decode's query sits at position len - 1
+                lens = self.decode_context_lens[g.start:g.end]
+                mask = window_mask(lens - 1, keys.shape[1], window)[:, None, None, :]
+            out[g.start:g.end] = sdpa(q[g.start:g.end, None], keys, values, scale, mask=mask, sinks=sinks)[:, 0]
         bs = self.cache.block_size
         for p in self.prefills:
             # 4-D [1, L, H, D] inputs: the CPU flash kernel takes them; 3-D ones fall back to the math path
             qs = q[None, p.start:p.end]
+            n = p.end - p.start
             if p.cached_len == 0:
                 ks, vs = k[None, p.start:p.end], v[None, p.start:p.end]
                 ks = torch.cat([vs, ks], dim=-1) if latent_keys else ks
-                out[p.start:p.end] = sdpa(qs, ks, vs, scale, causal=True)[0]
+                mask = window_mask(torch.arange(n, device=q.device), n, window)[None, None] if window else None
+                out[p.start:p.end] = sdpa(qs, ks, vs, scale, mask=mask, causal=mask is None, sinks=sinks)[0]
                 continue
             # this chunk's K/V are already written: read the whole context back from the cache
-            n = p.end - p.start
             total = p.cached_len + n
             nblocks = -(-total // bs)
             ks, vs = self.cache.gather_blocks(layer, p.block_table[:nblocks], 1, nblocks, q.dtype)
             ks = torch.cat([vs, ks], dim=-1) if latent_keys else ks
-            rows = torch.arange(n, device=q.device)[:, None] + p.cached_len
-            mask = torch.arange(total, device=q.device)[None, :] <= rows
-            out[p.start:p.end] = sdpa(qs, ks[:, :total], vs[:, :total], scale, mask=mask[None, None])[0]
+            mask = window_mask(torch.arange(n, device=q.device) + p.cached_len, total, window)
+            out[p.start:p.end] = sdpa(qs, ks[:, :total], vs[:, :total], scale, mask=mask[None, None], sinks=sinks)[0]
         return out

@@ -52,7 +52,7 @@ from itertools import combinations
 
 import torch
 
-from moectl.engine.models.layers import swiglu
+from moectl.engine.models.moe import SWIGLU
 
 Key = Hashable  # (layer, expert) in the engine; any hashable in the simulations
 
@@ -326,8 +326,9 @@ class ExpertCache:
 
     def __init__(self, host: Mapping[int, tuple[torch.Tensor, torch.Tensor]], capacity: int,
                  device: str | torch.device = "cpu", *, local_experts: Mapping[int, Iterable[int]] | None = None,
-                 max_working_set: int | None = None, pin_host: bool = True, name: str = ""):
+                 max_working_set: int | None = None, pin_host: bool = True, name: str = "", ffn=None):
         capacity = _check_capacity(capacity)
+        self.ffn = ffn or SWIGLU  # what an expert computes (gpt-oss: clamped, with biases in the weights)
         if not host:
             raise ValueError("host: no expert layers given")
         self.name = name
@@ -377,8 +378,9 @@ class ExpertCache:
         local = {layer: placement.experts_on(layer, device_index) for layer in host}
         widest = max(len(set(v)) for v in local.values())
         need = max_working_set(widest, model.cfg.top_k, max_tokens)
+        ffn = next(layer.mlp.experts for layer in model.layers if hasattr(layer.mlp, "experts"))
         return cls(host, capacity, device, local_experts=local, max_working_set=need, pin_host=pin_host,
-                   name=f"device {device_index}")
+                   name=f"device {device_index}", ffn=getattr(ffn, "logical", ffn).ffn)
 
     # -- stats
     def reset_stats(self) -> None:
@@ -516,7 +518,7 @@ class ExpertCache:
         out = torch.empty_like(x_grouped)
         start = 0
         for slot, n in zip(slots, rows):
-            out[start:start + n] = swiglu(x_grouped[start:start + n], self.w13_cache[slot], self.w2_cache[slot])
+            out[start:start + n] = self.ffn(x_grouped[start:start + n], self.w13_cache[slot], self.w2_cache[slot])
             start += n
         return out
 

@@ -175,7 +175,8 @@ class PlacedExperts(nn.Module):
             else:
                 w13, w2 = self.device_w13[device], self.device_w2[device]
                 offsets = grouped_offsets(counts_d, rows, dtype=x.dtype)
-                result = stats.timed(device, lambda: grouped_swiglu(rows_in, counts_list, w13, w2, offsets),
+                result = stats.timed(device, lambda: grouped_swiglu(rows_in, counts_list, w13, w2, offsets,
+                                                                    self.logical.ffn),
                                      real, self.layer_idx)
             out[start:end] = result  # on a real device: the combine copy back
             stats.tokens[device] += rows

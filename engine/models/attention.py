@@ -36,6 +36,8 @@ class Attention(nn.Module):
         self.clip_qkv = cfg.clip_qkv
         self.rope = rope
         self.scale = cfg.attention_scale
+        self.window = cfg.layer_windows[layer_idx]
+        self.sinks = nn.Parameter(torch.empty(cfg.num_heads)) if cfg.attention_sinks else None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
         q, k, v = self.qkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -50,15 +52,45 @@ class Attention(nn.Module):
         if self.qk_norm == "per_head":
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rope(positions, q, k)
-        out = ctx.attend(self.layer_idx, q, k, v, self.scale)
+        out = ctx.attend(self.layer_idx, q, k, v, self.scale, window=self.window, sinks=self.sinks)
         return self.o_proj(out.reshape(n, self.q_size))
 
 
-def sdpa(q, k, v, scale, mask=None, causal=False):
-    """q: [..., L, Hq, D] token-major; returns the same layout."""
+def sdpa(q, k, v, scale, mask=None, causal=False, sinks=None):
+    """q: [..., L, Hq, D] token-major; returns the same layout. mask: bool, True = attend.
+    sinks: [Hq] logits that join every row's softmax without a value (gpt-oss), as one extra key
+    every query sees: q gains a last value sink/scale, every key a last 0, and the sink key is
+    (0, ..., 0, 1) with value 0, so its logit is the sink and it adds nothing to the output."""
+    if sinks is not None:
+        q, k, v, mask = _with_sink_key(q, k, v, scale, mask, causal, sinks)
+        causal = False
     o = F.scaled_dot_product_attention(q.transpose(-3, -2), k.transpose(-3, -2), v.transpose(-3, -2),
                                        attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True)
     return o.transpose(-3, -2)
+
+
+def _with_sink_key(q, k, v, scale, mask, causal, sinks):
+    length, keys = q.shape[-3], k.shape[-3]
+    if causal:  # top-left aligned, as SDPA's is_causal
+        mask = torch.ones(length, keys, dtype=torch.bool, device=q.device).tril()
+    column = (sinks.to(q.dtype) / scale).expand(*q.shape[:-1]).unsqueeze(-1)
+    q = torch.cat([q, column], dim=-1)
+    sink_key = k.new_zeros(*k.shape[:-3], 1, k.shape[-2], k.shape[-1] + 1)
+    sink_key[..., -1] = 1
+    k = torch.cat([sink_key, F.pad(k, (0, 1))], dim=-3)
+    v = torch.cat([v.new_zeros(*v.shape[:-3], 1, *v.shape[-2:]), v], dim=-3)
+    if mask is not None:
+        mask = F.pad(mask, (1, 0), value=True)
+    return q, k, v, mask
+
+
+def window_mask(query_positions: torch.Tensor, keys: int, window: int) -> torch.Tensor:
+    """[L, keys] bool: query at absolute position p sees key positions j <= p (and j > p - window
+    when window > 0), the rule of transformers' sliding_window_overlay."""
+    cols = torch.arange(keys, device=query_positions.device)[None, :]
+    rows = query_positions[:, None]
+    mask = cols <= rows
+    return mask & (cols > rows - window) if window else mask
 
 
 @dataclass
@@ -67,9 +99,10 @@ class DenseContext:
     batch: int
     seq_len: int
 
-    def attend(self, layer, q, k, v, scale, latent_keys: bool = False):
+    def attend(self, layer, q, k, v, scale, latent_keys: bool = False, window: int = 0, sinks=None):
         shape = (self.batch, self.seq_len)
         k = torch.cat([v, k], dim=-1) if latent_keys else k  # MLA: see moectl.engine.models.mla
+        mask = window_mask(torch.arange(self.seq_len, device=q.device), self.seq_len, window) if window else None
         o = sdpa(q.view(*shape, *q.shape[1:]), k.view(*shape, *k.shape[1:]),
-                 v.view(*shape, *v.shape[1:]), scale, causal=True)
+                 v.view(*shape, *v.shape[1:]), scale, mask=mask, causal=mask is None, sinks=sinks)
         return o.reshape(*q.shape[:-1], v.shape[-1])

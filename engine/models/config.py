@@ -20,6 +20,7 @@ ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "OlmoeForCausalLM": "olmoe",
     "DeepseekV3ForCausalLM": "deepseek_v3",
+    "GptOssForCausalLM": "gpt_oss",
 }
 # model_type values each architecture accepts (Kimi-K2 ships DeepSeek-V3's architecture)
 MODEL_TYPE_ALIASES = {"kimi_k2": "deepseek_v3"}
@@ -78,7 +79,7 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
 
 @dataclass
 class ModelConfig:
-    architecture: str  # mixtral | qwen2_moe | qwen3_moe | olmoe | deepseek_v3
+    architecture: str  # mixtral | qwen2_moe | qwen3_moe | olmoe | deepseek_v3 | gpt_oss
     vocab_size: int
     hidden_size: int
     num_layers: int
@@ -109,11 +110,20 @@ class ModelConfig:
     v_head_dim: int = 0
     rope_interleave: bool = False  # the checkpoint's rope rows interleaved (permuted away at load)
     # ... and its router: sigmoid scores, grouped selection, a selection-only correction bias
-    router: str = "softmax"  # softmax | grouped_sigmoid
+    router: str = "softmax"  # softmax | grouped_sigmoid | topk_softmax (gpt-oss: softmax over the top-k logits)
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
     shared_expert_gated: bool = True  # Qwen2-MoE gates its shared expert; DeepSeek adds it as is
+    # per layer: 0 = full attention, W = each query sees its last W positions (itself included)
+    layer_windows: tuple[int, ...] = ()
+    # gpt-oss: a learned per-head sink logit in every softmax, biases on the router and the experts,
+    # and a clamped SwiGLU
+    attention_sinks: bool = False
+    router_bias: bool = False
+    expert_bias: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
     dtype: torch.dtype = torch.float32
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -144,6 +154,20 @@ class ModelConfig:
             raise ConfigError("intermediate_size: required for the dense (mlp_only) layers")
         if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
             raise ConfigError("rms_norm_eps/rope_theta: must be positive")
+        if not self.layer_windows:
+            self.layer_windows = (0,) * self.num_layers
+        if len(self.layer_windows) != self.num_layers:
+            raise ConfigError(f"layer_types: {len(self.layer_windows)} entries for {self.num_layers} layers")
+        for window in self.layer_windows:
+            if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+                raise ConfigError(f"sliding_window: must be a positive integer, got {window!r}")
+            if window > self.max_position_embeddings:
+                raise ConfigError(f"sliding_window: {window} is larger than the context "
+                                  f"(max_position_embeddings {self.max_position_embeddings})")
+        if self.attention == "mla" and any(self.layer_windows):
+            raise ConfigError("sliding_window: latent attention (MLA) has no sliding-window layers")
+        if self.swiglu_limit is not None and self.swiglu_limit <= 0:
+            raise ConfigError(f"swiglu_limit: must be positive, got {self.swiglu_limit!r}")
         if self.attention == "mla":
             self._check_mla()
         if self.router == "grouped_sigmoid":
@@ -210,8 +234,8 @@ class ModelConfig:
 
     @property
     def o_proj_bias(self) -> bool:
-        # Qwen3-MoE and OLMoE put attention_bias on o_proj too; Qwen2-MoE biases q/k/v only
-        return self.attention_bias and self.architecture in ("qwen3_moe", "olmoe")
+        # Qwen3-MoE, OLMoE and gpt-oss put attention_bias on o_proj too; Qwen2-MoE biases q/k/v only
+        return self.attention_bias and self.architecture in ("qwen3_moe", "olmoe", "gpt_oss")
 
     @property
     def hf_architecture(self) -> str:
@@ -229,7 +253,9 @@ class ModelConfig:
             attn += 2 * self.head_dim
         elif self.qk_norm == "full":
             attn += self.q_size + self.kv_size
+        attn += self.num_heads if self.attention_sinks else 0
         expert = 3 * h * self.expert_intermediate_size
+        expert += 2 * self.expert_intermediate_size + h if self.expert_bias else 0
         shared = 3 * h * self.shared_expert_intermediate_size
         shared += h if self.shared_expert_intermediate_size and self.shared_expert_gated else 0
         dense = 3 * h * self.dense_intermediate_size
@@ -237,7 +263,8 @@ class ModelConfig:
         for sparse in self.sparse_layers:
             norms = 2 * h
             if sparse:
-                router = h * self.num_experts + (self.num_experts if self.router == "grouped_sigmoid" else 0)
+                router = h * self.num_experts + (self.num_experts if self.router == "grouped_sigmoid" or self.router_bias
+                                                 else 0)
                 total += attn + norms + router + self.num_experts * expert + shared
                 active += attn + norms + router + self.top_k * expert + shared
             else:
@@ -317,8 +344,6 @@ class ModelConfig:
         rope_scaling = _rope_scaling(raw)
         if raw.get("hidden_act", "silu") != "silu":
             raise ConfigError(f"hidden_act: {raw['hidden_act']!r} is not supported (only silu)")
-        if raw.get("use_sliding_window") or (arch == "mixtral" and raw.get("sliding_window")):
-            raise ConfigError("sliding_window: sliding-window attention is not supported")
 
         hidden, heads = need("hidden_size"), need("num_attention_heads")
         head_dim = raw.get("head_dim") or (hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads else 0)
@@ -334,6 +359,16 @@ class ModelConfig:
             bias = _flag(raw, "attention_bias", False)
             kw.update(_deepseek_v3(raw, need, layers))
             head_dim = kw.pop("head_dim")  # config.json's head_dim is the RoPE width here
+        elif arch == "gpt_oss":
+            experts = raw.get("num_local_experts") or need("num_experts")
+            expert_size = need("intermediate_size")
+            norm_topk = True  # the softmax runs over the chosen logits: the weights always sum to 1
+            bias = _flag(raw, "attention_bias", True)
+            kw.update(router="topk_softmax", router_bias=True, expert_bias=True, attention_sinks=True,
+                      swiglu_limit=_number(raw, "swiglu_limit", 7.0), swiglu_alpha=_number(raw, "swiglu_alpha", 1.702))
+            if rope_scaling.kind == "default" and not (raw.get("rope_parameters") or raw.get("rope_scaling")):
+                rope_scaling = RopeScaling(kind="yarn", factor=32.0, original_max_position_embeddings=4096,
+                                           truncate=False)  # GptOssConfig's default
         elif arch == "olmoe":
             experts = raw.get("num_experts") or need("num_local_experts")
             expert_size = need("intermediate_size")
@@ -359,7 +394,9 @@ class ModelConfig:
 
         theta = raw.get("rope_theta")
         if theta is None:
-            theta = (raw.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+            theta = (raw.get("rope_parameters") or {}).get("rope_theta", 150000.0 if arch == "gpt_oss" else 10000.0)
+        if isinstance(layers, int):
+            kw["layer_windows"] = _layer_windows(raw, arch, layers)
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         vocab = need("vocab_size")
@@ -446,6 +483,40 @@ def _rope_scaling(raw: dict) -> RopeScaling:
                        mscale=number("mscale", None, positive=False),
                        mscale_all_dim=number("mscale_all_dim", None, positive=False),
                        attention_factor=number("attention_factor", None), truncate=truncate)
+
+
+def _layer_windows(raw: dict, arch: str, layers: int) -> tuple[int, ...]:
+    """Per layer 0 (full attention) or its window, by transformers' rule for each architecture:
+    gpt-oss and Qwen2-MoE by layer_types (gpt-oss's default: even layers slide; Qwen2-MoE's: even
+    layers below max_window_layers, with use_sliding_window), Mixtral and Qwen3-MoE every layer
+    when sliding_window (and for Qwen3, use_sliding_window) is set."""
+    window = raw.get("sliding_window")
+    if arch == "qwen2_moe" or arch == "qwen3_moe":
+        if not raw.get("use_sliding_window"):
+            return (0,) * layers
+        if not window:
+            raise ConfigError("sliding_window: use_sliding_window is true but no window is given")
+    elif arch in ("mixtral", "olmoe", "deepseek_v3"):
+        if window and arch != "mixtral":
+            raise ConfigError(f"sliding_window: {MODEL_TYPES[arch]} has no sliding-window attention")
+        return (window,) * layers if window else (0,) * layers
+    if arch == "qwen3_moe":
+        return (window,) * layers
+    kinds = raw.get("layer_types")
+    if kinds is None:
+        if arch == "gpt_oss":
+            kinds = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+        else:
+            last = raw.get("max_window_layers", 28)
+            kinds = ["sliding_attention" if i % 2 == 0 and i < last else "full_attention" for i in range(layers)]
+    if not isinstance(kinds, list) or len(kinds) != layers:
+        raise ConfigError(f"layer_types: must list one kind for each of the {layers} layers")
+    unknown = sorted({k for k in kinds if k not in ("sliding_attention", "full_attention")}, key=str)
+    if unknown:
+        raise ConfigError(f"layer_types: {unknown[0]!r} is not supported (sliding_attention or full_attention)")
+    if "sliding_attention" in kinds and not window:
+        raise ConfigError("sliding_window: layer_types has sliding_attention layers but no window is given")
+    return tuple(window if k == "sliding_attention" else 0 for k in kinds)
 
 
 def _deepseek_v3(raw: dict, need, layers) -> dict:

@@ -15,7 +15,7 @@ from moectl.engine.models.attention import Attention, DenseContext
 from moectl.engine.models.config import ModelConfig
 from moectl.engine.models.layers import DenseMLP, RMSNorm, RotaryEmbedding
 from moectl.engine.models.mla import MLAttention
-from moectl.engine.models.moe import GroupedSigmoidRouter, MoEBlock
+from moectl.engine.models.moe import ExpertFFN, GroupedSigmoidRouter, MoEBlock
 from moectl.engine.models.tracing import NULL_TRACER, NullTracer
 
 
@@ -28,9 +28,11 @@ class DecoderLayer(nn.Module):
         if cfg.sparse_layers[idx]:
             grouped = (GroupedSigmoidRouter(cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor)
                        if cfg.router == "grouped_sigmoid" else None)
+            ffn = ExpertFFN(biased=cfg.expert_bias, limit=cfg.swiglu_limit, alpha=cfg.swiglu_alpha)
             self.mlp = MoEBlock(idx, cfg.hidden_size, cfg.num_experts, cfg.top_k, cfg.expert_intermediate_size,
                                 cfg.norm_topk_prob, cfg.shared_expert_intermediate_size,
-                                shared_gated=cfg.shared_expert_gated, grouped_sigmoid=grouped)
+                                shared_gated=cfg.shared_expert_gated, grouped_sigmoid=grouped,
+                                softmax_after_topk=cfg.router == "topk_softmax", router_bias=cfg.router_bias, ffn=ffn)
         else:
             self.mlp = DenseMLP(cfg.hidden_size, cfg.dense_intermediate_size)
 

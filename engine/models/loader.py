@@ -148,6 +148,32 @@ def _read_attention(cfg: ModelConfig, src: _TensorSource, n: dict, ours: str, sd
     if cfg.qk_norm != "none":
         sd[ours + "attn.q_norm.weight"] = src.get(n["q_norm"])
         sd[ours + "attn.k_norm.weight"] = src.get(n["k_norm"])
+    if cfg.attention_sinks:
+        sd[ours + "attn.sinks"] = src.get(n["q"].rsplit(".", 1)[0] + ".sinks")
+
+
+def _gpt_oss_experts(src: _TensorSource, moe: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """gpt-oss's fused experts -> our stacks with the biases as an extra input column:
+    gate_up_proj [E, H, 2I] holds gate and up in interleaved columns (x @ W, not a linear's
+    [out, in]); down_proj [E, I, H]."""
+    gu, gu_bias = src.get(moe + "experts.gate_up_proj"), src.get(moe + "experts.gate_up_proj_bias")
+    down, down_bias = src.get(moe + "experts.down_proj"), src.get(moe + "experts.down_proj_bias")
+    if gu.dim() != 3 or down.dim() != 3 or gu_bias.dim() != 2 or down_bias.dim() != 2:
+        raise CheckpointError(f"{moe}experts: expected stacked 3-D weights and 2-D biases")
+    w13 = torch.cat([gu[:, :, 0::2], gu[:, :, 1::2]], dim=2).transpose(1, 2)  # [E, 2I, H]: gate rows, then up
+    b13 = torch.cat([gu_bias[:, 0::2], gu_bias[:, 1::2]], dim=1)
+    w2 = down.transpose(1, 2)  # [E, H, I]
+    return torch.cat([w13, b13[..., None]], dim=2), torch.cat([w2, down_bias[..., None]], dim=2)
+
+
+def _write_gpt_oss_experts(w13: torch.Tensor, w2: torch.Tensor, moe: str, hf: dict) -> None:
+    gate_up, bias = w13[..., :-1].transpose(1, 2), w13[..., -1]  # [E, H, 2I] with gate then up columns
+    half = gate_up.shape[-1] // 2
+    inter = torch.stack([gate_up[..., :half], gate_up[..., half:]], dim=-1).flatten(-2)
+    inter_bias = torch.stack([bias[:, :half], bias[:, half:]], dim=-1).flatten(-2)
+    hf[moe + "experts.gate_up_proj"], hf[moe + "experts.gate_up_proj_bias"] = inter.contiguous(), inter_bias.contiguous()
+    hf[moe + "experts.down_proj"] = w2[..., :-1].transpose(1, 2).contiguous()
+    hf[moe + "experts.down_proj_bias"] = w2[..., -1].contiguous()
 
 
 def _shared_names(cfg: ModelConfig, moe: str) -> str:
@@ -166,7 +192,10 @@ def read_state_dict(cfg: ModelConfig, model_dir: Path) -> dict[str, torch.Tensor
         sd[ours + "post_norm.weight"] = src.get(n["post_norm"])
         _read_attention(cfg, src, n, ours, sd)
         moe, (g, u, d) = n["moe"], n["expert"]
-        if cfg.sparse_layers[i]:
+        if cfg.sparse_layers[i] and cfg.architecture == "gpt_oss":
+            sd[ours + "mlp.gate"], sd[ours + "mlp.gate_bias"] = src.get(moe + "router.weight"), src.get(moe + "router.bias")
+            sd[ours + "mlp.experts.w13"], sd[ours + "mlp.experts.w2"] = _gpt_oss_experts(src, moe)
+        elif cfg.sparse_layers[i]:
             sd[ours + "mlp.gate"] = src.get(moe + "gate.weight")
             if cfg.router == "grouped_sigmoid":
                 sd[ours + "mlp.e_score_correction_bias"] = src.get(moe + "gate.e_score_correction_bias")
@@ -248,6 +277,8 @@ def _write_attention(cfg: ModelConfig, sd: dict, n: dict, ours: str, hf: dict) -
         hf[n["o_bias"]] = sd[ours + "attn.o_proj.bias"]
     if cfg.qk_norm != "none":
         hf[n["q_norm"]], hf[n["k_norm"]] = sd[ours + "attn.q_norm.weight"], sd[ours + "attn.k_norm.weight"]
+    if cfg.attention_sinks:
+        hf[n["q"].rsplit(".", 1)[0] + ".sinks"] = sd[ours + "attn.sinks"]
 
 
 def save_checkpoint(model: MoEForCausalLM, out_dir: str | Path, dtype: torch.dtype | None = None,
@@ -268,7 +299,10 @@ def save_checkpoint(model: MoEForCausalLM, out_dir: str | Path, dtype: torch.dty
         hf[n["post_norm"]] = sd[ours + "post_norm.weight"]
         _write_attention(cfg, sd, n, ours, hf)
         moe, (g, u, d) = n["moe"], n["expert"]
-        if cfg.sparse_layers[i]:
+        if cfg.sparse_layers[i] and cfg.architecture == "gpt_oss":
+            hf[moe + "router.weight"], hf[moe + "router.bias"] = sd[ours + "mlp.gate"], sd[ours + "mlp.gate_bias"]
+            _write_gpt_oss_experts(sd[ours + "mlp.experts.w13"], sd[ours + "mlp.experts.w2"], moe, hf)
+        elif cfg.sparse_layers[i]:
             hf[moe + "gate.weight"] = sd[ours + "mlp.gate"]
             if cfg.router == "grouped_sigmoid":
                 hf[moe + "gate.e_score_correction_bias"] = sd[ours + "mlp.e_score_correction_bias"].float()

@@ -39,19 +39,53 @@ def _grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
     return _grouped_mm_ok[key]
 
 
+@dataclass(frozen=True)
+class ExpertFFN:
+    """What one expert computes: SwiGLU, or gpt-oss's variant (gate clamped above at `limit`, up
+    clamped to +-limit, (up + 1) * gate * sigmoid(alpha * gate)), with or without biases.
+
+    Biases live inside the stacked weights as one extra input column (w13 [E, 2I, H + 1],
+    w2 [E, H, I + 1], fed a constant 1), so an expert's bias travels with its slot through
+    placement, the expert cache and migration between ranks without any of them knowing."""
+
+    biased: bool = False
+    limit: float | None = None
+    alpha: float = 1.702
+
+    def extra_column(self) -> int:
+        return 1 if self.biased else 0
+
+    def _act(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        if self.limit is None:
+            out = F.silu(gate) * up
+        else:
+            gate = gate.clamp(max=self.limit)
+            out = (up.clamp(-self.limit, self.limit) + 1) * gate * torch.sigmoid(gate * self.alpha)
+        return F.pad(out, (0, 1), value=1.0) if self.biased else out
+
+    def __call__(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+        x = F.pad(x, (0, 1), value=1.0) if self.biased else x
+        return F.linear(self._act(F.linear(x, w13)), w2)
+
+
+SWIGLU = ExpertFFN()
+
+
 def grouped_swiglu(x_sorted: torch.Tensor, counts: list[int], w13: torch.Tensor, w2: torch.Tensor,
-                   offsets: torch.Tensor | None = None) -> torch.Tensor:
+                   offsets: torch.Tensor | None = None, ffn: ExpertFFN = SWIGLU) -> torch.Tensor:
     """x_sorted holds tokens grouped by expert in id order; counts[e] tokens go to expert e of the
     stacked weights. offsets (int32 cumulative counts) selects one grouped matmul per projection
-    instead of a loop over experts, for batches large enough to hit many experts."""
-    if offsets is not None:
-        gate, up = torch._grouped_mm(x_sorted, w13.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
-        return torch._grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), offs=offsets)
+    instead of a loop over experts, for batches large enough to hit many experts. (Not for biased
+    experts: the bias column leaves rows of H + 1 values, which _grouped_mm's stride alignment refuses.)"""
+    if offsets is not None and not ffn.biased:
+        gate_up = torch._grouped_mm(x_sorted, w13.transpose(1, 2), offs=offsets)
+        return torch._grouped_mm(ffn._act(gate_up), w2.transpose(1, 2), offs=offsets)
     out = torch.empty_like(x_sorted)
     start = 0
     for expert, n in enumerate(counts):
         if n:
-            out[start:start + n] = swiglu(x_sorted[start:start + n], w13[expert], w2[expert])
+            out[start:start + n] = ffn(x_sorted[start:start + n], w13[expert], w2[expert])
             start += n
     return out
 
@@ -64,13 +98,15 @@ def grouped_offsets(counts_t: torch.Tensor, rows: int, training: bool = False,
 
 
 class StackedExperts(nn.Module):
-    def __init__(self, num_experts: int, hidden: int, intermediate: int):
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, ffn: ExpertFFN = SWIGLU):
         super().__init__()
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        extra = ffn.extra_column()
+        self.ffn = ffn
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden + extra))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, intermediate + extra))
 
     def forward(self, x_sorted: torch.Tensor, counts: list[int], offsets: torch.Tensor | None = None) -> torch.Tensor:
-        return grouped_swiglu(x_sorted, counts, self.w13, self.w2, offsets)
+        return grouped_swiglu(x_sorted, counts, self.w13, self.w2, offsets, self.ffn)
 
     def dispatch(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, counts_t: torch.Tensor):
         """The seam where placement and parallelism plug in: tokens x [N, H] with their top-k
@@ -107,22 +143,27 @@ class GroupedSigmoidRouter:
 class MoEBlock(nn.Module):
     def __init__(self, layer_idx: int, hidden: int, num_experts: int, top_k: int, intermediate: int,
                  norm_topk_prob: bool, shared_intermediate: int = 0, *, shared_gated: bool = True,
-                 grouped_sigmoid: GroupedSigmoidRouter | None = None):
+                 grouped_sigmoid: GroupedSigmoidRouter | None = None, softmax_after_topk: bool = False,
+                 router_bias: bool = False, ffn: ExpertFFN = SWIGLU):
         """shared_gated: Qwen2-MoE's sigmoid gate on the shared expert (DeepSeek adds it ungated).
-        grouped_sigmoid: DeepSeek-V3's router instead of a softmax over all experts."""
+        grouped_sigmoid: DeepSeek-V3's router instead of a softmax over all experts.
+        softmax_after_topk, router_bias: gpt-oss's router (a biased linear, the softmax over the
+        chosen logits only, in the model dtype); ffn: what each expert computes."""
         super().__init__()
         self.layer_idx = layer_idx
         self.num_experts = num_experts
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
+        self.softmax_after_topk = softmax_after_topk
         self.gate = nn.Parameter(torch.empty(num_experts, hidden))
+        self.gate_bias = nn.Parameter(torch.empty(num_experts)) if router_bias else None
         self.grouped_sigmoid = grouped_sigmoid
         if grouped_sigmoid is not None:
             if num_experts % grouped_sigmoid.n_group or not 1 <= grouped_sigmoid.topk_group <= grouped_sigmoid.n_group:
                 raise ValueError(f"router: {num_experts} experts cannot form {grouped_sigmoid.n_group} groups with "
                                  f"topk_group {grouped_sigmoid.topk_group}")
             self.register_buffer("e_score_correction_bias", torch.zeros(num_experts, dtype=torch.float32))
-        self.experts = StackedExperts(num_experts, hidden, intermediate)
+        self.experts = StackedExperts(num_experts, hidden, intermediate, ffn)
         self.shared_gate = None
         if shared_intermediate:
             self.shared_w13 = nn.Parameter(torch.empty(2 * shared_intermediate, hidden))
@@ -153,7 +194,7 @@ class MoEBlock(nn.Module):
         if self.grouped_sigmoid is not None:
             _, scores, choice = self._grouped_choice(x)
             return choice, scores
-        probs = torch.softmax(F.linear(x, self.gate), dim=-1, dtype=torch.float32)
+        probs = torch.softmax(F.linear(x, self.gate, self.gate_bias), dim=-1, dtype=torch.float32)
         return probs, probs
 
     def _route_grouped_sigmoid(self, x: torch.Tensor):
@@ -169,7 +210,10 @@ class MoEBlock(nn.Module):
         """Returns (router logits, fp32 top-k weights, top-k expert ids)."""
         if self.grouped_sigmoid is not None:
             return self._route_grouped_sigmoid(x)
-        logits = F.linear(x, self.gate)
+        logits = F.linear(x, self.gate, self.gate_bias)
+        if self.softmax_after_topk:
+            top, ids = torch.topk(logits, self.top_k, dim=-1)
+            return logits, torch.softmax(top, dim=-1).float(), ids
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:

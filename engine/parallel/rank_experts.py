@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from moectl.engine.experts.placement import Placement, RoutingState
-from moectl.engine.models.moe import MoEBlock, combine, grouped_offsets, grouped_swiglu
+from moectl.engine.models.moe import SWIGLU, ExpertFFN, MoEBlock, combine, grouped_offsets, grouped_swiglu
 from moectl.engine.models.tracing import NULL_TRACER
 
 MEMORY_SAMPLE_S = 0.5  # RSS is read at most this often (psutil costs tens of microseconds)
@@ -97,10 +97,12 @@ class RankExperts(nn.Module):
     """This rank's expert slots for one MoE layer, and the placement-aware dispatch/combine."""
 
     def __init__(self, layer_idx: int, w13: torch.Tensor, w2: torch.Tensor, placement: Placement, rank: int,
-                 world: int, stats: RankStepStats, policy: str, routing_state: RoutingState, group=None):
+                 world: int, stats: RankStepStats, policy: str, routing_state: RoutingState, group=None,
+                 ffn: ExpertFFN = SWIGLU):
         """w13/w2: this rank's slots, already filled for `placement` (see `install`)."""
         super().__init__()
         self.layer_idx = layer_idx
+        self.ffn = ffn
         self.w13 = nn.Parameter(w13, requires_grad=False)
         self.w2 = nn.Parameter(w2, requires_grad=False)
         self.rank, self.world, self.group = rank, world, group
@@ -171,7 +173,8 @@ class RankExperts(nn.Module):
         counts_list = local_counts.tolist()
         offsets = grouped_offsets(local_counts, local_order.numel(), False, x.dtype)
         out_sorted, busy = self._timed(lambda: grouped_swiglu(recv.index_select(0, local_order), counts_list,
-                                                              self.w13, self.w2, offsets), "experts", device_lane)
+                                                              self.w13, self.w2, offsets, self.ffn),
+                                       "experts", device_lane)
         out_recv = torch.empty_like(out_sorted).index_copy_(0, local_order, out_sorted)
         # (4) wait for the slowest rank's experts (a one-value all_reduce), then send results back
         flag = torch.zeros(1, device=x.device)
@@ -233,7 +236,7 @@ def install(model: nn.Module, placement: Placement, rank: int, world: int, stats
                 if expert >= 0:
                     w13[slot], w2[slot] = old.w13[expert], old.w2[expert]
             module.experts = RankExperts(module.layer_idx, w13, w2, placement, rank, world, stats, policy,
-                                         routing_state, group)
+                                         routing_state, group, old.ffn)
             layers.append(module.experts)
             del old
     return layers

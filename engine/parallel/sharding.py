@@ -109,6 +109,8 @@ def _shard_attention(attn: Attention, tp_rank: int, tp_size: int, group) -> None
         attn.q_norm = _TPFullRMSNorm(attn.q_norm.weight[q_rows].clone(), attn.q_norm.eps, q_size, True, group)
         attn.k_norm = _TPFullRMSNorm(attn.k_norm.weight[kv_rows].clone(), attn.k_norm.eps, kv_size,
                                      tp_rank % replicas == 0, group)
+    if attn.sinks is not None:  # one sink per query head
+        attn.sinks = nn.Parameter(attn.sinks[q_heads.start:q_heads.stop].clone(), requires_grad=False)
     attn.num_heads, attn.num_kv_heads = len(q_heads), len(kv_heads)
     attn.q_size, attn.kv_size = len(q_heads) * d, len(kv_heads) * d
     o.register_forward_hook(_all_reduce_hook(group))

@@ -103,7 +103,9 @@ class PlanModel:
     dense_intermediate_size: int = 0
     shared_intermediate_size: int = 0  # all shared experts of a layer together
     shared_gate: bool = False  # Qwen2-MoE's sigmoid gate [1, H] on the shared expert
-    router_bias: bool = False  # DeepSeek-V3's e_score_correction_bias [E]
+    router_bias: bool = False  # DeepSeek-V3's e_score_correction_bias [E], gpt-oss's router bias [E]
+    expert_bias: bool = False  # gpt-oss: biases on each expert's gate/up [2I] and down [H]
+    attention_sinks: bool = False  # gpt-oss: one sink logit per head
     tie_word_embeddings: bool = False
     attention: str = "gqa"  # gqa | mla
     # GQA
@@ -154,11 +156,12 @@ class PlanModel:
             n += 2 * self.head_dim
         elif self.qk_norm == "full":
             n += q + kv
-        return n
+        return n + (hd if self.attention_sinks else 0)
 
     def expert_params(self) -> int:
-        """One routed expert: gate/up [2I, H] and down [H, I]."""
-        return 3 * self.hidden_size * self.expert_intermediate_size
+        """One routed expert: gate/up [2I, H] and down [H, I] (and their biases)."""
+        n = 3 * self.hidden_size * self.expert_intermediate_size
+        return n + (2 * self.expert_intermediate_size + self.hidden_size if self.expert_bias else 0)
 
     def shared_params(self, tp: int = 1, rank: int = 0) -> int:
         if not self.shared_intermediate_size:
@@ -225,7 +228,8 @@ def plan_model_of(cfg: ModelConfig, name: str, notes: list[str]) -> PlanModel:
         dense_intermediate_size=cfg.dense_intermediate_size,
         shared_intermediate_size=cfg.shared_expert_intermediate_size,
         shared_gate=bool(cfg.shared_expert_intermediate_size) and cfg.shared_expert_gated,
-        router_bias=cfg.router == "grouped_sigmoid", tie_word_embeddings=cfg.tie_word_embeddings,
+        router_bias=cfg.router == "grouped_sigmoid" or cfg.router_bias, expert_bias=cfg.expert_bias,
+        attention_sinks=cfg.attention_sinks, tie_word_embeddings=cfg.tie_word_embeddings,
         attention=cfg.attention, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
         attention_bias=cfg.attention_bias, o_proj_bias=cfg.o_proj_bias, qk_norm=cfg.qk_norm,
         q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank, qk_nope_head_dim=cfg.qk_nope_head_dim,

@@ -36,7 +36,7 @@ def first_prefill_memory(eng, context: int, n: int, seed: int = 3) -> list[dict]
     return eng.step_log[-1].devices["memory"]
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "deepseek_v3"])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "deepseek_v3", "gpt_oss"])
 def test_every_weight_category_agrees_with_the_planner(tmp_path, arch):
     """Real tensor bytes per device (each device a DP-attention replica plus its expert slots)
     equal what `plan memory` computes from config.json alone; qwen2_moe adds shared experts and
@@ -114,7 +114,7 @@ def test_hbm_too_small_is_refused_with_the_breakdown(ckpt):
         engine(ckpt, 2, hbm=200 << 10)
 
 
-@pytest.mark.parametrize("which", ["mixtral", "deepseek_v3"])
+@pytest.mark.parametrize("which", ["mixtral", "deepseek_v3", "gpt_oss"])
 def test_tiered_memory_is_chosen_when_experts_do_not_fit(ckpt, tiny_hf_checkpoint, which):
     """An HBM that holds everything but the placed experts: the engine puts the experts in the
     host tier with the largest cache that fits, and greedy tokens are unchanged."""

@@ -111,7 +111,7 @@ def test_missing_tensor(ckpt, load_error):
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling"),
     ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, "rope_parameters"),
     ({"hidden_act": "gelu"}, "hidden_act"),
-    ({"sliding_window": 64}, "sliding_window"),
+    ({"sliding_window": 100000}, "sliding_window"),  # a window larger than the context
     ({"num_key_value_heads": 3}, "num_key_value_heads"),
     ({"num_experts_per_tok": 5}, "num_experts_per_tok"),
     ({"dtype": "float64"}, "dtype"),

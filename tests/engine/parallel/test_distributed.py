@@ -66,6 +66,15 @@ DEEPSEEK = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_
             "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "dtype": "float32",
             "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}}
 
+# sliding and full layers, sinks (split by heads under TP), router and expert biases, the clamped SwiGLU
+GPT_OSS = {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "vocab_size": 128, "hidden_size": 32,
+           "intermediate_size": 24, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "head_dim": 8, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 5,
+           "layer_types": ["sliding_attention", "full_attention"], "swiglu_limit": 0.7,
+           "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "dtype": "float32",
+           "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "truncate": False,
+                               "original_max_position_embeddings": 64}}
+
 
 def _engine_checkpoint(raw: dict, out: Path, seed: int = 0) -> Path:
     """Every parameter redrawn (norm weights and biases too), so a mis-sharded one shows."""
@@ -82,7 +91,8 @@ def ckpts(tmp_path_factory):
             "mixtral_other": tiny_checkpoint(root / "mixtral_other", seed=1, tokenizer=False),
             "olmoe": _engine_checkpoint(OLMOE, root / "olmoe"),
             "qwen2_moe": _engine_checkpoint(QWEN2, root / "qwen2_moe"),
-            "deepseek_v3": _engine_checkpoint(DEEPSEEK, root / "deepseek_v3")}
+            "deepseek_v3": _engine_checkpoint(DEEPSEEK, root / "deepseek_v3"),
+            "gpt_oss": _engine_checkpoint(GPT_OSS, root / "gpt_oss")}
 
 
 def _config(model_dir) -> EngineConfig:
@@ -93,7 +103,7 @@ def _config(model_dir) -> EngineConfig:
 def reference(ckpts, single_thread):
     """The single-process engine's greedy tokens and scored logits, per model."""
     out = {}
-    for name in ("mixtral", "olmoe", "qwen2_moe", "deepseek_v3"):
+    for name in ("mixtral", "olmoe", "qwen2_moe", "deepseek_v3", "gpt_oss"):
         eng = LLMEngine(_config(ckpts[name]))
         out[name] = {"tokens": [o.token_ids for o in eng.generate(PROMPTS, PARAMS)], "logits": eng.score(SCORE_IDS)}
         if name == "mixtral":
@@ -134,14 +144,16 @@ class PerRankModel:
 def sessions(ckpts):
     """One 2-rank launch: Mixtral tp=2 and tp=1, OLMoE tp=2 (full q/k norm), Qwen2-MoE tp=2
     (shared expert, qkv bias, a dense layer, tied embeddings), DeepSeek-V3 tp=2 (latent attention
-    split by heads, the latent cached whole on each rank); EP=2 throughout."""
+    split by heads, the latent cached whole on each rank), gpt-oss tp=2 (sinks split by heads, a sliding
+    layer); EP=2 throughout."""
     plan = [("mixtral_tp2", ckpts["mixtral"], 2), ("mixtral_tp1", ckpts["mixtral"], 1),
             ("olmoe_tp2", ckpts["olmoe"], 2), ("qwen2_moe_tp2", ckpts["qwen2_moe"], 2),
-            ("deepseek_v3_tp2", ckpts["deepseek_v3"], 2)]
+            ("deepseek_v3_tp2", ckpts["deepseek_v3"], 2), ("gpt_oss_tp2", ckpts["gpt_oss"], 2)]
     return launch(Sessions(plan), nproc=2, timeout_s=120, collective_timeout_s=60, num_threads=1)
 
 
-@pytest.mark.parametrize("key", ["mixtral_tp2", "mixtral_tp1", "olmoe_tp2", "qwen2_moe_tp2", "deepseek_v3_tp2"])
+@pytest.mark.parametrize("key", ["mixtral_tp2", "mixtral_tp1", "olmoe_tp2", "qwen2_moe_tp2", "deepseek_v3_tp2",
+                                 "gpt_oss_tp2"])
 def test_two_ranks_match_single_process(sessions, reference, key):
     got, ref = sessions[key], reference[key.rsplit("_", 1)[0]]
     assert got["tokens"] == ref["tokens"]

@@ -34,7 +34,7 @@ def engine_category(name: str) -> str:
         return "experts"
     if ".mlp.shared_" in name:  # shared_w13, shared_w2 and the shared expert's sigmoid gate
         return "shared_experts"
-    if name.endswith((".mlp.gate", ".e_score_correction_bias")) or "norm" in name:
+    if name.endswith((".mlp.gate", ".mlp.gate_bias", ".e_score_correction_bias")) or "norm" in name:
         return "norms_routers"
     if ".mlp.w13" in name or ".mlp.w2" in name:
         return "dense_mlp"

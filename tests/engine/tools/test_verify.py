@@ -16,8 +16,10 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 
 # small prefill chunks and token budget, so the greedy run mixes chunked prefills with decodes
 CHUNKY = SchedulerKnobs(long_prefill_token_threshold=8, max_num_batched_tokens=24)
-ARCHS = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "olmoe_norm_topk", "deepseek_v3", "deepseek_v3_plain", "kimi_k2"]
-FAMILY = {"olmoe_norm_topk": "olmoe", "deepseek_v3_plain": "deepseek_v3", "kimi_k2": "deepseek_v3"}
+ARCHS = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "olmoe_norm_topk", "deepseek_v3", "deepseek_v3_plain", "kimi_k2",
+         "gpt_oss", "gpt_oss_full", "mixtral_sliding", "qwen3_moe_sliding"]
+FAMILY = {"olmoe_norm_topk": "olmoe", "deepseek_v3_plain": "deepseek_v3", "kimi_k2": "deepseek_v3",
+          "gpt_oss_full": "gpt_oss", "mixtral_sliding": "mixtral", "qwen3_moe_sliding": "qwen3_moe"}
 
 
 def test_tiny_checkpoints_cover_the_variants(tiny_hf_checkpoint):
@@ -43,6 +45,12 @@ def test_tiny_checkpoints_cover_the_variants(tiny_hf_checkpoint):
     with safe_open(str(tiny_hf_checkpoint("deepseek_v3") / "model.safetensors"), "pt") as f:
         bias = f.get_tensor("model.layers.1.mlp.gate.e_score_correction_bias")
     assert bias.abs().max() > 0.1  # drawn, so the selection-only bias path is exercised
+    oss, full = cfg["gpt_oss"], cfg["gpt_oss_full"]
+    assert oss["layer_types"][:2] == ["sliding_attention", "full_attention"] and oss["sliding_window"] < 9
+    assert full["layer_types"] == ["full_attention", "full_attention", "sliding_attention"]
+    assert oss["head_dim"] != oss["hidden_size"] // oss["num_attention_heads"] and oss["swiglu_limit"] < 1
+    assert oss["rope_parameters"]["rope_type"] == "yarn" and oss["rope_parameters"]["truncate"] is False
+    assert cfg["mixtral_sliding"]["sliding_window"] and cfg["qwen3_moe_sliding"]["use_sliding_window"]
 
 
 @pytest.mark.parametrize("name", ARCHS)

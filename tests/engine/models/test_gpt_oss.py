@@ -1,0 +1,92 @@
+"""gpt-oss in the engine: the pieces verify compares really act (window, sinks, clamp, biases),
+the saver round-trips its layout, and bad sliding-window configs name their field.
+(Numerics against transformers: tests/engine/tools/test_verify.py.)"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from moectl.engine.models.attention import DenseContext
+from moectl.engine.models.config import ConfigError, ModelConfig
+from moectl.engine.models.loader import load_model, save_checkpoint
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+@pytest.fixture(scope="module")
+def model(tiny_hf_checkpoint):
+    return load_model(tiny_hf_checkpoint("gpt_oss"))
+
+
+def _logits(model, ids) -> torch.Tensor:
+    with torch.inference_mode():
+        return model.logits(model(torch.tensor(ids), torch.arange(len(ids)), DenseContext(1, len(ids))))
+
+
+def test_window_sinks_clamp_and_biases_each_change_the_output(model):
+    ids = [(7 * i + 3) % 256 for i in range(24)]  # longer than the window of 3
+    base = _logits(model, ids)
+    attn0, mlp0 = model.layers[0].attn, model.layers[0].mlp
+    assert attn0.window == 3 and model.layers[1].attn.window == 0
+
+    def differs(edit, undo) -> bool:
+        edit()
+        try:
+            return (_logits(model, ids) - base).abs().max().item() > 1e-3
+        finally:
+            undo()
+
+    assert differs(lambda: setattr(attn0, "window", 0), lambda: setattr(attn0, "window", 3))
+    sinks = attn0.sinks.clone()
+    assert differs(lambda: attn0.sinks.data.fill_(-1e4), lambda: attn0.sinks.data.copy_(sinks))
+    ffn = mlp0.experts.ffn
+    assert differs(lambda: setattr(mlp0.experts, "ffn", type(ffn)(biased=True, limit=None)),
+                   lambda: setattr(mlp0.experts, "ffn", ffn))
+    bias = mlp0.experts.w13.data[..., -1].clone()
+    assert differs(lambda: mlp0.experts.w13.data[..., -1].zero_(), lambda: mlp0.experts.w13.data[..., -1].copy_(bias))
+    assert model.cfg.param_counts()["params_total"] == sum(p.numel() for p in model.parameters())
+
+
+def test_saver_round_trips_the_gpt_oss_layout(model, tiny_hf_checkpoint, tmp_path):
+    from safetensors import safe_open
+
+    save_checkpoint(model, tmp_path / "copy")
+    src = tiny_hf_checkpoint("gpt_oss") / "model.safetensors"
+    with safe_open(str(src), "pt") as theirs, safe_open(str(tmp_path / "copy" / "model.safetensors"), "pt") as ours:
+        assert set(theirs.keys()) == set(ours.keys())
+        for name in theirs.keys():
+            assert torch.equal(theirs.get_tensor(name), ours.get_tensor(name)), name
+
+
+def _raw(tiny_hf_checkpoint, name="gpt_oss") -> dict:
+    return json.loads((tiny_hf_checkpoint(name) / "config.json").read_text())
+
+
+@pytest.mark.parametrize("name, edit, field", [
+    ("gpt_oss", {"sliding_window": 4096}, "sliding_window"),  # larger than the 512-token context
+    ("gpt_oss", {"layer_types": ["full_attention"]}, "layer_types"),
+    ("gpt_oss", {"layer_types": ["sliding_attention", "chunked_attention", "full_attention"]}, "layer_types"),
+    ("gpt_oss", {"sliding_window": None}, "sliding_window"),
+    ("gpt_oss", {"swiglu_limit": -1.0}, "swiglu_limit"),
+    ("qwen3_moe_sliding", {"sliding_window": None}, "sliding_window"),
+    ("deepseek_v3", {"sliding_window": 64}, "sliding_window"),
+])
+def test_bad_window_configs_name_the_field(tiny_hf_checkpoint, name, edit, field):
+    raw = {**_raw(tiny_hf_checkpoint, name), **edit}
+    with pytest.raises(ConfigError) as err:
+        ModelConfig.from_hf(raw)
+    assert str(err.value).startswith(field + ":"), str(err.value)
+
+
+def test_window_rules_per_architecture(tiny_hf_checkpoint):
+    windows = {name: ModelConfig.from_hf(_raw(tiny_hf_checkpoint, name)).layer_windows
+               for name in ("gpt_oss", "gpt_oss_full", "mixtral_sliding", "qwen3_moe_sliding", "mixtral")}
+    assert windows == {"gpt_oss": (3, 0, 3), "gpt_oss_full": (0, 0, 5), "mixtral_sliding": (6, 6, 6),
+                       "qwen3_moe_sliding": (5, 5, 5), "mixtral": (0, 0, 0)}
+    qwen2 = {**_raw(tiny_hf_checkpoint, "qwen2_moe"), "use_sliding_window": True, "sliding_window": 4,
+             "max_window_layers": 2}
+    qwen2.pop("layer_types", None)
+    assert ModelConfig.from_hf(qwen2).layer_windows == (4, 0, 0)  # transformers' default: even layers below 2
