@@ -8,6 +8,10 @@ read another's KV blocks). One pool is the single-device case.
 
 A freed block keeps its hash and stays reusable until the pool hands it out again (oldest
 freed first), so a later request with the same prefix finds it.
+
+A model with sliding-window layers keeps their K/V in a second pool (`window`, see
+window_blocks.py) that releases blocks as they slide out of the window; every method here
+keeps the two in step, so the scheduler sees one manager.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from moectl.engine.core.sequence import Sequence
+from moectl.engine.core.window_blocks import WindowBlocks
 
 
 def _chain_hash(parent: int, tokens: tuple[int, ...]) -> int:
@@ -22,7 +27,10 @@ def _chain_hash(parent: int, tokens: tuple[int, ...]) -> int:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, num_pools: int = 1):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, num_pools: int = 1,
+                 window: int = 0, window_blocks: int = 0):
+        """window, window_blocks: the sliding layers' window (tokens) and their pool's blocks (0: no
+        sliding layers)."""
         if not 1 <= num_pools <= num_blocks:
             raise ValueError(f"kv cache: {num_blocks} blocks cannot be split over {num_pools} devices")
         self.num_blocks = num_blocks
@@ -41,6 +49,10 @@ class BlockManager:
         self._roots = [0] + [hash(("kv pool", p)) for p in range(1, num_pools)]  # separate prefix chains
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0  # of those, tokens served from it
+        self.window = None
+        if window:
+            store = BlockManager(window_blocks, block_size, enable_prefix_caching, num_pools)
+            self.window = WindowBlocks(store, window)
 
     # -- accounting
     @property
@@ -91,6 +103,14 @@ class BlockManager:
             del self.free_pools[pool][block]
         self.ref_count[block] += 1
 
+    def _release(self, block: int, pool: int) -> None:
+        self.ref_count[block] -= 1
+        if self.ref_count[block] == 0:
+            free_pool = self.free_pools[pool]
+            free_pool[block] = None
+            if self.block_hash[block] is None:  # nothing cached in it: hand it out first
+                free_pool.move_to_end(block, last=False)
+
     def match_prefix(self, seq: Sequence) -> list[int]:
         """Cached blocks covering a prefix of the sequence. The last token is never served from
         cache, because its logits are needed to sample."""
@@ -112,6 +132,11 @@ class BlockManager:
         """Give a waiting sequence its cached prefix plus blocks for its first chunk.
         Returns False (changing nothing) if the pool cannot cover it."""
         cached = self.match_prefix(seq)
+        window_hit: list[int] = []
+        if self.window is not None and cached:
+            hashes = [self.block_hash[b] for b in cached]
+            usable, window_hit = self.window.usable_prefix(seq, hashes)
+            cached = cached[:usable]
         free_hits = sum(1 for b in cached if self.ref_count[b] == 0)
         num_cached_tokens = len(cached) * self.block_size
         new_tokens = min(num_new_tokens, seq.num_tokens - num_cached_tokens)
@@ -119,6 +144,13 @@ class BlockManager:
         pool = self.pool_of(seq)
         if total - len(cached) > self.free_in_pool(pool) - free_hits:
             return False
+        if self.window is not None:
+            store = self.window.store
+            first = self.window.first_needed(num_cached_tokens) if cached else 0
+            free_window_hits = sum(1 for b in window_hit if store.ref_count[b] == 0)
+            if total - first - len(window_hit) > store.free_in_pool(pool) - free_window_hits:
+                return False
+            self.window.admit(seq, len(cached), window_hit, pool)
         for block in cached:
             self._acquire(block, pool)
         seq.block_table = list(cached)
@@ -132,16 +164,28 @@ class BlockManager:
         return True
 
     def can_grow(self, seq: Sequence, num_new_tokens: int) -> bool:
-        return self.blocks_needed(seq, num_new_tokens) <= self.free_in_pool(self.pool_of(seq))
+        pool = self.pool_of(seq)
+        if self.window is not None and not self.window.can_grow(seq, num_new_tokens, pool):
+            return False
+        return self.blocks_needed(seq, num_new_tokens) <= self.free_in_pool(pool)
 
     def grow(self, seq: Sequence, num_new_tokens: int) -> None:
         pool = self.pool_of(seq)
         for _ in range(self.blocks_needed(seq, num_new_tokens)):
             seq.block_table.append(self._take_free_block(pool))
+        if self.window is not None:
+            self.window.grow(seq, num_new_tokens, pool)
+
+    def release_window(self, seq: Sequence) -> None:
+        """Register full window blocks and release those that slid out (after num_computed moved)."""
+        if self.window is not None:
+            self.window.commit_and_release(seq, self.pool_of(seq))
 
     def commit_full_blocks(self, seq: Sequence) -> None:
-        """Register blocks that became full (their K/V now written) in the prefix cache."""
+        """Register blocks that became full (their K/V now written) in the prefix cache; release
+        the window blocks that slid out."""
         if not self.enable_prefix_caching:
+            self.release_window(seq)
             return
         bs = self.block_size
         parent = seq.block_hashes[-1] if seq.block_hashes else self._roots[self.pool_of(seq)]
@@ -153,16 +197,15 @@ class BlockManager:
             if parent not in self.hash_to_block:
                 self.hash_to_block[parent] = block
                 self.block_hash[block], self.block_tokens[block] = parent, tokens
+        self.release_window(seq)
 
     def free(self, seq: Sequence) -> None:
         # tail blocks first, so the shared head of a prefix stays cached longest
-        free_pool = self.free_pools[self.pool_of(seq)]
+        pool = self.pool_of(seq)
         for block in reversed(seq.block_table):
-            self.ref_count[block] -= 1
-            if self.ref_count[block] == 0:
-                free_pool[block] = None
-                if self.block_hash[block] is None:  # nothing cached in it: hand it out first
-                    free_pool.move_to_end(block, last=False)
+            self._release(block, pool)
+        if self.window is not None:
+            self.window.free(seq, pool)
         seq.block_table = []
         seq.block_hashes = []
         seq.num_computed = 0
@@ -173,3 +216,5 @@ class BlockManager:
             in_pool = any(b in pool for pool in self.free_pools)
             if in_pool == (self.ref_count[b] > 0) or self.ref_count[b] < 0:
                 raise AssertionError(f"block {b}: ref_count {self.ref_count[b]}, in pool {in_pool}")
+        if self.window is not None:
+            self.window.store.check_invariants()

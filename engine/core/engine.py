@@ -50,13 +50,15 @@ class EngineCore:
         self.tokenizer = Tokenizer.from_dir(config.model, cfg.bos_token_id)
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         quantized = config.kv_cache_dtype == "int8"
-        per_block = KVCache.block_bytes_for(cfg, config.block_size, quantized, kv_heads)
-        num_blocks = config.num_kv_blocks or max(1, config.kv_cache_memory // per_block)
-        self.kv_cache = KVCache.for_model(cfg, num_blocks, config.block_size, quantized, config.device, kv_heads)
+        num_blocks, window_blocks = KVCache.pool_sizes_for(cfg, config.block_size, quantized, config.kv_cache_memory,
+                                                           config.num_kv_blocks, config.knobs, kv_heads)
+        self.kv_cache = KVCache.for_model(cfg, num_blocks, config.block_size, quantized, config.device, kv_heads,
+                                          window_blocks)
         num_devices = config.topology.num_devices if config.topology is not None else 0
         # one KV pool per device: a sequence's blocks come from its home device's pool
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
-                                   num_pools=kv_pools or max(1, num_devices))
+                                   num_pools=kv_pools or max(1, num_devices),
+                                   window=max(cfg.layer_windows), window_blocks=window_blocks)
         self.scheduler = Scheduler(self.blocks, config.knobs)
         self.commands = CommandQueue()
         device = torch.device(config.device)
@@ -328,6 +330,23 @@ class EngineCore:
             raise
         return [done[i] for i in ids]
 
+    def kv_block_bytes(self) -> tuple[int, int]:
+        """Bytes of one block of the main KV pool and of the sliding-window pool (0: none)."""
+        cache, blocks = self.kv_cache, self.blocks
+        window = cache.window.nbytes() // blocks.window.store.num_blocks if cache.window is not None else 0
+        return cache.nbytes(with_window=False) // blocks.num_blocks, window
+
+    def kv_bytes_per_pool(self, used: bool) -> list[int]:
+        """KV bytes per device pool, main and window pools together: in use, or the capacity."""
+        main, window = self.kv_block_bytes()
+        blocks = self.blocks
+        counts = blocks.used_per_pool() if used else blocks.pool_sizes
+        out = [n * main for n in counts]
+        if blocks.window is not None:
+            store = blocks.window.store
+            out = [b + n * window for b, n in zip(out, store.used_per_pool() if used else store.pool_sizes)]
+        return out
+
     def score(self, token_ids: list[int], probe=None) -> torch.Tensor:
         """fp32 logits for every position of one sequence, run through the real paged path
         in prefill chunks (for log-likelihoods and layer-by-layer checks). The engine must be idle."""
@@ -344,6 +363,7 @@ class EngineCore:
                 self.blocks.grow(seq, n)
                 parts.append(self.runner.run([(seq, n)], all_logits=True, probe=probe))
                 seq.num_computed += n
+                self.blocks.release_window(seq)
         finally:
             self.blocks.free(seq)
         return torch.cat(parts)

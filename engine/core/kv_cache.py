@@ -3,6 +3,10 @@
 K and V may differ in width: MLA caches its RoPE key (qk_rope_head_dim) as K and its latent
 (kv_lora_rank) as V, with one "head" shared by all query heads.
 
+A model with sliding-window layers keeps them in a second cache, `window`, with blocks of its
+own (released as they slide out: window_blocks.py); `local_layer` maps a model layer to its
+index in whichever cache holds it.
+
 With kv_dtype="int8" the values are stored as int8 with one fp32 scale per (block, head):
 symmetric absmax quantisation. When a write raises a block's absmax, the block is re-quantised
 with the new scale; each such rise can add up to half a step of rounding error to the tokens
@@ -24,6 +28,9 @@ class KVCache:
         store = torch.int8 if quantized else dtype
         # zeros, then written: a zeroed allocation is mapped lazily, so without the fill the
         # process would grow as blocks are first used and look like a leak in the memory curves
+        self.window: KVCache | None = None
+        self.sliding: frozenset[int] = frozenset()
+        self.local_layer: list[int] | None = None
         self.k = torch.zeros(shape, dtype=store, device=device).fill_(0)
         self.v = torch.zeros((*shape[:-1], v_head_dim or head_dim), dtype=store, device=device).fill_(0)
         if quantized:
@@ -40,22 +47,58 @@ class KVCache:
 
     @classmethod
     def for_model(cls, cfg, num_blocks: int, block_size: int, quantized: bool, device="cpu",
-                  kv_heads: int | None = None) -> KVCache:
-        """The cache a ModelConfig's layers write (`ModelConfig.kv_entry`); kv_heads: this process's share."""
+                  kv_heads: int | None = None, window_blocks: int = 0) -> KVCache:
+        """The cache a ModelConfig's layers write (`ModelConfig.kv_entry`); kv_heads: this process's
+        share; window_blocks: blocks of the sliding layers' cache (when the model has any)."""
         heads, k_width, v_width = cfg.kv_entry(kv_heads)
-        return cls(cfg.num_layers, num_blocks, block_size, heads, k_width, cfg.dtype, quantized, device, v_width)
+        sliding = [i for i, w in enumerate(cfg.layer_windows) if w]
+        full = cfg.num_layers - len(sliding)
+        cache = cls(full, num_blocks, block_size, heads, k_width, cfg.dtype, quantized, device, v_width)
+        if sliding:
+            cache.window = cls(len(sliding), window_blocks, block_size, heads, k_width, cfg.dtype, quantized, device,
+                               v_width)
+            cache.sliding = frozenset(sliding)
+            counters = {True: 0, False: 0}
+            cache.local_layer = []
+            for w in cfg.layer_windows:
+                cache.local_layer.append(counters[bool(w)])
+                counters[bool(w)] += 1
+        return cache
 
     @staticmethod
     def block_bytes_for(cfg, block_size: int, quantized: bool, kv_heads: int | None = None,
-                        dtype: torch.dtype | None = None) -> int:
+                        dtype: torch.dtype | None = None, layers: int | None = None) -> int:
+        """One block of all layers (or of `layers` of them)."""
         heads, k_width, v_width = cfg.kv_entry(kv_heads)
-        return KVCache.bytes_per_block(cfg.num_layers, block_size, heads, k_width, dtype or cfg.dtype, quantized,
-                                       v_width)
+        return KVCache.bytes_per_block(cfg.num_layers if layers is None else layers, block_size, heads, k_width,
+                                       dtype or cfg.dtype, quantized, v_width)
 
-    def nbytes(self) -> int:
+    @staticmethod
+    def pool_sizes_for(cfg, block_size: int, quantized: bool, memory: int, num_blocks: int | None, knobs,
+                       kv_heads: int | None = None) -> tuple[int, int]:
+        """(blocks of the full-attention pool, blocks of the sliding-window pool) for a memory budget
+        (or a given block count). The window pool holds what max_num_seqs sequences can need at once:
+        each reads back at most window - 1 positions and writes at most one chunk of
+        max_num_batched_tokens, so it stays that size however long the contexts grow."""
+        windows = [w for w in cfg.layer_windows if w]
+        full = KVCache.block_bytes_for(cfg, block_size, quantized, kv_heads, layers=cfg.num_layers - len(windows))
+        if not windows:
+            return num_blocks or max(1, memory // full), 0
+        win = KVCache.block_bytes_for(cfg, block_size, quantized, kv_heads, layers=len(windows))
+        per_seq = -(-(max(windows) - 1 + knobs.max_num_batched_tokens) // block_size) + 1
+        if num_blocks:
+            return num_blocks, min(num_blocks, knobs.max_num_seqs * per_seq)
+        window_blocks = min(max(1, memory // (full + win)), knobs.max_num_seqs * per_seq)
+        if not full:  # every layer slides: the main pool only tracks positions and costs nothing
+            return min(1 << 20, knobs.max_num_seqs * -(-cfg.max_position_embeddings // block_size)), window_blocks
+        return max(1, (memory - window_blocks * win) // full), window_blocks
+
+    def nbytes(self, with_window: bool = True) -> int:
         n = self.k.nbytes + self.v.nbytes
         if self.quantized:
             n += self.k_scale.nbytes + self.v_scale.nbytes
+        if with_window and self.window is not None:
+            n += self.window.nbytes()
         return n
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

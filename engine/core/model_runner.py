@@ -36,16 +36,18 @@ class ModelRunner:
         self.block_size = cache.block_size
         self.probe = RoutingProbe(model.cfg.num_layers, model.cfg.num_experts)
 
-    def _slots(self, seq: Sequence, start: int, end: int) -> np.ndarray:
+    def _slots(self, table: list[int], start: int, end: int) -> np.ndarray:
         pos = np.arange(start, end)
-        table = np.asarray(seq.block_table, dtype=np.int64)
+        table = np.asarray(table, dtype=np.int64)
         return table[pos // self.block_size] * self.block_size + pos % self.block_size
 
-    def _decode_groups(self, decodes: list[tuple[Sequence, int]], max_waste: float = 0.25,
+    def _decode_groups(self, decodes: list[tuple[Sequence, int]], tables: list[list[int]],
+                       first_positions: list[int] | None = None, max_waste: float = 0.25,
                        max_groups: int = 8) -> list[DecodeGroup]:
-        """Split decodes (sorted by block count) into groups whose padded width wastes at most
-        about max_waste of the blocks gathered."""
-        lens = [len(s.block_table) for s, _ in decodes]
+        """Split decodes (in batch order; tables[i] the blocks decode i reads, first_positions[i] the
+        position its first block starts at) into groups whose padded width wastes at most about
+        max_waste of the blocks gathered."""
+        lens = [len(t) for t in tables]
         bounds, start = [], 0
         for i in range(1, len(lens) + 1):
             if i == len(lens) or (lens[i] > lens[start] * (1 + max_waste) and len(bounds) < max_groups - 1):
@@ -53,19 +55,40 @@ class ModelRunner:
                 start = i
         groups = []
         bs = self.block_size
+        firsts = np.asarray(first_positions if first_positions is not None else [0] * len(decodes), dtype=np.int64)
         for a, b in bounds:
-            width = lens[b - 1]
+            width = max(lens[a:b])
             table = np.zeros((b - a, width), dtype=np.int64)
             ctx_lens = np.empty(b - a, dtype=np.int64)
-            for row, (seq, _) in enumerate(decodes[a:b]):
-                table[row, :len(seq.block_table)] = seq.block_table
-                ctx_lens[row] = seq.num_computed + 1
+            for row, ((seq, _), blocks) in enumerate(zip(decodes[a:b], tables[a:b])):
+                table[row, :len(blocks)] = blocks
+                ctx_lens[row] = seq.num_computed + 1 - firsts[a + row]
             mask = None
             if (ctx_lens != width * bs).any():
                 mask = torch.from_numpy(np.arange(width * bs)[None, :] < ctx_lens[:, None])[:, None, None, :]
                 mask = mask.to(self.device)
-            groups.append(DecodeGroup(a, b, torch.from_numpy(table.reshape(-1)).to(self.device), width, mask))
+            group = DecodeGroup(a, b, torch.from_numpy(table.reshape(-1)).to(self.device), width, mask)
+            if first_positions is not None:
+                group.first_positions = torch.from_numpy(firsts[a:b]).to(self.device)
+            groups.append(group)
         return groups
+
+    def _window_context(self, ordered, decodes, prefills, decode_lens) -> PagedContext:
+        """The sliding layers' view of the step: their own cache, each sequence's blocks from the
+        first one still held."""
+        bs, dev = self.block_size, self.device
+        slots = np.concatenate([self._slots(s.window_table, s.num_computed, s.num_computed + n) for s, n in ordered])
+        ctx = PagedContext(cache=self.cache.window, slot_mapping=torch.from_numpy(slots).to(dev))
+        if decodes:
+            ctx.num_decodes, ctx.decode_context_lens = len(decodes), decode_lens
+            ctx.decode_groups = self._decode_groups(decodes, [s.window_table[s.window_first:] for s, _ in decodes],
+                                                    [s.window_first * bs for s, _ in decodes])
+        offset = len(decodes)
+        for seq, n in prefills:
+            held = torch.tensor(seq.window_table[seq.window_first:], dtype=torch.int64, device=dev)
+            ctx.prefills.append(PrefillSlice(offset, offset + n, seq.num_computed, held, seq.window_first * bs))
+            offset += n
+        return ctx
 
     @torch.inference_mode()
     def run(self, items: list[tuple[Sequence, int]], all_logits: bool = False, probe=None) -> torch.Tensor:
@@ -82,18 +105,20 @@ class ModelRunner:
             start = seq.num_computed
             ids.extend(seq.token_ids[start:start + n])
             positions.append(np.arange(start, start + n))
-            slots.append(self._slots(seq, start, start + n))
+            slots.append(self._slots(seq.block_table, start, start + n))
         dev = self.device
         ctx = PagedContext(cache=self.cache, slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev))
         if decodes:
             ctx.num_decodes = len(decodes)
             ctx.decode_context_lens = torch.tensor([s.num_computed + 1 for s, _ in decodes], device=dev)
-            ctx.decode_groups = self._decode_groups(decodes)
+            ctx.decode_groups = self._decode_groups(decodes, [s.block_table for s, _ in decodes])
         offset = len(decodes)
         for seq, n in prefills:
             ctx.prefills.append(PrefillSlice(offset, offset + n, seq.num_computed,
                                              torch.tensor(seq.block_table, dtype=torch.int64, device=dev)))
             offset += n
+        if self.cache.window is not None:
+            ctx.window = self._window_context(ordered, decodes, prefills, ctx.decode_context_lens)
         if self.experts is not None:
             homes = np.repeat([s.home_device for s, _ in ordered], [n for _, n in ordered])
             self.experts.begin_step(torch.from_numpy(homes).to(dev))

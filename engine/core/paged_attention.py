@@ -5,6 +5,9 @@ K/V into their cache slots and attends each row to its sequence's whole context:
 groups of similar length (one padded batch each), prefill chunks one by one (causal within the
 chunk, over everything cached before it). With latent_keys (MLA), K is the RoPE key and V the
 latent, and the key attended is [V; K] (see moectl.engine.models.mla).
+
+Sliding-window layers attend through `window`, a context of the same form over the window cache,
+whose tables start at each sequence's first block still held (first_position(s) say where).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ class PrefillSlice:
     end: int
     cached_len: int  # tokens of this sequence already in the KV cache before this step
     block_table: torch.Tensor  # [num_blocks] int64
+    first_position: int = 0  # absolute position of block_table[0]'s first slot
 
 
 @dataclass
@@ -32,6 +36,7 @@ class DecodeGroup:
     blocks: torch.Tensor  # [rows * width] int64: each row's block table, padded to `width` blocks
     width: int
     mask: torch.Tensor | None  # [rows, 1, 1, width * block_size] bool, None when no row is padded
+    first_positions: torch.Tensor | None = None  # [rows]: absolute position of each row's first block
 
 
 @dataclass
@@ -43,10 +48,19 @@ class PagedContext:
     decode_context_lens: torch.Tensor | None = None  # [B], including the new token
     decode_groups: list[DecodeGroup] = field(default_factory=list)  # length-bucketed decodes
     prefills: list[PrefillSlice] = field(default_factory=list)
+    window: PagedContext | None = None  # the sliding layers' cache and addressing, when the model has them
 
     def attend(self, layer, q, k, v, scale, latent_keys: bool = False, window: int = 0, sinks=None):
         """window > 0: each query sees only its last `window` positions; sinks: gpt-oss's per-head
         sink logits (see models.attention.sdpa)."""
+        cache = self.cache
+        if cache.local_layer is not None:
+            if layer in cache.sliding:
+                return self.window._attend(cache.local_layer[layer], q, k, v, scale, latent_keys, window, sinks)
+            layer = cache.local_layer[layer]
+        return self._attend(layer, q, k, v, scale, latent_keys, window, sinks)
+
+    def _attend(self, layer, q, k, v, scale, latent_keys, window, sinks):
         self.cache.write(layer, self.slot_mapping, k, v)
         out = q.new_empty(*q.shape[:-1], v.shape[-1])
         for g in self.decode_groups:
@@ -55,7 +69,7 @@ class PagedContext:
             mask = g.mask
             if window:  # a decode's query sits at position len - 1
                 lens = self.decode_context_lens[g.start:g.end]
-                mask = window_mask(lens - 1, keys.shape[1], window)[:, None, None, :]
+                mask = window_mask(lens - 1, keys.shape[1], window, g.first_positions)[:, None, None, :]
             out[g.start:g.end] = sdpa(q[g.start:g.end, None], keys, values, scale, mask=mask, sinks=sinks)[:, 0]
         bs = self.cache.block_size
         for p in self.prefills:
@@ -68,11 +82,12 @@ class PagedContext:
                 mask = window_mask(torch.arange(n, device=q.device), n, window)[None, None] if window else None
                 out[p.start:p.end] = sdpa(qs, ks, vs, scale, mask=mask, causal=mask is None, sinks=sinks)[0]
                 continue
-            # this chunk's K/V are already written: read the whole context back from the cache
-            total = p.cached_len + n
+            # this chunk's K/V are already written: read the context back from the cache (from the
+            # first block still held, in the window cache)
+            total = p.cached_len + n - p.first_position
             nblocks = -(-total // bs)
             ks, vs = self.cache.gather_blocks(layer, p.block_table[:nblocks], 1, nblocks, q.dtype)
             ks = torch.cat([vs, ks], dim=-1) if latent_keys else ks
-            mask = window_mask(torch.arange(n, device=q.device) + p.cached_len, total, window)
+            mask = window_mask(torch.arange(n, device=q.device) + p.cached_len, total, window, p.first_position)
             out[p.start:p.end] = sdpa(qs, ks[:, :total], vs[:, :total], scale, mask=mask[None, None], sinks=sinks)[0]
         return out

@@ -29,6 +29,10 @@ class Sequence:
         self.finish_reason: str | None = None
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # hash chain of this sequence's full blocks
+        # the sliding-window layers' blocks (window_blocks.py): -1 before window_first (released)
+        self.window_table: list[int] = []
+        self.window_first = 0
+        self.window_committed = 0
         self.num_computed = 0  # tokens whose K/V are in the cache
         self.num_cached_prompt = 0  # prompt tokens served from the prefix cache at admission
         self.num_preemptions = 0

@@ -135,7 +135,7 @@ class Telemetry:
                 self.request(seq.request_id, "scheduled", seq.first_scheduled)
         devices = None
         if engine.experts is not None:
-            devices = engine.experts.step_record(batch.items, contexts, engine.blocks.used_per_pool(), t_start)
+            devices = engine.experts.step_record(batch.items, contexts, engine.kv_bytes_per_pool(used=True), t_start)
         b = engine.blocks
         return StepStats(
             step=engine.step_count, t_start=t_start, t_end=time.monotonic(),

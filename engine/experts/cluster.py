@@ -302,11 +302,11 @@ class LocalCluster(ClusterBase):
                                        "miss_wait_s": st["miss_wait_seconds"]} for st in stats]  # measured
         return record
 
-    def memory(self, work: list[dict], kv_blocks_used: list[int]) -> dict:
+    def memory(self, work: list[dict], kv_bytes_used: list[int]) -> dict:
         """The ledger's HBM bytes per device by category for this step, each device's capacity,
         and the host tier (the logical experts: the source of every slot or cache fill)."""
         ledger = self.ledger
-        return {"memory": ledger.step(work, kv_blocks_used),
+        return {"memory": ledger.step(work, kv_bytes_used),
                 "memory_modeled": ["activations", "comm_buffers"],  # from shapes, not an allocator
                 "memory_capacity": {"hbm": self.topology.hbm_bytes,
                                     "kv_blocks": [ledger.kv_capacity(d) for d in range(self.num_devices)]},

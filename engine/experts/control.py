@@ -41,9 +41,7 @@ class ExpertControl:
     def build(cls, engine) -> ExpertControl:
         """The local (emulated) or multi-GPU expert layer for an engine whose config has a topology."""
         config = engine.config
-        blocks = engine.blocks
-        ledger = MemoryLedger(engine.model, config.topology, kv_pool_blocks=blocks.pool_sizes,
-                              kv_bytes_per_block=engine.kv_cache.nbytes() // blocks.num_blocks,
+        ledger = MemoryLedger(engine.model, config.topology, kv_pool_bytes=engine.kv_bytes_per_pool(used=False),
                               block_size=config.block_size, max_model_len=engine.max_model_len)
         placement = Placement.from_dict(config.placement) if config.placement is not None else None
         cluster = LocalCluster(engine.model, config.topology, placement, policy=config.routing_policy,
@@ -139,7 +137,7 @@ class ExpertControl:
     def begin_step(self, token_device) -> None:
         self.cluster.begin_step(token_device)
 
-    def step_record(self, items, contexts: list[int], kv_blocks_used: list[int], t_start: float) -> dict:
+    def step_record(self, items, contexts: list[int], kv_bytes_used: list[int], t_start: float) -> dict:
         """The step record's "devices": measured work, links (modeled or measured by backend), the
         parallel step time, and each device's memory."""
         cluster = self.cluster
@@ -150,7 +148,7 @@ class ExpertControl:
             w["tokens"] += n
             w["seqs"] += 1
             w["context"] = max(w["context"], context)
-        record.update(cluster.memory(work, kv_blocks_used))
+        record.update(cluster.memory(work, kv_bytes_used))
         return record
 
     def after_step(self, step: int, routing) -> None:

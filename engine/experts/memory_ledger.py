@@ -65,15 +65,15 @@ def non_expert_weight_bytes(model: nn.Module) -> dict[str, int]:
 
 
 class MemoryLedger:
-    def __init__(self, model: nn.Module, topology: Topology, *, kv_pool_blocks: list[int], kv_bytes_per_block: int,
-                 block_size: int, max_model_len: int):
+    def __init__(self, model: nn.Module, topology: Topology, *, kv_pool_bytes: list[int], block_size: int,
+                 max_model_len: int):
+        """kv_pool_bytes: each device's KV pool (its sliding-window pool included)."""
         cfg = model.cfg
         self.topology = topology
         self.plan_model: PlanModel = plan_model_of(cfg, "engine", [])
         self.act_bytes = next(model.parameters()).element_size()
         self.weights = {k: v for k, v in non_expert_weight_bytes(model).items() if v}
-        self.kv_pool_blocks = kv_pool_blocks
-        self.kv_bytes_per_block = kv_bytes_per_block
+        self.kv_pool_bytes = kv_pool_bytes
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.num_devices = topology.num_devices
@@ -81,7 +81,7 @@ class MemoryLedger:
 
     # -- capacity
     def kv_capacity(self, device: int) -> int:
-        return self.kv_pool_blocks[device] * self.kv_bytes_per_block
+        return self.kv_pool_bytes[device]
 
     def largest_step(self, knobs) -> tuple[int, int]:
         """Activations + buffers of the largest step the knobs allow on one device: every token of
@@ -118,7 +118,7 @@ class MemoryLedger:
                     f"step), more than its {format_size(hbm)} of HBM")
 
     # -- per step
-    def step(self, work: list[dict], kv_blocks_used: list[int]) -> list[dict]:
+    def step(self, work: list[dict], kv_bytes_used: list[int]) -> list[dict]:
         """HBM bytes by category per device for one step. work[d]: tokens, seqs and context of the
         device's sequences this step, and recv_rows, the most expert rows it computed in one layer."""
         out = []
@@ -129,6 +129,6 @@ class MemoryLedger:
             comm = comm_buffers(self.plan_model, tp=1, ep=self.num_devices, tokens=w["tokens"],
                                 recv_rows=w["recv_rows"], act_bytes=self.act_bytes)
             out.append({**self.weights, self.expert_category: self.expert_bytes,
-                        "kv_blocks": kv_blocks_used[d] * self.kv_bytes_per_block,
+                        "kv_blocks": kv_bytes_used[d],
                         "activations": sum(act.values()), "comm_buffers": sum(comm.values())})
         return out

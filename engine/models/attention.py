@@ -84,10 +84,13 @@ def _with_sink_key(q, k, v, scale, mask, causal, sinks):
     return q, k, v, mask
 
 
-def window_mask(query_positions: torch.Tensor, keys: int, window: int) -> torch.Tensor:
+def window_mask(query_positions: torch.Tensor, keys: int, window: int, key_start=None) -> torch.Tensor:
     """[L, keys] bool: query at absolute position p sees key positions j <= p (and j > p - window
-    when window > 0), the rule of transformers' sliding_window_overlay."""
+    when window > 0), the rule of transformers' sliding_window_overlay. key_start: the absolute
+    position of key 0 (a number, or one per query), when the keys begin later than position 0."""
     cols = torch.arange(keys, device=query_positions.device)[None, :]
+    if key_start is not None:
+        cols = cols + (key_start[:, None] if torch.is_tensor(key_start) else key_start)
     rows = query_positions[:, None]
     mask = cols <= rows
     return mask & (cols > rows - window) if window else mask

@@ -58,7 +58,7 @@ class DistributedCluster(ClusterBase):
 
     def __init__(self, model, topology: Topology, placement: Placement, layers: list[RankExperts],
                  rank_stats: RankStepStats, state, channel, *, policy: str = "locality", auto=None,
-                 window_steps: int = 64, knobs=None, kv_bytes_per_block: int = 0, kv_blocks: int = 0):
+                 window_steps: int = 64, knobs=None, kv_pool_bytes: int = 0):
         self._init_base(model, topology, placement, policy, auto, window_steps)
         self.layers = layers
         self.rank_stats = rank_stats
@@ -70,7 +70,7 @@ class DistributedCluster(ClusterBase):
         self.expert_bytes = first.w13[0].nbytes + first.w2[0].nbytes
         self.stats = GatheredStats(self.world, self.num_layers, rank_stats)
         self.weights = {k: v for k, v in non_expert_weight_bytes(model).items() if v}
-        self.kv_bytes_per_block, self.kv_blocks = kv_bytes_per_block, kv_blocks
+        self.kv_pool_bytes = kv_pool_bytes  # one rank's KV pool (its share of the heads; sliding-window pool included)
         self.bytes_per_row = model.cfg.hidden_size * first.w13.element_size()
         self.telemetry_s = 0.0
         self.last_migration: dict = {}
@@ -146,14 +146,14 @@ class DistributedCluster(ClusterBase):
         }
         return record
 
-    def memory(self, work: list[dict], kv_blocks_used: list[int]) -> dict:
+    def memory(self, work: list[dict], kv_bytes_used: list[int]) -> dict:
         """Each rank's weights (rank 0's shard sizes: tensor-parallel shards are equal), its expert
         slots and its share of the KV blocks in use; activations are not accounted here (the
         ranks' RSS and CUDA statistics are measured instead)."""
         experts = self.expert_slot_bytes(self.placement.slots_per_device)
-        kv = sum(kv_blocks_used) * self.kv_bytes_per_block
+        kv = sum(kv_bytes_used)
         per_rank = {**self.weights, "expert_weights": experts, "kv_blocks": kv}
         return {"memory": [dict(per_rank) for _ in range(self.world)], "memory_modeled": [],
                 "memory_capacity": {"hbm": self.topology.hbm_bytes,
-                                    "kv_blocks": [self.kv_blocks * self.kv_bytes_per_block] * self.world},
+                                    "kv_blocks": [self.kv_pool_bytes] * self.world},
                 "tiers": {"host": {}}, "tiered_experts": "off"}

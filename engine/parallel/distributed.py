@@ -306,15 +306,19 @@ def _i64(t: torch.Tensor) -> torch.Tensor:
 
 def pack_step(input_ids: torch.Tensor, positions: torch.Tensor, ctx: PagedContext) -> torch.Tensor:
     n, b = input_ids.numel(), ctx.num_decodes
-    head = [_MAGIC, n, b, len(ctx.decode_groups), len(ctx.prefills)]
-    parts = [torch.tensor(head, dtype=torch.int64), _i64(input_ids), _i64(positions), _i64(ctx.slot_mapping)]
+    head = [_MAGIC, n, b, len(ctx.prefills), int(ctx.window is not None)]
+    parts = [torch.tensor(head, dtype=torch.int64), _i64(input_ids), _i64(positions)]
     if b:
         parts.append(_i64(ctx.decode_context_lens))
-    for g in ctx.decode_groups:
-        parts += [torch.tensor([g.start, g.end, g.width, int(g.mask is not None)], dtype=torch.int64), _i64(g.blocks)]
-    for p in ctx.prefills:
-        parts += [torch.tensor([p.start, p.end, p.cached_len, p.block_table.numel()], dtype=torch.int64),
-                  _i64(p.block_table)]
+    for view in (ctx, ctx.window) if ctx.window is not None else (ctx,):  # the window view: the same rows
+        parts += [_i64(view.slot_mapping), torch.tensor([len(view.decode_groups)], dtype=torch.int64)]
+        for g in view.decode_groups:
+            firsts = g.first_positions if g.first_positions is not None else torch.zeros(g.end - g.start)
+            parts += [torch.tensor([g.start, g.end, g.width, int(g.mask is not None)], dtype=torch.int64),
+                      _i64(g.blocks), _i64(firsts)]
+        for p in view.prefills:
+            parts += [torch.tensor([p.start, p.end, p.cached_len, p.block_table.numel(), p.first_position],
+                                   dtype=torch.int64), _i64(p.block_table)]
     return torch.cat(parts)
 
 
@@ -327,26 +331,33 @@ def unpack_step(payload: torch.Tensor, cache: KVCache, device: torch.device):
         cur += count
         return out
 
-    magic, n, b, num_groups, num_prefills = take(5).tolist()
-    if magic != _MAGIC:
+    magic, n, b, num_prefills, has_window = take(5).tolist()
+    if magic != _MAGIC or has_window != (cache.window is not None):
         raise DistributedError("distributed: corrupt step message from rank 0")
-    ids, positions, slots = take(n).to(device), take(n).to(device), take(n).to(device)
-    ctx = PagedContext(cache=cache, slot_mapping=slots)
+    ids, positions = take(n).to(device), take(n).to(device)
+    lens = take(b) if b else None
     bs = cache.block_size
-    if b:
-        ctx.num_decodes = b
-        lens = take(b)
-        ctx.decode_context_lens = lens.to(device)
-        for _ in range(num_groups):
+
+    def view(view_cache, window: bool) -> PagedContext:
+        ctx = PagedContext(cache=view_cache, slot_mapping=take(n).to(device))
+        if b:
+            ctx.num_decodes, ctx.decode_context_lens = b, lens.to(device)
+        for _ in range(int(take(1))):  # the window view groups its decodes by their own lengths
             start, end, gw, has_mask = take(4).tolist()
-            blocks = take((end - start) * gw).to(device)
+            blocks, firsts = take((end - start) * gw).to(device), take(end - start)
             mask = None
             if has_mask:
-                mask = (torch.arange(gw * bs)[None, :] < lens[start:end, None])[:, None, None, :].to(device)
-            ctx.decode_groups.append(DecodeGroup(start, end, blocks, gw, mask))
-    for _ in range(num_prefills):
-        start, end, cached, tlen = take(4).tolist()
-        ctx.prefills.append(PrefillSlice(start, end, cached, take(tlen).to(device)))
+                mask = (torch.arange(gw * bs)[None, :] < (lens[start:end] - firsts)[:, None])[:, None, None, :]
+                mask = mask.to(device)
+            ctx.decode_groups.append(DecodeGroup(start, end, blocks, gw, mask, firsts.to(device) if window else None))
+        for _ in range(num_prefills):
+            start, end, cached, tlen, first = take(5).tolist()
+            ctx.prefills.append(PrefillSlice(start, end, cached, take(tlen).to(device), first))
+        return ctx
+
+    ctx = view(cache, False)
+    if has_window:
+        ctx.window = view(cache.window, True)
     if cur != payload.numel():
         raise DistributedError("distributed: corrupt step message from rank 0")
     return ids, positions, ctx
@@ -422,12 +433,14 @@ def worker_loop(model, cache: KVCache, channel: StepChannel, device: torch.devic
 
 # ---------------------------------------------------------------- one rank's session
 
-def kv_blocks_for(config: EngineConfig, cfg: ModelConfig, tp: int) -> tuple[int, int]:
-    """(kv heads per rank, KV blocks): kv_cache_memory is each rank's budget for its own heads."""
+def kv_blocks_for(config: EngineConfig, cfg: ModelConfig, tp: int) -> tuple[int, int, int]:
+    """(kv heads per rank, KV blocks, sliding-window KV blocks): kv_cache_memory is each rank's
+    budget for its own heads (the rule of the engine's own sizing, KVCache.pool_sizes_for)."""
     heads = local_kv_heads(cfg.num_heads, cfg.num_kv_heads, tp) if cfg.attention == "gqa" else None
     quantized = config.kv_cache_dtype == "int8"
-    per_block = KVCache.block_bytes_for(cfg, config.block_size, quantized, heads)
-    return heads, config.num_kv_blocks or max(1, config.kv_cache_memory // per_block)
+    blocks, window_blocks = KVCache.pool_sizes_for(cfg, config.block_size, quantized, config.kv_cache_memory,
+                                                   config.num_kv_blocks, config.knobs, heads)
+    return heads, blocks, window_blocks
 
 
 def initial_placement(config: EngineConfig, cfg: ModelConfig, world: int) -> Placement:
@@ -447,10 +460,9 @@ def _make_engine(config: EngineConfig, model, kv_heads: int, channel: StepChanne
     config = dataclasses.replace(config, topology=topology)
 
     def expert_layer(engine: LLMEngine) -> ExpertControl:
-        per_block = engine.kv_cache.nbytes() // engine.blocks.num_blocks
         cluster = DistributedCluster(engine.model, topology, placement, experts, stats, state, channel,
                                      policy=config.routing_policy, auto=config.auto_rebalance, knobs=config.knobs,
-                                     kv_bytes_per_block=per_block, kv_blocks=engine.blocks.num_blocks)
+                                     kv_pool_bytes=engine.kv_cache.nbytes())
         engine.runner.model.after_forward = cluster.collect
         return ExpertControl(engine, cluster, "none")
 
@@ -505,14 +517,14 @@ def start_rank(config: EngineConfig, tp: int | None, state: DistState,
         node = config.topology.devices_per_node if config.topology is not None else None
         experts = install(model, placement, state.rank, state.world_size, stats, config.routing_policy,
                           devices_per_node=node)
-        heads, num_blocks = kv_blocks_for(config, model.cfg, tp)
+        heads, num_blocks, window_blocks = kv_blocks_for(config, model.cfg, tp)
         channel = StepChannel(state.ctrl_group, config.block_size)
         if state.is_driver:  # the engine sizes its cache by the same rule as kv_blocks_for
             engine = _make_engine(config, model, heads, channel, state, experts, stats, placement)
         else:
             cfg = model.cfg
             cache = KVCache.for_model(cfg, num_blocks, config.block_size, config.kv_cache_dtype == "int8",
-                                      state.device, heads)
+                                      state.device, heads, window_blocks)
     except Exception as exc:  # noqa: BLE001 - reported to every rank, then raised there
         error = exc
     reports = _exchange(state, _error_report(error) if error is not None else {})

@@ -90,3 +90,58 @@ def test_window_rules_per_architecture(tiny_hf_checkpoint):
              "max_window_layers": 2}
     qwen2.pop("layer_types", None)
     assert ModelConfig.from_hf(qwen2).layer_windows == (4, 0, 0)  # transformers' default: even layers below 2
+
+
+def _engine(path, **kw):
+    from moectl.engine.core.config import EngineConfig
+    from moectl.engine.llm_engine import LLMEngine
+
+    return LLMEngine(EngineConfig(model=str(path), dtype="float32", block_size=4, num_kv_blocks=128, **kw))
+
+
+def test_sliding_layers_free_their_blocks_and_stay_bounded(tiny_hf_checkpoint):
+    """One long request: the full layers' table grows with the sequence; the sliding layers hold at
+    most (window - 1 + chunk) / block_size + 1 blocks at any step, release the rest, and the tokens
+    are those of recomputing the whole sequence densely (window masks only, no cache)."""
+    from moectl.engine.core.config import SchedulerKnobs
+    from moectl.engine.core.sampling import SamplingParams
+    from tests.checkpoints import reference_greedy
+
+    knobs = SchedulerKnobs(long_prefill_token_threshold=8, max_num_batched_tokens=8)
+    engine = _engine(tiny_hf_checkpoint("gpt_oss"), knobs=knobs, enable_prefix_caching=False)
+    prompt = [(5 * i + 1) % 256 for i in range(30)]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    engine.add_request(prompt, params, request_id="long")
+    held, main = [], []
+    while engine.has_unfinished():
+        engine.step()
+        for seq in engine.scheduler.running:
+            held.append(len(engine.blocks.window.held(seq)))
+            main.append(len(seq.block_table))
+        engine.blocks.check_invariants()
+    window, bs = 3, 4
+    bound = -(-(window - 1 + knobs.max_num_batched_tokens) // bs) + 1
+    assert max(held) <= bound and held[-1] <= -(-window // bs) + 1
+    assert max(main) >= -(-(30 + 40 - 2) // bs)  # the full layers keep every position
+    assert engine.generate([prompt], params)[0].token_ids == reference_greedy(engine.model, prompt, 40)
+    assert engine.blocks.window.store.num_used == 0 and engine.blocks.num_used == 0  # all returned
+
+
+def test_prefix_reuse_with_sliding_layers_keeps_the_tokens(tiny_hf_checkpoint):
+    """A prefix hit needs the sliding layers' blocks just before its end too: the hit is cut back to
+    where they are still cached, and the tokens do not change."""
+    from moectl.engine.core.config import SchedulerKnobs
+    from moectl.engine.core.sampling import SamplingParams
+    from tests.checkpoints import reference_greedy
+
+    engine = _engine(tiny_hf_checkpoint("gpt_oss"), knobs=SchedulerKnobs(long_prefill_token_threshold=8,
+                                                                          max_num_batched_tokens=24))
+    shared = [(3 * i + 2) % 256 for i in range(26)]
+    batch = [shared + [i + 7, i + 9] for i in range(3)]
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    first = [o.token_ids for o in engine.generate(batch, params)]
+    hits = engine.blocks.prefix_hits
+    again = [o.token_ids for o in engine.generate(batch, params)]
+    assert engine.blocks.prefix_hits > hits
+    assert first == again == [reference_greedy(engine.model, p, 12) for p in batch]
+    engine.blocks.check_invariants()
