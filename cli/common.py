@@ -25,6 +25,9 @@ JSON_OPT = typer.Option(False, "--json", help="Print machine-readable JSON (prog
 HBM_OPT = typer.Option("80GiB", "--hbm", help="HBM per device, e.g. 80GiB, 141GiB.")
 DTYPE_OPT = typer.Option(None, "--dtype", help="fp32, bf16 or fp16 (default: the checkpoint's dtype).")
 THEME_OPT = typer.Option("dark", "--theme", help="dark, light or high-contrast (switch live with 't').")
+HOST_MEM_OPT = typer.Option(None, "--host-mem", help="Host memory for routed experts, e.g. 8GiB: a checkpoint whose "
+                                                    "experts exceed it leaves them in its safetensors files (the disk "
+                                                    "tier), read on demand behind a host cache of this size.")
 EXPERT_CACHE_OPT = typer.Option(None, "--expert-cache", help="Tiered expert memory (with --devices): experts stay "
                                                              "in host memory and each device caches this many in HBM.")
 BACKEND_OPT = typer.Option("local", "--backend", help="local (devices emulated in this process), multi-gpu (device "
@@ -124,7 +127,7 @@ def _check_placement_fits(path: Path, placement: dict, model: Path, devices: int
 
 def engine_config(model: Path | None, *, devices: int | None = None, hbm: str = "80GiB", backend: str = "local",
                   expert_cache: int | None = None, device: str = "cpu", nproc: int | None = None,
-                  placement: Path | None = None, **options) -> EngineConfig:
+                  placement: Path | None = None, host_mem: str | None = None, **options) -> EngineConfig:
     """The EngineConfig the device options describe. devices None: one device, no placement.
     options: any other EngineConfig field (dtype, redundant_slots, num_threads, ...)."""
     if backend not in BACKENDS:
@@ -141,6 +144,10 @@ def engine_config(model: Path | None, *, devices: int | None = None, hbm: str = 
         devices = nproc if nproc is not None else (devices or 2)
     if expert_cache is not None and devices is None:
         raise BadInput("--expert-cache: needs --devices")
+    if host_mem is not None:
+        if backend == "distributed":
+            raise BadInput("--host-mem: not on the distributed backend (each rank loads its own experts)")
+        options["host_mem"] = parse_size(host_mem, "--host-mem")
     if placement is not None:
         if devices is None:
             raise BadInput("--placement: needs --devices")

@@ -11,6 +11,7 @@ from moectl.cli.common import (
     DTYPE_OPT,
     EXPERT_CACHE_OPT,
     HBM_OPT,
+    HOST_MEM_OPT,
     MODEL_OPT,
     NPROC_OPT,
     PLACEMENT_OPT,
@@ -27,7 +28,7 @@ DEMO_WORKLOAD = "rate=4,prompt=32-256,output=32-128"
 
 def live_source(model: Path | None, devices: int, hbm: str, redundant: int, expert_cache: int | None,
                 workload: str, dtype: str | None, threads: int, backend: str = "local", nproc: int | None = None,
-                placement: Path | None = None):
+                placement: Path | None = None, host_mem: str | None = None):
     from moectl.console.sources import DemoLoad, LiveSource
     from moectl.engine.tools.workload import WorkloadSpec
 
@@ -36,7 +37,7 @@ def live_source(model: Path | None, devices: int, hbm: str, redundant: int, expe
     except ValueError as exc:
         message = str(exc)
         raise BadInput(message if message.startswith("--workload") else f"--workload: {message}") from None
-    config = engine_config(model, devices=devices, hbm=hbm, expert_cache=expert_cache, dtype=dtype,
+    config = engine_config(model, devices=devices, hbm=hbm, expert_cache=expert_cache, host_mem=host_mem, dtype=dtype,
                            redundant_slots=redundant, num_threads=threads, backend=backend, nproc=nproc,
                            placement=placement)
     engines = Engines(config, backend)
@@ -57,6 +58,7 @@ def run(
     nproc: int | None = NPROC_OPT,
     placement: Path | None = PLACEMENT_OPT,
     expert_cache: int | None = EXPERT_CACHE_OPT,
+    host_mem: str | None = HOST_MEM_OPT,
     workload: str = typer.Option(DEMO_WORKLOAD, "--workload", help="The demo workload: rate=R,prompt=LO-HI,"
                                                                    "output=LO-HI (editable live)."),
     dtype: str | None = DTYPE_OPT,
@@ -70,7 +72,7 @@ def run(
 
     check_theme(theme)
     source = live_source(model, devices, hbm, redundant, expert_cache, workload, dtype, threads, backend, nproc,
-                         placement)
+                         placement, host_mem)
     MoectlApp(source, theme=theme).run()
 
 

@@ -16,6 +16,7 @@ from moectl.cli.common import (
     DTYPE_OPT,
     EXPERT_CACHE_OPT,
     HBM_OPT,
+    HOST_MEM_OPT,
     JSON_OPT,
     MODEL_OPT,
     NPROC_OPT,
@@ -51,6 +52,7 @@ def generate(
                                             "no placement)."),
     hbm: str = HBM_OPT,
     expert_cache: int | None = EXPERT_CACHE_OPT,
+    host_mem: str | None = HOST_MEM_OPT,
     backend: str = BACKEND_OPT,
     nproc: int | None = NPROC_OPT,
     redundant: int = typer.Option(0, "--redundant", help="Redundant expert slots per device (room for replicas)."),
@@ -69,7 +71,7 @@ def generate(
         raise BadInput("give a PROMPT or --prompt-ids")
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                             seed=seed, stop=tuple(stop or ()), ignore_eos=ignore_eos)
-    config = engine_config(model, devices=devices, hbm=hbm, backend=backend, expert_cache=expert_cache,
+    config = engine_config(model, devices=devices, hbm=hbm, backend=backend, expert_cache=expert_cache, host_mem=host_mem,
                            device=device, dtype=dtype, kv_cache_dtype=kv_cache_dtype, nproc=nproc,
                            redundant_slots=redundant, placement=placement)
     engines = Engines(config, backend)

@@ -25,21 +25,33 @@ def plan_memory_cmd(
     batch: int = typer.Option(1, "--batch", help="Concurrent sequences."),
     dtype: str = typer.Option("bf16", "--dtype", help="Weight dtype: fp32, bf16, fp16 or fp8 (planning only)."),
     kv_dtype: str = typer.Option("auto", "--kv-dtype", help="auto (weight dtype) or int8."),
+    offload: bool = typer.Option(False, "--offload", help="Plan the routed experts over three tiers: an HBM cache "
+                                                          "per device, host memory per node (--host-mem), disk."),
+    host_mem: str = typer.Option("2TiB", "--host-mem", help="With --offload: host memory per node for experts."),
     as_json: bool = JSON_OPT,
 ):
     """The operator-level memory table for each device: weights by category, KV cache, activations
-    at peak, communication buffers and headroom; whether it fits and, if not, by how much."""
+    at peak, communication buffers and headroom; whether it fits and, if not, by how much. With
+    --offload, also the experts' three tiers (HBM cache, host, disk)."""
     from moectl.engine.core.topology import Topology, parse_size
     from moectl.engine.planning.memory_plan import fit_suggestions, plan_memory
+    from moectl.engine.planning.offload_plan import plan_offload
 
     topo = Topology(num_devices=devices, hbm_bytes=parse_size(hbm, "--hbm"))
     kw = dict(tp=tp, ep=ep, context=context, batch=batch, dtype=dtype, kv_dtype=kv_dtype)
     plan = plan_memory(model, topo, **kw)
-    suggestions = [] if plan.fits else fit_suggestions(model, topo, **kw)
+    tiers = plan_offload(plan, parse_size(host_mem, "--host-mem")) if offload else None
+    suggestions = [] if plan.fits or (tiers is not None and tiers.fits) else fit_suggestions(model, topo, **kw)
     if as_json:
-        typer.echo(json.dumps({**plan.as_dict(), "suggestions": suggestions}, default=str))
+        out = {**plan.as_dict(), "suggestions": suggestions}
+        if tiers is not None:
+            out["offload"] = tiers.as_dict()
+        typer.echo(json.dumps(out, default=str))
         return
     typer.echo(plan.format_table())
+    if tiers is not None:
+        typer.echo("")
+        typer.echo(tiers.format_table())
     for s in suggestions:
         typer.echo(f"  to fit: {s['change']}")
 

@@ -14,6 +14,7 @@ from moectl.cli.common import (
     DTYPE_OPT,
     EXPERT_CACHE_OPT,
     HBM_OPT,
+    HOST_MEM_OPT,
     JSON_OPT,
     MODEL_OPT,
     NPROC_OPT,
@@ -39,6 +40,7 @@ def record(
     nproc: int | None = NPROC_OPT,
     placement: Path | None = PLACEMENT_OPT,
     expert_cache: int | None = EXPERT_CACHE_OPT,
+    host_mem: str | None = HOST_MEM_OPT,
     redundant: int = typer.Option(0, "--redundant", help="Redundant expert slots per device."),
     workload: str = typer.Option(DEFAULT_RECORD_WORKLOAD, "--workload",
                                  help="key=value list (rate, prompt, output, requests, duration, seed) or a "
@@ -66,7 +68,7 @@ def record(
     if Path(trace).exists() and not overwrite:
         raise BadInput(f"{trace}: exists (use --overwrite to replace it)")
     spec = WorkloadSpec.from_option(workload)
-    config = engine_config(model, devices=devices, hbm=hbm, expert_cache=expert_cache, dtype=dtype,
+    config = engine_config(model, devices=devices, hbm=hbm, expert_cache=expert_cache, host_mem=host_mem, dtype=dtype,
                            redundant_slots=redundant, num_kv_blocks=kv_blocks, backend=backend, nproc=nproc,
                            placement=placement)
     engines = Engines(config, backend)

@@ -11,6 +11,7 @@ from moectl.cli.common import (
     DTYPE_OPT,
     EXPERT_CACHE_OPT,
     HBM_OPT,
+    HOST_MEM_OPT,
     MODEL_OPT,
     NPROC_OPT,
     PLACEMENT_OPT,
@@ -35,6 +36,7 @@ def serve(
     nproc: int | None = NPROC_OPT,
     placement: Path | None = PLACEMENT_OPT,
     expert_cache: int | None = EXPERT_CACHE_OPT,
+    host_mem: str | None = HOST_MEM_OPT,
     dtype: str | None = DTYPE_OPT,
     threads: int | None = typer.Option(None, "--threads", help="torch threads for the engine."),
 ):
@@ -46,7 +48,7 @@ def serve(
     if not 0 < port < 65536:
         raise BadInput(f"--port: must be in 1-65535, got {port}")
     check_bind(host, token)  # before loading anything: a public bind without a token is refused
-    config = engine_config(model, devices=devices, hbm=hbm, expert_cache=expert_cache, dtype=dtype,
+    config = engine_config(model, devices=devices, hbm=hbm, expert_cache=expert_cache, host_mem=host_mem, dtype=dtype,
                            redundant_slots=redundant, num_threads=threads, backend=backend, nproc=nproc,
                            placement=placement)
     engines = Engines(config, backend)

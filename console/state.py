@@ -270,6 +270,17 @@ class ConsoleState:
         total = hits + misses
         return [float(h / t) if t else 0.0 for h, t in zip(hits, total)]
 
+    def tier_traffic(self) -> dict | None:
+        """The host and disk tiers over the window (disk tier only): host hits and misses, and the
+        reads from disk, their bytes and the compute path's wait on them."""
+        recs = [((r.get("devices") or {}).get("tiers") or {}) for r in self.window]
+        recs = [t for t in recs if "disk" in t]
+        if not recs:
+            return None
+        host = {k: sum(t["host"].get(k, 0) for t in recs) for k in ("hits", "misses")}
+        disk = {k: sum(t["disk"].get(k, 0) for t in recs) for k in ("reads", "bytes_read", "wait_s")}
+        return {"host": host, "disk": disk, "steps": len(recs)}
+
     def memory(self) -> list[dict]:
         """The newest record's HBM bytes per device by category."""
         return list(((self.latest or {}).get("devices") or {}).get("memory") or [])

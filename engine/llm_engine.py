@@ -12,6 +12,7 @@ from moectl.engine.core.engine import EngineCore
 from moectl.engine.core.outputs import RequestOutput, RequestStream
 from moectl.engine.core.sampling import SamplingParams
 from moectl.engine.experts.control import ExpertControl
+from moectl.engine.experts.disk_tier import load_with_disk_tier
 from moectl.engine.models.decoder import MoEForCausalLM
 
 # the engine's public API in one import
@@ -25,4 +26,6 @@ class LLMEngine(EngineCore):
         local expert layer)."""
         if config.topology is not None:
             options.setdefault("experts", ExpertControl.build)
+        if model is None and config.host_mem is not None:
+            model = load_with_disk_tier(config.model, config.dtype, config.device, config.host_mem)
         super().__init__(config, model, **options)

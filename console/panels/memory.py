@@ -84,15 +84,28 @@ class MemoryPanel(VerticalScroll):
     @staticmethod
     def _tiers(state) -> str:
         devices = (state.latest or {}).get("devices") or {}
-        host = (devices.get("tiers") or {}).get("host") or {}
+        tiers = devices.get("tiers") or {}
+        host = tiers.get("host") or {}
         cache = state.cache()
-        lines = [f"host tier: {', '.join(f'{k} {fmt_bytes(v)}' for k, v in host.items()) or '-'}   "
-                 f"experts tiered: {devices.get('tiered_experts', 'off')}",
-                 f"KV blocks: {cache['kv_used']} used, {cache['kv_total'] - cache['kv_used']} free of {cache['kv_total']}"
-                 f" ({cache['kv_usage']:.0%})   prefix hit rate {cache['prefix_hit_rate']:.0%}"]
+        traffic = state.tier_traffic()
+        if traffic is None:
+            lines = [f"host tier: {', '.join(f'{k} {fmt_bytes(v)}' for k, v in host.items()) or '-'}   "
+                     f"experts tiered: {devices.get('tiered_experts', 'off')}"]
+        else:  # three tiers: HBM caches (below) in front of host memory in front of the checkpoint's files
+            h, d = traffic["host"], traffic["disk"]
+            looked = h["hits"] + h["misses"]
+            lines = [f"host tier: experts {fmt_bytes(host.get('expert_weights'))} of {fmt_bytes(host.get('capacity'))}"
+                     f", hit rate (window) {h['hits'] / looked if looked else 0:.0%} of {looked} lookups",
+                     f"disk tier: experts {fmt_bytes(tiers['disk'].get('expert_weights'))} in the checkpoint's files, "
+                     f"{d['reads']} reads of {fmt_bytes(d['bytes_read'])} in {traffic['steps']} steps, "
+                     f"waited {d['wait_s'] * 1e3:.1f} ms (measured)"]
+        lines.append(f"KV blocks: {cache['kv_used']} used, {cache['kv_total'] - cache['kv_used']} free of "
+                     f"{cache['kv_total']} ({cache['kv_usage']:.0%})   prefix hit rate {cache['prefix_hit_rate']:.0%}")
         rates = state.expert_cache_hit_rate()
         if rates is not None:
-            lines.append("expert cache hit rate (window): " + "  ".join(f"d{d} {r:.0%}" for d, r in enumerate(rates)))
+            tier = "HBM tier: " if traffic is not None else ""
+            lines.append(tier + "expert cache hit rate (window): "
+                         + "  ".join(f"d{d} {r:.0%}" for d, r in enumerate(rates)))
         proc = (state.latest or {}).get("process") or {}
         if proc:
             lines.append(f"process RSS {fmt_bytes(proc.get('rss_bytes'))}, system {fmt_bytes(proc.get('sys_used_bytes'))}"

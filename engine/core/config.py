@@ -114,6 +114,9 @@ class EngineConfig:
     placement: dict | None = None
     # multi-GPU in one process: the torch device of each device's experts (e.g. cuda:0..cuda:N-1)
     expert_devices: tuple[str, ...] | None = None
+    # the disk tier: routed experts beyond this many bytes of host memory stay in the checkpoint's
+    # files, read on demand (experts/disk_tier.py); None: every weight is loaded
+    host_mem: int | None = None
     profile_spans: bool = True  # always-on spans (profiler/spans.py) in every step record
     num_threads: int | None = None  # torch intra-op threads for this process; None: leave torch's setting
 
@@ -145,3 +148,7 @@ class EngineConfig:
             _check_torch_devices(self.expert_devices)
         if isinstance(self.knobs, dict):
             self.knobs = SchedulerKnobs(**self.knobs)
+        if self.host_mem is not None:
+            _int_in("host_mem", self.host_mem, 1, 1 << 60)
+            if self.topology is None:  # the tiers need the expert layer: one device by default
+                self.topology = Topology(num_devices=1)

@@ -53,8 +53,11 @@ Step record (format 1):
                    "memory": [{category: bytes}] per device, HBM tier (categories: *_weights,
                              expert_weights | expert_cache, kv_blocks, activations, comm_buffers),
                    "memory_capacity": {"hbm": int, "kv_blocks": [int]},
-                   "tiers": {"host": {"expert_weights": int}},
-                   "tiered_experts": "off"|"on"|"auto",
+                   "tiers": {"host": {"expert_weights": int}}; with the disk tier (--host-mem) instead
+                            {"host": {"expert_weights", "capacity", "hits", "misses"}, "disk":
+                             {"expert_weights", "reads", "prefetch_reads", "bytes_read", "wait_s",
+                              "prefetch_s"}} (this step's, measured),
+                   "tiered_experts": "off"|"on"|"auto"|"disk",
                    "expert_cache": [{"hits", "misses", "prefetched", "prefetch_useful",
                                      "bytes_copied", "miss_wait_s"}] (tiered only)}
 

@@ -172,7 +172,14 @@ class LocalCluster(ClusterBase):
         self.expert_bytes = logical.w13[0].nbytes + logical.w2[0].nbytes
         self.host_expert_bytes = self.expert_bytes * cfg.num_experts * len(self.moe_layers)
         self.tiered_auto = False
-        if expert_cache_slots is None and ledger is not None:
+        # the disk tier (experts left in the checkpoint's files): always tiered, the caches fill from disk
+        self.disk = getattr(model, "disk_experts", None)
+        self._disk_stats = None
+        if self.disk is not None:
+            self.host_expert_bytes = self.disk.capacity * self.expert_bytes
+            if expert_cache_slots is None:
+                expert_cache_slots = self._cache_slots_for_disk(placement)
+        elif expert_cache_slots is None and ledger is not None:
             expert_cache_slots = self._cache_slots_if_experts_overflow(placement)
         self.cache_slots = expert_cache_slots
         self.check(placement)
@@ -186,6 +193,14 @@ class LocalCluster(ClusterBase):
             ledger.expert_category = "expert_weights" if self.caches is None else "expert_cache"
             ledger.expert_bytes = (self.expert_slot_bytes(placement.slots_per_device) if self.caches is None
                                    else self.caches[0].w13_cache.nbytes + self.caches[0].w2_cache.nbytes)
+
+    def _cache_slots_for_disk(self, placement: Placement) -> int:
+        """The HBM cache in front of the disk tier: what HBM leaves for experts, at most the experts
+        a device holds (more slots could never fill)."""
+        placed = placement.slots_per_device * len(self.moe_layers)
+        if self.ledger is None:
+            return placed
+        return max(1, min(placed, self.ledger.expert_budget(self.knobs) // self.expert_bytes))
 
     def _cache_slots_if_experts_overflow(self, placement: Placement) -> int | None:
         budget = self.ledger.expert_budget(self.knobs)
@@ -201,7 +216,8 @@ class LocalCluster(ClusterBase):
         devices = self.torch_devices or [engine_device] * self.num_devices
         try:  # pinned host memory only when copies really go host -> GPU
             caches = [ExpertCache.for_device(self.model, placement, d, self.cache_slots, devices[d],
-                                             pin_host=devices[d].type == "cuda" and engine_device.type == "cpu")
+                                             pin_host=devices[d].type == "cuda" and engine_device.type == "cpu",
+                                             disk=self.disk)
                       for d in range(self.num_devices)]
         except ValueError as exc:
             if not self.tiered_auto:
@@ -300,6 +316,9 @@ class LocalCluster(ClusterBase):
             record["expert_cache"] = [{"hits": st["hits"], "misses": st["misses"], "prefetched": st["prefetch_issued"],
                                        "prefetch_useful": st["prefetch_useful"], "bytes_copied": st["bytes_copied"],
                                        "miss_wait_s": st["miss_wait_seconds"]} for st in stats]  # measured
+        if self.disk is not None:
+            self._disk_stats = self.disk.stats()
+            self.disk.reset_stats()
         return record
 
     def memory(self, work: list[dict], kv_bytes_used: list[int]) -> dict:
@@ -310,5 +329,6 @@ class LocalCluster(ClusterBase):
                 "memory_modeled": ["activations", "comm_buffers"],  # from shapes, not an allocator
                 "memory_capacity": {"hbm": self.topology.hbm_bytes,
                                     "kv_blocks": [ledger.kv_capacity(d) for d in range(self.num_devices)]},
-                "tiers": {"host": {"expert_weights": self.host_expert_bytes}},
-                "tiered_experts": "auto" if self.tiered_auto else ("on" if self.caches is not None else "off")}
+                "tiers": self._disk_stats or {"host": {"expert_weights": self.host_expert_bytes}},
+                "tiered_experts": ("disk" if self.disk is not None else "auto" if self.tiered_auto
+                                   else "on" if self.caches is not None else "off")}

@@ -326,8 +326,12 @@ class ExpertCache:
 
     def __init__(self, host: Mapping[int, tuple[torch.Tensor, torch.Tensor]], capacity: int,
                  device: str | torch.device = "cpu", *, local_experts: Mapping[int, Iterable[int]] | None = None,
-                 max_working_set: int | None = None, pin_host: bool = True, name: str = "", ffn=None):
+                 max_working_set: int | None = None, pin_host: bool = True, name: str = "", ffn=None,
+                 disk=None):
+        """disk: a DiskExperts (disk_tier.py) that fills come from instead of the host tensors,
+        which are then meta tensors that only give the shapes."""
         capacity = _check_capacity(capacity)
+        self.disk = disk
         self.ffn = ffn or SWIGLU  # what an expert computes (gpt-oss: clamped, with biases in the weights)
         if not host:
             raise ValueError("host: no expert layers given")
@@ -370,7 +374,7 @@ class ExpertCache:
 
     @classmethod
     def for_device(cls, model, placement, device_index: int, capacity: int, device: str | torch.device = "cpu",
-                   *, max_tokens: int | None = None, pin_host: bool = True) -> ExpertCache:
+                   *, max_tokens: int | None = None, pin_host: bool = True, disk=None) -> ExpertCache:
         """The cache of one device of a Placement: it serves the experts placed on that device
         (layer index = the decoder layer index, as in Placement). max_tokens bounds the tokens
         of one step (decode of B sequences: B) and so the working set: min(held, top_k x B)."""
@@ -380,7 +384,7 @@ class ExpertCache:
         need = max_working_set(widest, model.cfg.top_k, max_tokens)
         ffn = next(layer.mlp.experts for layer in model.layers if hasattr(layer.mlp, "experts"))
         return cls(host, capacity, device, local_experts=local, max_working_set=need, pin_host=pin_host,
-                   name=f"device {device_index}", ffn=getattr(ffn, "logical", ffn).ffn)
+                   name=f"device {device_index}", ffn=getattr(ffn, "logical", ffn).ffn, disk=disk)
 
     # -- stats
     def reset_stats(self) -> None:
@@ -419,7 +423,11 @@ class ExpertCache:
 
     def _fill(self, key: tuple[int, int], slot: int, demand: bool) -> None:
         layer, expert = key
-        w13, w2 = self.host[layer]
+        if self.disk is not None:
+            w13, w2 = (t[None] for t in self.disk.fetch(layer, expert, demand))
+            expert = 0
+        else:
+            w13, w2 = self.host[layer]
         self.slot_key[slot] = key
         self.bytes_copied += self.expert_bytes
         if self.cuda:

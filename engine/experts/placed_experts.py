@@ -30,6 +30,7 @@ class StepDeviceStats:
     def __init__(self, num_devices: int, device: torch.device, num_layers: int):
         self.num_devices = num_devices
         self.num_layers = num_layers
+        self.device = device
         self.cuda = device.type == "cuda"
         self.token_device = torch.zeros(0, dtype=torch.int64)
         self.tracer = NULL_TRACER  # the engine's SpanRecorder while spans are recorded
@@ -132,7 +133,9 @@ class PlacedExperts(nn.Module):
         for slot, expert in enumerate(wanted):
             if expert >= 0:
                 table[expert, slot // self.slots_per_device] = slot
-        self.slot_of = torch.from_numpy(table).to(self.logical.w13.device)
+        # the routing table lives where the tokens are (the experts may be meta: left on disk)
+        device = self.logical.w13.device if self.logical.w13.device.type != "meta" else self.stats.device
+        self.slot_of = torch.from_numpy(table).to(device)
         if self.tiered:
             return 0  # nothing moves between HBMs: caches refill from the host tier on demand
         return int(sum(1 for s in changed if wanted[s] >= 0)) * self.expert_bytes

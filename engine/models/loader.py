@@ -118,15 +118,30 @@ def _checkpoint_names(cfg: ModelConfig, i: int) -> dict:
     return names
 
 
-def _stack_experts(src: _TensorSource, moe: str, roles: tuple[str, str, str], num_experts: int):
-    fused = moe + "experts.gate_up_proj"
-    if fused in src.names:  # transformers v5's fused layout
-        return src.get(fused), src.get(moe + "experts.down_proj")
-    gate, up, down = roles
-    w13 = [torch.cat([src.get(f"{moe}experts.{e}.{gate}.weight"), src.get(f"{moe}experts.{e}.{up}.weight")])
-           for e in range(num_experts)]
-    w2 = [src.get(f"{moe}experts.{e}.{down}.weight") for e in range(num_experts)]
-    return torch.stack(w13), torch.stack(w2)
+def read_experts(cfg: ModelConfig, layer: int, names: set[str], get, experts: list[int] | None = None):
+    """Layer `layer`'s routed experts as our stacks (w13 [n, 2I, H(+1)], w2 [n, H, I(+1)]), all of
+    them or only `experts`. get(name, rows): the checkpoint tensor `name`, or only rows `rows` of a
+    stacked one (None: all of it); names: every tensor name in the checkpoint."""
+    n = _checkpoint_names(cfg, layer)
+    moe, (gate, up, down) = n["moe"], n["expert"]
+    if cfg.architecture == "gpt_oss":
+        return _gpt_oss_stack(moe, *(get(moe + "experts." + t, experts) for t in
+                                     ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")))
+    if moe + "experts.gate_up_proj" in names:  # transformers v5's fused layout
+        return get(moe + "experts.gate_up_proj", experts), get(moe + "experts.down_proj", experts)
+    chosen = range(cfg.num_experts) if experts is None else experts
+    w13 = [torch.cat([get(f"{moe}experts.{e}.{gate}.weight"), get(f"{moe}experts.{e}.{up}.weight")]) for e in chosen]
+    return torch.stack(w13), torch.stack([get(f"{moe}experts.{e}.{down}.weight") for e in chosen])
+
+
+def expert_tensor_names(cfg: ModelConfig, layer: int, names: set[str]) -> list[str]:
+    """The checkpoint tensors that hold layer `layer`'s routed experts."""
+    n = _checkpoint_names(cfg, layer)
+    moe, roles = n["moe"], n["expert"]
+    fused = [moe + "experts." + t for t in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")]
+    if cfg.architecture == "gpt_oss" or fused[0] in names:
+        return [f for f in fused if f in names]
+    return [f"{moe}experts.{e}.{r}.weight" for e in range(cfg.num_experts) for r in roles]
 
 
 def _read_attention(cfg: ModelConfig, src: _TensorSource, n: dict, ours: str, sd: dict) -> None:
@@ -152,12 +167,10 @@ def _read_attention(cfg: ModelConfig, src: _TensorSource, n: dict, ours: str, sd
         sd[ours + "attn.sinks"] = src.get(n["q"].rsplit(".", 1)[0] + ".sinks")
 
 
-def _gpt_oss_experts(src: _TensorSource, moe: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _gpt_oss_stack(moe: str, gu, gu_bias, down, down_bias) -> tuple[torch.Tensor, torch.Tensor]:
     """gpt-oss's fused experts -> our stacks with the biases as an extra input column:
     gate_up_proj [E, H, 2I] holds gate and up in interleaved columns (x @ W, not a linear's
     [out, in]); down_proj [E, I, H]."""
-    gu, gu_bias = src.get(moe + "experts.gate_up_proj"), src.get(moe + "experts.gate_up_proj_bias")
-    down, down_bias = src.get(moe + "experts.down_proj"), src.get(moe + "experts.down_proj_bias")
     if gu.dim() != 3 or down.dim() != 3 or gu_bias.dim() != 2 or down_bias.dim() != 2:
         raise CheckpointError(f"{moe}experts: expected stacked 3-D weights and 2-D biases")
     w13 = torch.cat([gu[:, :, 0::2], gu[:, :, 1::2]], dim=2).transpose(1, 2)  # [E, 2I, H]: gate rows, then up
@@ -180,9 +193,13 @@ def _shared_names(cfg: ModelConfig, moe: str) -> str:
     return moe + ("shared_experts." if cfg.architecture == "deepseek_v3" else "shared_expert.")
 
 
-def read_state_dict(cfg: ModelConfig, model_dir: Path) -> dict[str, torch.Tensor]:
-    """Our parameter names -> tensors, read from the checkpoint (not yet shape-checked)."""
+def read_state_dict(cfg: ModelConfig, model_dir: Path, experts: bool = True) -> dict[str, torch.Tensor]:
+    """Our parameter names -> tensors, read from the checkpoint (not yet shape-checked).
+    experts=False: the routed experts are left on disk (their names are still checked)."""
     src = _TensorSource(model_dir)
+
+    def get(name: str, rows=None) -> torch.Tensor:
+        return src.get(name)
     sd = {"embed.weight": src.get("model.embed_tokens.weight"), "norm.weight": src.get("model.norm.weight")}
     if not cfg.tie_word_embeddings:
         sd["lm_head.weight"] = src.get("lm_head.weight")
@@ -192,14 +209,20 @@ def read_state_dict(cfg: ModelConfig, model_dir: Path) -> dict[str, torch.Tensor
         sd[ours + "post_norm.weight"] = src.get(n["post_norm"])
         _read_attention(cfg, src, n, ours, sd)
         moe, (g, u, d) = n["moe"], n["expert"]
-        if cfg.sparse_layers[i] and cfg.architecture == "gpt_oss":
-            sd[ours + "mlp.gate"], sd[ours + "mlp.gate_bias"] = src.get(moe + "router.weight"), src.get(moe + "router.bias")
-            sd[ours + "mlp.experts.w13"], sd[ours + "mlp.experts.w2"] = _gpt_oss_experts(src, moe)
-        elif cfg.sparse_layers[i]:
-            sd[ours + "mlp.gate"] = src.get(moe + "gate.weight")
+        if cfg.sparse_layers[i]:
+            if cfg.architecture == "gpt_oss":
+                sd[ours + "mlp.gate"], sd[ours + "mlp.gate_bias"] = src.get(moe + "router.weight"), src.get(moe + "router.bias")
+            else:
+                sd[ours + "mlp.gate"] = src.get(moe + "gate.weight")
             if cfg.router == "grouped_sigmoid":
                 sd[ours + "mlp.e_score_correction_bias"] = src.get(moe + "gate.e_score_correction_bias")
-            sd[ours + "mlp.experts.w13"], sd[ours + "mlp.experts.w2"] = _stack_experts(src, moe, n["expert"], cfg.num_experts)
+            if experts:
+                sd[ours + "mlp.experts.w13"], sd[ours + "mlp.experts.w2"] = read_experts(cfg, i, src.names, get)
+            else:
+                missing = [t for t in expert_tensor_names(cfg, i, src.names) if t not in src.names]
+                if missing:
+                    raise CheckpointError(f"checkpoint: tensor {missing[0]} is missing")
+                src.used.update(expert_tensor_names(cfg, i, src.names))
             if cfg.shared_expert_intermediate_size:
                 shared = _shared_names(cfg, moe)
                 sd[ours + "mlp.shared_w13"] = torch.cat([src.get(f"{shared}{g}.weight"), src.get(f"{shared}{u}.weight")])
@@ -234,17 +257,22 @@ def _keeps_fp32(cfg: ModelConfig, name: str) -> bool:
     return cfg.router == "grouped_sigmoid" and name.endswith(("mlp.gate", "mlp.e_score_correction_bias"))
 
 
-def load_model(model_dir: str | Path, dtype=None, device: str | torch.device = "cpu") -> MoEForCausalLM:
+def load_model(model_dir: str | Path, dtype=None, device: str | torch.device = "cpu",
+               experts: bool = True) -> MoEForCausalLM:
+    """experts=False: every weight but the routed experts, which stay on disk (their stacks are
+    left on the meta device; the disk tier, experts/disk_tier.py, reads them on demand)."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise CheckpointError(f"model: {model_dir} is not a directory")
     cfg = ModelConfig.from_dir(model_dir, dtype=dtype)
-    sd = read_state_dict(cfg, model_dir)
+    sd = read_state_dict(cfg, model_dir, experts=experts)
     with torch.device("meta"):
         model = MoEForCausalLM(cfg)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     if cfg.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
+    if not experts:
+        expected = {k: v for k, v in expected.items() if ".mlp.experts." not in k}
     for name, shape in expected.items():
         got = tuple(sd[name].shape)
         if got != shape:
@@ -252,7 +280,9 @@ def load_model(model_dir: str | Path, dtype=None, device: str | torch.device = "
     sd = {k: v.to(device=device, dtype=torch.float32 if _keeps_fp32(cfg, k) else cfg.dtype) for k, v in sd.items()}
     if cfg.tie_word_embeddings:  # state_dict() lists the tied head too, so strict loading wants it
         sd["lm_head.weight"] = sd["embed.weight"]
-    model.load_state_dict(sd, strict=True, assign=True)
+    missing, unexpected = model.load_state_dict(sd, strict=False, assign=True)
+    if unexpected or any(experts or ".mlp.experts." not in k for k in missing):
+        raise CheckpointError(f"checkpoint: {(unexpected or missing)[0]} does not match the model")
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed.weight
     return model.eval().requires_grad_(False)

@@ -358,3 +358,23 @@ def test_running_requests_count_their_tokens_from_the_step_records(ckpt):
         state.apply([eng.step_log[-1].as_record()])
         counts.append(state.requests[rid]["output_tokens"])
     assert counts == [1, 2, 3, 4, 5, 6] and state.requests[rid]["state"] == "finished"
+
+
+def test_memory_panel_shows_three_tiers_with_the_disk_tier(tmp_path):
+    """--host-mem below the checkpoint's experts: the Memory panel shows HBM caches, the host
+    tier and the disk tier, with the disk's reads counted."""
+    from moectl.engine.experts.disk_tier import one_expert_bytes
+    from moectl.engine.models.config import ModelConfig
+
+    ckpt = tiny_checkpoint(tmp_path / "m")
+    host_mem = 2 * one_expert_bytes(ModelConfig.from_dir(ckpt))
+    source = live(ckpt, host_mem=host_mem, expert_cache_slots=3)  # one layer's experts: refills every step
+
+    async def body(app, pilot):
+        await until(pilot, lambda: app.state.steps_seen > 5)
+        await pilot.press("3")
+        await until(pilot, lambda: "disk tier" in text_of(app, "#mem-tiers"), timeout=5)
+        tiers = text_of(app, "#mem-tiers")
+        assert "host tier: experts" in tiers and "HBM tier: expert cache hit rate" in tiers
+        await until(pilot, lambda: app.state.tier_traffic()["disk"]["reads"] > 0, timeout=10)
+    run_app(MoectlApp(source), body)
