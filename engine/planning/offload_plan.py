@@ -34,13 +34,14 @@ class OffloadPlan:
                 "devices": self.devices, "nodes": self.nodes, "disk_bytes": self.disk_bytes, "fits": self.fits}
 
     def format_table(self) -> str:
-        first = worst = min(self.devices, key=lambda d: (d["cache_slots"] - d["working_set"], d["device"]))
+        first = worst = min(self.devices, key=lambda d: (d["cache_slots"] - d["working_set"], d["device"]))  # tightest
         node = self.nodes[0]
         rows = [
-            (f"HBM (device {first['device']}, the tightest)", f"expert cache {first['cache_slots']:,} slots = {format_size(first['cache_bytes'])} "
-                                 f"in the {format_size(first['hbm_for_experts'])} left after the other weights, KV, "
-                                 f"activations and buffers; a layer's working set is {first['working_set']:,} experts "
-                                 f"(device total {format_size(first['total'])} of {format_size(first['hbm'])})"),
+            (f"HBM (device {first['device']}, the tightest)",
+             f"expert cache {first['cache_slots']:,} slots = {format_size(first['cache_bytes'])} in the "
+             f"{format_size(first['hbm_for_experts'])} left after the other weights, KV, activations and buffers; a "
+             f"layer's working set is {first['working_set']:,} experts (device total {format_size(first['total'])} "
+             f"of {format_size(first['hbm'])})"),
             ("host (per node)", f"{node['host_cached']:,} of the {node['experts_served']:,} experts its devices serve "
                                 f"({node['host_share']:.1%}) = {format_size(node['host_bytes'])} of "
                                 f"{format_size(self.host_bytes_per_node)}"),
