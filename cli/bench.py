@@ -9,6 +9,7 @@ import typer
 from moectl.cli.common import (
     BACKEND_OPT,
     DTYPE_OPT,
+    HOST_MEM_OPT,
     JSON_OPT,
     MODEL_OPT,
     NPROC_OPT,
@@ -40,6 +41,7 @@ def bench(
     redundant: int = typer.Option(0, "--redundant", help="rebalance: spare slots per device for replicas (0: "
                                                          "re-hash the experts over the devices)."),
     seed: int = typer.Option(0, "--seed"),
+    host_mem: str | None = HOST_MEM_OPT,
     as_json: bool = JSON_OPT,
 ):
     """Benchmarks that print ratios against a baseline measured in the same run, and the share of
@@ -55,6 +57,8 @@ def bench(
         torch.set_num_threads(threads)
     log = progress(as_json)
     path = model_dir(model)
+    if host_mem is not None and name != "serve":
+        raise BadInput("--host-mem: only with --suite serve (the disk tier under a workload)")
     if name == "compare-hf":
         from moectl.engine.tools.bench import run_compare_hf
 
@@ -65,7 +69,10 @@ def bench(
         from moectl.engine.tools.workload import WorkloadSpec
 
         spec = WorkloadSpec.from_option(workload) if workload else WorkloadSpec(num_requests=requests, seed=seed)
-        result = run_serve(path, spec=spec, dtype=dtype, log=log)
+        from moectl.engine.core.topology import parse_size
+
+        result = run_serve(path, spec=spec, dtype=dtype, log=log,
+                           host_mem=None if host_mem is None else parse_size(host_mem, "--host-mem"))
     elif name == "kv-int8":
         from moectl.engine.tools.kv_eval import default_eval_inputs, run_kv_int8_eval
 

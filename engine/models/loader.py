@@ -14,6 +14,7 @@ from safetensors import SafetensorError, safe_open
 
 from moectl.engine.models.config import ConfigError, ModelConfig
 from moectl.engine.models.decoder import MoEForCausalLM
+from moectl.engine.models.moe import StackedExperts
 
 
 class CheckpointError(ValueError):
@@ -283,6 +284,11 @@ def load_model(model_dir: str | Path, dtype=None, device: str | torch.device = "
     missing, unexpected = model.load_state_dict(sd, strict=False, assign=True)
     if unexpected or any(experts or ".mlp.experts." not in k for k in missing):
         raise CheckpointError(f"checkpoint: {(unexpected or missing)[0]} does not match the model")
+    if not experts:  # the stacks left on meta still say the dtype the tiers fill caches in
+        for module in model.modules():
+            if isinstance(module, StackedExperts):
+                module.w13 = torch.nn.Parameter(module.w13.to(cfg.dtype), requires_grad=False)
+                module.w2 = torch.nn.Parameter(module.w2.to(cfg.dtype), requires_grad=False)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed.weight
     return model.eval().requires_grad_(False)

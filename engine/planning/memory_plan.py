@@ -106,6 +106,7 @@ class PlanModel:
     router_bias: bool = False  # DeepSeek-V3's e_score_correction_bias [E], gpt-oss's router bias [E]
     expert_bias: bool = False  # gpt-oss: biases on each expert's gate/up [2I] and down [H]
     attention_sinks: bool = False  # gpt-oss: one sink logit per head
+    layer_windows: tuple[int, ...] = ()  # per layer: 0 full attention, else its sliding window
     tie_word_embeddings: bool = False
     attention: str = "gqa"  # gqa | mla
     # GQA
@@ -206,17 +207,31 @@ class PlanModel:
         active = total - full["experts"] + self.num_sparse * self.top_k * self.expert_params()
         return {"params_total": total, "params_active": active}
 
-    def kv_bytes_per_block(self, tp: int, block_size: int, dtype: torch.dtype, quantized: bool) -> int:
+    def kv_bytes_per_block(self, tp: int, block_size: int, dtype: torch.dtype, quantized: bool,
+                           layers: int | None = None) -> int:
         """One KV block of all layers on one device, in the engine's layout (`KVCache.bytes_per_block`).
 
         MLA stores one compressed latent (kv_lora_rank) and one shared RoPE key (qk_rope_head_dim)
         per token and layer instead of per-head K and V: the engine keeps them as V and K of one
         'head' (INT8: one fp32 scale per block and layer for each)."""
+        layers = self.num_layers if layers is None else layers
         if self.attention == "mla":
-            return KVCache.bytes_per_block(self.num_layers, block_size, 1, self.qk_rope_head_dim, dtype, quantized,
+            return KVCache.bytes_per_block(layers, block_size, 1, self.qk_rope_head_dim, dtype, quantized,
                                            v_head_dim=self.kv_lora_rank)
-        return KVCache.bytes_per_block(self.num_layers, block_size, self.kv_heads_per_device(tp), self.head_dim,
+        return KVCache.bytes_per_block(layers, block_size, self.kv_heads_per_device(tp), self.head_dim,
                                        dtype, quantized)
+
+    def kv_bytes_per_sequence(self, tp: int, block_size: int, dtype: torch.dtype, quantized: bool, context: int,
+                              chunk: int) -> tuple[int, int]:
+        """(KV bytes of one sequence of `context` tokens, its blocks in the full layers' pool). Sliding
+        layers hold at most (window - 1 + chunk) / block_size + 1 blocks (the engine's window pool)."""
+        blocks = _cdiv(context, block_size)
+        windows = [w for w in self.layer_windows if w]
+        full = self.kv_bytes_per_block(tp, block_size, dtype, quantized, self.num_layers - len(windows)) * blocks
+        if not windows:
+            return full, blocks
+        held = min(blocks, _cdiv(max(windows) - 1 + chunk, block_size) + 1)
+        return full + held * self.kv_bytes_per_block(tp, block_size, dtype, quantized, len(windows)), blocks
 
 
 def plan_model_of(cfg: ModelConfig, name: str, notes: list[str]) -> PlanModel:
@@ -233,7 +248,8 @@ def plan_model_of(cfg: ModelConfig, name: str, notes: list[str]) -> PlanModel:
         attention=cfg.attention, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
         attention_bias=cfg.attention_bias, o_proj_bias=cfg.o_proj_bias, qk_norm=cfg.qk_norm,
         q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank, qk_nope_head_dim=cfg.qk_nope_head_dim,
-        qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim, notes=notes)
+        qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim, layer_windows=tuple(cfg.layer_windows),
+        notes=notes)
 
 
 # keys the runtime refuses but that do not change any tensor's size
@@ -726,7 +742,6 @@ def plan_memory(config: str | Path | dict | PlanModel, topology: Topology, *, tp
     seqs_max = _cdiv(batch, dp)
     t = min(mbt, seqs_max * context)
     recv = int(-(-_cdiv(t, tp) * m.top_k * ep_capacity // 1))
-    blocks_per_seq = _cdiv(context, block_size)
 
     # per-device activations and buffers are the same on every device (sized for the fullest DP group)
     act, peak_stage = step_activations(m, tp=tp, tokens=t, recv_rows=recv, context=context, seqs=seqs_max,
@@ -734,7 +749,7 @@ def plan_memory(config: str | Path | dict | PlanModel, topology: Topology, *, tp
     comm = comm_buffers(m, tp=tp, ep=ep, tokens=t, recv_rows=recv, act_bytes=a)
 
     kv_dtype_t = act_dtype  # auto KV: the activation dtype (bf16 under fp8 weights)
-    per_block = m.kv_bytes_per_block(tp, block_size, kv_dtype_t, quantized)
+    per_seq, blocks_per_seq = m.kv_bytes_per_sequence(tp, block_size, kv_dtype_t, quantized, context, mbt)
     devices = []
     for d in range(n):
         tp_rank, dp_group, ep_rank = d % tp, d // tp, d % ep
@@ -744,7 +759,7 @@ def plan_memory(config: str | Path | dict | PlanModel, topology: Topology, *, tp
         devices.append(DevicePlan(
             device=d, node=topology.node_of(d), tp_rank=tp_rank, dp_group=dp_group, ep_rank=ep_rank,
             experts_local=experts_local, sequences=seqs, kv_blocks=seqs * blocks_per_seq,
-            weights={c: params[c] * wbytes for c in CATEGORIES}, kv_cache=seqs * blocks_per_seq * per_block,
+            weights={c: params[c] * wbytes for c in CATEGORIES}, kv_cache=seqs * per_seq,
             activations=sum(act.values()), comm_buffers=sum(comm.values()), hbm_bytes=topology.hbm_bytes,
             activation_detail=dict(act), comm_detail=dict(comm)))
 
@@ -812,6 +827,11 @@ def _notes(m: PlanModel, topo: Topology, tp, dp, ep, dtype, kv_dtype, kv_t, bloc
                      f"the inter-node links ({topo.inter_node_gbps:g} GB/s)")
     if dp > 1 and batch < dp:
         notes.append(f"only {batch} of the {dp} DP groups hold a sequence; the others hold no KV cache")
+    windows = [w for w in m.layer_windows if w]
+    if windows:
+        notes.append(f"sliding-window layers: {len(windows)} of {m.num_layers} (window {max(windows):,}); their KV is "
+                     f"bounded by (window - 1 + {mbt} tokens of a chunk) / {block_size} + 1 blocks per sequence, the "
+                     "engine's window pool that frees blocks as they slide out")
     return m.notes + notes
 
 

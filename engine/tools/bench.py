@@ -357,10 +357,12 @@ def _log_report(r: dict, log: Callable[[str], None]) -> None:
 # -- engine-only serving runs
 
 def run_serve(model_dir: str | Path | None = None, *, spec: WorkloadSpec, dtype: str | None = None,
-              realtime: bool = True, knobs: dict | None = None, log: Callable[[str], None] = print) -> dict:
-    """One workload through the engine alone; returns the run summary (and the spec)."""
+              realtime: bool = True, knobs: dict | None = None, log: Callable[[str], None] = print,
+              host_mem: int | None = None) -> dict:
+    """One workload through the engine alone; returns the run summary (and the spec).
+    host_mem: the disk tier's host memory (experts beyond it stay in the checkpoint's files)."""
     model_dir = Path(model_dir or sample_model_dir())
-    cfg = EngineConfig(model=str(model_dir), dtype=dtype, **({"knobs": knobs} if knobs else {}))
+    cfg = EngineConfig(model=str(model_dir), dtype=dtype, host_mem=host_mem, **({"knobs": knobs} if knobs else {}))
     engine = LLMEngine(cfg)
     items = make_workload(spec, engine.tokenizer, engine.model_config.vocab_size)
     engine.generate([items[0].prompt_ids[:8]], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up

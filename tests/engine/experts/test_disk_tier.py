@@ -89,3 +89,15 @@ def test_a_corrupt_header_is_one_line(tmp_path):
     (path / "model.safetensors").write_bytes(data[:8] + b"{not json" + data[17:])
     with pytest.raises(CheckpointError, match="^model.safetensors: corrupt safetensors header"):
         SafetensorsFiles(path)
+
+
+def test_the_sample_model_in_its_own_bf16_from_disk():
+    """A bf16 checkpoint: the caches take the checkpoint's dtype, and the tokens are unchanged."""
+    from moectl.engine import sample_model_dir
+
+    path = sample_model_dir()
+    batch = [[5, 6, 7, 8, 9, 10], [11, 12, 13]]
+    want = [o.token_ids for o in _engine(path, topology=Topology(num_devices=1)).generate(batch, GREEDY)]
+    engine = _engine(path, host_mem=2 << 20)
+    assert engine.model_config.dtype == engine.experts.cluster.caches[0].w13_cache.dtype
+    assert [o.token_ids for o in engine.generate(batch, GREEDY)] == want

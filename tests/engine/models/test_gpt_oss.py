@@ -145,3 +145,33 @@ def test_prefix_reuse_with_sliding_layers_keeps_the_tokens(tiny_hf_checkpoint):
     assert engine.blocks.prefix_hits > hits
     assert first == again == [reference_greedy(engine.model, p, 12) for p in batch]
     engine.blocks.check_invariants()
+
+
+def test_plan_memory_bounds_the_sliding_layers_kv_like_the_engine(tiny_hf_checkpoint):
+    """plan memory counts the sliding layers at (window - 1 + chunk) / block + 1 blocks, and the
+    engine's KV in use on one long sequence never exceeds the plan."""
+    from moectl.engine.core.config import SchedulerKnobs
+    from moectl.engine.core.sampling import SamplingParams
+    from moectl.engine.core.topology import Topology
+    from moectl.engine.planning.memory_plan import plan_memory
+
+    raw = _raw(tiny_hf_checkpoint)
+    context, bs, mbt = 80, 4, 8
+    plan = plan_memory(raw, Topology(num_devices=1, hbm_bytes=1 << 30), context=context, dtype="fp32",
+                       block_size=bs, max_batched_tokens=mbt)
+    full = plan_memory({**raw, "layer_types": ["full_attention"] * 3}, Topology(num_devices=1, hbm_bytes=1 << 30),
+                       context=context, dtype="fp32", block_size=bs, max_batched_tokens=mbt)
+    per_layer_block = 2 * bs * 2 * 16 * 4  # K and V, 2 kv heads of 16, fp32
+    blocks, held = context // bs, -(-(3 - 1 + mbt) // bs) + 1
+    assert plan.devices[0].kv_cache == per_layer_block * (1 * blocks + 2 * held)  # 1 full layer, 2 sliding
+    assert full.devices[0].kv_cache == per_layer_block * 3 * blocks
+    assert any("sliding-window layers: 2 of 3" in n for n in plan.notes)
+    engine = _engine(tiny_hf_checkpoint("gpt_oss"), topology=Topology(num_devices=1),
+                     knobs=SchedulerKnobs(long_prefill_token_threshold=mbt, max_num_batched_tokens=mbt),
+                     enable_prefix_caching=False)
+    engine.add_request([i % 256 for i in range(30)], SamplingParams(max_tokens=context - 30, ignore_eos=True))
+    peak = 0
+    while engine.has_unfinished():
+        engine.step()
+        peak = max(peak, engine.kv_bytes_per_pool(used=True)[0])
+    assert 0 < peak <= plan.devices[0].kv_cache
