@@ -29,12 +29,16 @@ def model_info(model: Path | None = MODEL_OPT, as_json: bool = JSON_OPT):
             "shared_expert_intermediate_size": cfg.shared_expert_intermediate_size,
             "vocab_size": cfg.vocab_size, "max_position_embeddings": cfg.max_position_embeddings,
             "dtype": str(cfg.dtype).removeprefix("torch."), "tokenizer": (folder / "tokenizer.json").is_file()}
+    _print_facts(info, as_json, width=32)
+
+
+def _print_facts(info: dict, as_json: bool, width: int) -> None:
     if as_json:
         typer.echo(json.dumps(info))
         return
     for key, value in info.items():
-        typer.echo(f"{key:>32}: {value:,}" if isinstance(value, int) and not isinstance(value, bool)
-                   else f"{key:>32}: {value}")
+        shown = f"{value:,}" if isinstance(value, int) and not isinstance(value, bool) else value
+        typer.echo(f"{key:>{width}}: {shown}")
 
 
 def _kv_values(cfg) -> int:
@@ -64,12 +68,7 @@ def model_make_tiny(
         raise BadInput(f"--out: {out} exists and is not empty")
     info = make_tiny(like, out, layers=layers, hidden=hidden, experts=experts, seed=seed,
                      tokenizer_dir=sample_model_dir())
-    if as_json:
-        typer.echo(json.dumps(info))
-        return
-    for key, value in info.items():
-        typer.echo(f"{key:>16}: {value:,}" if isinstance(value, int) and not isinstance(value, bool)
-                   else f"{key:>16}: {value}")
+    _print_facts(info, as_json, width=16)
 
 
 @model_app.command("train")

@@ -295,13 +295,7 @@ class ModelConfig:
         path = cfg_path.parent
         if not cfg_path.is_file():
             raise ConfigError(f"config.json: not found in {path}")
-        try:
-            raw = json.loads(cfg_path.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ConfigError(f"config.json: unreadable ({exc})") from None
-        if not isinstance(raw, dict):
-            raise ConfigError("config.json: top level must be an object")
-        cfg = cls.from_hf(raw, dtype=dtype)
+        cfg = cls.from_hf(read_config_json(cfg_path), dtype=dtype)
         # generation_config.json may list more end-of-sequence ids (Qwen3 adds <|endoftext|>)
         gen_path = Path(path) / "generation_config.json"
         if gen_path.is_file():
@@ -413,6 +407,18 @@ class ModelConfig:
             tie_word_embeddings=_flag(raw, "tie_word_embeddings", False), attention_bias=bias,
             rope_scaling=rope_scaling, dtype=parse_dtype(load_dtype), bos_token_id=raw.get("bos_token_id"), eos_token_ids=eos_ids,
             raw=raw, **kw)
+
+
+def read_config_json(path: str | Path, what: str = "config.json") -> dict:
+    """A config.json file as a dict; a ConfigError that starts with `what` if it cannot be read,
+    is not JSON or is not an object."""
+    try:
+        raw = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"{what}: unreadable ({getattr(exc, 'strerror', None) or exc})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{what}: top level must be an object")
+    return raw
 
 
 def _flag(raw: dict, key: str, default: bool) -> bool:

@@ -26,7 +26,6 @@ Kimi-K2-style configs with multi-head latent attention (MLA).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -35,7 +34,7 @@ import torch
 from moectl.engine.core.config import SchedulerKnobs
 from moectl.engine.core.kv_cache import KVCache
 from moectl.engine.core.topology import Topology, format_size
-from moectl.engine.models.config import ARCHITECTURES, ConfigError, ModelConfig
+from moectl.engine.models.config import ARCHITECTURES, ConfigError, ModelConfig, read_config_json
 
 # architectures[0] -> planner family, beyond the runtime's four
 MLA_ARCHITECTURES = {"DeepseekV2ForCausalLM": "deepseek_v2", "DeepseekV3ForCausalLM": "deepseek_v3"}
@@ -332,12 +331,7 @@ def load_plan_model(config: str | Path | dict) -> PlanModel:
         path = Path(config)
         if path.is_dir():
             path = path / "config.json"
-        try:
-            raw = json.loads(path.read_text())
-        except OSError as exc:
-            raise ConfigError(f"config.json: cannot read {path} ({exc.strerror})") from None
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ConfigError(f"config.json: {path} is not valid JSON ({exc})") from None
+        raw = read_config_json(path)
         name = path.parent.name if path.name == "config.json" else path.stem
     if not isinstance(raw, dict):
         raise ConfigError("config.json: top level must be an object")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from moectl.engine.models.config import ConfigError, ModelConfig
+from moectl.engine.models.config import ConfigError, ModelConfig, read_config_json
 from moectl.engine.models.decoder import MoEForCausalLM
 from moectl.engine.models.loader import save_checkpoint
 
@@ -72,6 +72,8 @@ def tiny_config(raw: dict, *, layers: int = 4, hidden: int = 64, experts: int = 
     out.update(_deepseek(raw, hidden, experts) if cfg.architecture == "deepseek_v3" else _generic(raw, cfg, hidden, experts))
     if cfg.architecture == "deepseek_v3" and layers == 1:
         out["first_k_dense_replace"] = 0
+    if isinstance(raw.get("layer_types"), list):  # the first layers' kinds (gpt-oss: sliding, full, ...)
+        out["layer_types"] = raw["layer_types"][:layers]
     for key in ("rope_scaling", "rope_parameters"):  # keep YaRN, over the shorter context
         spec = raw.get(key)
         if isinstance(spec, dict) and spec.get("original_max_position_embeddings"):
@@ -88,16 +90,8 @@ def make_tiny(like: str | Path, out_dir: str | Path, *, layers: int = 4, hidden:
     """Write a random checkpoint shaped like `like` (a config.json or a checkpoint directory) to
     out_dir, with the tokenizer of tokenizer_dir. Returns `model info`-style facts about it."""
     like, out_dir, tokenizer_dir = Path(like), Path(out_dir), Path(tokenizer_dir)
-    src = like if like.is_file() else like / "config.json"
-    try:
-        raw = json.loads(src.read_text())
-    except OSError as exc:
-        raise ConfigError(f"--like: cannot read {src} ({exc.strerror})") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"--like: {src} is not valid JSON ({exc})") from None
-    if not isinstance(raw, dict):
-        raise ConfigError("--like: the config's top level must be an object")
-    vocab = json.loads((tokenizer_dir / "config.json").read_text())["vocab_size"]
+    raw = read_config_json(like if like.is_file() else like / "config.json", what="--like")
+    vocab = read_config_json(tokenizer_dir / "config.json")["vocab_size"]
     tiny = tiny_config(raw, layers=layers, hidden=hidden, experts=experts, vocab_size=vocab)
     model = MoEForCausalLM(ModelConfig.from_hf(tiny))
     # std 1/sqrt(hidden): activations keep their scale through the layers, so routing is not a near-tie

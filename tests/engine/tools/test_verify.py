@@ -82,8 +82,8 @@ def test_verify_detects_a_swapped_expert(tiny_hf_checkpoint, monkeypatch):
 
     real = loader.read_state_dict
 
-    def swapped(cfg, model_dir):
-        sd = real(cfg, model_dir)
+    def swapped(cfg, model_dir, **kw):
+        sd = real(cfg, model_dir, **kw)
         order = [1, 0, *range(2, cfg.num_experts)]
         for key in ("layers.1.mlp.experts.w13", "layers.1.mlp.experts.w2"):
             sd[key] = sd[key][order]
