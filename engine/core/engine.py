@@ -111,6 +111,10 @@ class EngineCore:
         if blocks_needed > self.blocks.largest_pool:
             where = "a device's KV pool" if self.blocks.num_pools > 1 else "the cache"
             raise ValueError(f"prompt: needs {blocks_needed} KV blocks but {where} has {self.blocks.largest_pool}")
+        window = self._window_blocks_needed(blocks_needed, self._pending_knobs)
+        if window > self._largest_window_pool():
+            raise ValueError(f"prompt: needs {window} sliding-window KV blocks but the window pool has "
+                             f"{self._largest_window_pool()}")
         if not isinstance(priority, int):
             raise ValueError("priority: must be an integer")
         if params.stop and self.tokenizer is None:
@@ -138,6 +142,12 @@ class EngineCore:
         """Validated against the newest knobs asked for (KnobError); in force from the next step."""
         with self._lock:
             new = self._pending_knobs.updated(**changes)
+            if self.blocks.window is not None:
+                need = self._window_blocks_needed(self.blocks.largest_pool, new)
+                if need > self._largest_window_pool():
+                    raise KnobError(f"max_num_batched_tokens: {new.max_num_batched_tokens} lets one sequence hold "
+                                    f"{need} sliding-window KV blocks, more than the window pool's "
+                                    f"{self._largest_window_pool()}")
             if self.experts is not None:  # the largest step the knobs allow must fit every device's HBM
                 try:
                     self.experts.check_knobs(new)
@@ -330,6 +340,16 @@ class EngineCore:
             raise
         return [done[i] for i in ids]
 
+    def _window_blocks_needed(self, blocks: int, knobs) -> int:
+        """The sliding-window blocks a sequence of `blocks` main blocks can hold at once (0: none)."""
+        window = self.blocks.window
+        if window is None:
+            return 0
+        return min(blocks, self.kv_cache.window_blocks_per_sequence(window.window, self.config.block_size, knobs))
+
+    def _largest_window_pool(self) -> int:
+        return self.blocks.window.store.largest_pool if self.blocks.window is not None else 0
+
     def kv_block_bytes(self) -> tuple[int, int]:
         """Bytes of one block of the main KV pool and of the sliding-window pool (0: none)."""
         cache, blocks = self.kv_cache, self.blocks
@@ -353,7 +373,10 @@ class EngineCore:
         if self.has_unfinished():
             raise RuntimeError("score: the engine is serving requests")
         seq = Sequence("score", list(token_ids), SamplingParams(max_tokens=1))
-        if -(-seq.num_tokens // self.config.block_size) > self.blocks.free_in_pool(self.blocks.pool_of(seq)):
+        blocks, pool = -(-seq.num_tokens // self.config.block_size), self.blocks.pool_of(seq)
+        window = self.blocks.window
+        if blocks > self.blocks.free_in_pool(pool) or (
+                window is not None and self._window_blocks_needed(blocks, self.knobs) > window.store.free_in_pool(pool)):
             raise ValueError(f"score: {seq.num_tokens} tokens do not fit in the KV cache")
         chunk = self.scheduler.knobs.max_num_batched_tokens
         parts = []

@@ -85,13 +85,22 @@ class KVCache:
         if not windows:
             return num_blocks or max(1, memory // full), 0
         win = KVCache.block_bytes_for(cfg, block_size, quantized, kv_heads, layers=len(windows))
-        per_seq = -(-(max(windows) - 1 + knobs.max_num_batched_tokens) // block_size) + 1
+        cap = knobs.max_num_seqs * KVCache.window_blocks_per_sequence(max(windows), block_size, knobs)
         if num_blocks:
-            return num_blocks, min(num_blocks, knobs.max_num_seqs * per_seq)
-        window_blocks = min(max(1, memory // (full + win)), knobs.max_num_seqs * per_seq)
+            return num_blocks, min(num_blocks, cap)
         if not full:  # every layer slides: the main pool only tracks positions and costs nothing
+            window_blocks = min(max(1, memory // win), cap)
             return min(1 << 20, knobs.max_num_seqs * -(-cfg.max_position_embeddings // block_size)), window_blocks
-        return max(1, (memory - window_blocks * win) // full), window_blocks
+        even = max(1, memory // (full + win))
+        if even <= cap:  # the window pool as large as the main one: whatever the main pool admits fits
+            return even, even
+        return max(1, (memory - cap * win) // full), cap
+
+    @staticmethod
+    def window_blocks_per_sequence(window: int, block_size: int, knobs) -> int:
+        """The most sliding-window blocks one sequence holds: the window - 1 positions before its
+        chunk, and one chunk of at most max_num_batched_tokens, over block boundaries."""
+        return -(-(window - 1 + knobs.max_num_batched_tokens) // block_size) + 1
 
     def nbytes(self, with_window: bool = True) -> int:
         n = self.k.nbytes + self.v.nbytes

@@ -15,9 +15,11 @@ apart).
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 import time
+import weakref
 from collections import OrderedDict
 from pathlib import Path
 
@@ -26,7 +28,7 @@ import torch
 from moectl.engine.core.topology import format_size
 from moectl.engine.models.config import ConfigError, ModelConfig
 from moectl.engine.models.decoder import MoEForCausalLM
-from moectl.engine.models.loader import CheckpointError, load_model, read_experts
+from moectl.engine.models.loader import CheckpointError, expert_tensor_names, load_model, read_experts
 
 # safetensors dtype names -> torch dtypes (those a checkpoint of ours can hold)
 DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
@@ -44,8 +46,9 @@ class SafetensorsFiles:
                 raise CheckpointError(f"{index.name}: unreadable ({exc})") from None
         else:
             files = ["model.safetensors"]
-        self.entries: dict[str, tuple[int, torch.dtype, tuple[int, ...], int, int]] = {}
+        self.entries: dict[str, tuple[int, torch.dtype | None, tuple[int, ...], int, int]] = {}
         self._fds: list[int] = []
+        weakref.finalize(self, _close_all, self._fds)  # the descriptors go with the object
         for name in files:
             self._read_header(model_dir / name)
 
@@ -63,10 +66,10 @@ class SafetensorsFiles:
         for name, info in header.items():
             if name == "__metadata__":
                 continue
-            if info.get("dtype") not in DTYPES:
-                raise CheckpointError(f"{path.name}: tensor {name} has dtype {info.get('dtype')!r}, not a float type")
             start, end = info["data_offsets"]
-            self.entries[name] = (fd, DTYPES[info["dtype"]], tuple(info["shape"]), 8 + length + start, 8 + length + end)
+            # a non-float tensor is refused only if it is read (an expert is always a float)
+            self.entries[name] = (fd, DTYPES.get(info.get("dtype")), tuple(info["shape"]), 8 + length + start,
+                                  8 + length + end)
 
     @property
     def names(self) -> set[str]:
@@ -77,6 +80,8 @@ class SafetensorsFiles:
         if name not in self.entries:
             raise CheckpointError(f"checkpoint: tensor {name} is missing")
         fd, dtype, shape, start, end = self.entries[name]
+        if dtype is None:
+            raise CheckpointError(f"checkpoint: tensor {name} is not a float tensor")
         if rows is None:
             spans, out_shape = [(start, end - start)], shape
         else:
@@ -91,10 +96,14 @@ class SafetensorsFiles:
             at += n
         return torch.frombuffer(buf, dtype=dtype).reshape(out_shape), len(buf)
 
-    def close(self) -> None:
-        for fd in self._fds:
-            os.close(fd)
-        self._fds = []
+    def numel(self, name: str) -> int:
+        return math.prod(self.entries[name][2])
+
+
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)
+    fds.clear()
 
 
 class DiskExperts:
@@ -110,8 +119,28 @@ class DiskExperts:
             raise ConfigError(f"--host-mem: {format_size(capacity_bytes)} is smaller than one expert "
                               f"({format_size(self.expert_bytes)})")
         self.capacity = capacity_bytes // self.expert_bytes
+        self._check_sizes()
         self.cached: OrderedDict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
         self.reset_stats()
+
+    def _check_sizes(self) -> None:
+        """Every MoE layer's expert tensors hold exactly num_experts experts of the config's shape
+        (from the headers alone), so a mismatch is one line at load, not a failure mid-serving."""
+        cfg, names = self.cfg, self.files.names
+        h, i = cfg.hidden_size, cfg.expert_intermediate_size
+        extra = 1 if cfg.expert_bias else 0
+        want = cfg.num_experts * (2 * i * (h + extra) + h * (i + extra))
+        for layer, sparse in enumerate(cfg.sparse_layers):
+            if not sparse:
+                continue
+            tensors = expert_tensor_names(cfg, layer, names)
+            missing = [t for t in tensors if t not in names]
+            if missing:
+                raise CheckpointError(f"checkpoint: tensor {missing[0]} is missing")
+            got = sum(self.files.numel(t) for t in tensors)
+            if got != want:
+                raise CheckpointError(f"checkpoint: layer {layer}'s experts hold {got:,} values, the config's shapes "
+                                      f"{want:,} ({tensors[0]} and the rest)")
 
     def reset_stats(self) -> None:
         self.hits = self.misses = self.bytes_read = self.reads = self.prefetch_reads = 0

@@ -551,7 +551,7 @@ def _deepseek_v3(raw: dict, need, layers) -> dict:
         qk_rope_head_dim=rope, v_head_dim=integer("v_head_dim"), head_dim=nope + rope,
         rope_interleave=_flag(raw, "rope_interleave", True), router="grouped_sigmoid",
         n_group=integer("n_group"), topk_group=integer("topk_group"),
-        routed_scaling_factor=_number(raw, "routed_scaling_factor", 1.0),
+        routed_scaling_factor=_number(raw, "routed_scaling_factor", need("routed_scaling_factor")),
         shared_expert_intermediate_size=integer("n_shared_experts", 0) * expert_size, shared_expert_gated=False,
         sparse_layers=tuple(i >= first_dense for i in range(layers)) if isinstance(layers, int) else (),
         dense_intermediate_size=int(raw.get("intermediate_size") or 0))

@@ -140,8 +140,10 @@ def expert_tensor_names(cfg: ModelConfig, layer: int, names: set[str]) -> list[s
     n = _checkpoint_names(cfg, layer)
     moe, roles = n["moe"], n["expert"]
     fused = [moe + "experts." + t for t in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")]
-    if cfg.architecture == "gpt_oss" or fused[0] in names:
-        return [f for f in fused if f in names]
+    if cfg.architecture == "gpt_oss":
+        return fused
+    if fused[0] in names:  # transformers v5's fused layout: no biases
+        return [fused[0], fused[2]]
     return [f"{moe}experts.{e}.{r}.weight" for e in range(cfg.num_experts) for r in roles]
 
 

@@ -57,8 +57,8 @@ def test_attached_console_shows_the_remote_engine_and_controls_it(server):
 
     async def body(app, pilot):
         await until(pilot, lambda: app.state.steps_seen > 5 and app.state.throughput() > 0)
-        await pilot.pause(0.3)
-        assert "attach" in text_of(app, "#ov-title") and "tok/s" in text_of(app, "#ov-metrics")
+        await until(pilot, lambda: "attach" in text_of(app, "#ov-title") and "tok/s" in text_of(app, "#ov-metrics"),
+                    timeout=5)
         before = driver.engine.experts.placement
         await pilot.press("2")
         await pilot.press("r")

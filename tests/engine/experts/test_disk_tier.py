@@ -101,3 +101,13 @@ def test_the_sample_model_in_its_own_bf16_from_disk():
     engine = _engine(path, host_mem=2 << 20)
     assert engine.model_config.dtype == engine.experts.cluster.caches[0].w13_cache.dtype
     assert [o.token_ids for o in engine.generate(batch, GREEDY)] == want
+
+
+def test_expert_shapes_that_disagree_with_the_config_fail_at_load(tmp_path):
+    import json
+
+    path = tiny_checkpoint(tmp_path / "m")
+    raw = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**raw, "intermediate_size": raw["intermediate_size"] // 2}))
+    with pytest.raises(CheckpointError, match="^checkpoint: layer 0's experts hold"):
+        _engine(path, host_mem=1 << 15)

@@ -175,3 +175,21 @@ def test_plan_memory_bounds_the_sliding_layers_kv_like_the_engine(tiny_hf_checkp
         engine.step()
         peak = max(peak, engine.kv_bytes_per_pool(used=True)[0])
     assert 0 < peak <= plan.devices[0].kv_cache
+
+
+def test_knobs_that_would_outgrow_the_window_pool_are_refused(tiny_hf_checkpoint):
+    """The window pool is sized for the knobs at start (max_num_seqs sequences of window - 1 +
+    one chunk); a larger chunk that one sequence could not fit is refused, not left to stall."""
+    from moectl.engine.core.config import KnobError, SchedulerKnobs
+
+    engine = _engine(tiny_hf_checkpoint("gpt_oss"), knobs=SchedulerKnobs(max_num_seqs=2, max_num_batched_tokens=8,
+                                                                        long_prefill_token_threshold=8))
+    assert engine.blocks.window.store.num_blocks == 2 * (-(-(3 - 1 + 8) // 4) + 1)
+    with pytest.raises(KnobError, match="^max_num_batched_tokens: 64 lets one sequence hold 18 sliding-window"):
+        engine.update_knobs(max_num_batched_tokens=64)
+    assert engine.update_knobs(max_num_batched_tokens=16).max_num_batched_tokens == 16  # 6 blocks: fits
+    from moectl.engine.core.sampling import SamplingParams
+
+    engine.generate([list(range(20))], SamplingParams(max_tokens=4))  # runs the knob change
+    scored = engine.score(list(range(40)))
+    assert scored.shape[0] == 40 and engine.blocks.window.store.num_used == 0

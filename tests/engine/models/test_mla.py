@@ -117,6 +117,7 @@ def _ds_raw(tiny_hf_checkpoint) -> dict:
     ({"first_k_dense_replace": 3}, "first_k_dense_replace"),
     ({"qk_rope_head_dim": 7}, "qk_rope_head_dim"),
     ({"kv_lora_rank": None}, "kv_lora_rank"),
+    ({"routed_scaling_factor": None}, "routed_scaling_factor"),
     ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}},
      "rope_parameters.original_max_position_embeddings"),
     ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "original_max_position_embeddings": 64}},
