@@ -77,6 +77,8 @@ def plan_rebalance_cmd(
                                                help="Bytes of one expert, for bytes_moved (default: the trace's "
                                                     "model, else a DeepSeek-V3 FP8 expert, 42 MiB)."),
     seed: int = typer.Option(0, "--seed"),
+    target: float | None = typer.Option(None, "--target", help="From a trace's placement: move only as much as "
+                                                             "reaching this balancedness takes (e.g. 0.99)."),
     as_json: bool = JSON_OPT,
 ):
     """Compute an EPLB-style expert placement offline: replicate hot experts, pack them in balance
@@ -126,7 +128,7 @@ def plan_rebalance_cmd(
             current = None  # another device count: no recorded placement to compare against
     result = run_plan_rebalance(loads, devices or 8, redundant, devices_per_node=devices_per_node,
                                 expert_bytes=size if expert_bytes is None else parse_size(expert_bytes, "--expert-bytes"),
-                                current=current)
+                                current=current, target=target)
     if final is not None:  # a trace with devices: predict from its last steps
         from moectl.engine.experts.placement import Placement
         from moectl.engine.experts.step_time import predict_from_records

@@ -82,7 +82,7 @@ class RebalancePlan:
 def plan_rebalance(loads, topology: Topology | int, redundant_per_device: int,
                    current: Placement | None = None, expert_bytes: int = 0,
                    hbm_budget_bytes: int | None = None, pinned=None,
-                   tolerance: float = 0.01) -> RebalancePlan:
+                   tolerance: float = 0.01, target: float | None = None) -> RebalancePlan:
     """Plan a placement with `redundant_per_device` extra slots per device for these loads.
 
     loads: [L, E] expert loads over a window (token counts; any non-negative scale).
@@ -92,6 +92,9 @@ def plan_rebalance(loads, topology: Topology | int, redundant_per_device: int,
       equally balanced, and of those the one that moves fewer bytes wins: the current layer as
       it is, then a packing that leaves replicas in place, then a fresh packing.
     pinned: (layer, expert) pairs kept where `current` has them, besides current.pinned.
+    target: with `current`, move only as much as reaching this overall balancedness takes:
+      swaps of the experts in force, keeping their replicas (`repair_to_target`); when swaps
+      cannot reach it, the plan is the usual one. None: the best balance within tolerance.
     Refuses (RebalanceError) bad input and plans whose experts overflow hbm_budget_bytes.
     """
     t0 = time.perf_counter()
@@ -109,6 +112,7 @@ def plan_rebalance(loads, topology: Topology | int, redundant_per_device: int,
     if hbm_budget_bytes is not None:
         hbm_budget_bytes = _count(hbm_budget_bytes, "hbm_budget_bytes", 0)
     S = -(-E // D) + R
+    given_current = current is not None
     if current is None:
         current = Placement.contiguous(L, E, D)
     elif not isinstance(current, Placement):
@@ -130,7 +134,14 @@ def plan_rebalance(loads, topology: Topology | int, redundant_per_device: int,
     cur = _resize(current.slots, S, pin_mask)
     hierarchical = D // dpn > 1 and D % dpn == 0
     K = dpn if hierarchical else D
-    new, after_loads, kept = _plan_slots(W, cur, E, K, pin_mask, tolerance)
+    if target is not None and (isinstance(target, bool) or not isinstance(target, (int, float))
+                               or not 0 < target <= 1):
+        raise RebalanceError(f"target: must be a balancedness in (0, 1], got {target!r}")
+    repaired = _repair(W, cur, E, pin_mask, target) if target is not None and given_current else None
+    if repaired is not None:
+        new, after_loads, kept = repaired
+    else:
+        new, after_loads, kept = _plan_slots(W, cur, E, K, pin_mask, tolerance)
     before_loads = current.device_loads(W)
     plan = Placement(new, E, pins)
     try:
@@ -142,6 +153,22 @@ def plan_rebalance(loads, topology: Topology | int, redundant_per_device: int,
     a_per, a_all = balancedness(after_loads)
     return RebalancePlan(plan, Balance(b_per, b_all), Balance(a_per, a_all), len(moves) * expert_bytes, moves,
                          time.perf_counter() - t0, kept)
+
+
+def _repair(W: np.ndarray, cur: np.ndarray, E: int, pin_mask: np.ndarray, target: float):
+    """repair_to_target on the placement in force -> (slots, device loads, layers kept), or None."""
+    L = cur.shape[0]
+    li = np.arange(L)[:, None, None]
+    counts = _counts(cur, E)
+    if not (counts > 0).all():  # narrowing cut an expert's last replica: it has to be placed again
+        return None
+    share = np.concatenate([W / np.maximum(counts, 1), np.zeros((L, 1))], axis=1)
+    movable = (cur < 0) | ~pin_mask[li, np.maximum(cur, 0)]
+    new = repair_to_target(cur, share, movable, target)
+    if new is None:
+        return None
+    new = _stable_slots(new, cur)
+    return new, share[li, new].sum(2), int((new == cur).all((1, 2)).sum())
 
 
 def _resize(slots: np.ndarray, S: int, pin_mask: np.ndarray) -> np.ndarray:
@@ -381,6 +408,38 @@ def _pack(weight: np.ndarray, expert: np.ndarray, valid: np.ndarray, load0: np.n
     return np.where(valid, out.T, -1)
 
 
+def _best_swaps(r: np.ndarray, new: np.ndarray, weight: np.ndarray, movable: np.ndarray, load: np.ndarray, P: int):
+    """For layers r: the best swap of one item (or empty slot) of the busiest device with one of
+    the P lightest devices' (keeping replicas of an expert on different devices). Returns
+    (busiest device, partner device, slot on the busiest, slot on the partner, the busier of the
+    two after the swap), or inf there when no swap lowers the busiest."""
+    S = new.shape[2]
+    m = load[r].argmax(1)
+    light = np.argpartition(load[r], P, axis=1)[:, :P]  # [R, P] the P lightest devices
+    a, ea, am = weight[r, m], new[r, m], movable[r, m]  # [R, S] the busiest device's slots
+    rp = r[:, None]
+    b, eb, bm = weight[rp, light], new[rp, light], movable[rp, light]  # [R, P, S]
+    delta = a[:, :, None, None] - b[:, None]  # [R, S(a), P, S(b)] load moved off the busiest
+    lm = load[r, m][:, None, None, None]
+    after = np.maximum(lm - delta, load[rp, light][:, None, :, None] + delta)
+    # a's expert must not already be on the partner, nor b's on the busiest (empties are free)
+    a_there = ((ea[:, :, None, None] == eb[:, None, :, :]).any(3) & (ea >= 0)[:, :, None])  # [R, S, P]
+    b_there = ((eb[:, :, :, None] == ea[:, None, None, :]).any(3) & (eb >= 0))  # [R, P, S]
+    ok = (delta > 0) & am[:, :, None, None] & bm[:, None] & ~a_there[..., None] & ~b_there[:, None]
+    cost = np.where(ok, after, np.inf).reshape(r.size, -1)
+    best = cost.argmin(1)
+    pair_max = cost[np.arange(r.size), best]
+    pair_max = np.where(pair_max < load[r, m] * (1 - 1e-9), pair_max, np.inf)
+    sa, rest = np.divmod(best, P * S)
+    p, sb = np.divmod(rest, S)
+    return m, light[np.arange(r.size), p], sa, sb, pair_max
+
+
+def _swap(arrays, r, m, d, sa, sb) -> None:
+    for arr in arrays:
+        arr[r, m, sa], arr[r, d, sb] = arr[r, d, sb], arr[r, m, sa].copy()
+
+
 def _refine(new: np.ndarray, weight: np.ndarray, movable: np.ndarray, partners: int = 4,
             max_steps: int = 64, good_enough: float = 1e-3) -> np.ndarray:
     """Local search after the greedy packing, all layers at once: swap one item (or an empty
@@ -402,34 +461,50 @@ def _refine(new: np.ndarray, weight: np.ndarray, movable: np.ndarray, partners: 
         r = rows[active]
         if r.size == 0:
             break
-        m = load[r].argmax(1)
-        light = np.argpartition(load[r], P, axis=1)[:, :P]  # [R, P] the P lightest devices
-        a, ea, am = weight[r, m], new[r, m], movable[r, m]  # [R, S] the busiest device's slots
-        rp = r[:, None]
-        b, eb, bm = weight[rp, light], new[rp, light], movable[rp, light]  # [R, P, S]
-        delta = a[:, :, None, None] - b[:, None]  # [R, S(a), P, S(b)] load moved off the busiest
-        lm = load[r, m][:, None, None, None]
-        after = np.maximum(lm - delta, load[rp, light][:, None, :, None] + delta)
-        # a's expert must not already be on the partner, nor b's on the busiest (empties are free)
-        a_there = ((ea[:, :, None, None] == eb[:, None, :, :]).any(3) & (ea >= 0)[:, :, None])  # [R, S, P]
-        b_there = ((eb[:, :, :, None] == ea[:, None, None, :]).any(3) & (eb >= 0))  # [R, P, S]
-        ok = (delta > 0) & am[:, :, None, None] & bm[:, None] & ~a_there[..., None] & ~b_there[:, None]
-        cost = np.where(ok, after, np.inf).reshape(r.size, -1)
-        best = cost.argmin(1)
-        better = cost[np.arange(r.size), best] < load[r, m] * (1 - 1e-9)
+        m, d, sa, sb, pair_max = _best_swaps(r, new, weight, movable, load, P)
+        better = np.isfinite(pair_max)
         active[r[~better]] = False
         if not better.any():
             break
-        r, m, light, best = r[better], m[better], light[better], best[better]
-        sa, rest = np.divmod(best, P * S)
-        p, sb = np.divmod(rest, S)
-        d = light[np.arange(r.size), p]
-        for arr in (new, weight, movable):
-            arr[r, m, sa], arr[r, d, sb] = arr[r, d, sb], arr[r, m, sa].copy()
+        r, m, d, sa, sb = r[better], m[better], d[better], sa[better], sb[better]
+        _swap((new, weight, movable), r, m, d, sa, sb)
         load[r, m] = weight[r, m].sum(1)
         load[r, d] = weight[r, d].sum(1)
         active[r] = load[r].max(1) > bound[r]
     return new
+
+
+def repair_to_target(slots: np.ndarray, share: np.ndarray, movable: np.ndarray, target: float,
+                     partners: int = 8) -> np.ndarray | None:
+    """Swaps from `slots` (the placement in force, its replicas kept; share [L, E + 1]: each
+    expert's load per replica, 0 for an empty slot) that bring the overall balancedness (sum of
+    layer means / sum of layer maxima) to `target` while moving as little as this search can:
+    every layer is swapped down to a common per-layer bound, the lowest bound (found by bisection)
+    whose result still meets the target overall. None when even a bound at the target misses it
+    (a layer no swap can even out: the caller then packs afresh)."""
+    L = slots.shape[0]
+    li = np.arange(L)[:, None, None]
+    weight = share[li, slots]
+    mean_sum = weight.sum(2).mean(1).sum()
+
+    def attempt(bound: float):
+        new = _refine(slots, weight, movable, partners=partners, max_steps=1024, good_enough=1 / bound - 1)
+        return new, mean_sum / share[li, new].sum(2).max(1).sum()
+
+    best, reached = attempt(target)
+    if reached < target:
+        return None
+    lo, hi = target - 0.02, target
+    for _ in range(6):
+        mid = (lo + hi) / 2
+        new, reached = attempt(mid)
+        if reached >= target:
+            hi = mid
+            if (new != slots).sum() < (best != slots).sum():
+                best = new
+        else:
+            lo = mid
+    return best
 
 
 def _homes(expert: np.ndarray, valid: np.ndarray, E: int, cur_row: np.ndarray, cur_target: np.ndarray,
@@ -635,12 +710,12 @@ def load_loads_file(path: str | Path) -> np.ndarray:
 
 def run_plan_rebalance(loads, devices: int, redundant: int, devices_per_node: int = 8,
                        expert_bytes: int = DEFAULT_EXPERT_BYTES, hbm_budget_bytes: int | None = None,
-                       current: Placement | None = None) -> dict:
+                       current: Placement | None = None, target: float | None = None) -> dict:
     """plan_rebalance on a fresh Topology, as a JSON-ready dict (the CLI's `plan rebalance`)."""
     W = as_loads(loads)
     topo = Topology(num_devices=devices, devices_per_node=devices_per_node)
     plan = plan_rebalance(W, topo, redundant, current=current, expert_bytes=expert_bytes,
-                          hbm_budget_bytes=hbm_budget_bytes)
+                          hbm_budget_bytes=hbm_budget_bytes, target=target)
     counts = plan.placement.replica_counts()
     return {
         "layers": W.shape[0], "experts": W.shape[1], "devices": devices, "devices_per_node": devices_per_node,

@@ -102,6 +102,29 @@ def test_small_drift_moves_less_than_planning_from_scratch(zipf):
     assert incremental.balancedness_after.overall >= scratch.balancedness_after.overall - 0.01
 
 
+def test_aiming_at_a_target_moves_less_and_reaches_it():
+    """After a 10% drift, re-planning for a balancedness of 0.99 from the placement in force reaches
+    it with fewer moves than re-planning for the best balance; pinned experts stay; a target the
+    swaps cannot reach falls back to the usual plan."""
+    loads = synthetic_loads(12, 96, seed=2, skew=0.8)
+    topo = Topology(num_devices=16, devices_per_node=4)
+    first = plan_rebalance(loads, topo, 1)
+    drifted = loads * np.random.default_rng(3).uniform(0.9, 1.1, loads.shape)
+    pinned = [(0, int(first.placement.slots[0, 0, 0]))]
+    best = plan_rebalance(drifted, topo, 1, current=first.placement, pinned=pinned)
+    aimed = plan_rebalance(drifted, topo, 1, current=first.placement, pinned=pinned, target=0.99)
+    assert aimed.balancedness_before.overall < 0.99 <= aimed.balancedness_after.overall
+    assert 0 < len(aimed.move_array) < len(best.move_array)
+    assert aimed.placement.slots[0, 0, 0] == first.placement.slots[0, 0, 0]
+    assert_valid(aimed, 1, 16, 96)
+    # replicas are kept as they are: the counts do not change
+    assert (aimed.placement.replica_counts() == first.placement.replica_counts()).all()
+    impossible = plan_rebalance(drifted, topo, 1, current=first.placement, target=1.0)
+    assert len(impossible.move_array) == len(plan_rebalance(drifted, topo, 1, current=first.placement).move_array)
+    with pytest.raises(RebalanceError, match="^target:"):
+        plan_rebalance(drifted, topo, 1, current=first.placement, target=1.5)
+
+
 def test_hbm_budget_is_refused_with_the_device_named(zipf):
     slots = L * (E // D + 1)
     with pytest.raises(RebalanceError, match=r"device \d+: experts need .* over the HBM budget"):
