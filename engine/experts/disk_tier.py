@@ -3,9 +3,11 @@
 With `--host-mem SIZE` and a checkpoint whose routed experts exceed SIZE, the engine loads every
 other weight and leaves the experts on disk. `DiskExperts` reads one expert at a time from the
 files (positioned reads at the offsets in each file's header, no mmap: pages it touched would
-stay resident and count against the host budget) and keeps at most SIZE of them in host memory,
-least recently used first out. Each device's HBM expert cache (expert_cache.py) fills from
-here, so the router-driven prefetch into HBM reaches down to disk on a host miss.
+stay resident and count against the host budget) and keeps at most SIZE of them in host memory:
+the most used ones (a decayed count of lookups), since the layers are swept in order every step
+and least-recently-used would evict each expert just before its next use. Each device's HBM
+expert cache (expert_cache.py) fills from here, so the router-driven prefetch into HBM reaches
+down to disk on a host miss.
 
 Counters are per step (reset by the cluster): host hits and misses, bytes read from disk, and
 the time the compute path waited on those reads (demand misses; prefetch reads are counted
@@ -20,7 +22,6 @@ import os
 import struct
 import time
 import weakref
-from collections import OrderedDict
 from pathlib import Path
 
 import torch
@@ -29,6 +30,8 @@ from moectl.engine.core.topology import format_size
 from moectl.engine.models.config import ConfigError, ModelConfig
 from moectl.engine.models.decoder import MoEForCausalLM
 from moectl.engine.models.loader import CheckpointError, expert_tensor_names, load_model, read_experts
+
+HALF_LIFE = 4096  # host-tier lookups after which every expert's use count is halved
 
 # safetensors dtype names -> torch dtypes (those a checkpoint of ours can hold)
 DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
@@ -120,7 +123,9 @@ class DiskExperts:
                               f"({format_size(self.expert_bytes)})")
         self.capacity = capacity_bytes // self.expert_bytes
         self._check_sizes()
-        self.cached: OrderedDict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+        self.cached: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.uses: dict[tuple[int, int], float] = {}  # lookups per expert, halved every HALF_LIFE lookups
+        self._lookups = 0
         self.reset_stats()
 
     def _check_sizes(self) -> None:
@@ -149,9 +154,12 @@ class DiskExperts:
     def fetch(self, layer: int, expert: int, demand: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """(w13, w2) of one expert in the engine's layout, from host memory or read from disk."""
         key = (layer, expert)
+        self.uses[key] = self.uses.get(key, 0.0) + 1.0
+        self._lookups += 1
+        if self._lookups % HALF_LIFE == 0:  # old popularity fades, so a shift in routing is followed
+            self.uses = {k: v / 2 for k, v in self.uses.items()}
         if key in self.cached:
             self.hits += 1
-            self.cached.move_to_end(key)
             return self.cached[key]
         self.misses += 1
         t0 = time.perf_counter()
@@ -173,8 +181,13 @@ class DiskExperts:
             self.prefetch_reads += 1
         self.bytes_read += read
         self.reads += 1
-        while len(self.cached) >= self.capacity:
-            self.cached.popitem(last=False)
+        if len(self.cached) >= self.capacity:
+            # keep the most used experts: layers are swept in order every step, so least-recently-used
+            # would evict each expert just before its next use once the host holds less than a sweep
+            coldest = min(self.cached, key=self.uses.__getitem__)
+            if self.uses[coldest] >= self.uses[key]:
+                return pair  # no more used than anything held: serve it without caching
+            del self.cached[coldest]
         self.cached[key] = pair
         return pair
 

@@ -111,3 +111,15 @@ def test_expert_shapes_that_disagree_with_the_config_fail_at_load(tmp_path):
     (path / "config.json").write_text(json.dumps({**raw, "intermediate_size": raw["intermediate_size"] // 2}))
     with pytest.raises(CheckpointError, match="^checkpoint: layer 0's experts hold"):
         _engine(path, host_mem=1 << 15)
+
+
+def test_the_host_tier_keeps_its_most_used_experts_through_a_sweep(tmp_path):
+    """Layers are swept in order every step: with room for 2 of 3 experts, least-recently-used
+    would miss every lookup of the cycle; keeping the most used ones hits 2 of every 3."""
+    path = tiny_checkpoint(tmp_path / "m")
+    cfg = ModelConfig.from_dir(path)
+    disk = DiskExperts(path, cfg, 2 * one_expert_bytes(cfg))
+    for _ in range(10):
+        for expert in (0, 1, 2):
+            disk.fetch(0, expert)
+    assert disk.hits == 18 and disk.misses == 12 and len(disk.cached) == 2
