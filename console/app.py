@@ -132,6 +132,12 @@ class MoectlApp(App):
     # -- the update loop
     def tick(self) -> None:
         try:
+            self._tick()
+        except NoMatches:  # mounting or unmounting: the widgets come (or go) between ticks
+            self._shown_version = None
+
+    def _tick(self) -> None:
+        try:
             records, actions = self.source.poll()
             if self.replay and getattr(self.source, "needs_reset", False):
                 self.state.reset()
