@@ -9,7 +9,8 @@ ValueError such as a PlacementError) is a 400 with its one-line reason.
     POST /knobs                 {knob: value, ...} -> {"knobs": the knobs with the changes, "changed"}
     POST /rebalance/preview     -> {"plan_id", "summary"}; the plan stays here (the newest MAX_PLANS)
     POST /rebalance/apply       {"plan_id"} -> {"plan_id", "summary"}
-    POST /auto_rebalance        {"enabled": bool, "every_k_steps"?: int, "threshold"?: float|null}
+    POST /auto_rebalance        {"enabled": bool, "every_k_steps"?: int, "threshold"?: float|null,
+                                 "target"?: float|null (plans move only as much as reaching it takes)}
     POST /edit                  {"edit": move|swap|replicate|drop_replica|pin|unpin, "layer", ...}
                                 (Placement's arguments) -> {"edit", "placement"}
     POST /capture               {"steps": n} -> deep capture of the next n steps
@@ -32,7 +33,7 @@ from moectl.server.state import ServerState
 
 MAX_PLANS = 8  # previewed plans kept for /rebalance/apply
 ACTION_TIMEOUT_S = 60.0  # an action waits for the engine thread at most this long
-AUTO_REBALANCE_ARGS = ("enabled", "every_k_steps", "threshold")
+AUTO_REBALANCE_ARGS = ("enabled", "every_k_steps", "threshold", "target")
 
 
 class ControlApi:

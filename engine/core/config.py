@@ -64,10 +64,13 @@ class SchedulerKnobs:
 @dataclass(frozen=True)
 class AutoRebalancePolicy:
     """manual: only the operator rebalances. auto: every `every_k_steps` steps (0 = never on a
-    schedule) and whenever balancedness drops below `threshold` (None = no threshold)."""
+    schedule) and whenever balancedness drops below `threshold` (None = no threshold).
+    target: every plan (previews and automatic ones) aims at this balancedness from the
+    placement in force, moving only as much as that takes (None: the best balance)."""
     mode: str = "manual"
     every_k_steps: int = 0
     threshold: float | None = None
+    target: float | None = None
 
     def __post_init__(self):
         if self.mode not in ("manual", "auto"):
@@ -77,6 +80,9 @@ class AutoRebalancePolicy:
                                            or not isinstance(self.threshold, (int, float))
                                            or not 0 < self.threshold <= 1):
             raise KnobError(f"threshold: must be in (0, 1], got {self.threshold!r}")
+        if self.target is not None and (isinstance(self.target, bool) or not isinstance(self.target, (int, float))
+                                        or not 0 < self.target <= 1):
+            raise KnobError(f"target: must be in (0, 1], got {self.target!r}")
 
     def should_rebalance(self, step: int, current_balancedness: float) -> bool:
         if self.mode == "manual":

@@ -141,7 +141,7 @@ class EngineDriver:
             if kind == "auto_rebalance":
                 policy = AutoRebalancePolicy(mode="auto" if args.get("enabled") else "manual",
                                              every_k_steps=_int_arg(args, "every_k_steps", 0),
-                                             threshold=args.get("threshold"))
+                                             threshold=args.get("threshold"), target=args.get("target"))
                 return experts.set_auto(policy)
             args = dict(args)
             return done({"placement": experts.edit(args.pop("edit", None), **args)})

@@ -82,7 +82,7 @@ class ClusterBase:
         if not len(self.window):
             raise PlacementError("rebalance: no routing observed yet")
         plan = plan_rebalance(self.window.loads(), self.topology, self.redundant_slots, current=self.placement,
-                              expert_bytes=self.expert_bytes)
+                              expert_bytes=self.expert_bytes, target=self.auto.target)
         plan.prediction = self.predict_change(plan.placement)
         return plan
 

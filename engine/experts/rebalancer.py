@@ -486,6 +486,8 @@ def repair_to_target(slots: np.ndarray, share: np.ndarray, movable: np.ndarray, 
     li = np.arange(L)[:, None, None]
     weight = share[li, slots]
     mean_sum = weight.sum(2).mean(1).sum()
+    if mean_sum >= target * weight.sum(2).max(1).sum():
+        return slots.copy()  # already there: nothing to move
 
     def attempt(bound: float):
         new = _refine(slots, weight, movable, partners=partners, max_steps=1024, good_enough=1 / bound - 1)
