@@ -64,7 +64,7 @@ def window_bound(length: int = 2000) -> dict:
         engine = LLMEngine(EngineConfig(model=tmp, block_size=16, num_kv_blocks=256, knobs=knobs,
                                         enable_prefix_caching=False))
         engine.add_request(list(range(2, 66)), SamplingParams(max_tokens=length - 64, ignore_eos=True))
-        main_bytes, window_bytes = engine.kv_block_bytes()
+        main_bytes, window_bytes = engine.kv_block_bytes
         held, full = [], []
         while engine.has_unfinished():
             engine.step()

@@ -8,6 +8,7 @@ plugs in as `experts`, built by moectl.engine.llm_engine.LLMEngine.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 import time
@@ -345,20 +346,22 @@ class EngineCore:
         window = self.blocks.window
         if window is None:
             return 0
-        return min(blocks, self.kv_cache.window_blocks_per_sequence(window.window, self.config.block_size, knobs))
+        return min(blocks, KVCache.window_blocks_per_sequence(window.window, self.config.block_size,
+                                                              knobs.max_num_batched_tokens))
 
     def _largest_window_pool(self) -> int:
         return self.blocks.window.store.largest_pool if self.blocks.window is not None else 0
 
+    @functools.cached_property
     def kv_block_bytes(self) -> tuple[int, int]:
-        """Bytes of one block of the main KV pool and of the sliding-window pool (0: none)."""
+        """Bytes of one block of the main KV pool and of the sliding-window pool (0: none); fixed at start."""
         cache, blocks = self.kv_cache, self.blocks
         window = cache.window.nbytes() // blocks.window.store.num_blocks if cache.window is not None else 0
         return cache.nbytes(with_window=False) // blocks.num_blocks, window
 
     def kv_bytes_per_pool(self, used: bool) -> list[int]:
         """KV bytes per device pool, main and window pools together: in use, or the capacity."""
-        main, window = self.kv_block_bytes()
+        main, window = self.kv_block_bytes
         blocks = self.blocks
         counts = blocks.used_per_pool() if used else blocks.pool_sizes
         out = [n * main for n in counts]

@@ -85,7 +85,8 @@ class KVCache:
         if not windows:
             return num_blocks or max(1, memory // full), 0
         win = KVCache.block_bytes_for(cfg, block_size, quantized, kv_heads, layers=len(windows))
-        cap = knobs.max_num_seqs * KVCache.window_blocks_per_sequence(max(windows), block_size, knobs)
+        cap = knobs.max_num_seqs * KVCache.window_blocks_per_sequence(max(windows), block_size,
+                                                                      knobs.max_num_batched_tokens)
         if num_blocks:
             return num_blocks, min(num_blocks, cap)
         if not full:  # every layer slides: the main pool only tracks positions and costs nothing
@@ -97,10 +98,10 @@ class KVCache:
         return max(1, (memory - cap * win) // full), cap
 
     @staticmethod
-    def window_blocks_per_sequence(window: int, block_size: int, knobs) -> int:
+    def window_blocks_per_sequence(window: int, block_size: int, chunk: int) -> int:
         """The most sliding-window blocks one sequence holds: the window - 1 positions before its
-        chunk, and one chunk of at most max_num_batched_tokens, over block boundaries."""
-        return -(-(window - 1 + knobs.max_num_batched_tokens) // block_size) + 1
+        chunk, and one chunk of at most `chunk` tokens (max_num_batched_tokens), over block boundaries."""
+        return -(-(window - 1 + chunk) // block_size) + 1
 
     def nbytes(self, with_window: bool = True) -> int:
         n = self.k.nbytes + self.v.nbytes

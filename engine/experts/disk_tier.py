@@ -29,7 +29,7 @@ import torch
 from moectl.engine.core.topology import format_size
 from moectl.engine.models.config import ConfigError, ModelConfig
 from moectl.engine.models.decoder import MoEForCausalLM
-from moectl.engine.models.loader import CheckpointError, expert_tensor_names, load_model, read_experts
+from moectl.engine.models.loader import CheckpointError, expert_tensor_names, load_model, read_experts, shard_map
 
 HALF_LIFE = 4096  # host-tier lookups after which every expert's use count is halved
 
@@ -41,19 +41,13 @@ class SafetensorsFiles:
     """Tensor name -> (file, dtype, shape, byte range), from the headers of a checkpoint's files."""
 
     def __init__(self, model_dir: Path):
-        index = model_dir / "model.safetensors.index.json"
-        if index.is_file():
-            try:
-                files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-            except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-                raise CheckpointError(f"{index.name}: unreadable ({exc})") from None
-        else:
-            files = ["model.safetensors"]
+        shards = shard_map(model_dir)
+        files = sorted(set(shards.values())) if shards is not None else [model_dir / "model.safetensors"]
         self.entries: dict[str, tuple[int, torch.dtype | None, tuple[int, ...], int, int]] = {}
         self._fds: list[int] = []
         weakref.finalize(self, _close_all, self._fds)  # the descriptors go with the object
-        for name in files:
-            self._read_header(model_dir / name)
+        for path in files:
+            self._read_header(path)
 
     def _read_header(self, path: Path) -> None:
         try:
@@ -132,9 +126,7 @@ class DiskExperts:
         """Every MoE layer's expert tensors hold exactly num_experts experts of the config's shape
         (from the headers alone), so a mismatch is one line at load, not a failure mid-serving."""
         cfg, names = self.cfg, self.files.names
-        h, i = cfg.hidden_size, cfg.expert_intermediate_size
-        extra = 1 if cfg.expert_bias else 0
-        want = cfg.num_experts * (2 * i * (h + extra) + h * (i + extra))
+        want = cfg.num_experts * (self.expert_bytes // cfg.dtype.itemsize)
         for layer, sparse in enumerate(cfg.sparse_layers):
             if not sparse:
                 continue

@@ -423,11 +423,9 @@ class ExpertCache:
 
     def _fill(self, key: tuple[int, int], slot: int, demand: bool) -> None:
         layer, expert = key
-        if self.disk is not None:
-            w13, w2 = (t[None] for t in self.disk.fetch(layer, expert, demand))
-            expert = 0
-        else:
-            w13, w2 = self.host[layer]
+        # one expert's weights, from the host tier, or read through it from disk (that wait is the disk's)
+        w13, w2 = self.disk.fetch(layer, expert, demand) if self.disk is not None else (
+            self.host[layer][0][expert], self.host[layer][1][expert])
         self.slot_key[slot] = key
         self.bytes_copied += self.expert_bytes
         if self.cuda:
@@ -435,15 +433,15 @@ class ExpertCache:
                 if self._free_after[slot] is not None:  # the slot's previous expert may still be in use
                     self.copy_stream.wait_event(self._free_after[slot])
                     self._free_after[slot] = None
-                self.w13_cache[slot].copy_(w13[expert], non_blocking=True)
-                self.w2_cache[slot].copy_(w2[expert], non_blocking=True)
+                self.w13_cache[slot].copy_(w13, non_blocking=True)
+                self.w2_cache[slot].copy_(w2, non_blocking=True)
                 ready = torch.cuda.Event()
                 ready.record(self.copy_stream)
             self._ready[slot] = ready
             return
         t0 = time.perf_counter()
-        self.w13_cache[slot].copy_(w13[expert])
-        self.w2_cache[slot].copy_(w2[expert])
+        self.w13_cache[slot].copy_(w13)
+        self.w2_cache[slot].copy_(w2)
         dt = time.perf_counter() - t0
         if demand:
             self._miss_wait += dt

@@ -21,23 +21,27 @@ class CheckpointError(ValueError):
     """The checkpoint on disk is missing, corrupt, or does not match its config."""
 
 
+def shard_map(model_dir: Path) -> dict[str, Path] | None:
+    """Tensor name -> shard file from model.safetensors.index.json; None for a single-file checkpoint."""
+    index = model_dir / "model.safetensors.index.json"
+    if not index.is_file():
+        return None
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: model_dir / shard for name, shard in weight_map.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise CheckpointError(f"{index.name}: unreadable ({exc})") from None
+
+
 class _TensorSource:
     """Name -> tensor over one file or an index of shards, opened lazily."""
 
     def __init__(self, model_dir: Path):
         single = model_dir / "model.safetensors"
-        index = model_dir / "model.safetensors.index.json"
-        if index.is_file():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (OSError, ValueError, KeyError, TypeError) as exc:
-                raise CheckpointError(f"{index.name}: unreadable ({exc})") from None
-            self.files = {name: model_dir / shard for name, shard in weight_map.items()}
-        elif single.is_file():
-            self.files = None
-            self.single = single
-        else:
+        self.files = shard_map(model_dir)
+        if self.files is None and not single.is_file():
             raise CheckpointError(f"model.safetensors: not found in {model_dir}")
+        self.single = single
         self._handles: dict[Path, object] = {}
         self.used: set[str] = set()
         if self.files is None:

@@ -55,7 +55,8 @@ class ExpertFFN:
     def extra_column(self) -> int:
         return 1 if self.biased else 0
 
-    def _act(self, gate_up: torch.Tensor) -> torch.Tensor:
+    def activate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """[.., 2I] gate and up -> [.., I] (+ the constant 1 column that feeds down's bias)."""
         gate, up = gate_up.chunk(2, dim=-1)
         if self.limit is None:
             out = F.silu(gate) * up
@@ -66,7 +67,7 @@ class ExpertFFN:
 
     def __call__(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
         x = F.pad(x, (0, 1), value=1.0) if self.biased else x
-        return F.linear(self._act(F.linear(x, w13)), w2)
+        return F.linear(self.activate(F.linear(x, w13)), w2)
 
 
 SWIGLU = ExpertFFN()
@@ -80,7 +81,7 @@ def grouped_swiglu(x_sorted: torch.Tensor, counts: list[int], w13: torch.Tensor,
     experts: the bias column leaves rows of H + 1 values, which _grouped_mm's stride alignment refuses.)"""
     if offsets is not None and not ffn.biased:
         gate_up = torch._grouped_mm(x_sorted, w13.transpose(1, 2), offs=offsets)
-        return torch._grouped_mm(ffn._act(gate_up), w2.transpose(1, 2), offs=offsets)
+        return torch._grouped_mm(ffn.activate(gate_up), w2.transpose(1, 2), offs=offsets)
     out = torch.empty_like(x_sorted)
     start = 0
     for expert, n in enumerate(counts):

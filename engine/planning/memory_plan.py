@@ -34,12 +34,19 @@ import torch
 from moectl.engine.core.config import SchedulerKnobs
 from moectl.engine.core.kv_cache import KVCache
 from moectl.engine.core.topology import Topology, format_size
-from moectl.engine.models.config import ARCHITECTURES, ConfigError, ModelConfig, read_config_json
+from moectl.engine.models.config import (
+    ARCHITECTURES,
+    MODEL_TYPE_ALIASES,
+    MODEL_TYPES,
+    ConfigError,
+    ModelConfig,
+    read_config_json,
+)
 
 # architectures[0] -> planner family, beyond the runtime's four
-MLA_ARCHITECTURES = {"DeepseekV2ForCausalLM": "deepseek_v2", "DeepseekV3ForCausalLM": "deepseek_v3"}
-MLA_MODEL_TYPES = {"deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
-                   "kimi_k2": "DeepseekV3ForCausalLM"}
+# plannable, not runnable (DeepSeek-V3 / Kimi-K2 are runnable: ModelConfig reads them)
+MLA_ARCHITECTURES = {"DeepseekV2ForCausalLM": "deepseek_v2"}
+MLA_MODEL_TYPES = {"deepseek_v2": "DeepseekV2ForCausalLM"}
 PLANNABLE = tuple(ARCHITECTURES) + tuple(MLA_ARCHITECTURES)
 
 # weight dtypes the planner accepts: name -> (bytes per element, torch dtype of activations / auto KV)
@@ -229,7 +236,7 @@ class PlanModel:
         full = self.kv_bytes_per_block(tp, block_size, dtype, quantized, self.num_layers - len(windows)) * blocks
         if not windows:
             return full, blocks
-        held = min(blocks, _cdiv(max(windows) - 1 + chunk, block_size) + 1)
+        held = min(blocks, KVCache.window_blocks_per_sequence(max(windows), block_size, chunk))
         return full + held * self.kv_bytes_per_block(tp, block_size, dtype, quantized, len(windows)), blocks
 
 
@@ -301,7 +308,7 @@ def _parse_mla(raw: dict, arch: str, name: str) -> PlanModel:
     q_lora = raw.get("q_lora_rank")
     if q_lora is not None:
         q_lora = need("q_lora_rank")
-    topk_method = raw.get("topk_method", "noaux_tc" if family == "deepseek_v3" else "greedy")
+    topk_method = raw.get("topk_method", "greedy")  # DeepSeek-V2's default
     if raw.get("num_nextn_predict_layers"):
         notes.append(f"num_nextn_predict_layers={raw['num_nextn_predict_layers']}: the multi-token-prediction "
                      "module is not counted (inference without speculative MTP does not load it)")
@@ -339,7 +346,8 @@ def load_plan_model(config: str | Path | dict) -> PlanModel:
     arch = archs[0] if archs else None
     if arch is None:
         model_type = raw.get("model_type", "")
-        arch = {v: k for k, v in ARCHITECTURES.items()}.get(model_type) or MLA_MODEL_TYPES.get(model_type)
+        runnable = MODEL_TYPES.get(MODEL_TYPE_ALIASES.get(model_type, model_type))
+        arch = runnable or MLA_MODEL_TYPES.get(model_type)
     if arch in ARCHITECTURES:
         model = _parse_runnable(raw, name)
     elif arch in MLA_ARCHITECTURES:
