@@ -12,7 +12,8 @@ Reported: requests/s (N over the wall time of the round), TTFT as the client see
 sent -> first streamed chunk) at p50/p99, errors (a failed connection, a non-200, an error
 chunk, or a stream without `data: [DONE]`), the KV blocks in use once the engine is idle (0
 unless something leaked), and the server's RSS before and after (the baseline is taken after
-a warm-up round of the same size, so the allocator's pools are already grown).
+a warm-up round of the same size, so the allocator's pools are already grown), with its growth
+against the target: the load round must end within 16 MiB of the warm baseline.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLE_MODEL = ROOT / "engine" / "sample_model"
+TARGET_RSS_GROWTH = 16 << 20  # bytes the server's RSS may grow over the load round, after the warm-up round
 
 SERVER_CODE = textwrap.dedent("""
     import sys
@@ -150,7 +152,8 @@ async def run(args, url: str, server: psutil.Process) -> dict:
         "ttft_p99_s": float(np.percentile(ttfts, 99)) if len(ttfts) else None,
         "errors": len(errors), "error_examples": errors[:3],
         "kv_blocks_used_after": idle["kv_blocks_used"], "kv_blocks_total": idle["kv_blocks_total"],
-        "rss_before_bytes": rss_before, "rss_after_bytes": rss_after,
+        "rss_before_bytes": rss_before, "rss_after_bytes": rss_after, "rss_growth_bytes": rss_after - rss_before,
+        "target_rss_growth_bytes": TARGET_RSS_GROWTH, "meets_rss_target": rss_after - rss_before <= TARGET_RSS_GROWTH,
         "loadavg_1m": os.getloadavg()[0],
     }
 
@@ -211,7 +214,8 @@ def main(argv=None) -> int:
                                                           else ""))
         print(f"  KV blocks used  {result['kv_blocks_used_after']} of {result['kv_blocks_total']} after the run")
         print(f"  server RSS      {result['rss_before_bytes'] / mib:.0f} MiB before, "
-              f"{result['rss_after_bytes'] / mib:.0f} MiB after")
+              f"{result['rss_after_bytes'] / mib:.0f} MiB after: {result['rss_growth_bytes'] / mib:+.1f} MiB "
+              f"(target <= {TARGET_RSS_GROWTH / mib:.0f} MiB: {'met' if result['meets_rss_target'] else 'NOT met'})")
         print(f"  load average    {result['loadavg_1m']:.2f} (1 min)")
     return 0 if result["errors"] == 0 and result["kv_blocks_used_after"] == 0 else 1
 

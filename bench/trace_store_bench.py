@@ -15,8 +15,8 @@ bytes; 50 spans as columns (device, layer, kind, t_start, t_end); a few request 
 scalar counters of engine.llm_engine.StepStats. Step times are a simulated 10 steps/s clock, so the
 trace covers N / 10 seconds of "engine time" whatever the wall clock.
 
-The producer stands for the engine: it writes as fast as it can but backs off while the queue
-is over half full, so the figure is what the writer thread sustains, not how fast records are
+The producer stands for the engine: it writes as fast as it can but backs off while the writer's
+local backlog is over half full, so the figure is what the writer process sustains, not how fast records are
 dropped. Synthetic records are generated up front (a pool reused with new step numbers and
 times) so that generating them does not compete with the writer for the CPU.
 """
@@ -108,7 +108,7 @@ def run(steps: int, path: Path, pool: int, seed: int) -> dict:
     log(f"generating {pool} synthetic records ...")
     records = make_records(pool, seed)
 
-    # codec alone, on this thread: what one record costs the writer thread
+    # codec alone, on this thread: what one record costs the writer process
     sample = [stamp(r, i, 0.0) for i, r in enumerate(records[:50])]
     t = time.perf_counter()
     payloads = [encode(r) for r in sample]
@@ -135,7 +135,7 @@ def run(steps: int, path: Path, pool: int, seed: int) -> dict:
                 w.write_action({"time": t0 + i / STEPS_PER_S + 0.01, "step": i, "kind": "mark",
                                 "args": {"label": f"m{i}"}, "result": {}})
             if i and i % 5000 == 0:
-                log(f"  {i} steps, {w.written} rows committed")
+                log(f"  {i} steps handed over, {w.pending} waiting for room in the pipe")
     write_s = time.perf_counter() - t_write
     dropped, written = w.dropped, w.written
 

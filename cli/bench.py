@@ -25,23 +25,28 @@ from moectl.cli.common import (
 def bench(
     compare: str | None = typer.Option(None, "--compare", help="'hf': this engine vs transformers' generate."),
     suite: str | None = typer.Option(None, "--suite",
-                                        help="compare-hf | serve | kv-int8 | profiler | rebalance | limits "
+                                        help="compare-hf | serve | kv-int8 | profiler | rebalance | limits | soak "
                                              "(default: compare-hf)."),
     model: Path | None = MODEL_OPT,
     workload: str | None = typer.Option(None, "--workload",
                                            help="serve suite: a JSONL file or 'rate=4,prompt=32-512,output=16-256,"
                                                 "requests=64,seed=0'."),
-    requests: int = typer.Option(64, "--requests", help="compare-hf: number of requests, all arriving at once."),
+    requests: int = typer.Option(64, "--requests", help="compare-hf: number of requests, all arriving at once; "
+                                                         "soak: requests run (10000 unless given)."),
     dtype: str | None = DTYPE_OPT,
-    threads: int | None = typer.Option(None, "--threads", help="torch threads (default: torch's own)."),
+    threads: int | None = typer.Option(None, "--threads", help="torch threads for both sides (default: the engine's "
+                                                                 "auto policy, transformers torch's own)."),
     backend: str = BACKEND_OPT,
     nproc: int | None = NPROC_OPT,
-    devices: int = typer.Option(2, "--devices", "-d", help="rebalance: devices (emulated on the local backend)."),
+    devices: int = typer.Option(2, "--devices", "-d", help="rebalance, soak: devices (emulated on the local "
+                                                              "backend; soak: 0 for none)."),
     rounds: int = typer.Option(2, "--rounds", help="rebalance: rounds of (naive, planned) phases."),
     redundant: int = typer.Option(0, "--redundant", help="rebalance: spare slots per device for replicas (0: "
                                                          "re-hash the experts over the devices)."),
     seed: int = typer.Option(0, "--seed"),
     host_mem: str | None = HOST_MEM_OPT,
+    contended: bool = typer.Option(False, "--contended", help="compare-hf: also run it with a busy process holding "
+                                                               "one core, and the engine on a thread per core."),
     as_json: bool = JSON_OPT,
 ):
     """Benchmarks that print ratios against a baseline measured in the same run, and the share of
@@ -59,11 +64,15 @@ def bench(
     path = model_dir(model)
     if host_mem is not None and name != "serve":
         raise BadInput("--host-mem: only with --suite serve (the disk tier under a workload)")
+    if contended and name != "compare-hf":
+        raise BadInput("--contended: only with --compare hf (the compare-hf suite)")
+    if contended and threads is not None:
+        raise BadInput("--contended: compares thread policies itself; leave --threads out")
     if name == "compare-hf":
-        from moectl.engine.tools.bench import run_compare_hf
+        from moectl.engine.tools.bench import run_compare_hf, run_contended
 
-        result = run_compare_hf(path, num_requests=requests, seed=seed, dtype=dtype or "float32",
-                                threads=threads, log=log)
+        result = (run_contended if contended else run_compare_hf)(path, num_requests=requests, seed=seed,
+                                                                  dtype=dtype or "float32", threads=threads, log=log)
     elif name == "serve":
         from moectl.engine.tools.bench import run_serve
         from moectl.engine.tools.workload import WorkloadSpec
@@ -112,6 +121,20 @@ def bench(
 
         result = machine_limits.measure(dtype or "float32")
         log(machine_limits.format_limits(result))
+    elif name == "soak":
+        from moectl.engine.tools.soak import check_options, format_soak, run_soak
+
+        if backend != "local":
+            raise BadInput(f"--backend: the soak suite runs on local, got {backend!r}")
+        count = 10_000 if requests == 64 else requests
+        try:
+            check_options(count, None, 50, devices, 0)
+        except ValueError as exc:
+            raise BadInput(str(exc)) from None
+        result = run_soak(path, num_requests=count, devices=devices, dtype=dtype or "float32",
+                          threads=threads or "auto", seed=seed, log=log)
+        log(format_soak(result))
     else:
-        raise BadInput(f"--suite: {name!r} is not one of compare-hf, serve, kv-int8, profiler, rebalance, limits")
+        raise BadInput(f"--suite: {name!r} is not one of compare-hf, serve, kv-int8, profiler, rebalance, limits, "
+                       "soak")
     emit_json(result, as_json)

@@ -34,6 +34,9 @@ BACKEND_OPT = typer.Option("local", "--backend", help="local (devices emulated i
                                                       "d's experts on cuda:d) or distributed (one process per "
                                                       "device, torch.distributed; see --nproc).")
 NPROC_OPT = typer.Option(None, "--nproc", help="distributed: processes, one per device (default: --devices).")
+THREADS_OPT = typer.Option("auto", "--threads", help="torch intra-op threads: N, or auto (the cores other processes "
+                                                    "leave free, re-measured every second; `bench --contended` "
+                                                    "measures why).")
 PLACEMENT_OPT = typer.Option(None, "--placement", help="Initial expert placement: the JSON `plan rebalance --json` "
                                                        "writes or the console exports (any backend).")
 
@@ -77,6 +80,19 @@ def model_dir(model: Path | None, config_file: bool = False) -> Path:
     if not path.is_dir():
         raise BadInput(f"--model: {path} is not a directory" + (" or a config.json file" if config_file else ""))
     return path
+
+
+def parse_threads(value: str | None) -> int | str | None:
+    """--threads: "auto" or a positive integer."""
+    if value is None or value == "auto":
+        return value
+    try:
+        threads = int(value)
+    except ValueError:
+        raise BadInput(f"--threads: must be a positive integer or auto, got {value!r}") from None
+    if threads < 1:
+        raise BadInput(f"--threads: must be >= 1, got {threads}")
+    return threads
 
 
 def parse_ids(spec: str) -> list[int]:

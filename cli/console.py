@@ -16,9 +16,11 @@ from moectl.cli.common import (
     NPROC_OPT,
     PLACEMENT_OPT,
     THEME_OPT,
+    THREADS_OPT,
     BadInput,
     engine_config,
     handles_errors,
+    parse_threads,
 )
 from moectl.engine.parallel.backends import Engines
 from moectl.themes import check_theme
@@ -27,7 +29,7 @@ DEMO_WORKLOAD = "rate=4,prompt=32-256,output=32-128"
 
 
 def live_source(model: Path | None, devices: int, hbm: str, redundant: int, expert_cache: int | None,
-                workload: str, dtype: str | None, threads: int, backend: str = "local", nproc: int | None = None,
+                workload: str, dtype: str | None, threads: int | str, backend: str = "local", nproc: int | None = None,
                 placement: Path | None = None, host_mem: str | None = None):
     from moectl.console.sources import DemoLoad, LiveSource
     from moectl.engine.tools.workload import WorkloadSpec
@@ -38,8 +40,8 @@ def live_source(model: Path | None, devices: int, hbm: str, redundant: int, expe
         message = str(exc)
         raise BadInput(message if message.startswith("--workload") else f"--workload: {message}") from None
     config = engine_config(model, devices=devices, hbm=hbm, expert_cache=expert_cache, host_mem=host_mem, dtype=dtype,
-                           redundant_slots=redundant, num_threads=threads, backend=backend, nproc=nproc,
-                           placement=placement)
+                           redundant_slots=redundant, num_threads=parse_threads(threads), backend=backend,
+                           nproc=nproc, placement=placement, reserved_cores=1)  # a core for the UI
     engines = Engines(config, backend)
     try:
         return LiveSource(engines.make_engine, load, on_close=engines.close)
@@ -62,7 +64,7 @@ def run(
     workload: str = typer.Option(DEMO_WORKLOAD, "--workload", help="The demo workload: rate=R,prompt=LO-HI,"
                                                                    "output=LO-HI (editable live)."),
     dtype: str | None = DTYPE_OPT,
-    threads: int = typer.Option(1, "--threads", help="torch threads for the engine (1 leaves a core for the UI)."),
+    threads: str = THREADS_OPT,
     theme: str = THEME_OPT,
 ):
     """The live console (the default command): the embedded engine on a steady demo workload,

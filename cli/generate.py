@@ -21,10 +21,12 @@ from moectl.cli.common import (
     MODEL_OPT,
     NPROC_OPT,
     PLACEMENT_OPT,
+    THREADS_OPT,
     BadInput,
     engine_config,
     handles_errors,
     parse_ids,
+    parse_threads,
 )
 from moectl.engine.core.topology import format_size
 from moectl.engine.parallel.backends import Engines
@@ -45,6 +47,7 @@ def generate(
     stop: list[str] | None = typer.Option(None, "--stop", help="Stop string (repeatable)."),
     ignore_eos: bool = typer.Option(False, "--ignore-eos"),
     dtype: str | None = DTYPE_OPT,
+    threads: str = THREADS_OPT,
     kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype", help="auto or int8."),
     device: str = typer.Option("cpu", help="Torch device, e.g. cpu or cuda:0."),
     devices: int | None = typer.Option(None, "--devices", "-d",
@@ -73,7 +76,7 @@ def generate(
                             seed=seed, stop=tuple(stop or ()), ignore_eos=ignore_eos)
     config = engine_config(model, devices=devices, hbm=hbm, backend=backend, expert_cache=expert_cache, host_mem=host_mem,
                            device=device, dtype=dtype, kv_cache_dtype=kv_cache_dtype, nproc=nproc,
-                           redundant_slots=redundant, placement=placement)
+                           redundant_slots=redundant, placement=placement, num_threads=parse_threads(threads))
     engines = Engines(config, backend)
     try:
         engine = engines.make_engine()

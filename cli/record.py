@@ -19,9 +19,11 @@ from moectl.cli.common import (
     MODEL_OPT,
     NPROC_OPT,
     PLACEMENT_OPT,
+    THREADS_OPT,
     BadInput,
     engine_config,
     handles_errors,
+    parse_threads,
 )
 from moectl.engine.parallel.backends import Engines
 
@@ -52,6 +54,7 @@ def record(
     capture: int | None = typer.Option(None, "--capture", help="Deep capture (torch.profiler) of this many "
                                                                "steps at the start."),
     dtype: str | None = DTYPE_OPT,
+    threads: str = THREADS_OPT,
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing trace file."),
     as_json: bool = JSON_OPT,
 ):
@@ -70,7 +73,7 @@ def record(
     spec = WorkloadSpec.from_option(workload)
     config = engine_config(model, devices=devices, hbm=hbm, expert_cache=expert_cache, host_mem=host_mem, dtype=dtype,
                            redundant_slots=redundant, num_kv_blocks=kv_blocks, backend=backend, nproc=nproc,
-                           placement=placement)
+                           placement=placement, num_threads=parse_threads(threads))
     engines = Engines(config, backend)
     try:
         return _record(engines, trace, steps, seconds, spec, rebalance_at, capture, overwrite, as_json)
@@ -117,10 +120,12 @@ def _record(engines, trace: Path, steps, seconds, spec, rebalance_at, capture, o
     finally:
         driver.close()
         engine.fail_all("abort")
-        recorder.close()
+        close_error = _close_recorder(recorder)
     if driver.error is not None:
         raise RuntimeError(f"the engine failed at step {engine.step_count}: {driver.error} "
                            f"({recorder.steps} steps recorded in {trace})")
+    if close_error is not None:  # not bad input: exit 1, one line
+        raise RuntimeError(close_error)
     result = {"trace": str(trace), "steps": recorder.steps, "dropped": recorder.dropped,
               "rejected_requests": feed.rejected, "seconds": round(time.monotonic() - t0, 3),
               "bytes": Path(trace).stat().st_size}
@@ -130,3 +135,14 @@ def _record(engines, trace: Path, steps, seconds, spec, rebalance_at, capture, o
         typer.echo(f"{trace}: {result['steps']} steps in {result['seconds']:.1f} s, {result['bytes']:,} bytes, "
                    f"{result['dropped']} dropped" + (f", {feed.rejected} requests refused by the engine "
                                                      f"(too long for its KV cache)" if feed.rejected else ""))
+
+
+def _close_recorder(recorder) -> str | None:
+    """Closes the recording; its failure as one line, so that it never masks an earlier error."""
+    from moectl.profiler.codec import TraceError
+
+    try:
+        recorder.close()
+    except TraceError as exc:
+        return str(exc).splitlines()[0]
+    return None

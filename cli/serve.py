@@ -15,9 +15,11 @@ from moectl.cli.common import (
     MODEL_OPT,
     NPROC_OPT,
     PLACEMENT_OPT,
+    THREADS_OPT,
     BadInput,
     engine_config,
     handles_errors,
+    parse_threads,
 )
 from moectl.engine.parallel.backends import Engines
 
@@ -38,7 +40,7 @@ def serve(
     expert_cache: int | None = EXPERT_CACHE_OPT,
     host_mem: str | None = HOST_MEM_OPT,
     dtype: str | None = DTYPE_OPT,
-    threads: int | None = typer.Option(None, "--threads", help="torch threads for the engine."),
+    threads: str = THREADS_OPT,
 ):
     """An OpenAI-compatible server (/v1/completions, /v1/chat/completions, /v1/models, /health),
     Prometheus /metrics, the /v1/telemetry record stream, and /v1/control/* for operators."""
@@ -49,7 +51,7 @@ def serve(
         raise BadInput(f"--port: must be in 1-65535, got {port}")
     check_bind(host, token)  # before loading anything: a public bind without a token is refused
     config = engine_config(model, devices=devices, hbm=hbm, expert_cache=expert_cache, host_mem=host_mem, dtype=dtype,
-                           redundant_slots=redundant, num_threads=threads, backend=backend, nproc=nproc,
+                           redundant_slots=redundant, num_threads=parse_threads(threads), backend=backend, nproc=nproc,
                            placement=placement)
     engines = Engines(config, backend)
     try:

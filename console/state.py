@@ -65,6 +65,7 @@ class ConsoleState:
         self.last_apply: dict | None = None  # the last applied placement's prediction and the window before it
         self.steps_seen = 0
         self._routing_cache = self._top_cache = (None, None)
+        self._routing_sum: np.ndarray | None = None  # the window's routing, kept up to date per record
         # never back to 0: the caches are keyed on the version, and a reset must not revive them
         self.version = getattr(self, "version", 0) + 1
 
@@ -97,7 +98,10 @@ class ConsoleState:
 
     def _apply_step(self, record: dict) -> None:
         self.latest = record
+        if len(self.window) == self.window.maxlen:
+            self._route(self.window[0], -1)
         self.window.append(record)
+        self._route(record, 1)
         self.steps_seen += 1
         if record.get("knobs"):
             self.knobs = record["knobs"]
@@ -154,11 +158,29 @@ class ConsoleState:
         """The counterfactual placement in replay after a rebalance, else the one in force."""
         return self.counterfactual or self.placement
 
+    def _route(self, record: dict, sign: int) -> None:
+        """Add (or take out) a record's routing from the running window sum: a step costs one
+        [layers, experts] add, not a sum over the whole window."""
+        total = self._routing_sum
+        if total is None:
+            return
+        routing = np.asarray(record["routing"])
+        if routing.shape != total.shape:
+            self._routing_sum = None  # summed afresh when next asked for
+        elif sign > 0:
+            total += routing
+        else:
+            total -= routing
+
     def routing_window(self) -> np.ndarray:
-        """Tokens per (layer, expert) over the window; computed once per state version."""
+        """Tokens per (layer, expert) over the window; one array per state version."""
         if getattr(self, "_routing_cache", (None,))[0] != (self.version, len(self.window)):
-            total = (np.sum([r["routing"] for r in self.window], axis=0, dtype=np.int64) if self.window
-                     else np.zeros((self.num_layers, self.num_experts), dtype=np.int64))
+            if not self.window:
+                total = np.zeros((self.num_layers, self.num_experts), dtype=np.int64)
+            else:
+                if self._routing_sum is None:
+                    self._routing_sum = np.sum([r["routing"] for r in self.window], axis=0, dtype=np.int64)
+                total = self._routing_sum.copy()
             self._routing_cache = ((self.version, len(self.window)), total)
         return self._routing_cache[1]
 

@@ -1,8 +1,8 @@
 """Recording a running engine to a trace file: its header, then every step and action record.
 
-The engine's listeners only hand each record to the TraceWriter's bounded queue; encoding and
-SQLite writes happen on the writer's thread, so recording never blocks the step loop (a full
-queue drops the record and counts it).
+The engine's listeners only pickle each record into the TraceWriter's pipe; encoding and SQLite
+writes happen in the writer's own process, so recording never blocks the step loop nor takes its
+GIL for that work (a full pipe and backlog drops the record and counts it).
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ class TraceRecorder:
         self.writer = TraceWriter(self.path, engine_header(engine), queue_size=queue_size, overwrite=overwrite,
                                   str_keys=True)
         self.steps = 0
+        self.record_s = 0.0  # seconds in stats.as_record() on the engine thread
         self._closed = False
         engine.add_listener(on_step=self._on_step, on_action=self._on_action)
         self.writer.write_action({"time": time.monotonic(), "step": engine.step_count, "kind": "record_start",
@@ -59,7 +60,10 @@ class TraceRecorder:
         if self._closed or self.full.is_set():  # close() raced with a step already under way
             return
         self.steps += 1
-        self.writer.write_step(stats.as_record())
+        t0 = time.perf_counter()
+        record = stats.as_record()
+        self.record_s += time.perf_counter() - t0
+        self.writer.write_step(record)
         if self.max_steps is not None and self.steps >= self.max_steps:
             self.full.set()
 

@@ -7,3 +7,6 @@ python3 -m venv .venv
 .venv/bin/pip install -q --upgrade pip
 .venv/bin/pip install -q torch==2.13.0
 .venv/bin/pip install -q -e '.[dev]'
+# Build the paged decode kernel now (a C++ extension, ~20-40 s once per machine) rather than on
+# the first engine start; when no compiler is found the engine uses its torch path instead.
+.venv/bin/python -c "from moectl.engine.core import paged_decode as k; k.kernel(); print('paged decode kernel:', k.failure() or 'built')"

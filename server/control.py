@@ -21,6 +21,7 @@ ValueError such as a PlacementError) is a 400 with its one-line reason.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections import OrderedDict
@@ -28,8 +29,11 @@ from pathlib import Path
 
 from aiohttp import web
 
+from moectl.profiler.codec import TraceError
 from moectl.server.openai_api import ApiError, is_int, read_json
 from moectl.server.state import ServerState
+
+log = logging.getLogger(__name__)
 
 MAX_PLANS = 8  # previewed plans kept for /rebalance/apply
 ACTION_TIMEOUT_S = 60.0  # an action waits for the engine thread at most this long
@@ -171,12 +175,18 @@ class ControlApi:
             if recorder is None:
                 raise ApiError(400, "recording: nothing is being recorded")
             # close() commits what is queued and detaches from the engine: off the loop
-            await asyncio.get_running_loop().run_in_executor(None, recorder.close)
+            try:
+                await asyncio.get_running_loop().run_in_executor(None, recorder.close)
+            except TraceError as exc:  # the writer process failed: its one line, no traceback
+                raise ApiError(500, f"recording: {exc}") from None
         return web.json_response({"path": str(recorder.path), "steps": recorder.steps, "dropped": recorder.dropped})
 
     async def close(self) -> None:
         """Server shutdown: a recording in progress is finished, not lost."""
         if self.recorder is not None:
             recorder, self.recorder = self.recorder, None
-            await asyncio.get_running_loop().run_in_executor(None, recorder.close)
+            try:
+                await asyncio.get_running_loop().run_in_executor(None, recorder.close)
+            except TraceError as exc:
+                log.warning("recording: %s", exc)
 

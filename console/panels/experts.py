@@ -8,7 +8,7 @@ from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.widgets import Button, Input, Label, Select, Static, Switch
 from textual_plotext import PlotextPlot
 
-from moectl.console.panels.common import ActionRequested
+from moectl.console.panels.common import ActionRequested, ShowsOnChange, replot
 from moectl.console.widgets import ColourLegend, HeatMap
 
 EDITS = ("move", "replicate", "drop_replica", "pin", "unpin")
@@ -16,7 +16,7 @@ SEGMENT_STYLES = ("bold #4EA8DE", "bold #F4A261", "bold #52B788", "bold #B08BD9"
 SEGMENT_GLYPHS = "█▓▒░▚▞"  # each segment has its own glyph too: the stack reads without colour
 
 
-class ExpertsPanel(VerticalScroll):
+class ExpertsPanel(ShowsOnChange, VerticalScroll):
     def compose(self) -> ComposeResult:
         yield Static("Routing heat map (tokens per layer x expert over the window)", classes="section-title")
         yield HeatMap(id="ex-heatmap")
@@ -69,27 +69,29 @@ class ExpertsPanel(VerticalScroll):
         self._show_cell(state)
         self._show_stacked(state)
         self._show_outcome(state)
-        plot = self.query_one("#ex-balance-plot", PlotextPlot)
         steps = [h["step"] for h in state.history]
-        plt = plot.plt
-        plt.clear_data()
-        if steps:
-            plt.plot(steps, [h["balancedness"] for h in state.history], marker="braille")
-            plt.ylim(0, 1.05)
-        plot.refresh()
+        values = [h["balancedness"] for h in state.history]
+
+        def draw(plt) -> None:
+            if steps:
+                plt.plot(steps, values, marker="braille")
+                plt.ylim(0, 1.05)
+
+        replot(self.query_one("#ex-balance-plot", PlotextPlot), (tuple(steps), tuple(values)), draw)
         self._show_placement(state)
 
     def _show_cell(self, state) -> None:
         layer, expert = self.selected
         placement = state.placement_shown
         if placement is None or layer >= state.num_layers or expert >= state.num_experts:
-            self.query_one("#ex-cell", Static).update("")
+            self.put("#ex-cell", "")
             return
         tokens = int(state.routing_window()[layer, expert])
         where = placement.replicas(layer, expert)
         devices = ", ".join(f"d{d}" for d, _ in where) or "nowhere"
         pinned = "  pinned" if placement.is_pinned(layer, expert) else ""
-        self.query_one("#ex-cell", Static).update(
+        self.put(
+            "#ex-cell",
             f"L{layer}/E{expert}: {tokens:,} tokens in the window; on {devices} "
             f"({len(where)} replica{'s' if len(where) != 1 else ''}){pinned}")
 
@@ -103,27 +105,30 @@ class ExpertsPanel(VerticalScroll):
                  for d in range(len(loads))]
         column = self.query_one("#ex-stacked").size.width or self.size.width // 2
         width = max(column - 5 - max((len(t) for t in tails), default=0), 8)  # bars never wrap
-        out = Text()
+        pieces = []  # per device: (segment lengths, dotted rest, tail)
         for d in range(len(loads)):
-            out.append(f"d{d:<3} ")
-            used = 0
-            for i, (layer, expert, tokens) in enumerate(tops[d] if tops else ()):
-                n = round(tokens / top * width)
-                out.append(SEGMENT_GLYPHS[i] * n, style=SEGMENT_STYLES[i])
-                used += n
-            rest = round(float(loads[d]) / top * width) - used
-            out.append("·" * max(rest, 0), style="dim")
-            out.append(tails[d] + ("\n" if d < len(loads) - 1 else ""))
-        self.query_one("#ex-stacked", Static).update(out if len(loads) else "no devices")
+            lengths = [round(tokens / top * width) for _, _, tokens in (tops[d] if tops else ())]
+            pieces.append((tuple(lengths), round(float(loads[d]) / top * width) - sum(lengths), tails[d]))
+
+        def stacked() -> Text:
+            out = Text()
+            for d, (lengths, rest, tail) in enumerate(pieces):
+                out.append(f"d{d:<3} ")
+                for i, n in enumerate(lengths):
+                    out.append(SEGMENT_GLYPHS[i] * n, style=SEGMENT_STYLES[i])
+                out.append("·" * max(rest, 0), style="dim")
+                out.append(tail + ("\n" if d < len(pieces) - 1 else ""))
+            return out
+
+        self.put("#ex-stacked", stacked if pieces else "no devices", key=tuple(pieces))
 
     def _show_placement(self, state) -> None:
         placement = state.placement_shown
         layer = self.selected[0]
         label = "counterfactual placement" if state.counterfactual is not None else "placement"
-        self.query_one("#ex-placement-title", Static).update(f"{label.capitalize()}, layer {layer} "
-                                                             "(select a heat-map row to change layer)")
+        self.put("#ex-placement-title", f"{label.capitalize()}, layer {layer} (select a heat-map row to change layer)")
         if placement is None:
-            self.query_one("#ex-placement", Static).update("[dim]no devices[/]")
+            self.put("#ex-placement", "[dim]no devices[/]")
             return
         counts = placement.replica_counts()
         lines = []
@@ -137,16 +142,17 @@ class ExpertsPanel(VerticalScroll):
                     cells.append(f"E{e:<3}{mark}")
             lines.append(f"d{d:<3} " + " ".join(cells))
         lines.append("[dim]* replicated  ^ pinned  - empty slot[/]")
-        self.query_one("#ex-placement", Static).update("\n".join(lines))
+        self.put("#ex-placement", "\n".join(lines))
 
     def _show_outcome(self, state) -> None:
         outcome = state.apply_outcome()
         if outcome is None:
-            self.query_one("#ex-apply-outcome", Static).update("")
+            self.put("#ex-apply-outcome", "")
             return
         predicted = outcome["predicted"]
         how = "modeled parallel" if outcome["modeled"] else "measured"
-        self.query_one("#ex-apply-outcome", Static).update(
+        self.put(
+            "#ex-apply-outcome",
             f"after the apply ({outcome['steps_after']} steps): {outcome['before']:,.0f} -> {outcome['after']:,.0f} "
             f"tok/s {how} ({outcome['gain']:+.1%}); predicted {predicted['throughput_before']:,.0f} -> "
             f"{predicted['throughput_after']:,.0f} ({predicted['gain']:+.1%})")

@@ -11,13 +11,13 @@ from textual.containers import VerticalScroll
 from textual.widgets import Static
 from textual_plotext import PlotextPlot
 
-from moectl.console.panels.common import fmt_bytes
+from moectl.console.panels.common import ShowsOnChange, fmt_bytes, replot
 
 # derived from each step's shapes with the planner's formulas, not read from an allocator
 MODELED_CATEGORIES = ("activations", "comm_buffers")
 
 
-class MemoryPanel(VerticalScroll):
+class MemoryPanel(ShowsOnChange, VerticalScroll):
     def compose(self) -> ComposeResult:
         yield Static("HBM over time per device (MiB, accounted; activations and buffers modeled)",
                      classes="section-title")
@@ -34,34 +34,38 @@ class MemoryPanel(VerticalScroll):
         self._plan_text: str | None = None
 
     def show(self, state) -> None:
-        plot = self.query_one("#mem-plot", PlotextPlot)
-        plt = plot.plt
-        plt.clear_data()
         history = [h for h in state.history if h["memory"]]
-        if history:
-            steps = [h["step"] for h in history]
-            shown = min(len(history[-1]["memory"]), 8)  # beyond 8 lines a plot is unreadable
-            for d in range(shown):
-                plt.plot(steps, [h["memory"][d] / 2**20 if d < len(h["memory"]) else 0 for h in history],
-                         label=f"d{d}", marker="braille")
-            peak = max(max(h["memory"]) for h in history)
-            if state.hbm_bytes and peak > 0.25 * state.hbm_bytes:  # else the capacity line flattens the curves
-                plt.hline(state.hbm_bytes / 2**20)
-        plot.refresh()
-        cat_plot = self.query_one("#mem-cat-plot", PlotextPlot)
-        cat_plot.plt.clear_data()
-        if history:
-            steps = [h["step"] for h in history]
-            latest = history[-1]["categories"]
-            for category in sorted(latest, key=lambda c: -latest[c])[:6]:  # the six largest stay readable
-                cat_plot.plt.plot(steps, [h["categories"].get(category, 0) / 2**20 for h in history],
-                                  label=category, marker="braille")
-        cat_plot.refresh()
-        self.query_one("#mem-categories", Static).update(self._categories(state))
-        self.query_one("#mem-tiers", Static).update(self._tiers(state))
+        steps = [h["step"] for h in history]
+        shown = min(len(history[-1]["memory"]), 8) if history else 0  # beyond 8 lines a plot is unreadable
+        curves = [[h["memory"][d] / 2**20 if d < len(h["memory"]) else 0 for h in history] for d in range(shown)]
+        peak = max(max(h["memory"]) for h in history) if history else 0
+        # else the capacity line flattens the curves
+        capacity = state.hbm_bytes / 2**20 if history and state.hbm_bytes and peak > 0.25 * state.hbm_bytes else None
+
+        def draw(plt) -> None:
+            for d, curve in enumerate(curves):
+                plt.plot(steps, curve, label=f"d{d}", marker="braille")
+            if capacity is not None:
+                plt.hline(capacity)
+
+        replot(self.query_one("#mem-plot", PlotextPlot), (tuple(steps), tuple(map(tuple, curves)), capacity), draw)
+        latest = history[-1]["categories"] if history else {}
+        categories = sorted(latest, key=lambda c: -latest[c])[:6]  # the six largest stay readable
+        cat_curves = [[h["categories"].get(c, 0) / 2**20 for h in history] for c in categories]
+
+        def draw_categories(plt) -> None:
+            for category, curve in zip(categories, cat_curves):
+                plt.plot(steps, curve, label=category, marker="braille")
+
+        replot(self.query_one("#mem-cat-plot", PlotextPlot), (tuple(steps), tuple(categories), tuple(map(tuple, cat_curves))),
+               draw_categories)
+        memory = state.memory()
+        self.put("#mem-categories", lambda: self._categories(state),
+                 key=(tuple(tuple(m.items()) for m in memory[:16]), state.hbm_bytes))
+        self.put("#mem-tiers", self._tiers(state))
         if self._plan_text is None:
             self._plan_text = self._plan(state)
-        self.query_one("#mem-plan", Static).update(self._plan_text)
+        self.put("#mem-plan", self._plan_text)
 
     @staticmethod
     def _categories(state) -> Table | str:

@@ -6,10 +6,10 @@ from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.widgets import Button, Static
 
-from moectl.console.panels.common import ActionRequested, bars, fmt_bytes, fmt_s
+from moectl.console.panels.common import ActionRequested, ShowsOnChange, bars, fmt_bytes, fmt_s
 
 
-class OverviewPanel(VerticalScroll):
+class OverviewPanel(ShowsOnChange, VerticalScroll):
     def compose(self) -> ComposeResult:
         yield Static(id="ov-title")
         with Horizontal(id="ov-error-box", classes="hidden"):
@@ -33,7 +33,8 @@ class OverviewPanel(VerticalScroll):
         backend = devices.get("backend") or state.backend
         kind = {"emulated": "emulated on one torch device", "multi-gpu": "real GPUs in one process",
                 "distributed": "distributed, one process per device"}.get(backend, backend)
-        self.query_one("#ov-title", Static).update(
+        self.put(
+            "#ov-title",
             f"[b]{state.model_name}[/b]  {state.num_layers} layers x {state.num_experts} experts  |  "
             f"{state.num_devices or 1} device(s), {kind}  |  {state.mode}"
             + ("  |  link time and parallel step modeled" if backend == "emulated" else "")
@@ -43,9 +44,10 @@ class OverviewPanel(VerticalScroll):
         self.query_one("#ov-restart", Button).display = state.mode == "live"
         if source_error is not None:
             what = "engine failed" if state.mode == "live" else "connection"
-            self.query_one("#ov-error", Static).update(f"[b red]{what}:[/] {source_error}")
+            self.put("#ov-error", f"[b red]{what}:[/] {source_error}")
         lat, cache, counts = state.latency(), state.cache(), state.request_counts()
-        self.query_one("#ov-metrics", Static).update(
+        self.put(
+            "#ov-metrics",
             f"throughput [b]{state.throughput():.0f}[/b] tok/s   "
             f"TTFT p50/p99 {fmt_s(lat['ttft']['p50'])} / {fmt_s(lat['ttft']['p99'])}   "
             f"TPOT p50/p99 {fmt_s(lat['tpot']['p50'])} / {fmt_s(lat['tpot']['p99'])}\n"
@@ -55,21 +57,24 @@ class OverviewPanel(VerticalScroll):
             f"balancedness {state.balancedness()['overall']:.2f} (routing over placement)")
         width = max(self.size.width // 2 - 2, 30)
         loads = state.device_loads()
-        self.query_one("#ov-load-title", Static).update(
+        self.put(
+            "#ov-load-title",
             "Expert rows per device over the window, "
             + ("estimated from routing and placement" if state.loads_estimated else "measured"))
         top = max(float(loads.max()) if len(loads) else 0.0, 1.0)
         util = state.utilisation()
         rows = [(f"d{d}", float(v) / top, f"{v:,.0f} tok  busy {util[d] if d < len(util) else 0:.0%}")
                 for d, v in enumerate(loads)]
-        self.query_one("#ov-load", Static).update(bars(rows, width, warn=2.0, crit=2.0) if rows else "no devices")
+        self.put("#ov-load", lambda: bars(rows, width, warn=2.0, crit=2.0) if rows else "no devices",
+                 key=(tuple(rows), width))
         memory = state.memory()
         hbm = state.hbm_bytes or 1
         rows = [(f"d{d}", sum(m.values()) / hbm, f"{fmt_bytes(sum(m.values()))} / {fmt_bytes(hbm)}")
                 for d, m in enumerate(memory)]
-        self.query_one("#ov-hbm", Static).update(bars(rows, width) if rows else "no accounting yet")
+        self.put("#ov-hbm", lambda: bars(rows, width) if rows else "no accounting yet", key=(tuple(rows), width))
         alerts = state.alerts
-        self.query_one("#ov-alerts", Static).update(
+        self.put(
+            "#ov-alerts",
             "\n".join(f"[b]{a['severity']}[/b] {a['message']}  [dim]-> {a['action']}[/]" for a in alerts)
             or "[dim]none[/]")
 

@@ -8,17 +8,42 @@ from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.widgets import Button, DataTable, Input, Label, Select, Static, Switch
 from textual_plotext import PlotextPlot
 
-from moectl.console.panels.common import ActionRequested, fmt_s
+from moectl.console.panels.common import ActionRequested, ShowsOnChange, fmt_s, replot
+from moectl.console.widgets.line_cache import LineCacheMixin
 
 KNOBS = (("max_num_seqs", "max seqs"), ("max_num_batched_tokens", "max batched tokens"),
          ("long_prefill_token_threshold", "prefill chunk"))
 SHOWN_ROWS = 200
 
 
-class RequestsPanel(VerticalScroll):
+class RequestTable(LineCacheMixin, DataTable):
+    """The requests table; its finished lines are reused while rows, scroll, cursor and hover stay."""
+
+    version = 0  # bumped by every rebuild: what the rows show
+
+    def rebuild(self, rows) -> None:
+        cursor, scroll = self.cursor_row, self.scroll_y
+        self.clear()
+        for row in rows:
+            self.add_row(*row)
+        self.version += 1
+        if self.row_count:  # the operator's place in the table survives the refresh
+            self.move_cursor(row=min(cursor, self.row_count - 1), animate=False)
+            self.scroll_y = scroll
+
+    def line_frame(self):
+        return (self.version, self.virtual_size, self.row_count, self.show_header, self.zebra_stripes,
+                tuple(column.get_render_width(self) for column in self.ordered_columns), self.get_pseudo_class_state(),
+                self.scroll_offset, self.cursor_coordinate, self.hover_coordinate, self.cursor_type, self.show_cursor)
+
+    def line_key(self, y: int):
+        return y
+
+
+class RequestsPanel(ShowsOnChange, VerticalScroll):
     def compose(self) -> ComposeResult:
         yield Static(id="rq-counts")
-        yield DataTable(id="rq-table", zebra_stripes=True, cursor_type="row")
+        yield RequestTable(id="rq-table", zebra_stripes=True, cursor_type="row")
         with Horizontal(classes="row"):
             with Vertical():
                 yield Static("TTFT (ms), finished requests", classes="section-title")
@@ -73,27 +98,21 @@ class RequestsPanel(VerticalScroll):
 
     def show(self, state) -> None:
         counts = state.request_counts()
-        self.query_one("#rq-counts", Static).update(
-            f"running {counts['running']}   waiting {counts['waiting']}   finished (kept) {counts['finished']}   "
-            f"knobs: " + ", ".join(f"{k}={v}" for k, v in state.knobs.items()))
-        table = self.query_one(DataTable)
+        self.put("#rq-counts",
+                 f"running {counts['running']}   waiting {counts['waiting']}   finished (kept) {counts['finished']}   "
+                 f"knobs: " + ", ".join(f"{k}={v}" for k, v in state.knobs.items()))
         rows = list(state.requests.values())
         order = {"running": 0, "waiting": 1, "finished": 2}
         rows.sort(key=lambda r: (order[r["state"]], -r["arrived"]))
-        cursor, scroll = table.cursor_row, table.scroll_y
-        table.clear()
-        for r in rows[:SHOWN_ROWS]:
-            table.add_row(r["id"], r["state"], str(r["prompt_tokens"] or "-"), str(r["output_tokens"] or 0),
-                          fmt_s(r["ttft"]), fmt_s(r["tpot"]), r["reason"] or "")
-        if table.row_count:  # the operator's place in the table survives the refresh
-            table.move_cursor(row=min(cursor, table.row_count - 1), animate=False)
-            table.scroll_y = scroll
+        cells = tuple((r["id"], r["state"], str(r["prompt_tokens"] or "-"), str(r["output_tokens"] or 0),
+                       fmt_s(r["ttft"]), fmt_s(r["tpot"]), r["reason"] or "") for r in rows[:SHOWN_ROWS])
+        if cells != getattr(self, "_cells", None):  # a rebuilt table re-renders every row: only on a change
+            self._cells = cells
+            self.query_one(RequestTable).rebuild(cells)
         for plot_id, values in (("#rq-ttft", state.ttft), ("#rq-tpot", state.tpot)):
-            plot = self.query_one(plot_id, PlotextPlot)
-            plot.plt.clear_data()
-            if values:
-                plot.plt.hist([v * 1e3 for v in values], bins=20)
-            plot.refresh()
+            data = tuple(values)
+            replot(self.query_one(plot_id, PlotextPlot), data,
+                   lambda plt, data=data: plt.hist([v * 1e3 for v in data], bins=20) if data else None)
 
     def on_button_pressed(self, event: Button.Pressed) -> None:
         if event.button.id == "rq-apply":
@@ -129,4 +148,4 @@ class RequestsPanel(VerticalScroll):
                                           output_len=self.query_one("#rq-output", Input).value.strip()))
 
     def show_error(self, message: str | None) -> None:
-        self.query_one("#rq-error", Static).update(f"[red]{message}[/]" if message else "")
+        self.put("#rq-error", f"[red]{message}[/]" if message else "")

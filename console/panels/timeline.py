@@ -8,6 +8,7 @@ from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical
 from textual.widgets import Button, Input, Label, Static
 
+from moectl.console.panels.common import ShowsOnChange
 from moectl.console.widgets import Timeline
 from moectl.profiler.analysis import step_breakdown
 
@@ -44,7 +45,7 @@ def columns_of(records: list[dict]) -> tuple[list[str], dict]:
     return list(lanes), {**columns, "names": list(names), "kinds": KINDS}
 
 
-class TimelinePanel(Vertical):
+class TimelinePanel(ShowsOnChange, Vertical):
     def compose(self) -> ComposeResult:
         with Horizontal(classes="controls"):
             yield Label("steps shown")
@@ -72,10 +73,12 @@ class TimelinePanel(Vertical):
         self.query_one(Timeline).set_columns(lanes, **columns)
         b = step_breakdown(records)
         parts = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in b["measured_mean_s"].items())
-        self.query_one("#tl-breakdown", Static).update(
+        self.put(
+            "#tl-breakdown",
             f"steps {records[0]['step']}-{records[-1]['step']}, per step (measured): {parts}; "
             f"communication (modeled) {b['communication_modeled_mean_s'] * 1e3:.4f} ms")
-        self.query_one("#tl-status", Static).update(
+        self.put(
+            "#tl-status",
             "kernels from a deep capture shown" if any(r.get("kernels") for r in records) else "")
 
     def on_input_submitted(self, event: Input.Submitted) -> None:
@@ -86,10 +89,10 @@ class TimelinePanel(Vertical):
             if not 1 <= count <= 64:
                 raise ValueError
         except ValueError:
-            self.query_one("#tl-status", Static).update(f"[red]steps shown: an integer in [1, 64], got {event.value!r}[/]")
+            self.put("#tl-status", f"[red]steps shown: an integer in [1, 64], got {event.value!r}[/]")
             return
         self.count, self.shown_step = count, None
-        self.query_one("#tl-status", Static).update("")
+        self.put("#tl-status", "")
         self.app.refresh_panels()
 
     def on_button_pressed(self, event: Button.Pressed) -> None:
@@ -105,5 +108,6 @@ class TimelinePanel(Vertical):
         s = event.span
         flag = "[b]modeled[/b] (from bytes and link bandwidth)" if s.modeled else "measured"
         layer = f", layer {s.layer}" if s.layer >= 0 else ""
-        self.query_one("#tl-detail", Static).update(
+        self.put(
+            "#tl-detail",
             f"{s.name} ({s.kind}) step {s.step}{layer}: starts {s.start_s * 1e3:.3f} ms, lasts {s.dur_s * 1e3:.3f} ms, {flag}")

@@ -8,10 +8,11 @@ from textual.containers import Horizontal, Vertical
 from textual.message import Message
 from textual.widgets import Button, Input, Label, Static
 
+from moectl.console.panels.common import ShowsOnChange
 from moectl.console.widgets import ScrubBar
 
 
-class TransportBar(Vertical):
+class TransportBar(ShowsOnChange, Vertical):
     class Command(Message):
         def __init__(self, command: str, value=None):
             super().__init__()
@@ -49,7 +50,7 @@ class TransportBar(Vertical):
         self.query_one("#tr-play", Button).label = "❚❚ Pause" if source.playing else "▶ Play"
         status = f"step {source.position} of {source.first_step}-{source.last_step}, " \
                  f"t+{source.trace_time:.2f} s, x{source.speed:g}"
-        self.query_one("#tr-status", Static).update(f"[red]{message}[/]" if message else status)
+        self.put("#tr-status", f"[red]{message}[/]" if message else status)
 
     def on_button_pressed(self, event: Button.Pressed) -> None:
         if event.button.id == "tr-play":
@@ -65,7 +66,7 @@ class TransportBar(Vertical):
             value = int(event.value) if command == "seek_step" else float(event.value)
         except ValueError:
             self.error = f"{command}: {event.value!r} is not a number"
-            self.query_one("#tr-status", Static).update(f"[red]{self.error}[/]")
+            self.put("#tr-status", f"[red]{self.error}[/]")
             return
         self.post_message(self.Command(command, value))
 

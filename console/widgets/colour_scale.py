@@ -24,6 +24,8 @@ from textual.reactive import reactive
 from textual.strip import Strip
 from textual.widget import Widget
 
+from moectl.console.widgets.line_cache import LineCacheMixin
+
 _STOPS_HEX: dict[str, tuple[str, ...]] = {
     "viridis": (
         "#440154", "#482878", "#3e4a89", "#31688e", "#26828e",
@@ -136,7 +138,7 @@ def legend_strip(
     return Strip(segments, width).simplify() if width else Strip([], 0)
 
 
-class ColourLegend(Widget):
+class ColourLegend(LineCacheMixin, Widget):
     """A one-line legend: minimum label, the gradient, maximum label."""
 
     DEFAULT_CSS = """
@@ -173,6 +175,9 @@ class ColourLegend(Widget):
 
     def render(self) -> RenderResult:  # pragma: no cover - render_line is used instead
         return ""
+
+    def line_key(self, y: int):
+        return (y, self.scale_name, self.lo, self.hi, self.unit, self.rich_style)
 
     def render_line(self, y: int) -> Strip:
         if y != 0:

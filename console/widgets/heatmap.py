@@ -12,6 +12,7 @@ colour levels (an int16 matrix), and a row becomes one Segment per run of equal 
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import numpy as np
@@ -27,6 +28,7 @@ from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
 from moectl.console.widgets.colour_scale import ColourScale, _check_name
+from moectl.console.widgets.line_cache import LineCacheMixin
 
 LEVELS = 64
 """Colour levels: 0 is kept for cells whose value is 0, 1..LEVELS-1 for (0, max]."""
@@ -35,6 +37,7 @@ HEADER_ROWS = 1
 _LOG_DECADES = 3.0  # log_scale: value / max over 3 decades, 1e-3 -> ~0.1, 1 -> 1
 _MAX_SPACES = 4096
 _SPACES = [" " * n for n in range(_MAX_SPACES + 1)]
+_ROW_VERSIONS = itertools.count(1)
 
 
 def _spaces(n: int) -> str:
@@ -57,7 +60,7 @@ def quantise(matrix: np.ndarray, vmax: float, log_scale: bool, levels: int = LEV
     return out
 
 
-class HeatMap(ScrollView, can_focus=True):
+class HeatMap(LineCacheMixin, ScrollView, can_focus=True):
     """A scrollable heat map of a [layers x experts] matrix with a keyboard/mouse cursor."""
 
     COMPONENT_CLASSES = {
@@ -67,6 +70,7 @@ class HeatMap(ScrollView, can_focus=True):
         "heatmap--header-cursor",
         "heatmap--empty",
     }
+    LINE_CACHE_STYLES = tuple(sorted(COMPONENT_CLASSES))
 
     DEFAULT_CSS = """
     HeatMap {
@@ -152,6 +156,7 @@ class HeatMap(ScrollView, can_focus=True):
         self._cell_width_setting = max(0, int(cell_width))
         self._matrix: np.ndarray = np.zeros((0, 0))
         self._levels: np.ndarray = np.zeros((0, 0), dtype=np.int16)
+        self._row_versions: list[int] = []  # per row: changes whenever the row's levels do
         self._labels: list[str] = []
         self._label_text: list[str] = []
         self._gutter = 0
@@ -200,18 +205,21 @@ class HeatMap(ScrollView, can_focus=True):
             if len(labels) != rows:
                 raise ValueError(f"{len(labels)} labels for {rows} rows")
             text = [f"L{v}" if isinstance(v, (int, np.integer)) else str(v) for v in labels]
+        before = (self._label_text, self._cw, self.virtual_size)
         self._matrix = arr if arr.size else np.zeros((0, 0))
         self._labels = text
         self._gutter = (max(len(t) for t in text) + 1) if text else 0
         self._label_text = [t.ljust(self._gutter) for t in text]
         self._max = float(arr.max()) if arr.size else 0.0
         self._vmax = float(vmax) if vmax is not None and vmax > 0 else None
-        self._requantise()
+        levels_changed = self._requantise()
         self._update_geometry()
         layer, expert = self.cursor
         clamped = self._clamp((layer, expert))
         if clamped != (layer, expert):
             self.set_reactive(HeatMap.cursor, clamped)
+        elif not levels_changed and before == (self._label_text, self._cw, self.virtual_size):
+            return  # the same picture: no repaint
         self.refresh()
 
     def clear(self) -> None:
@@ -246,9 +254,17 @@ class HeatMap(ScrollView, can_focus=True):
     def cell_value(self, layer: int, expert: int) -> float:
         return float(self._matrix[layer, expert])
 
-    def _requantise(self) -> None:
+    def _requantise(self) -> bool:
+        """New colour levels; True if any changed (the rows that did get new versions)."""
         vmax = self._vmax if self._vmax is not None else self._max
-        self._levels = quantise(self._matrix, vmax, self.log_scale)
+        old, self._levels = self._levels, quantise(self._matrix, vmax, self.log_scale)
+        if old.shape != self._levels.shape:
+            self._row_versions = [next(_ROW_VERSIONS) for _ in range(self._levels.shape[0])]
+            return True
+        changed = np.flatnonzero((old != self._levels).any(axis=1)).tolist() if old.size else []
+        for row in changed:
+            self._row_versions[row] = next(_ROW_VERSIONS)
+        return bool(changed)
 
     def _update_geometry(self) -> None:
         layers, experts = self.shape
@@ -431,6 +447,24 @@ class HeatMap(ScrollView, can_focus=True):
         text = "".join(chars)
         self._header_cache = (key, text)
         return text
+
+    def line_frame(self):
+        return self._scale.name
+
+    def line_key(self, y: int):
+        layers, experts = self.shape
+        if not layers:
+            return ("empty", y)
+        sx, sy = self.scroll_offset
+        x1 = min(sx + max(self.size.width - self._gutter, 0), experts * self._cw)
+        cursor_layer, cursor_expert = self.cursor
+        if y < HEADER_ROWS:
+            return ("header", sx, x1, self._cw, experts, self._gutter, cursor_expert)
+        layer = sy + y - HEADER_ROWS
+        if layer >= layers:
+            return ("blank",)
+        return ("row", layer, self._row_versions[layer], self._label_text[layer], sx, x1, self._cw,
+                cursor_expert if layer == cursor_layer else None)
 
     def render_line(self, y: int) -> Strip:
         width = self.size.width

@@ -25,6 +25,8 @@ from textual.reactive import reactive
 from textual.strip import Strip
 from textual.widget import Widget
 
+from moectl.console.widgets.line_cache import LineCacheMixin
+
 MARKER_GLYPHS: dict[str, str] = {"action": "▼", "operator": "▼", "alert": "!", "error": "!", "warning": "!"}
 """Glyph per marker kind; other kinds are drawn as "•"."""
 _MARKER_CLASS: dict[str, str] = {
@@ -37,7 +39,7 @@ _MARKER_CLASS: dict[str, str] = {
 _PRIORITY = {"scrub-bar--marker-alert": 2, "scrub-bar--marker-action": 1, "scrub-bar--marker": 0}
 
 
-class ScrubBar(Widget, can_focus=True):
+class ScrubBar(LineCacheMixin, Widget, can_focus=True):
     """A step range with a draggable position and markers."""
 
     COMPONENT_CLASSES = {
@@ -50,6 +52,7 @@ class ScrubBar(Widget, can_focus=True):
         "scrub-bar--label",
         "scrub-bar--empty",
     }
+    LINE_CACHE_STYLES = tuple(sorted(COMPONENT_CLASSES))
 
     DEFAULT_CSS = """
     ScrubBar {
@@ -171,6 +174,7 @@ class ScrubBar(Widget, can_focus=True):
     @markers.setter
     def markers(self, markers: Iterable[tuple[int, str]]) -> None:
         self._markers = [(int(step), str(kind)) for step, kind in markers]
+        self._markers_version = getattr(self, "_markers_version", 0) + 1
         self._marker_cache = None
         self.refresh()
 
@@ -274,6 +278,9 @@ class ScrubBar(Widget, can_focus=True):
         result = sorted((col, glyph, cls) for col, (glyph, cls) in by_col.items())
         self._marker_cache = (key, result)
         return result
+
+    def line_key(self, y: int):
+        return (y, self._first, self._last, self.position, self._markers_version, self.has_focus)
 
     def render_line(self, y: int) -> Strip:
         width = self.size.width

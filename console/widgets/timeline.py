@@ -18,6 +18,7 @@ screen, not the total number of spans.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import zlib
 from bisect import bisect_left
@@ -35,6 +36,8 @@ from textual.geometry import Size
 from textual.message import Message
 from textual.scroll_view import ScrollView
 from textual.strip import Strip
+
+from moectl.console.widgets.line_cache import LineCacheMixin
 
 HEADER_ROWS = 1
 FOOTER_ROWS = 1
@@ -80,26 +83,30 @@ class _Lane:
     queries and rendering; Span objects are only built when someone asks for them (selection)."""
 
     __slots__ = ("lane", "starts", "ends", "durs", "max_end", "style_ids", "modeled", "name_ids", "layers",
-                 "steps", "kinds", "_names", "_kinds", "_spans")
+                 "steps", "kinds", "version", "_names", "_kinds", "_spans")
 
-    def __init__(self, lane: int, starts, durs, modeled, name_ids, layers, steps, kinds,
+    def __init__(self, lane: int, starts, durs, modeled, name_ids, layers, steps, kinds, style_ids,
                  names: Sequence[str], kind_names: Sequence[str]) -> None:
+        """Columns already in lane order (Timeline.set_columns sorts all lanes at once)."""
         self.lane = lane
-        order = np.lexsort((-durs, starts))
-        self.starts = np.asarray(starts, dtype=np.float64)[order]
-        self.durs = np.maximum(np.asarray(durs, dtype=np.float64)[order], 0.0)
+        self.starts = starts
+        self.durs = np.maximum(durs, 0.0)
         self.ends = self.starts + self.durs
         # running max of ends is non-decreasing: spans before the first index where it exceeds t
         # all end by t, so a binary search finds where visible spans can begin
         self.max_end = np.maximum.accumulate(self.ends) if len(self.starts) else self.ends
-        self.modeled = np.asarray(modeled, dtype=bool)[order].tolist()
-        self.name_ids = np.asarray(name_ids, dtype=np.int64)[order]
-        self.layers = np.asarray(layers, dtype=np.int64)[order]
-        self.steps = np.asarray(steps, dtype=np.int64)[order]
-        self.kinds = np.asarray(kinds, dtype=np.int64)[order]
+        self.modeled = modeled.tolist()
+        self.name_ids, self.layers, self.steps, self.kinds = name_ids, layers, steps, kinds
         self._names, self._kinds = names, kind_names
-        self.style_ids: list[int] = []  # per span: index into Timeline._styles
+        self.style_ids: list[int] = style_ids.tolist()  # per span: index into Timeline._styles
+        self.version = 0  # what the lane draws; equal versions draw the same row (Timeline.line_key)
         self._spans: list[Span] | None = None
+
+    def draws_like(self, other: _Lane) -> bool:
+        """Whether the two lanes draw the same row (their step numbers may differ)."""
+        return (self._names == other._names and np.array_equal(self.starts, other.starts)
+                and np.array_equal(self.durs, other.durs) and self.modeled == other.modeled
+                and np.array_equal(self.name_ids, other.name_ids) and np.array_equal(self.layers, other.layers))
 
     def __len__(self) -> int:
         return len(self.starts)
@@ -177,7 +184,17 @@ def _contrast(c: Color) -> Color:
     return Color.from_rgb(0, 0, 0) if luma > 120 else Color.from_rgb(255, 255, 255)
 
 
-class Timeline(ScrollView, can_focus=True):
+def _span_styles(colour: str, shade: int) -> tuple[Style, Style]:
+    c = _darken(colour, 0.78 if shade else 1.0)
+    return Style(bgcolor=c, color=_contrast(c)), Style(color=c, italic=True)
+
+
+# (measured, modeled) per style id: palette index * 2 + shade (every other span on a lane darker)
+_STYLES = [_span_styles(colour, shade) for colour in PALETTE for shade in (0, 1)]
+_LANE_VERSIONS = itertools.count(1)
+
+
+class Timeline(LineCacheMixin, ScrollView, can_focus=True):
     """Spans on lanes against a zoomable, pannable time axis."""
 
     COMPONENT_CLASSES = {
@@ -188,6 +205,7 @@ class Timeline(ScrollView, can_focus=True):
         "timeline--selected",
         "timeline--empty",
     }
+    LINE_CACHE_STYLES = tuple(sorted(COMPONENT_CLASSES))
 
     DEFAULT_CSS = """
     Timeline {
@@ -271,8 +289,8 @@ class Timeline(ScrollView, can_focus=True):
         self._extent = (0.0, 1.0)
         self._view = (0.0, 1.0)
         self._selected: tuple[int, int] | None = None  # (lane, index in lane order)
-        self._styles: list[tuple[Style, Style]] = []  # per style id: (measured, modeled)
-        self._style_keys: dict[tuple[int, int], int] = {}
+        self._styles = _STYLES  # per style id (palette index * 2 + shade): (measured, modeled)
+        self._swatch: int | None = None
         self._segment_cache: dict[object, Segment] = {}
         self._segment_cache_base: Style | None = None
         self.set_spans(list(lanes or []), list(spans or []))
@@ -312,24 +330,29 @@ class Timeline(ScrollView, can_focus=True):
         step, kind = fill(step, -1, np.int64), fill(kind, 0, np.int64)
         name = np.asarray(name, dtype=np.int64)
         keep = (lane >= 0) & (lane < len(lane_names)) & np.isfinite(start_s) & np.isfinite(dur_s)
-        by_lane = np.argsort(np.where(keep, lane, len(lane_names)), kind="stable")
-        bounds = np.searchsorted(lane[by_lane], np.arange(len(lane_names) + 1), side="left") if n else \
-            np.zeros(len(lane_names) + 1, dtype=np.int64)
         names, kinds = list(names), list(kinds)
+        # one sort for every lane: by lane, then start, longest first on ties (lexsort is stable)
+        order = np.lexsort((-dur_s, start_s, np.where(keep, lane, len(lane_names))))
+        order = order[: int(np.count_nonzero(keep))]
+        sorted_lane = lane[order]
+        bounds = np.searchsorted(sorted_lane, np.arange(len(lane_names) + 1), side="left")
+        # alternate shades along each lane so that neighbours of one colour stay apart
+        colours = np.array([_colour_of(nm) for nm in names], dtype=np.int64) if names else np.zeros(1, np.int64)
+        position = np.arange(len(order)) - bounds[sorted_lane] if len(order) else np.zeros(0, np.int64)
+        style_ids = colours[name[order]] * 2 + (position & 1) if len(order) else np.zeros(0, np.int64)
+        if self._swatch is None and len(order):  # the legend's swatch: the first span's colour, ever
+            self._swatch = int(style_ids[0])
+        cols = [start_s[order], dur_s[order], modeled[order], name[order], layer[order], step[order], kind[order],
+                style_ids]
+        old = {data.lane: data for data in self._lanes} if self._lane_names == lane_names else {}
         self._lane_names = lane_names
         self._lanes = []
         for i in range(len(lane_names)):
-            pick = by_lane[bounds[i]:bounds[i + 1]]
-            pick = pick[keep[pick]]
-            data = _Lane(i, start_s[pick], dur_s[pick], modeled[pick], name[pick], layer[pick], step[pick],
-                         kind[pick], names, kinds)
-            # alternate shades along the lane so that neighbours of one colour stay apart
-            table: dict[tuple[int, int], int] = {}
-            for j, nid in enumerate(data.name_ids.tolist()):
-                sid = table.get((nid, j & 1))
-                if sid is None:
-                    sid = table[(nid, j & 1)] = self._style_id(names[nid], j)
-                data.style_ids.append(sid)
+            a, b = bounds[i], bounds[i + 1]
+            data = _Lane(i, *(c[a:b] for c in cols), names, kinds)
+            previous = old.get(i)
+            data.version = previous.version if previous is not None and data.draws_like(previous) else \
+                next(_LANE_VERSIONS)
             self._lanes.append(data)
         offsets = [0]
         for data in self._lanes:
@@ -350,20 +373,6 @@ class Timeline(ScrollView, can_focus=True):
             self._view = self._extent
         self.virtual_size = Size(0, HEADER_ROWS + len(lane_names) + FOOTER_ROWS)
         self.refresh()
-
-    def _style_id(self, name: str, parity_index: int) -> int:
-        colour = _colour_of(name)
-        key = (colour, parity_index & 1)
-        sid = self._style_keys.get(key)
-        if sid is None:
-            hex_colour = PALETTE[colour]
-            c = _darken(hex_colour, 0.78 if key[1] else 1.0)
-            measured = Style(bgcolor=c, color=_contrast(c))
-            modeled = Style(color=c, italic=True)
-            sid = len(self._styles)
-            self._styles.append((measured, modeled))
-            self._style_keys[key] = sid
-        return sid
 
     @property
     def lanes(self) -> list[str]:
@@ -615,6 +624,23 @@ class Timeline(ScrollView, can_focus=True):
             owner[a:b] = i
         return owner, dict(zip(index, first))
 
+    def line_key(self, y: int):
+        if not self._count:
+            return ("empty", y)
+        height = self.scrollable_content_region.height
+        if y < HEADER_ROWS:
+            return ("ruler", self._view, self.track_width)
+        if y == height - 1:
+            sel = self._selected
+            where = (self._lanes[sel[0]].version, self._lane_names[sel[0]]) if sel is not None else None
+            return ("legend", self._view, self._extent, self._count, self._swatch, sel, where)
+        lane = self.scroll_offset.y + y - HEADER_ROWS
+        if lane >= len(self._lanes) or y >= height:
+            return ("blank",)
+        sel = self._selected
+        return ("lane", lane, self._lanes[lane].version, self._lane_names[lane], self._view, self.track_width,
+                self._gutter, sel[1] if sel is not None and sel[0] == lane else None)
+
     def render_line(self, y: int) -> Strip:
         width = self.size.width
         base = self.visual_style.rich_style
@@ -736,7 +762,7 @@ class Timeline(ScrollView, can_focus=True):
 
     def _render_legend(self, width: int, base: Style) -> Strip:
         style = self.get_component_rich_style("timeline--legend")
-        swatch_measured, swatch_modeled = self._styles[0] if self._styles else (Style(), Style())
+        swatch_measured, swatch_modeled = self._styles[self._swatch] if self._swatch is not None else (Style(), Style())
         v0, v1 = self._view
         zoom = (self._extent[1] - self._extent[0]) / (v1 - v0) if v1 > v0 else 1.0
         segments = [

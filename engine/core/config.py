@@ -124,7 +124,10 @@ class EngineConfig:
     # files, read on demand (experts/disk_tier.py); None: every weight is loaded
     host_mem: int | None = None
     profile_spans: bool = True  # always-on spans (profiler/spans.py) in every step record
-    num_threads: int | None = None  # torch intra-op threads for this process; None: leave torch's setting
+    # torch intra-op threads for this process; "auto": the cores other processes leave free,
+    # re-measured as the engine runs (core/threads.py); None: leave torch's setting
+    num_threads: int | str | None = None
+    reserved_cores: int = 0  # cores "auto" leaves to other work of this process (the console's UI)
 
     def __post_init__(self):
         _int_in("block_size", self.block_size, 1, 1024)
@@ -136,8 +139,11 @@ class EngineConfig:
         if self.max_model_len is not None:
             _int_in("max_model_len", self.max_model_len, 2, 1 << 24)
         _int_in("seed", self.seed, 0, 2**63 - 1)
-        if self.num_threads is not None:
+        if self.num_threads is not None and self.num_threads != "auto":
+            if isinstance(self.num_threads, str):
+                raise KnobError(f"num_threads: must be an integer >= 1 or auto, got {self.num_threads!r}")
             _int_in("num_threads", self.num_threads, 1, 4096)
+        _int_in("reserved_cores", self.reserved_cores, 0, 4096)
         if self.routing_policy not in ROUTING_POLICIES:
             raise KnobError(f"routing_policy: must be one of {', '.join(ROUTING_POLICIES)}, got {self.routing_policy!r}")
         _int_in("redundant_slots", self.redundant_slots, 0, 1024)

@@ -17,6 +17,7 @@ from concurrent.futures import Future
 
 import torch
 
+from moectl.engine.core import native_memory
 from moectl.engine.core.block_manager import BlockManager
 from moectl.engine.core.commands import CommandQueue
 from moectl.engine.core.config import EngineConfig, KnobError, SchedulerKnobs
@@ -28,6 +29,7 @@ from moectl.engine.core.sampling import SamplingParams, _GeneratorFactory, sampl
 from moectl.engine.core.scheduler import ScheduledBatch, Scheduler
 from moectl.engine.core.sequence import Sequence
 from moectl.engine.core.telemetry import DeepCapture, Telemetry
+from moectl.engine.core.threads import AdaptiveThreads
 from moectl.engine.models.config import ModelConfig
 from moectl.engine.models.decoder import MoEForCausalLM
 from moectl.engine.models.loader import load_model
@@ -43,7 +45,9 @@ class EngineCore:
         (distributed ranks); kv_pools: KV pools (default one per device: the local backend's
         devices each cache their own sequences; ranks that shard attention share one)."""
         self.config = config
-        if config.num_threads is not None:
+        native_memory.setup()  # glibc's heap, trimmed every few steps (see native_memory)
+        self.threads = AdaptiveThreads(reserved=config.reserved_cores) if config.num_threads == "auto" else None
+        if isinstance(config.num_threads, int):
             torch.set_num_threads(config.num_threads)
         self.model = model if model is not None else load_model(config.model, dtype=config.dtype, device=config.device)
         cfg: ModelConfig = self.model.cfg
@@ -194,6 +198,8 @@ class EngineCore:
     # -- the step loop (engine thread)
     def step(self) -> list[RequestOutput]:
         self.run_commands()
+        if self.threads is not None:
+            self.threads.maybe_update()
         t_start = time.monotonic()
         batch = self.scheduler.schedule()
         if not batch.empty:
@@ -204,6 +210,7 @@ class EngineCore:
                 self._postprocess(batch, tokens)
             if self.experts is not None:
                 self.experts.after_step(self.step_count, self.step_log[-1].routing)
+            native_memory.after_step()  # a periodic malloc_trim: varied batch shapes fragment the C heap
         outputs, self._outputs = self._outputs, []
         return outputs
 

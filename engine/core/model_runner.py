@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from moectl.engine.core import paged_decode
 from moectl.engine.core.kv_cache import KVCache
 from moectl.engine.core.paged_attention import DecodeGroup, PagedContext, PrefillSlice
 from moectl.engine.core.sequence import Sequence
@@ -35,6 +36,8 @@ class ModelRunner:
         self.device = device
         self.block_size = cache.block_size
         self.probe = RoutingProbe(model.cfg.num_layers, model.cfg.num_experts)
+        # decodes read the cache in place (one table per row, no padding mask) when the kernel serves it
+        self.decode_kernel = paged_decode.serves(cache)
 
     def _slots(self, table: list[int], start: int, end: int) -> np.ndarray:
         pos = np.arange(start, end)
@@ -46,7 +49,10 @@ class ModelRunner:
                        max_groups: int = 8) -> list[DecodeGroup]:
         """Split decodes (in batch order; tables[i] the blocks decode i reads, first_positions[i] the
         position its first block starts at) into groups whose padded width wastes at most about
-        max_waste of the blocks gathered."""
+        max_waste of the blocks gathered. With the in-place kernel nothing is gathered: one group,
+        whose padded table costs only its int64 entries."""
+        if self.decode_kernel:
+            max_groups = 1
         lens = [len(t) for t in tables]
         bounds, start = [], 0
         for i in range(1, len(lens) + 1):
@@ -64,10 +70,14 @@ class ModelRunner:
                 table[row, :len(blocks)] = blocks
                 ctx_lens[row] = seq.num_computed + 1 - firsts[a + row]
             mask = None
-            if (ctx_lens != width * bs).any():
-                mask = torch.from_numpy(np.arange(width * bs)[None, :] < ctx_lens[:, None])[:, None, None, :]
-                mask = mask.to(self.device)
-            group = DecodeGroup(a, b, torch.from_numpy(table.reshape(-1)).to(self.device), width, mask)
+            if self.decode_kernel:
+                group = DecodeGroup(a, b, torch.from_numpy(table).to(self.device), width, None,
+                                    lens=torch.from_numpy(ctx_lens).to(self.device))
+            else:
+                if (ctx_lens != width * bs).any():
+                    mask = torch.from_numpy(np.arange(width * bs)[None, :] < ctx_lens[:, None])[:, None, None, :]
+                    mask = mask.to(self.device)
+                group = DecodeGroup(a, b, torch.from_numpy(table.reshape(-1)).to(self.device), width, mask)
             if first_positions is not None:
                 group.first_positions = torch.from_numpy(firsts[a:b]).to(self.device)
             groups.append(group)

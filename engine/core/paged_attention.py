@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from moectl.engine.core import paged_decode
 from moectl.engine.models.attention import sdpa, window_mask
 
 
@@ -30,13 +31,15 @@ class PrefillSlice:
 
 @dataclass
 class DecodeGroup:
-    """Decode rows [start, end) whose contexts have similar lengths, attended as one padded batch."""
+    """Decode rows [start, end) whose contexts have similar lengths, attended as one padded batch
+    (or, with `lens`, read in place by the paged decode kernel: then `blocks` is [rows, width])."""
     start: int
     end: int
     blocks: torch.Tensor  # [rows * width] int64: each row's block table, padded to `width` blocks
     width: int
     mask: torch.Tensor | None  # [rows, 1, 1, width * block_size] bool, None when no row is padded
     first_positions: torch.Tensor | None = None  # [rows]: absolute position of each row's first block
+    lens: torch.Tensor | None = None  # [rows] int64: keys of each row from its table's first slot (kernel only)
 
 
 @dataclass
@@ -64,6 +67,12 @@ class PagedContext:
         self.cache.write(layer, self.slot_mapping, k, v)
         out = q.new_empty(*q.shape[:-1], v.shape[-1])
         for g in self.decode_groups:
+            if g.lens is not None:
+                # a decode at relative position n - 1 sees keys [n - window, n) of its table
+                lo = (g.lens - window).clamp_(min=0) if window else torch.zeros_like(g.lens)
+                out[g.start:g.end] = paged_decode.decode(q[g.start:g.end], self.cache.k[layer], self.cache.v[layer],
+                                                         g.blocks, g.lens, lo, scale, sinks, latent_keys)
+                continue
             keys, values = self.cache.gather_blocks(layer, g.blocks, g.end - g.start, g.width, q.dtype)
             keys = torch.cat([values, keys], dim=-1) if latent_keys else keys
             mask = g.mask

@@ -40,12 +40,20 @@ class Attention(nn.Module):
         self.sinks = nn.Parameter(torch.empty(cfg.num_heads)) if cfg.attention_sinks else None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
-        q, k, v = self.qkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv(x)
+        n = x.shape[0]
+        if self.qk_norm == "none" and self.clip_qkv is None:
+            # q and k as one [N, Hq + Hk, D] view of the projection: RoPE rotates both in one pass
+            qk = self.rope.rotate(positions, qkv[:, :self.q_size + self.kv_size].view(n, -1, self.head_dim))
+            q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
+            v = qkv[:, self.q_size + self.kv_size:].view(n, self.num_kv_heads, self.head_dim)
+            out = ctx.attend(self.layer_idx, q, k, v, self.scale, window=self.window, sinks=self.sinks)
+            return self.o_proj(out.reshape(n, self.q_size))
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
         if self.clip_qkv is not None:  # OLMoE clips after its norms
             q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
-        n = x.shape[0]
         q = q.reshape(n, self.num_heads, self.head_dim)
         k = k.reshape(n, self.num_kv_heads, self.head_dim)
         v = v.reshape(n, self.num_kv_heads, self.head_dim)

@@ -18,10 +18,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        # torch's fused kernel: one op instead of six; in fp32 the weight goes in too (bit for bit
+        # the same result), in lower precision it multiplies after the cast, as the references do
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
 
 
 def rope_inv_freq(dim: int, theta: float, scaling=None) -> tuple[torch.Tensor, float]:
@@ -58,6 +59,7 @@ class RotaryEmbedding(nn.Module):
         self.scaling = scaling
         self._cache_len = 0
         self._cos = self._sin = None
+        self._cast: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}  # the tables in each model dtype
 
     def _table(self, length: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         if length > self._cache_len or self._cos.device != device:
@@ -67,23 +69,33 @@ class RotaryEmbedding(nn.Module):
             freqs = torch.outer(t, inv_freq.to(device))
             emb = torch.cat((freqs, freqs), dim=-1)
             self._cos, self._sin, self._cache_len = emb.cos() * factor, emb.sin() * factor, size
+            self._cast = {}
         return self._cos, self._sin
+
+    def _tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [N, 1, D] for `positions`, computed in fp32 and cast to the model dtype (as HF's
+        rotary embedding does: bf16 results match it bit for bit)."""
+        cos_t, sin_t = self._table(int(positions.max()) + 1, positions.device)
+        if dtype not in self._cast:
+            self._cast[dtype] = (cos_t.to(dtype), sin_t.to(dtype))
+        cos_t, sin_t = self._cast[dtype]
+        return cos_t[positions].unsqueeze(1), sin_t[positions].unsqueeze(1)
+
+    def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """x: [N, H, D] (any heads: q and k side by side rotate in one pass)."""
+        cos, sin = self._tables(positions, x.dtype)
+        return _rotate(x, cos, sin)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: [N, Hq, D], k: [N, Hk, D], positions: [N]."""
-        cos_t, sin_t = self._table(int(positions.max()) + 1, q.device)
-        cos = cos_t[positions].unsqueeze(1)
-        sin = sin_t[positions].unsqueeze(1)
+        cos, sin = self._tables(positions, q.dtype)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # cos/sin are computed in fp32 and cast to the model dtype; the rotation runs in the model
-    # dtype, as HF's rotary embedding and apply_rotary_pos_emb do (bf16 results match it bit for bit)
-    dtype = x.dtype
+    # the rotation runs in the model dtype, as HF's apply_rotary_pos_emb does
     x1, x2 = x.chunk(2, dim=-1)
-    rotated = torch.cat((-x2, x1), dim=-1)
-    return (x * cos.to(dtype) + rotated * sin.to(dtype)).to(dtype)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
 def swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:

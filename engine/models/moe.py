@@ -17,7 +17,10 @@ from torch import nn
 from moectl.engine.models.layers import swiglu
 from moectl.engine.models.tracing import NULL_TRACER, NullTracer
 
-GROUPED_MM_MIN_ROWS = 64  # below this the per-expert loop is as fast (few experts are hit)
+# The grouped GEMM beats the per-expert loop from a couple of rows up (sample model, one thread,
+# thread CPU time: 0.18 vs 0.28 ms at 2 rows, 0.53 vs 1.48 ms at 16, 1.8 vs 2.5 ms at 64): one
+# call per projection instead of two matmuls and an activation per expert hit.
+GROUPED_MM_MIN_ROWS = 2
 _grouped_mm_ok: dict[tuple, bool] = {}
 
 

@@ -45,6 +45,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from moectl.engine.core import paged_decode
 from moectl.engine.core.config import EngineConfig
 from moectl.engine.core.kv_cache import KVCache
 from moectl.engine.core.model_runner import ModelRunner
@@ -314,7 +315,8 @@ def pack_step(input_ids: torch.Tensor, positions: torch.Tensor, ctx: PagedContex
         parts += [_i64(view.slot_mapping), torch.tensor([len(view.decode_groups)], dtype=torch.int64)]
         for g in view.decode_groups:
             firsts = g.first_positions if g.first_positions is not None else torch.zeros(g.end - g.start)
-            parts += [torch.tensor([g.start, g.end, g.width, int(g.mask is not None)], dtype=torch.int64),
+            padded = g.mask is not None or g.lens is not None  # an in-place group may be padded: its rows say
+            parts += [torch.tensor([g.start, g.end, g.width, int(padded)], dtype=torch.int64),
                       _i64(g.blocks), _i64(firsts)]
         for p in view.prefills:
             parts += [torch.tensor([p.start, p.end, p.cached_len, p.block_table.numel(), p.first_position],
@@ -337,6 +339,7 @@ def unpack_step(payload: torch.Tensor, cache: KVCache, device: torch.device):
     ids, positions = take(n).to(device), take(n).to(device)
     lens = take(b) if b else None
     bs = cache.block_size
+    in_place = paged_decode.serves(cache)  # this rank's own cache decides, as on rank 0
 
     def view(view_cache, window: bool) -> PagedContext:
         ctx = PagedContext(cache=view_cache, slot_mapping=take(n).to(device))
@@ -345,6 +348,10 @@ def unpack_step(payload: torch.Tensor, cache: KVCache, device: torch.device):
         for _ in range(int(take(1))):  # the window view groups its decodes by their own lengths
             start, end, gw, has_mask = take(4).tolist()
             blocks, firsts = take((end - start) * gw).to(device), take(end - start)
+            if in_place:
+                ctx.decode_groups.append(DecodeGroup(start, end, blocks.view(end - start, gw), gw, None,
+                                                     lens=(lens[start:end] - firsts).to(device)))
+                continue
             mask = None
             if has_mask:
                 mask = (torch.arange(gw * bs)[None, :] < (lens[start:end] - firsts)[:, None])[:, None, None, :]
@@ -491,7 +498,7 @@ def start_rank(config: EngineConfig, tp: int | None, state: DistState,
     release the others); every other rank serves rank 0's steps until it says stop, then
     returns None. compute_timeout_s: once every rank has started (which may take long), the
     compute collectives' timeout, so a rank that hangs mid-step fails the step quickly."""
-    if config.num_threads is not None:
+    if isinstance(config.num_threads, int):  # "auto": each rank's engine adapts its own
         torch.set_num_threads(config.num_threads)
     model = fp = error = None
     settings = {"world_size": state.world_size, "tp": tp, "dtype": str(config.dtype),
@@ -709,7 +716,7 @@ def launch_distributed(config: EngineConfig, job: Callable[[LLMEngine], Any], np
     cfg = ModelConfig.from_dir(config.model, dtype=config.dtype)  # bad input fails here, before spawning
     check_layout(cfg, nproc, default_tp(cfg, nproc) if tp is None else tp)
     return launch(_Session(config, job, tp), nproc, device=config.device, timeout_s=timeout_s,
-                  num_threads=config.num_threads)
+                  num_threads=config.num_threads if isinstance(config.num_threads, int) else None)
 
 
 def generate_distributed(model_dir: str | Path, prompts: list,

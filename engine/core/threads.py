@@ -1,0 +1,96 @@
+"""The engine's torch intra-op thread count, `num_threads="auto"`: as many threads as there are
+cores that other processes leave free, re-measured about once a second.
+
+Why: torch's default is a thread per core. When another process holds one of them, every
+parallel op waits at its barrier for the thread whose core is taken, and a 2-core machine then
+runs the engine at a fraction of the speed one thread would give (`moectl bench --compare hf
+--contended` measures both). The engine cannot see "contention" directly, so it measures what
+others use: the machine's busy CPU time minus this process's own, over the last interval.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+
+import psutil
+import torch
+
+INTERVAL_S = 1.0
+FIRST_INTERVAL_S = 0.2
+# a core counts as taken when others kept it this busy: a brief burst (a compiler, a log
+# rotation) must not halve the engine's threads
+TAKEN_SHARE = 0.6
+
+
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _busy_seconds() -> tuple[float, float]:
+    """(CPU seconds the cores this process may run on spent busy, CPU seconds it used) so far.
+    Only those cores: in a container pinned to a few of a host's many, the others' work is not
+    in the way."""
+    per_cpu = psutil.cpu_times(percpu=True)
+    try:
+        mine = [per_cpu[i] for i in os.sched_getaffinity(0) if i < len(per_cpu)]
+    except (AttributeError, OSError):
+        mine = per_cpu
+    busy = sum(getattr(t, name, 0.0) for t in mine for name in ("user", "nice", "system", "irq", "softirq", "steal"))
+    own = psutil.Process().cpu_times()
+    return busy, own.user + own.system
+
+
+class AdaptiveThreads:
+    """threads = usable cores - reserved - cores others kept busy (at least 1). `maybe_update()`
+    is cheap between measurements (one clock read); a measurement costs two /proc reads.
+    reserved: cores this process needs for other work (the console's UI thread)."""
+
+    def __init__(self, cores: int | None = None, reserved: int = 0, interval_s: float = INTERVAL_S,
+                 clock: Callable[[], float] = time.monotonic,
+                 sample: Callable[[], tuple[float, float]] = _busy_seconds,
+                 set_threads: Callable[[int], None] = torch.set_num_threads,
+                 get_threads: Callable[[], int] = torch.get_num_threads):
+        self.cores = cores or usable_cores()
+        self.reserved = reserved
+        self.interval_s = interval_s
+        self._clock, self._sample, self._set, self._get = clock, sample, set_threads, get_threads
+        self.threads = max(1, self.cores - reserved)
+        self.others_busy = 0.0  # cores' worth of CPU others used in the last interval
+        self.updates = 0  # measurements taken
+        self.changes: list[tuple[float, int]] = []  # (clock, threads) whenever the count changed
+        self._last_time = clock()
+        self._last_busy, self._last_own = sample()
+        # the first measurement comes early: a contended start should not run a second on too many threads
+        self._wait_s = min(FIRST_INTERVAL_S, interval_s)
+        self._set(self.threads)
+
+    def maybe_update(self) -> int:
+        now = self._clock()
+        elapsed = now - self._last_time
+        if elapsed < self._wait_s:
+            if self._get() != self.threads:  # someone else in this process changed torch's setting
+                self._set(self.threads)
+            return self.threads
+        self._wait_s = self.interval_s
+        busy, own = self._sample()
+        others = max(0.0, (busy - self._last_busy) - (own - self._last_own)) / elapsed
+        self._last_time, self._last_busy, self._last_own = now, busy, own
+        self.others_busy = others
+        self.updates += 1
+        taken = int(others // 1 + (1 if others % 1 >= TAKEN_SHARE else 0))
+        threads = max(1, self.cores - self.reserved - taken)
+        if threads != self.threads:
+            self.threads = threads
+            self.changes.append((now, threads))
+            self._set(threads)
+        return threads
+
+    def describe(self) -> dict:
+        return {"policy": "auto", "cores": self.cores, "reserved": self.reserved, "threads": self.threads,
+                "others_busy_cores": round(self.others_busy, 2), "updates": self.updates,
+                "threads_changes": len(self.changes)}

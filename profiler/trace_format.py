@@ -1,0 +1,116 @@
+"""The trace file's SQLite layout, and the writes every trace writer shares.
+
+Tables:
+  header(format_version, created_unix, payload)   one row; payload = codec-encoded header dict
+  steps(step, t_start, t_end, payload)            one row per engine step
+  actions(time, step, kind, payload)              one row per console/engine action
+  meta(key, value)                                counts kept up to date by the writer
+
+Writers run in WAL mode with synchronous=NORMAL: a commit is then safe against the writing
+process dying (kill -9 included; only an OS crash or power loss can drop the last commits), and
+commits cost no fsync. `finish` folds the WAL back and leaves a single self-contained file.
+"""
+
+from __future__ import annotations
+
+import platform
+import sqlite3
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from moectl.profiler.codec import TraceError
+
+FORMAT_VERSION = 1
+# PRAGMA application_id: tells a moectl trace from any other SQLite file before reading tables.
+APPLICATION_ID = 0x6D6F6574  # "moet"
+SQLITE_MAGIC = b"SQLite format 3\x00"
+
+_SCHEMA = """
+CREATE TABLE header (format_version INTEGER NOT NULL, created_unix REAL NOT NULL, payload BLOB NOT NULL);
+CREATE TABLE steps (step INTEGER NOT NULL, t_start REAL NOT NULL, t_end REAL NOT NULL, payload BLOB NOT NULL);
+-- (step, t_start, t_end) covers step_times() and the scrub-bar queries without touching payload pages
+CREATE INDEX steps_by_step ON steps (step, t_start, t_end);
+CREATE INDEX steps_by_time ON steps (t_start);
+CREATE TABLE actions (time REAL NOT NULL, step INTEGER NOT NULL, kind TEXT NOT NULL, payload BLOB NOT NULL);
+CREATE INDEX actions_by_time ON actions (time);
+CREATE INDEX actions_by_step ON actions (step);
+CREATE TABLE meta (key TEXT PRIMARY KEY, value) WITHOUT ROWID;
+"""
+
+
+def software_versions() -> dict:
+    """Versions of what wrote a trace. torch is looked up without importing it (an import costs
+    seconds); when the process already imported it, that version is the one in use."""
+    from importlib import metadata
+
+    versions = {"python": platform.python_version(), "sqlite": sqlite3.sqlite_version, "numpy": np.__version__}
+    for name in ("torch", "moectl"):
+        mod = sys.modules.get(name)
+        try:
+            versions[name] = str(getattr(mod, "__version__", None) or metadata.version(name))
+        except metadata.PackageNotFoundError:
+            pass
+    return versions
+
+
+def create(path: Path, created_unix: float, header_payload: bytes) -> None:
+    """A new trace file with its schema and header row, committed and closed."""
+    conn = None
+    try:
+        conn = sqlite3.connect(path, isolation_level=None)
+        conn.execute("PRAGMA journal_mode=WAL")  # persistent: the writer process finds it set
+        conn.execute("BEGIN")
+        conn.execute(f"PRAGMA application_id={APPLICATION_ID}")
+        for statement in _SCHEMA.split(";"):
+            if statement.strip():
+                conn.execute(statement)
+        conn.execute("INSERT INTO header VALUES (?, ?, ?)", (FORMAT_VERSION, created_unix, header_payload))
+        store_counts(conn, {"dropped": 0, "written": 0, "failed": 0})
+        conn.execute("COMMIT")
+    except sqlite3.Error as e:
+        raise TraceError(f"cannot create trace {path}: {e}") from None
+    finally:
+        if conn is not None:
+            conn.close()
+
+
+def open_for_append(path) -> sqlite3.Connection:
+    conn = sqlite3.connect(path, isolation_level=None)
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute("PRAGMA synchronous=NORMAL")
+    return conn
+
+
+def commit(conn: sqlite3.Connection, steps: list, actions: list, counts: dict) -> None:
+    """One transaction: the rows, then the counts, so a crashed trace still says what it lost."""
+    conn.execute("BEGIN")
+    try:
+        if steps:
+            conn.executemany("INSERT INTO steps VALUES (?, ?, ?, ?)", steps)
+        if actions:
+            conn.executemany("INSERT INTO actions VALUES (?, ?, ?, ?)", actions)
+        store_counts(conn, counts)
+        conn.execute("COMMIT")
+    except BaseException:
+        if conn.in_transaction:
+            conn.execute("ROLLBACK")
+        raise
+
+
+def store_counts(conn: sqlite3.Connection, counts: dict) -> None:
+    conn.executemany("INSERT OR REPLACE INTO meta VALUES (?, ?)", [(k, v) for k, v in counts.items() if v is not None])
+
+
+def finish(conn: sqlite3.Connection, counts: dict) -> None:
+    """The final counts and closed_unix, then one self-contained file (no -wal beside it)."""
+    conn.execute("BEGIN")
+    store_counts(conn, {**counts, "closed_unix": time.time()})
+    conn.execute("COMMIT")
+    conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    try:  # a finished trace is one file, copyable alone; a reader still attached keeps it WAL
+        conn.execute("PRAGMA journal_mode=DELETE")
+    except sqlite3.OperationalError:
+        pass
