@@ -279,14 +279,21 @@ class LocalCluster(ClusterBase):
     def link_seconds(self, traffic: np.ndarray) -> np.ndarray:
         """Modeled seconds each device's links are busy for one all-to-all of `traffic` bytes
         (src x dst): every off-diagonal transfer over its link's bandwidth (within or between
-        nodes), counted on both ends; links are full-duplex."""
-        out = np.zeros(self.num_devices)
-        for src, dst in zip(*np.nonzero(traffic)):
-            if src != dst:
-                seconds = traffic[src, dst] / (self.topology.link_gbps(src, dst) * 1e9)
-                out[src] += seconds
-                out[dst] += seconds
-        return out
+        nodes), counted on both ends; links are full-duplex. One array expression: the step's
+        spans call this for every MoE layer, and a loop over device pairs cost ~0.4 ms a step."""
+        seconds = traffic * self._link_s_per_byte()
+        return seconds.sum(axis=1) + seconds.sum(axis=0)
+
+    def _link_s_per_byte(self) -> np.ndarray:
+        """[D, D] seconds per byte on each device pair's link; 0 on the diagonal (no transfer)."""
+        d = self.num_devices
+        cached = getattr(self, "_link_cost", None)
+        if cached is None or cached.shape != (d, d):
+            gbps = np.array([[self.topology.link_gbps(s, t) for t in range(d)] for s in range(d)], dtype=np.float64)
+            cached = 1.0 / (gbps * 1e9)
+            np.fill_diagonal(cached, 0.0)
+            self._link_cost = cached
+        return cached
 
     # -- per step
     def begin_step(self, token_device: torch.Tensor) -> None:
