@@ -17,6 +17,7 @@ from moectl.cli.common import (
     emit_json,
     handles_errors,
     model_dir,
+    parse_threads,
     progress,
 )
 
@@ -34,8 +35,9 @@ def bench(
     requests: int = typer.Option(64, "--requests", help="compare-hf: number of requests, all arriving at once; "
                                                          "soak: requests run (10000 unless given)."),
     dtype: str | None = DTYPE_OPT,
-    threads: int | None = typer.Option(None, "--threads", help="torch threads for both sides (default: the engine's "
-                                                                 "auto policy, transformers torch's own)."),
+    threads_opt: str | None = typer.Option(None, "--threads", help="torch threads for both sides: N, or auto (the "
+                                                                   "default: the engine's auto policy, transformers "
+                                                                   "torch's own)."),
     backend: str = BACKEND_OPT,
     nproc: int | None = NPROC_OPT,
     devices: int = typer.Option(2, "--devices", "-d", help="rebalance, soak: devices (emulated on the local "
@@ -56,9 +58,9 @@ def bench(
     if compare is not None and compare != "hf":
         raise BadInput(f"--compare: only 'hf' is supported, got {compare!r}")
     name = suite or "compare-hf"
+    threads = parse_threads(threads_opt)
+    threads = None if threads == "auto" else threads
     if threads is not None:
-        if threads < 1:
-            raise BadInput("--threads: must be >= 1")
         torch.set_num_threads(threads)
     log = progress(as_json)
     path = model_dir(model)

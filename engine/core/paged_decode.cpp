@@ -112,7 +112,15 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
               "paged_decode: inputs must be contiguous");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
               "paged_decode: q and the cache must share a dtype");
-  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "paged_decode: query heads not a multiple of KV heads");
+  TORCH_CHECK(k_cache.size(2) > 0 && q.size(1) % k_cache.size(2) == 0,
+              "paged_decode: query heads not a multiple of KV heads");
+  TORCH_CHECK(v_cache.size(0) == k_cache.size(0) && v_cache.size(1) == k_cache.size(1) &&
+                  v_cache.size(2) == k_cache.size(2),
+              "paged_decode: K and V caches differ in blocks, block size or heads");
+  TORCH_CHECK(tables.dim() == 2, "paged_decode: tables must be [rows, blocks]");
+  TORCH_CHECK(sinks.numel() == 0 || (sinks.scalar_type() == at::kFloat && sinks.is_contiguous() &&
+                                     sinks.numel() == q.size(1)),
+              "paged_decode: sinks must be fp32, one per query head");
   TORCH_CHECK(latent ? q.size(2) == v_cache.size(3) + k_cache.size(3) : q.size(2) == k_cache.size(3),
               "paged_decode: query width does not match the keys");
   TORCH_CHECK(tables.scalar_type() == at::kLong && lens.scalar_type() == at::kLong && lo.scalar_type() == at::kLong &&
@@ -124,9 +132,12 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   const int64_t capacity = tables.size(1) * k_cache.size(1), blocks = k_cache.size(0);
   const int64_t* lp = lens.data_ptr<int64_t>();
   const int64_t* tp = tables.data_ptr<int64_t>();
-  for (int64_t b = 0; b < q.size(0); ++b)
+  const int64_t* op = lo.data_ptr<int64_t>();
+  for (int64_t b = 0; b < q.size(0); ++b) {
     TORCH_CHECK(lp[b] >= 0 && lp[b] <= capacity, "paged_decode: row ", b, " has ", lp[b], " keys, its table holds ",
                 capacity);
+    TORCH_CHECK(op[b] >= 0, "paged_decode: row ", b, " starts at key ", op[b]);
+  }
   for (int64_t j = 0; j < tables.numel(); ++j)
     TORCH_CHECK(tp[j] >= 0 && tp[j] < blocks, "paged_decode: block id ", tp[j], " outside the cache's ", blocks);
   auto out = at::empty({q.size(0), q.size(1), v_cache.size(3)}, q.options());

@@ -498,7 +498,7 @@ def start_rank(config: EngineConfig, tp: int | None, state: DistState,
     release the others); every other rank serves rank 0's steps until it says stop, then
     returns None. compute_timeout_s: once every rank has started (which may take long), the
     compute collectives' timeout, so a rank that hangs mid-step fails the step quickly."""
-    if isinstance(config.num_threads, int):  # "auto": each rank's engine adapts its own
+    if isinstance(config.num_threads, int):  # the launchers turn "auto" into each rank's share
         torch.set_num_threads(config.num_threads)
     model = fp = error = None
     settings = {"world_size": state.world_size, "tp": tp, "dtype": str(config.dtype),
@@ -715,8 +715,10 @@ def launch_distributed(config: EngineConfig, job: Callable[[LLMEngine], Any], np
         raise ValueError(f"nproc: must be a positive integer, got {nproc!r}")
     cfg = ModelConfig.from_dir(config.model, dtype=config.dtype)  # bad input fails here, before spawning
     check_layout(cfg, nproc, default_tp(cfg, nproc) if tp is None else tp)
+    if not isinstance(config.num_threads, int):  # "auto": each rank its fixed share (see RankGroup)
+        config = dataclasses.replace(config, num_threads=threads_per_rank(config.device, nproc))
     return launch(_Session(config, job, tp), nproc, device=config.device, timeout_s=timeout_s,
-                  num_threads=config.num_threads if isinstance(config.num_threads, int) else None)
+                  num_threads=config.num_threads)
 
 
 def generate_distributed(model_dir: str | Path, prompts: list,

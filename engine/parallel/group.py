@@ -90,7 +90,10 @@ class RankGroup:
         check_layout(cfg, nproc, self.tp)
         if num_threads is None:
             num_threads = threads_per_rank(config.device, nproc)
-        self.config = config if config.num_threads is not None else dataclasses.replace(config, num_threads=num_threads)
+        # "auto" becomes the fixed share too: an adaptive rank 0 would count its sibling ranks'
+        # work as other processes' and take fewer threads than its share
+        keep = isinstance(config.num_threads, int)
+        self.config = config if keep else dataclasses.replace(config, num_threads=num_threads)
         self.nproc = nproc
         self.store = dist.TCPStore("127.0.0.1", 0, nproc + 1, True, wait_for_workers=False,
                                    timeout=timedelta(seconds=STARTUP_TIMEOUT_S))

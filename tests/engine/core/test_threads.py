@@ -33,28 +33,43 @@ class FakeMachine:
                                get_threads=lambda: self.torch_threads)
 
 
+def _settle(m: FakeMachine, policy: AdaptiveThreads, others: float) -> int:
+    """Two measurements (the second comes early, to confirm a change) under the same load."""
+    m.advance(1.0, others_cores=others)
+    policy.maybe_update()
+    m.advance(0.5, others_cores=others)
+    return policy.maybe_update()
+
+
 def test_threads_follow_the_cores_others_leave_free():
     m = FakeMachine()
     policy = m.policy(cores=4)
     assert policy.threads == 4 and m.set_calls == [4]
     m.advance(0.25, others_cores=0.1)  # the first measurement comes early
     assert policy.maybe_update() == 4
-    m.advance(1.0, others_cores=1.0)  # one core taken
-    assert policy.maybe_update() == 3
-    m.advance(1.0, others_cores=2.7)  # 2.7 cores' worth: the third counts as taken
-    assert policy.maybe_update() == 1
-    m.advance(1.0, others_cores=0.3)  # a brief burst does not count
+    assert _settle(m, policy, 1.0) == 3  # one core taken
+    assert _settle(m, policy, 2.7) == 1  # 2.7 cores' worth: the third counts as taken
+    assert _settle(m, policy, 0.3) == 4  # a sub-core share does not count
+    assert m.set_calls == [4, 3, 1, 4] and policy.change_count == 3 and len(policy.changes) == 3
+    assert _settle(m, policy, 9.0) == 1  # never below one thread
+
+
+def test_a_single_burst_does_not_move_the_count():
+    m = FakeMachine()
+    policy = m.policy(cores=4)
+    m.advance(0.25, others_cores=0.0)
+    policy.maybe_update()
+    m.advance(1.0, others_cores=3.0)  # one interval of a heavy burst ...
     assert policy.maybe_update() == 4
-    assert m.set_calls == [4, 3, 1, 4] and policy.updates == 4 and len(policy.changes) == 3
-    m.advance(1.0, others_cores=9.0)
-    assert policy.maybe_update() == 1  # never below one thread
+    m.advance(0.5, others_cores=0.0)  # ... gone when the confirming measurement comes
+    assert policy.maybe_update() == 4 and m.set_calls == [4] and policy.change_count == 0
 
 
 def test_own_work_is_not_mistaken_for_contention_and_reserved_cores_are_left():
     m = FakeMachine()
     policy = m.policy(cores=2)
     m.advance(1.0, others_cores=0.0, own_cores=2.0)  # this process kept both cores busy itself
-    assert policy.maybe_update() == 2
+    assert policy.maybe_update() == 2 and policy._proposed is None
     ui = m.policy(cores=2, reserved=1)
     assert ui.threads == 1
     m.advance(1.0, others_cores=0.0)
