@@ -29,12 +29,16 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from moectl.engine.core.driver import EngineDriver
 from moectl.profiler.recorder import engine_header
+from moectl.server.api_request import ApiError, error_response
+from moectl.server.chat_template import ChatTemplate
 from moectl.server.control import ControlApi
 from moectl.server.metrics import ServerMetrics
-from moectl.server.openai_api import ApiError, OpenAIApi, error_response
+from moectl.server.openai_api import OpenAIApi
+from moectl.server.prompts import PromptEncoder
 from moectl.server.state import STATE, ServerState
 from moectl.server.streams import EngineBridge
 from moectl.server.telemetry import TelemetryHub
+from moectl.server.tokenize_api import TokenizeApi
 
 log = logging.getLogger(__name__)
 
@@ -63,10 +67,15 @@ def make_app(driver: EngineDriver, *, token: str | None = None, model_name: str 
                         model_name=model_name or (header.get("model") or {}).get("name") or "moectl",
                         max_request_bytes=max_request_bytes, max_tokens_limit=max_tokens_limit, metrics=metrics,
                         hub=TelemetryHub(header, on_dropped=metrics.dropped_telemetry), started=time.time())
-    app = web.Application(middlewares=[_errors, _auth], client_max_size=max_request_bytes)
+    # the checkpoint's chat template, or the fallback (said once at start, and in /v1/models)
+    template = ChatTemplate.from_dir(driver.engine.config.model)
+    if template.is_fallback:
+        log.info("chat template: the checkpoint has none; using moectl's plain fallback (see chat_template.py)")
+    encoder = PromptEncoder(driver.engine, template)
+    app = web.Application(middlewares=[_errors, _same_origin, _auth], client_max_size=max_request_bytes)
     app[STATE] = state
     control = ControlApi(state)
-    app.add_routes(OpenAIApi(state).routes() + control.routes() + [
+    app.add_routes(OpenAIApi(state, encoder).routes() + TokenizeApi(state, encoder).routes() + control.routes() + [
         web.get("/health", partial(_health, state)), web.get("/metrics", partial(_metrics, state)),
         web.get("/v1/telemetry", state.hub.handle)])
     app.cleanup_ctx.append(partial(_record_consumer, state, poll_interval_s))
@@ -194,6 +203,37 @@ async def _errors(request: web.Request, handler):
     except Exception as exc:  # noqa: BLE001 - a bug must still answer in the API's shape
         log.exception("%s %s", request.method, request.path)
         return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
+
+
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+
+
+def _host_of(value: str) -> str:
+    """'host:port', '[::1]:port' or a URL's netloc -> the host name, lower case."""
+    value = value.strip().lower()
+    if value.startswith("["):
+        return value[1:value.find("]")] if "]" in value else value
+    return value.rsplit(":", 1)[0] if value.count(":") == 1 else value
+
+
+@web.middleware
+async def _same_origin(request: web.Request, handler):
+    """Without a token only loopback clients can connect, but a web page open in their browser
+    could still drive the API: by DNS rebinding (a name of the page's that resolves to 127.0.0.1:
+    the Host header names it) or by posting across origins (an Origin header names the page).
+    Both are refused; a client that is not a browser sends neither."""
+    if request.app[STATE].token is None and request.path != "/health":
+        host = _host_of(request.headers.get("Host", ""))
+        if host not in LOOPBACK_NAMES:
+            raise ApiError(403, f"Host: {host or 'none'} is not this loopback server's (without --token only "
+                           "localhost, 127.0.0.1 and [::1] are served)")
+        origin = request.headers.get("Origin")
+        if origin is not None:
+            scheme, _, rest = origin.partition("://")
+            if _host_of(rest.split("/", 1)[0]) not in LOOPBACK_NAMES:
+                raise ApiError(403, f"Origin: {origin[:100]} may not use this server (another site's page; "
+                               "start the server with --token to serve other origins)")
+    return await handler(request)
 
 
 @web.middleware

@@ -30,7 +30,7 @@ from pathlib import Path
 from aiohttp import web
 
 from moectl.profiler.codec import TraceError
-from moectl.server.openai_api import ApiError, is_int, read_json
+from moectl.server.api_request import ApiError, is_int, read_json
 from moectl.server.state import ServerState
 
 log = logging.getLogger(__name__)

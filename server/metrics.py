@@ -7,7 +7,11 @@ engine when scraped instead: no step record comes while the engine is idle, so a
 by records would keep showing the last busy step (an abort while idle frees blocks silently).
 
 No label names a request or an expert, so the series count is fixed: the only labels are
-finished_reason (stop, length, abort, error) and the balancedness quantile (0, 0.5, 1).
+finished_reason (stop, length, abort, error), the balancedness quantile (0, 0.5, 1) and the GPU
+(torch's cuda index) of the moectl:gpu_* gauges. Those are the driver's figures (NVML, see
+engine/core/gpu_stats.py), read at the scrape from the engine's newest sample (from the newest
+record when the engine's stats carry none); without a GPU they have no series at all, and a figure
+the driver does not give has none for that GPU.
 """
 
 from __future__ import annotations
@@ -37,6 +41,18 @@ TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2,
                  2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+# (field of a gpu sample's device, metric name, help): measured by the driver
+GPU_GAUGES = (
+    ("memory_used_bytes", "gpu_memory_used_bytes", "GPU memory in use, all processes"),
+    ("memory_total_bytes", "gpu_memory_total_bytes", "GPU memory in all"),
+    ("util_gpu_pct", "gpu_utilization_percent", "Percent of the last sample period a kernel ran"),
+    ("util_memory_pct", "gpu_memory_utilization_percent", "Percent of the last sample period memory was read or written"),
+    ("power_w", "gpu_power_watts", "Power draw"),
+    ("power_limit_w", "gpu_power_limit_watts", "Enforced power limit"),
+    ("temperature_c", "gpu_temperature_celsius", "GPU core temperature"),
+    ("sm_clock_mhz", "gpu_sm_clock_mhz", "SM clock"),
+    ("memory_clock_mhz", "gpu_memory_clock_mhz", "Memory clock"),
+)
 REBALANCE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
@@ -81,6 +97,9 @@ class ServerMetrics:
                                       "step (or the request) before it to its record.", REBALANCE_BUCKETS)
         self.telemetry_dropped = Counter(PREFIX + "telemetry_dropped_messages", "Telemetry messages dropped for "
                                          "websocket clients that fell behind.", registry=r)
+        self.gpu = {f: Gauge(PREFIX + name, f"{doc} (NVML, measured by the driver).", ["gpu"], registry=r)
+                    for f, name, doc in GPU_GAUGES}
+        self._gpu_sample: dict | None = None  # the newest record's, for stats without one
         ProcessCollector(registry=r)  # process_resident_memory_bytes and friends: leaks show here
         for reason in FINISH_REASONS:  # every series exists from the start
             self.finished.labels(finished_reason=reason)
@@ -121,6 +140,7 @@ class ServerMetrics:
         if routing is not None:
             self._add_routing(np.asarray(routing, dtype=np.float64))
         self._placement_start = max(self._placement_start, t_end)
+        self._gpu_sample = rec.get("gpu")
 
     def _request_event(self, event: dict, t_end: float) -> None:
         rid, kind = event["id"], event["event"]
@@ -198,7 +218,16 @@ class ServerMetrics:
             self.kv_usage.set(engine_stats["kv_usage"])
         if self._balance_stale:
             self._update_balancedness()
+        self._update_gpu((engine_stats or {}).get("gpu", self._gpu_sample))
         return generate_latest(self.registry)
+
+    def _update_gpu(self, sample: dict | None) -> None:
+        for gauge in self.gpu.values():
+            gauge.clear()  # a GPU or a figure that is gone has no series, not its last value
+        for device in (sample or {}).get("devices") or ():
+            for f, gauge in self.gpu.items():
+                if f in device:
+                    gauge.labels(gpu=str(device.get("index"))).set(device[f])
 
     def _update_balancedness(self) -> None:
         self._balance_stale = False

@@ -1,18 +1,23 @@
-"""The OpenAI-compatible endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models.
+"""The OpenAI-compatible endpoints, as vLLM serves them: POST /v1/completions, POST
+/v1/chat/completions, GET /v1/models (tokenize_api.py has /tokenize, /detokenize, /tokenizer_info).
 
-One prompt and one choice per request (n=1); greedy when temperature is 0 (the default here, as
-the engine's). Streaming sends server-sent events, `data: {chunk}\\n\\n`, ending with
-`data: [DONE]`; with stream_options.include_usage every chunk carries "usage": null and a last
-chunk with no choices carries the usage. Errors use OpenAI's shape:
-{"error": {"message", "type", "param", "code"}}.
-
-Chat template (the sample model is a code model with no chat tokens, so this is plain text,
-deterministic, and documented here rather than learned): every message becomes
-
-    <|{role}|>\\n{content}\\n
-
-in order, followed by `<|assistant|>\\n`, where the reply begins. Content is a string or a list
-of {"type": "text", "text": ...} parts, joined with nothing between them.
+- Completions take a prompt as text or token ids, or a list of them (a batch: choice
+  `index` = prompt * n + j); `echo` returns the prompt before the completion (with its
+  log-probabilities when `logprobs` is set), and `max_tokens: 0` with echo only scores the prompt.
+- `n` choices per prompt; `best_of` candidates of which the n with the highest cumulative
+  log-probability are returned (not with streaming, as vLLM). Each choice is its own engine request;
+  with a `seed`, choice j draws with seed + j.
+- `logprobs` (completions: top N, 0-20) and chat's `logprobs` / `top_logprobs` report the model's
+  own log-probabilities (logprobs_format.py), before temperature and penalties.
+- `stop`, `stop_token_ids`, `seed`, `presence_penalty`, `frequency_penalty`, `repetition_penalty`,
+  `top_k`, `ignore_eos`, `stream_options.include_usage`.
+- Greedy when temperature is 0 (the default here, as the engine's).
+- Streaming sends server-sent events, `data: {chunk}\\n\\n`, ending with `data: [DONE]`; with
+  stream_options.include_usage every chunk carries "usage": null and a last chunk with no
+  choices carries the usage.
+- Chats go through the checkpoint's chat template, or the stated fallback (chat_template.py).
+- Fields this server does not implement get a 400 naming the field, unless they ask for the default.
+- Errors use OpenAI's shape: {"error": {"message", "type", "param", "code"}}.
 """
 
 from __future__ import annotations
@@ -21,99 +26,352 @@ import asyncio
 import json
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from moectl.engine.core.sampling import SamplingParams
+from moectl.engine.core.sampling import MAX_LOGPROBS, SamplingParams
+from moectl.server.api_request import (
+    ApiError,
+    bool_field,
+    check_model,
+    int_field,
+    is_int,
+    number_field,
+    param_of,
+    read_json,
+)
+from moectl.server.logprobs_format import CompletionLogprobs, TokenText, chat_logprobs, merge_pieces
+from moectl.server.prompts import PromptEncoder
 from moectl.server.state import ServerState
 from moectl.server.streams import AsyncRequestStream, TextDeltas
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_STOP_STRINGS = 4  # as OpenAI
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+MAX_N = 16  # choices (or best_of candidates) per prompt
+MAX_BATCH = 64  # prompts per completions request
+MAX_CANDIDATES = 128  # engine requests per API request
 CLIENT_CHECK_S = 1.0  # how often a request with nothing new checks its client is still connected
-ENCODE_OFF_LOOP_CHARS = 4096  # longer prompts are tokenized on a worker thread
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
-_ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error"}
+# fields of OpenAI's or vLLM's API that this server does not implement -> the value that means "off"
+UNSUPPORTED = {"suffix": None, "logit_bias": None, "min_p": 0, "min_tokens": 0, "use_beam_search": False,
+               "length_penalty": 1, "include_stop_str_in_output": False, "skip_special_tokens": True,
+               "prompt_logprobs": None, "truncate_prompt_tokens": None, "guided_json": None, "guided_regex": None,
+               "guided_choice": None, "guided_grammar": None, "structured_outputs": None, "allowed_token_ids": None,
+               "bad_words": None, "tools": None, "tool_choice": None, "functions": None, "function_call": None,
+               "parallel_tool_calls": None, "audio": None, "prediction": None}
+CHAT_ONLY = ("messages", "top_logprobs", "max_completion_tokens", "response_format", "add_generation_prompt")
+COMPLETION_ONLY = ("prompt", "echo", "best_of")
 
 
-class ApiError(Exception):
-    """An error answered in OpenAI's shape; the message is one line."""
-
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 headers: dict | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
-
-    def response(self) -> web.Response:
-        return error_response(self.status, self.message, param=self.param, code=self.code, headers=self.headers)
+@dataclass
+class Candidate:
+    """One engine request: a choice, or one of best_of candidates."""
+    prompt_index: int
+    request_id: str
+    params: SamplingParams
+    outputs: AsyncRequestStream | None = None
+    final: object = None  # the finished RequestOutput
 
 
-def error_response(status: int, message: str, *, param: str | None = None, code: str | None = None,
-                   headers: dict | None = None) -> web.Response:
-    kind = _ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
-    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
-    return web.json_response(body, status=status, headers=headers)
+@dataclass
+class Job:
+    """What one API request asked for, checked."""
+    kind: str  # "completion" | "chat"
+    request_id: str
+    created: int
+    prompts: list[list[int]]
+    prompt_texts: list[str]  # for echo
+    n: int
+    best_of: int
+    echo: bool
+    logprobs: int | None  # completions: top N; chat: top_logprobs (with logprobs: true)
+    stream: bool
+    include_usage: bool
+    stop: tuple[str, ...]
+    candidates: list[Candidate] = field(default_factory=list)
 
 
-def _param_of(message: str) -> str | None:
-    """Engine and SamplingParams errors start with the field's name ("max_tokens: must be ...")."""
-    head = message.split(":", 1)[0]
-    return head if head.isidentifier() else None
+class OpenAIApi:
+    def __init__(self, state: ServerState, encoder: PromptEncoder):
+        self.state, self.encoder = state, encoder
+        engine = state.driver.engine
+        self.text_of = TokenText(engine.decode)
+        self.id_text_of = TokenText(engine.decode, as_ids=True)
+
+    def routes(self) -> list:
+        return [web.post("/v1/completions", self.completions), web.post("/v1/chat/completions", self.chat),
+                web.get("/v1/models", self.models), web.get("/v1/models/{model}", self.model)]
+
+    def _model_card(self) -> dict:
+        template = self.encoder.template
+        return {"id": self.state.model_name, "object": "model", "created": int(self.state.started),
+                "owned_by": "moectl", "max_model_len": self.state.driver.engine.max_model_len,
+                "chat_template": template.origin}
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        if request.match_info["model"] != self.state.model_name:
+            raise ApiError(404, f"model: {request.match_info['model']!r} is not served here", param="model",
+                           code="model_not_found")
+        return web.json_response(self._model_card())
+
+    # -- the two generation endpoints
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = await read_json(request, self.state.max_request_bytes)
+        _common_checks(body, self.state.model_name, CHAT_ONLY)
+        echo = bool_field(body, "echo")
+        logprobs = None if body.get("logprobs") is False else int_field(body, "logprobs", 0, MAX_LOGPROBS, None)
+        prompts, texts = [], []
+        for i, prompt in enumerate(_completion_prompts(body)):
+            where = "prompt" if not isinstance(body["prompt"], list) or is_int(body["prompt"][0]) else f"prompt[{i}]"
+            if isinstance(prompt, str):
+                ids = await self.encoder.text(prompt, where)
+                if not ids:
+                    raise ApiError(400, f"{where}: tokenizes to nothing", param="prompt")
+            else:
+                ids = self.encoder.ids(prompt, where)
+            prompts.append(ids)
+            texts.append(prompt if isinstance(prompt, str) else self.state.driver.engine.decode(ids))
+        job = self._job("completion", "cmpl", body, prompts, texts, echo, logprobs,
+                        max_tokens=int_field(body, "max_tokens", 0, self.state.max_tokens_limit,
+                                             DEFAULT_COMPLETION_MAX_TOKENS))
+        return await self._run(request, job, body)
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        body = await read_json(request, self.state.max_request_bytes)
+        _common_checks(body, self.state.model_name, COMPLETION_ONLY)
+        fmt = body.get("response_format")
+        if fmt is not None and fmt != {"type": "text"}:
+            raise ApiError(400, "response_format: only {\"type\": \"text\"} is supported", param="response_format")
+        wants_logprobs = bool_field(body, "logprobs")
+        top = int_field(body, "top_logprobs", 0, MAX_LOGPROBS, None)
+        if top is not None and not wants_logprobs:
+            raise ApiError(400, "top_logprobs: needs logprobs: true", param="top_logprobs")
+        name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+        max_tokens = int_field(body, name, 1, self.state.max_tokens_limit, None)
+        ids = await self.encoder.chat(body.get("messages"), bool_field(body, "add_generation_prompt", True))
+        self.encoder.ids(ids, "messages")
+        if max_tokens is None:  # up to what is left of the context and of a KV pool
+            max_tokens = min(self.state.max_tokens_limit, self._room(len(ids)))
+            if max_tokens < 1:
+                raise ApiError(400, f"messages: {len(ids)} prompt tokens leave no room to reply",
+                               param="messages", code="context_length_exceeded")
+        job = self._job("chat", "chatcmpl", body, [ids], [""], False, (top or 0) if wants_logprobs else None,
+                        max_tokens=max_tokens)
+        return await self._run(request, job, body)
+
+    def _job(self, kind: str, id_prefix: str, body: dict, prompts, texts, echo: bool, logprobs: int | None, *,
+             max_tokens: int) -> Job:
+        state = self.state
+        if state.driver.error is not None:
+            raise ApiError(503, f"the engine has failed ({state.driver.error}); restart it")
+        n = int_field(body, "n", 1, MAX_N, 1)
+        best_of = int_field(body, "best_of", n, MAX_N, n) if kind == "completion" else n
+        stream = bool_field(body, "stream")
+        if stream and best_of > n:
+            raise ApiError(400, "best_of: cannot be more than n when streaming", param="best_of")
+        if len(prompts) * best_of > MAX_CANDIDATES:
+            raise ApiError(400, f"n: {len(prompts)} prompts x {best_of} choices is over the limit of {MAX_CANDIDATES}",
+                           param="n")
+        if max_tokens == 0 and not echo:
+            raise ApiError(400, "max_tokens: 0 only with echo: true (scoring the prompt)", param="max_tokens")
+        options = body.get("stream_options")
+        if options is not None and (not isinstance(options, dict) or not stream or set(options) - {"include_usage"}):
+            raise ApiError(400, "stream_options: must be {\"include_usage\": bool}, and only with stream: true",
+                           param="stream_options")
+        seed = int_field(body, "seed", 0, 2**63 - 1, None)
+        stop = _stop(body)
+        stop_ids = body.get("stop_token_ids")
+        if stop_ids is not None and (not isinstance(stop_ids, list) or not all(is_int(t) and t >= 0 for t in stop_ids)):
+            raise ApiError(400, "stop_token_ids: must be a list of non-negative integers", param="stop_token_ids")
+        common = dict(
+            max_tokens=max_tokens, temperature=number_field(body, "temperature", 0.0, 2.0, 0.0),
+            top_p=number_field(body, "top_p", 0.0, 1.0, 1.0, lo_open=True),
+            top_k=max(int_field(body, "top_k", -1, None, 0), 0),  # vLLM's extension; -1 (or 0): no filter
+            stop=stop, stop_token_ids=tuple(stop_ids or ()), ignore_eos=bool_field(body, "ignore_eos"),
+            presence_penalty=number_field(body, "presence_penalty", -2.0, 2.0, 0.0),
+            frequency_penalty=number_field(body, "frequency_penalty", -2.0, 2.0, 0.0),
+            repetition_penalty=number_field(body, "repetition_penalty", 0.0, 2.0, 1.0, lo_open=True),
+            # best_of ranks candidates by their cumulative log-probability
+            logprobs=logprobs if logprobs is not None else (0 if best_of > n else None),
+            prompt_logprobs=(logprobs if echo and logprobs is not None else (0 if max_tokens == 0 else None)))
+        job = Job(kind, f"{id_prefix}-{uuid.uuid4().hex}", int(time.time()), prompts, texts, n, best_of, echo,
+                  logprobs, stream, bool_field(options or {}, "include_usage"), stop)
+        try:
+            for p in range(len(prompts)):
+                for j in range(best_of):
+                    params = SamplingParams(seed=None if seed is None else seed + j, **common)
+                    # one choice keeps the response's id in the engine's records; more get a suffix
+                    rid = job.request_id if len(prompts) * best_of == 1 else f"{job.request_id}-{p}-{j}"
+                    job.candidates.append(Candidate(p, rid, params))
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param=param_of(str(exc))) from None
+        return job
+
+    def _room(self, prompt_tokens: int) -> int:
+        engine = self.state.driver.engine
+        pool_tokens = engine.blocks.largest_pool * engine.config.block_size
+        return min(engine.max_model_len, pool_tokens) - prompt_tokens
+
+    # -- running a job
+    async def _run(self, request: web.Request, job: Job, body: dict) -> web.StreamResponse:
+        engine = self.state.driver.engine
+        text_of = self.id_text_of if bool_field(body, "return_tokens_as_token_ids") else self.text_of
+        response = None
+        try:
+            for c in job.candidates:
+                try:
+                    stream = engine.add_request(job.prompts[c.prompt_index], c.params, request_id=c.request_id,
+                                                stream=True)
+                except ValueError as exc:
+                    message = str(exc)
+                    code = "context_length_exceeded" if "exceed" in message or "KV blocks" in message else None
+                    raise ApiError(400, message, param=param_of(message), code=code) from None
+                c.outputs = self.state.bridge.attach(stream)
+            if job.stream:
+                response = web.StreamResponse(headers=SSE_HEADERS)
+                await response.prepare(request)
+                await self._stream(request, response, job, text_of)
+                return response
+            return await self._complete(request, job, text_of)
+        except (ClientGone, ConnectionResetError):  # aborted below; nobody to answer
+            return response or web.Response(status=499)
+        finally:
+            for c in job.candidates:  # the client left, or one request was refused: free their KV blocks
+                if c.outputs is not None and not c.outputs.finished:
+                    engine.abort(c.request_id)
+
+    async def _complete(self, request: web.Request, job: Job, text_of: TokenText) -> web.Response:
+        async def finish(c: Candidate):
+            out = await _next_output(request, c.outputs)
+            while not out.finished:
+                out = await _next_output(request, c.outputs)
+            c.final = out
+
+        await asyncio.gather(*(finish(c) for c in job.candidates))
+        if any(c.final.finish_reason == "error" for c in job.candidates):
+            raise ApiError(500, f"the engine failed while running this request ({self.state.driver.error})")
+        choices, completion_tokens = [], 0
+        for p in range(len(job.prompts)):
+            group = job.candidates[p * job.best_of:(p + 1) * job.best_of]
+            if job.best_of > job.n:
+                group = sorted(group, key=lambda c: -sum(lp for lp, _ in c.final.logprobs))[:job.n]
+            for j, c in enumerate(group):
+                out = c.final
+                completion_tokens += len(out.token_ids)
+                choices.append(self._choice(job, p * job.n + j, out, text_of))
+        prompt_tokens = sum(len(p) for p in job.prompts)
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                 "total_tokens": prompt_tokens + completion_tokens}
+        obj = "chat.completion" if job.kind == "chat" else "text_completion"
+        return web.json_response({"id": job.request_id, "object": obj, "created": job.created,
+                                  "model": self.state.model_name, "choices": choices, "usage": usage})
+
+    def _choice(self, job: Job, index: int, out, text_of: TokenText) -> dict:
+        if job.kind == "chat":
+            logprobs = None
+            if job.logprobs is not None:
+                logprobs = chat_logprobs(text_of, out.token_ids, out.logprobs, job.logprobs)
+            return {"index": index, "message": {"role": "assistant", "content": out.text}, "logprobs": logprobs,
+                    "finish_reason": out.finish_reason}
+        text = out.text
+        logprobs = None
+        if job.logprobs is not None:
+            builder = CompletionLogprobs(text_of)
+            pieces = []
+            if job.echo:
+                pieces.append(builder.piece(out.prompt_ids, out.prompt_logprobs))
+            pieces.append(builder.piece(out.token_ids, out.logprobs))
+            logprobs = merge_pieces(pieces)
+        if job.echo:
+            text = job.prompt_texts[self._prompt_of(job, index)] + text
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": out.finish_reason}
+
+    @staticmethod
+    def _prompt_of(job: Job, index: int) -> int:
+        return index // job.n
+
+    async def _stream(self, request: web.Request, response: web.StreamResponse, job: Job, text_of) -> None:
+        lock = asyncio.Lock()
+        totals = {"completion_tokens": 0, "failed": False}
+        chunk = chunk_factory(job, self.state.model_name)
+
+        async def send(payload: dict) -> None:
+            async with lock:
+                await _send(response, payload)
+
+        async def one(index: int, c: Candidate) -> None:
+            engine = self.state.driver.engine
+            deltas = TextDeltas(engine.decode, job.stop)
+            builder = CompletionLogprobs(text_of)
+            if job.kind == "chat":
+                await send(chunk(index, {"role": "assistant", "content": ""}, None))
+            echo_pending, waiting_logprobs, waiting_ids = job.echo, [], []
+            while True:
+                out = await _next_output(request, c.outputs)
+                if echo_pending and (out.prompt_logprobs is not None or job.logprobs is None or out.finished):
+                    echo_pending = False
+                    lp = None
+                    if job.logprobs is not None:
+                        lp = builder.piece(out.prompt_ids, out.prompt_logprobs or [None] * len(out.prompt_ids))
+                    await send(chunk(index, job.prompt_texts[c.prompt_index], None, lp))
+                if out.finished:
+                    break
+                text = deltas.update(out.token_ids)
+                if job.logprobs is not None:
+                    waiting_ids += out.new_token_ids
+                    waiting_logprobs += out.new_logprobs
+                if text:
+                    await send(chunk(index, text, None, self._piece(job, builder, text_of, waiting_ids,
+                                                                    waiting_logprobs)))
+                    waiting_ids, waiting_logprobs = [], []
+            if out.finish_reason == "error":
+                totals["failed"] = True
+                return
+            totals["completion_tokens"] += len(out.token_ids)
+            if job.logprobs is not None:
+                done = len(out.logprobs) - len(waiting_logprobs) - len(out.new_logprobs)
+                waiting_ids = out.token_ids[done:]
+                waiting_logprobs = out.logprobs[done:]
+            await send(chunk(index, deltas.finish(out.text), out.finish_reason,
+                             self._piece(job, builder, text_of, waiting_ids, waiting_logprobs)))
+
+        await asyncio.gather(*(one(i, c) for i, c in enumerate(job.candidates)))
+        if totals["failed"]:
+            message = f"the engine failed while running this request ({self.state.driver.error})"
+            await _send(response, {"error": {"message": message, "type": "server_error", "param": None,
+                                             "code": None}})
+        elif job.include_usage:
+            prompt_tokens = sum(len(p) for p in job.prompts)
+            usage = {"prompt_tokens": prompt_tokens, "completion_tokens": totals["completion_tokens"],
+                     "total_tokens": prompt_tokens + totals["completion_tokens"]}
+            await _send(response, {**chunk(0, "", None), "choices": [], "usage": usage})
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+
+    @staticmethod
+    def _piece(job: Job, builder: CompletionLogprobs, text_of, token_ids, entries):
+        if job.logprobs is None:
+            return None
+        if job.kind == "chat":
+            return chat_logprobs(text_of, token_ids, entries, job.logprobs)
+        return builder.piece(token_ids, entries)
 
 
-# -- reading and checking a request body
-
-async def read_json(request: web.Request, max_bytes: int) -> dict:
-    if request.content_length is not None and request.content_length > max_bytes:
-        raise ApiError(413, f"body: {request.content_length} bytes is over the limit of {max_bytes}")
-    raw = await request.read()  # the app's client_max_size also stops a chunked body (413)
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
-        raise ApiError(400, "body: not valid JSON") from None
-    if not isinstance(body, dict):
-        raise ApiError(400, "body: must be a JSON object")
-    return body
-
-
-def is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def _int(body: dict, name: str, lo: int, hi: int | None, default):
-    value = body.get(name)
-    if value is None:
-        return default
-    if not is_int(value) or value < lo or (hi is not None and value > hi):
-        bound = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
-        raise ApiError(400, f"{name}: must be an integer {bound}, got {value!r}", param=name)
-    return value
-
-
-def _number(body: dict, name: str, lo: float, hi: float, default: float, *, lo_open: bool = False) -> float:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not _is_number(value) or not (lo < value if lo_open else lo <= value) or value > hi:
-        interval = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]"
-        raise ApiError(400, f"{name}: must be a number in {interval}, got {value!r}", param=name)
-    return float(value)
-
-
-def _bool(body: dict, name: str, default: bool = False) -> bool:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise ApiError(400, f"{name}: must be true or false, got {value!r}", param=name)
-    return value
+def _common_checks(body: dict, served: str, other_endpoint: tuple[str, ...]) -> None:
+    check_model(body, served)
+    for name, off in UNSUPPORTED.items():
+        value = body.get(name)
+        if value is None or value == off or (name in ("logit_bias", "tools", "functions") and value in ({}, [])):
+            continue
+        raise ApiError(400, f"{name}: is not supported by this server", param=name)
+    for name in other_endpoint:
+        if body.get(name) not in (None, False):
+            raise ApiError(400, f"{name}: not a field of this endpoint", param=name)
 
 
 def _stop(body: dict) -> tuple[str, ...]:
@@ -128,235 +386,23 @@ def _stop(body: dict) -> tuple[str, ...]:
     return tuple(stops)
 
 
-def _refuse_unsupported(body: dict, extra: dict) -> None:
-    """Parameters this server does not implement are refused unless they ask for the default,
-    so a client never silently gets something other than what it asked for."""
-    defaults = {"n": 1, "best_of": 1, "echo": False, "suffix": None, "logprobs": None,
-                "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None, **extra}
-    for name, default in defaults.items():
-        value = body.get(name)
-        if value is None or value == default or (name in ("logprobs", "logit_bias") and value in (False, 0, {})):
-            continue
-        raise ApiError(400, f"{name}: {value!r} is not supported by this server", param=name)
-
-
-def _check_model(body: dict, served: str) -> None:
-    model = body.get("model")
-    if model is None:
-        return  # optional here: there is one model
-    if not isinstance(model, str):
-        raise ApiError(400, f"model: must be a string, got {model!r}", param="model")
-    if model != served:
-        raise ApiError(400, f"model: {model!r} is not served here (this server serves {served!r})",
-                       param="model", code="model_not_found")
-
-
-def _completion_prompt(body: dict) -> str | list[int]:
+def _completion_prompts(body: dict) -> list:
+    """One prompt (text or token ids) or a batch of them, as OpenAI's four forms."""
     prompt = body.get("prompt")
-    # OpenAI's batch forms are accepted with a single prompt in them
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
     if isinstance(prompt, str):
         if not prompt:
             raise ApiError(400, "prompt: is empty", param="prompt")
-        return prompt
+        return [prompt]
     if isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
+        return [prompt]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        if len(prompt) > MAX_BATCH:
+            raise ApiError(400, f"prompt: {len(prompt)} prompts is over the limit of {MAX_BATCH}", param="prompt")
+        for i, p in enumerate(prompt):
+            if not p:
+                raise ApiError(400, f"prompt[{i}]: is empty", param="prompt")
         return prompt
-    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
-        raise ApiError(400, "prompt: one prompt per request (send several requests)", param="prompt")
-    raise ApiError(400, "prompt: must be a non-empty string or a non-empty list of token ids", param="prompt")
-
-
-def _message_text(i: int, message) -> tuple[str, str]:
-    if not isinstance(message, dict):
-        raise ApiError(400, f"messages[{i}]: must be an object", param="messages")
-    role, content = message.get("role"), message.get("content")
-    if role not in CHAT_ROLES:
-        raise ApiError(400, f"messages[{i}].role: must be one of {', '.join(CHAT_ROLES)}, got {role!r}",
-                       param="messages")
-    if content is None and role == "assistant":
-        return role, ""
-    if isinstance(content, str):
-        return role, content
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
-                                         and isinstance(p.get("text"), str) for p in content):
-        return role, "".join(p["text"] for p in content)
-    raise ApiError(400, f"messages[{i}].content: must be a string or a list of text parts", param="messages")
-
-
-def chat_prompt(messages) -> str:
-    """The chat template of the module doc."""
-    if not isinstance(messages, list) or not messages:
-        raise ApiError(400, "messages: must be a non-empty list", param="messages")
-    parts = [f"<|{role}|>\n{content}\n" for role, content in (_message_text(i, m) for i, m in enumerate(messages))]
-    return "".join(parts) + "<|assistant|>\n"
-
-
-@dataclass
-class Generation:
-    """What one request asked for, checked."""
-    kind: str  # "completion" | "chat"
-    request_id: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    stream: bool
-    include_usage: bool
-    created: int
-
-
-# -- the endpoints
-
-class OpenAIApi:
-    def __init__(self, state: ServerState):
-        self.state = state
-
-    def routes(self) -> list:
-        return [web.post("/v1/completions", self.completions), web.post("/v1/chat/completions", self.chat),
-                web.get("/v1/models", self.models), web.get("/v1/models/{model}", self.model)]
-
-    def _model_card(self) -> dict:
-        return {"id": self.state.model_name, "object": "model", "created": int(self.state.started),
-                "owned_by": "moectl", "max_model_len": self.state.driver.engine.max_model_len}
-
-    async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [self._model_card()]})
-
-    async def model(self, request: web.Request) -> web.Response:
-        if request.match_info["model"] != self.state.model_name:
-            raise ApiError(404, f"model: {request.match_info['model']!r} is not served here", param="model",
-                           code="model_not_found")
-        return web.json_response(self._model_card())
-
-    async def completions(self, request: web.Request) -> web.StreamResponse:
-        body = await read_json(request, self.state.max_request_bytes)
-        _check_model(body, self.state.model_name)
-        _refuse_unsupported(body, {})
-        prompt = _completion_prompt(body)
-        gen = await self._generation("completion", "cmpl", body, prompt, DEFAULT_COMPLETION_MAX_TOKENS)
-        return await self._run(request, gen)
-
-    async def chat(self, request: web.Request) -> web.StreamResponse:
-        body = await read_json(request, self.state.max_request_bytes)
-        _check_model(body, self.state.model_name)
-        _refuse_unsupported(body, {"tools": None, "tool_choice": None, "functions": None, "top_logprobs": None})
-        fmt = body.get("response_format")
-        if fmt is not None and fmt != {"type": "text"}:
-            raise ApiError(400, "response_format: only {\"type\": \"text\"} is supported", param="response_format")
-        if body.get("max_completion_tokens") is not None and body.get("max_tokens") is None:
-            body = {**body, "max_tokens": body["max_completion_tokens"]}  # the newer name
-        prompt = chat_prompt(body.get("messages"))
-        gen = await self._generation("chat", "chatcmpl", body, prompt, None)
-        return await self._run(request, gen)
-
-    async def _generation(self, kind: str, id_prefix: str, body: dict, prompt, default_max_tokens) -> Generation:
-        state = self.state
-        if state.driver.error is not None:
-            raise ApiError(503, f"the engine has failed ({state.driver.error}); restart it")
-        max_tokens = _int(body, "max_tokens", 1, state.max_tokens_limit, default_max_tokens)
-        temperature = _number(body, "temperature", 0.0, 2.0, 0.0)
-        top_p = _number(body, "top_p", 0.0, 1.0, 1.0, lo_open=True)
-        top_k = _int(body, "top_k", -1, None, 0)  # vLLM's extension; -1 (or 0) means no top-k filter
-        seed = _int(body, "seed", 0, 2**63 - 1, None)
-        stop = _stop(body)
-        ignore_eos = _bool(body, "ignore_eos")
-        stream = _bool(body, "stream")
-        options = body.get("stream_options")
-        if options is not None and (not isinstance(options, dict) or not stream):
-            raise ApiError(400, "stream_options: must be an object, and only with stream: true",
-                           param="stream_options")
-        include_usage = _bool(options or {}, "include_usage")
-        prompt_ids = await self._encode(prompt)
-        if max_tokens is None:  # chat: up to what is left of the context and of a KV pool
-            max_tokens = min(state.max_tokens_limit, self._room(len(prompt_ids)))
-            if max_tokens < 1:
-                raise ApiError(400, f"messages: {len(prompt_ids)} prompt tokens leave no room to reply",
-                               param="messages", code="context_length_exceeded")
-        try:
-            params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                                    top_k=max(top_k, 0), stop=stop, ignore_eos=ignore_eos, seed=seed)
-        except ValueError as exc:
-            raise ApiError(400, str(exc), param=_param_of(str(exc))) from None
-        return Generation(kind, f"{id_prefix}-{uuid.uuid4().hex}", prompt_ids, params, stream, include_usage,
-                          int(time.time()))
-
-    async def _encode(self, prompt) -> list[int]:
-        engine = self.state.driver.engine
-        try:
-            if isinstance(prompt, str) and len(prompt) > ENCODE_OFF_LOOP_CHARS:
-                return await asyncio.get_running_loop().run_in_executor(None, engine.encode, prompt)
-            return engine.encode(prompt)
-        except ValueError as exc:
-            raise ApiError(400, str(exc), param="prompt") from None
-
-    def _room(self, prompt_tokens: int) -> int:
-        engine = self.state.driver.engine
-        pool_tokens = engine.blocks.largest_pool * engine.config.block_size
-        return min(engine.max_model_len, pool_tokens) - prompt_tokens
-
-    async def _run(self, request: web.Request, gen: Generation) -> web.StreamResponse:
-        engine = self.state.driver.engine
-        try:
-            engine_stream = engine.add_request(gen.prompt_ids, gen.params, request_id=gen.request_id, stream=True)
-        except ValueError as exc:
-            message = str(exc)
-            code = "context_length_exceeded" if "exceed" in message or "KV blocks" in message else None
-            raise ApiError(400, message, param=_param_of(message), code=code) from None
-        outputs = self.state.bridge.attach(engine_stream)
-        response = None
-        try:
-            if gen.stream:
-                response = web.StreamResponse(headers=SSE_HEADERS)
-                await response.prepare(request)
-                await self._stream(request, response, gen, outputs)
-                return response
-            return await self._complete(request, gen, outputs)
-        except (ClientGone, ConnectionResetError):  # aborted below; nobody to answer
-            return response or web.Response(status=499)
-        finally:
-            if not outputs.finished:  # the client left (or the handler was cancelled): free its KV blocks
-                engine.abort(gen.request_id)
-
-    async def _complete(self, request: web.Request, gen: Generation, outputs: AsyncRequestStream) -> web.Response:
-        out = await _next_output(request, outputs)
-        while not out.finished:
-            out = await _next_output(request, outputs)
-        if out.finish_reason == "error":
-            raise ApiError(500, f"the engine failed while running this request ({self.state.driver.error})")
-        usage = _usage(gen, out)
-        if gen.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": out.text},
-                      "logprobs": None, "finish_reason": out.finish_reason}
-            obj = "chat.completion"
-        else:
-            choice = {"index": 0, "text": out.text, "logprobs": None, "finish_reason": out.finish_reason}
-            obj = "text_completion"
-        return web.json_response({"id": gen.request_id, "object": obj, "created": gen.created,
-                                  "model": self.state.model_name, "choices": [choice], "usage": usage})
-
-    async def _stream(self, request: web.Request, response: web.StreamResponse, gen: Generation,
-                      outputs: AsyncRequestStream) -> None:
-        engine = self.state.driver.engine
-        deltas = TextDeltas(engine.decode, gen.params.stop)
-        chunk = chunk_factory(gen, self.state.model_name)
-        if gen.kind == "chat":
-            await _send(response, chunk({"role": "assistant", "content": ""}, None))
-        while True:
-            out = await _next_output(request, outputs)
-            if out.finished:
-                break
-            text = deltas.update(out.token_ids)
-            if text:
-                await _send(response, chunk(text, None))
-        if out.finish_reason == "error":
-            message = f"the engine failed while running this request ({self.state.driver.error})"
-            await _send(response, {"error": {"message": message, "type": "server_error", "param": None,
-                                             "code": None}})
-        else:
-            await _send(response, chunk(deltas.finish(out.text), out.finish_reason))
-            if gen.include_usage:
-                await _send(response, {**chunk("", None), "choices": [], "usage": _usage(gen, out)})
-        await response.write(b"data: [DONE]\n\n")
-        await response.write_eof()
+    raise ApiError(400, "prompt: must be a non-empty string, a list of token ids, or a list of those", param="prompt")
 
 
 class ClientGone(Exception):
@@ -377,24 +423,19 @@ async def _next_output(request: web.Request, outputs: AsyncRequestStream):
             raise ClientGone()
 
 
-def _usage(gen: Generation, out) -> dict:
-    prompt, completion = len(gen.prompt_ids), len(out.token_ids)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-
-def chunk_factory(gen: Generation, model: str):
-    """chunk(text_or_delta, finish_reason) -> one streamed chunk of this request's kind."""
-    obj = "chat.completion.chunk" if gen.kind == "chat" else "text_completion"
-    base = {"id": gen.request_id, "object": obj, "created": gen.created, "model": model}
-    if gen.include_usage:
+def chunk_factory(job: Job, model: str):
+    """chunk(index, text_or_delta, finish_reason, logprobs) -> one streamed chunk of this job's kind."""
+    obj = "chat.completion.chunk" if job.kind == "chat" else "text_completion"
+    base = {"id": job.request_id, "object": obj, "created": job.created, "model": model}
+    if job.include_usage:
         base["usage"] = None
 
-    def chunk(content, finish_reason) -> dict:
-        if gen.kind == "chat":
+    def chunk(index: int, content, finish_reason, logprobs=None) -> dict:
+        if job.kind == "chat":
             delta = content if isinstance(content, dict) else ({"content": content} if content else {})
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         else:
-            choice = {"index": 0, "text": content, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "text": content, "logprobs": logprobs, "finish_reason": finish_reason}
         return {**base, "choices": [choice]}
     return chunk
 

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from rich.console import Group
 from rich.table import Table
+from rich.text import Text
 from textual.app import ComposeResult
-from textual.containers import VerticalScroll
+from textual.containers import Vertical, VerticalScroll
 from textual.widgets import Static
 from textual_plotext import PlotextPlot
 
+from moectl.console.panels import gpu
 from moectl.console.panels.common import ShowsOnChange, fmt_bytes, replot
 
 # derived from each step's shapes with the planner's formulas, not read from an allocator
@@ -26,6 +29,9 @@ class MemoryPanel(ShowsOnChange, VerticalScroll):
         yield PlotextPlot(id="mem-cat-plot")
         yield Static("HBM by category, now", classes="section-title")
         yield Static(id="mem-categories")
+        with Vertical(id="mem-gpu-box"):  # only with a GPU: hidden, it takes no room
+            yield Static(gpu.TITLE + ", beside the engine's accounting above", classes="section-title")
+            yield Static(id="mem-gpu")
         yield Static(id="mem-tiers")
         yield Static("Memory plan for this layout (moectl plan memory)", classes="section-title")
         yield Static(id="mem-plan")
@@ -62,6 +68,12 @@ class MemoryPanel(ShowsOnChange, VerticalScroll):
         memory = state.memory()
         self.put("#mem-categories", lambda: self._categories(state),
                  key=(tuple(tuple(m.items()) for m in memory[:16]), state.hbm_bytes))
+        sample = gpu.gpu_sample(state)
+        self.query_one("#mem-gpu-box").display = sample is not None
+        if sample is not None:
+            notes = self._gpu_notes(state, sample)
+            self.put("#mem-gpu", lambda: Group(gpu.table(sample), Text.from_markup("[dim]" + "\n".join(notes) + "[/]")),
+                     key=(repr(sample["devices"]), notes))
         self.put("#mem-tiers", self._tiers(state))
         if self._plan_text is None:
             self._plan_text = self._plan(state)
@@ -84,6 +96,21 @@ class MemoryPanel(ShowsOnChange, VerticalScroll):
         table.add_row("[b]total[/b]", *(f"[b]{fmt_bytes(sum(m.values()))}[/b]" for m in shown))
         table.add_row("HBM", *(fmt_bytes(state.hbm_bytes) for _ in shown))
         return table
+
+    @staticmethod
+    def _gpu_notes(state, sample: dict) -> tuple[str, ...]:
+        """Under the driver's table: the sample's age, then the engine's own figures for the same
+        memory (what the HBM accounting above adds up to, the torch allocator's counters)."""
+        lines = [gpu.age(sample, state.latest)]
+        accounted = state.memory()
+        if accounted:
+            lines.append(f"engine accounted HBM (table above): {fmt_bytes(sum(sum(m.values()) for m in accounted))} over "
+                         f"{len(accounted)} device(s)")
+        cuda = (state.latest.get("process") or {}).get("cuda")
+        if cuda:
+            lines.append(f"torch allocator (this process, current device): allocated {fmt_bytes(cuda.get('allocated'))}, "
+                         f"reserved {fmt_bytes(cuda.get('reserved'))}, peak {fmt_bytes(cuda.get('max_allocated'))}")
+        return tuple(lines)
 
     @staticmethod
     def _tiers(state) -> str:

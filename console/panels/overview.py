@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from rich.text import Text
 from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.widgets import Button, Static
 
+from moectl.console.panels import gpu
 from moectl.console.panels.common import ActionRequested, ShowsOnChange, bars, fmt_bytes, fmt_s
 
 
@@ -24,6 +26,9 @@ class OverviewPanel(ShowsOnChange, VerticalScroll):
                 yield Static("HBM per device (accounted; activations and buffers modeled from shapes)",
                              classes="section-title")
                 yield Static(id="ov-hbm")
+        with Vertical(id="ov-gpu-box"):  # only with a GPU: hidden, it takes no room
+            yield Static(gpu.TITLE + ", memory used", id="ov-gpu-title", classes="section-title")
+            yield Static(id="ov-gpu")
         yield Static("Alerts", classes="section-title")
         yield Static(id="ov-alerts")
 
@@ -72,11 +77,32 @@ class OverviewPanel(ShowsOnChange, VerticalScroll):
         rows = [(f"d{d}", sum(m.values()) / hbm, f"{fmt_bytes(sum(m.values()))} / {fmt_bytes(hbm)}")
                 for d, m in enumerate(memory)]
         self.put("#ov-hbm", lambda: bars(rows, width) if rows else "no accounting yet", key=(tuple(rows), width))
+        self._show_gpu(state)
         alerts = state.alerts
         self.put(
             "#ov-alerts",
             "\n".join(f"[b]{a['severity']}[/b] {a['message']}  [dim]-> {a['action']}[/]" for a in alerts)
             or "[dim]none[/]")
+
+    def _show_gpu(self, state) -> None:
+        sample = gpu.gpu_sample(state)
+        self.query_one("#ov-gpu-box").display = sample is not None
+        if sample is None:
+            return
+        devices = sample["devices"]
+        # a bar only where the driver gave memory figures: an empty bar would read as nothing used
+        rows = [(gpu.label(d), gpu.memory_fraction(d), gpu.summary(d)) for d in devices
+                if gpu.memory_fraction(d) is not None]
+        others = "\n".join(f"{gpu.label(d)} {gpu.summary(d)}" for d in devices if gpu.memory_fraction(d) is None)
+        # bars() leaves 24 columns after the bar; these lines are longer, so the bar gives way
+        width = max(self.size.width - 6 + 24 - max((len(r[2]) for r in rows), default=0), 30)
+
+        def content() -> Text:
+            shown = bars(rows, width) if rows else Text()
+            return shown + Text(("\n" if rows and others else "") + others)
+
+        self.put("#ov-gpu-title", f"{gpu.TITLE}, memory used  [dim]({gpu.age(sample, state.latest)})[/]")
+        self.put("#ov-gpu", content, key=(tuple(rows), others, width))
 
     def on_button_pressed(self, event: Button.Pressed) -> None:
         if event.button.id == "ov-restart":

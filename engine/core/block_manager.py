@@ -113,8 +113,9 @@ class BlockManager:
 
     def match_prefix(self, seq: Sequence) -> list[int]:
         """Cached blocks covering a prefix of the sequence. The last token is never served from
-        cache, because its logits are needed to sample."""
-        if not self.enable_prefix_caching:
+        cache, because its logits are needed to sample. A sequence scoring its prompt gets none:
+        every position's logits are wanted (its blocks are still shared once computed)."""
+        if not self.enable_prefix_caching or seq.prompt_logprobs is not None:
             return []
         hits: list[int] = []
         parent = self._roots[self.pool_of(seq)]

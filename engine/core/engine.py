@@ -25,7 +25,7 @@ from moectl.engine.core.kv_cache import KVCache
 from moectl.engine.core.model_runner import ModelRunner
 from moectl.engine.core.outputs import RequestOutput, RequestStream
 from moectl.engine.core.records import StepStats
-from moectl.engine.core.sampling import SamplingParams, _GeneratorFactory, sample
+from moectl.engine.core.sampling import SamplingParams, _GeneratorFactory, sample, token_logprobs
 from moectl.engine.core.scheduler import ScheduledBatch, Scheduler
 from moectl.engine.core.sequence import Sequence
 from moectl.engine.core.telemetry import DeepCapture, Telemetry
@@ -225,13 +225,44 @@ class EngineCore:
                 self.record_action(f"{kind}_failed", {}, {"error": f"{type(exc).__name__}: {exc}"})
 
     def _sample(self, batch: ScheduledBatch, logits: torch.Tensor) -> dict[int, int]:
-        """id(sequence) -> its new token, for the sequences whose pending tokens this step completes."""
-        samplers = [s for s, n in batch.items if s.num_computed + n == s.num_tokens]
+        """id(sequence) -> its new token, for the sequences whose pending tokens this step completes
+        (a request with max_tokens 0 gets none: it only scores its prompt)."""
+        completing = [s for s, n in batch.items if s.num_computed + n == s.num_tokens]
         tracer = self.telemetry.tracer
         mark = tracer.mark()
-        tokens = sample(logits, [s.params for s in samplers], [s.generator for s in samplers])
+        self._score_prompts(batch)
+        rows = [i for i, s in enumerate(completing) if s.params.max_tokens > 0]
+        samplers = [completing[i] for i in rows]
+        if len(rows) < len(completing):
+            logits = logits[rows]
+        histories = [(s.token_ids[:s.num_prompt_tokens], s.output_ids) if s.params.penalised else None
+                     for s in samplers]
+        tokens = sample(logits, [s.params for s in samplers], [s.generator for s in samplers], histories)
+        wanted = [i for i, s in enumerate(samplers) if s.output_logprobs is not None]
+        if wanted:
+            scored = token_logprobs(logits[wanted], [tokens[i] for i in wanted],
+                                    [samplers[i].params.logprobs for i in wanted])
+            for i, lp in zip(wanted, scored):
+                samplers[i].output_logprobs.append(lp)
         tracer.close(mark, "sampler")
         return dict(zip(map(id, samplers), tokens))
+
+    def _score_prompts(self, batch: ScheduledBatch) -> None:
+        """Prompt log-probabilities from this step's prefill logits (the runner keeps them only
+        for sequences that asked)."""
+        found = self.runner.prompt_logits
+        if not found:
+            return
+        for seq, _ in batch.items:
+            entry = found.get(id(seq))
+            if entry is None:
+                continue
+            first, logits = entry
+            targets = seq.token_ids[first:first + logits.shape[0]]
+            scored = token_logprobs(logits, targets, [seq.params.prompt_logprobs] * len(targets))
+            seq.prompt_logprobs[first:first + len(scored)] = scored
+            seq.prompt_scored = first + len(scored)
+        self.runner.prompt_logits = {}
 
     def _postprocess(self, batch: ScheduledBatch, new_tokens: dict[int, int]) -> None:
         now = time.monotonic()
@@ -240,7 +271,10 @@ class EngineCore:
             self.blocks.commit_full_blocks(seq)
             token = new_tokens.get(id(seq))
             if token is None:
-                continue  # a prefill chunk that does not reach the end of the prompt
+                if seq.params.max_tokens == 0 and seq.num_computed == seq.num_tokens:
+                    self.scheduler.finish(seq, "length")  # scored its prompt; nothing to generate
+                    self._emit(seq, [])
+                continue  # otherwise a prefill chunk that does not reach the end of the prompt
             seq.token_ids.append(token)
             seq.token_times.append(now)
             if seq.num_output_tokens == 1:
@@ -289,6 +323,12 @@ class EngineCore:
         out = RequestOutput(seq.request_id, seq.token_ids[:seq.num_prompt_tokens], seq.output_ids, new,
                             (seq.output_text or "") if finished else "", finished, seq.finish_reason,
                             seq.metrics() if finished else {})
+        if seq.output_logprobs is not None:
+            out.new_logprobs = seq.output_logprobs[len(seq.output_logprobs) - len(new):] if new else []
+            if finished:
+                out.logprobs = list(seq.output_logprobs)
+        if seq.prompt_logprobs is not None and (finished or seq.num_output_tokens == len(new) == 1):
+            out.prompt_logprobs = list(seq.prompt_logprobs)
         if stream is not None:
             stream.put(out)
         self._outputs.append(out)
@@ -410,4 +450,5 @@ class EngineCore:
             "prefix_hit_rate": (b.prefix_hits / b.prefix_queries) if b.prefix_queries else 0.0,
             "preemptions": self.scheduler.num_preemptions, "aborted": self.num_aborted,
             "steps": self.step_count,
+            "gpu": self.telemetry.gpu_sample(),  # the driver's newest NVML sample (None without a GPU)
         }

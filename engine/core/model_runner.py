@@ -38,6 +38,7 @@ class ModelRunner:
         self.probe = RoutingProbe(model.cfg.num_layers, model.cfg.num_experts)
         # decodes read the cache in place (one table per row, no padding mask) when the kernel serves it
         self.decode_kernel = paged_decode.serves(cache)
+        self.prompt_logits: dict = {}  # the last step's, for sequences scoring their prompt (_prompt_logits)
 
     def _slots(self, table: list[int], start: int, end: int) -> np.ndarray:
         pos = np.arange(start, end)
@@ -100,6 +101,19 @@ class ModelRunner:
             offset += n
         return ctx
 
+    def _prompt_logits(self, ordered, hidden: torch.Tensor) -> dict:
+        """id(seq) -> (first prompt position predicted, fp32 logits) for sequences scoring their
+        prompt: row q predicts token q + 1, up to the last prompt token (whose logits sample)."""
+        out, cursor = {}, 0
+        for seq, n in ordered:
+            if seq.wants_prompt_logits:
+                start = seq.num_computed
+                lo, hi = max(start, seq.prompt_scored - 1), min(start + n, seq.num_prompt_tokens - 1)
+                if lo < hi:
+                    out[id(seq)] = (lo + 1, self.model.logits(hidden[cursor + lo - start:cursor + hi - start]))
+            cursor += n
+        return out
+
     @torch.inference_mode()
     def run(self, items: list[tuple[Sequence, int]], all_logits: bool = False, probe=None) -> torch.Tensor:
         """Runs one step. Returns fp32 logits for every sequence that completes its pending tokens
@@ -136,6 +150,7 @@ class ModelRunner:
                             ctx, probe or self.probe)
         if all_logits:
             return self.model.logits(hidden)
+        self.prompt_logits = self._prompt_logits(ordered, hidden)
         # map back to `items` order, keeping only sequences that will sample
         last_index, cursor = {}, 0
         for seq, n in ordered:

@@ -17,6 +17,12 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None
     metrics: dict = field(default_factory=dict)
+    # with SamplingParams.logprobs: (logprob, [(id, logprob), ...]) for new_token_ids, and for
+    # every output token once finished; with prompt_logprobs: per prompt token (the first is None),
+    # on the output that ends the prompt's prefill and on the finished one
+    new_logprobs: list | None = None
+    logprobs: list | None = None
+    prompt_logprobs: list | None = None
 
 
 class RequestStream:

@@ -21,6 +21,13 @@ Step record (format 1):
   process         {"rss_bytes", "sys_used_bytes", "sys_total_bytes", "sampled_at": float,
                    "cuda": {"allocated", "reserved", "max_allocated"} or None}
                   (psutil / torch.cuda, sampled at most every PROCESS_SAMPLE_S)
+  gpu             only with CUDA and NVML (absent otherwise, and in older traces): the driver's
+                  measured figures, the newest sample of core/gpu_stats.py's thread:
+                  {"source": "nvml", "sampled_at": float (engine clock), "period_s": float,
+                   "devices": [{"index" (torch cuda index), "nvml_index", "name", and those of
+                   "memory_used_bytes", "memory_total_bytes", "util_gpu_pct", "util_memory_pct",
+                   "power_w", "power_limit_w", "temperature_c", "sm_clock_mhz", "memory_clock_mhz"
+                   the driver supports}]}
   requests        [{"id": str, "event": "arrived"|"scheduled"|"first_token"|"preempted"|"finished",
                     "t": float, ...}]; "finished" adds "reason", "prompt_tokens", "output_tokens",
                     "ttft_s", "tpot_s" (None when undefined)
@@ -116,6 +123,7 @@ class StepStats:
     cache: dict = field(default_factory=dict)
     process: dict = field(default_factory=dict)
     knobs: dict = field(default_factory=dict)
+    gpu: dict | None = None  # NVML's sample; None without a GPU, and then the record has no "gpu"
 
     def as_record(self) -> dict:
         devices = self.devices
@@ -128,4 +136,6 @@ class StepStats:
         }
         if self.kernels is not None:
             record["kernels"] = self.kernels
+        if self.gpu is not None:
+            record["gpu"] = self.gpu
         return record

@@ -1,7 +1,14 @@
-"""Sampling parameters (validated once) and the sampler that turns logits into tokens."""
+"""Sampling parameters (validated once), the sampler that turns logits into tokens, and the
+log-probabilities a request asked for.
+
+Log-probabilities are those of the model's own distribution (log-softmax of the raw logits, as
+vLLM's default "raw_logprobs"): temperature, top-k/top-p and penalties change which token is
+drawn, not the figures reported, so they can be compared with a reference implementation.
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -17,14 +24,32 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     seed: int | None = None
+    logprobs: int | None = None  # top alternatives reported per output token (0: the chosen one only)
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first
+    presence_penalty: float = 0.0  # OpenAI's: subtracted once from every token already in the output
+    frequency_penalty: float = 0.0  # OpenAI's: subtracted per occurrence in the output
+    repetition_penalty: float = 1.0  # vLLM/transformers': divides (or multiplies) prompt and output tokens
 
     def __post_init__(self):
         if isinstance(self.stop, str):
             self.stop = (self.stop,)
         self.stop = tuple(self.stop)
         self.stop_token_ids = tuple(self.stop_token_ids)
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens: must be an integer >= 1, got {self.max_tokens!r}")
+        # max_tokens 0 only scores the prompt (echo with prompt log-probabilities)
+        lowest = 0 if self.prompt_logprobs is not None else 1
+        if not _is_int(self.max_tokens) or self.max_tokens < lowest:
+            extra = "" if lowest == 0 else " (0 only with prompt_logprobs)"
+            raise ValueError(f"max_tokens: must be an integer >= {lowest}{extra}, got {self.max_tokens!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                raise ValueError(f"{name}: must be an integer in [0, {MAX_LOGPROBS}], got {value!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name}: must be a number in [-2, 2], got {value!r}")
+        if not _is_number(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 2.0:
+            raise ValueError(f"repetition_penalty: must be a number in (0, 2], got {self.repetition_penalty!r}")
         if not isinstance(self.temperature, (int, float)) or not 0.0 <= self.temperature <= 100.0:
             raise ValueError(f"temperature: must be in [0, 100], got {self.temperature!r}")
         if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
@@ -35,22 +60,73 @@ class SamplingParams:
             raise ValueError("stop: every stop string must be a non-empty string")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids: must be non-negative integers")
-        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
-            raise ValueError(f"seed: must be a non-negative integer, got {self.seed!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**64):
+            raise ValueError(f"seed: must be an integer in [0, 2**64), got {self.seed!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def penalised(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
-    """logits: fp32 [B, V]. Greedy rows share one argmax; sampled rows draw with their own generator,
-    so a seeded request gives the same tokens whatever else is in the batch."""
+
+MAX_LOGPROBS = 20  # as vLLM's default max_logprobs
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def apply_penalties(row: torch.Tensor, p: SamplingParams, prompt_ids: list[int], output_ids: list[int]) -> torch.Tensor:
+    """One row of logits with the request's penalties applied (a new tensor). Repetition counts
+    prompt and output tokens (vLLM, transformers); presence and frequency count the output only (OpenAI)."""
+    row = row.clone()
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), dtype=torch.long, device=row.device)
+        picked = row[seen]
+        row[seen] = torch.where(picked > 0, picked / p.repetition_penalty, picked * p.repetition_penalty)
+    if output_ids and (p.presence_penalty or p.frequency_penalty):
+        counts = torch.bincount(torch.tensor(output_ids, device=row.device), minlength=row.numel())[:row.numel()]
+        row -= p.frequency_penalty * counts.to(row.dtype) + p.presence_penalty * (counts > 0).to(row.dtype)
+    return row
+
+
+TokenLogprob = tuple[float, list[tuple[int, float]]]  # (the token's log-probability, top [(id, logprob)])
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], top: list[int]) -> list[TokenLogprob]:
+    """Per row of fp32 logits: the log-probability of tokens[row] and the `top[row]` most likely tokens."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logp.gather(1, torch.tensor(tokens, device=logp.device).unsqueeze(1)).squeeze(1).tolist()
+    k = max(top, default=0)
+    if k == 0:
+        return [(lp, []) for lp in chosen]
+    values, ids = logp.topk(k, dim=-1)
+    values, ids = values.tolist(), ids.tolist()
+    return [(lp, list(zip(i[:n], v[:n]))) for lp, i, v, n in zip(chosen, ids, values, top)]
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+           histories: list[tuple[list[int], list[int]]] | None = None) -> list[int]:
+    """logits: fp32 [B, V]; histories: (prompt ids, output ids) per row, needed for penalties.
+    Greedy rows share one argmax; sampled rows draw with their own generator, so a seeded request
+    gives the same tokens whatever else is in the batch."""
     tokens = logits.argmax(dim=-1).tolist()
     for row, (p, gen) in enumerate(zip(params, generators)):
+        scores = logits[row]
+        if p.penalised:
+            scores = apply_penalties(scores, p, *histories[row])
+            if p.greedy:
+                tokens[row] = int(scores.argmax())
         if p.greedy:
             continue
-        scores = logits[row].float().cpu() / p.temperature  # CPU generators: same draws on any device
+        scores = scores.float().cpu() / p.temperature  # CPU generators: same draws on any device
         if p.top_k and p.top_k < scores.numel():
             kth = torch.topk(scores, p.top_k).values[-1]
             scores = scores.masked_fill(scores < kth, float("-inf"))

@@ -38,6 +38,12 @@ class Sequence:
         self.num_preemptions = 0
         self.home_device = 0  # emulated device that owns this sequence's tokens
         self.output_text: str | None = None  # set when finished (or cut at a stop string)
+        # log-probabilities, when the request asked: one (logprob, top) per output token, and per
+        # prompt token (None for the first, which nothing predicts) until the prompt is scored
+        self.output_logprobs: list | None = [] if params.logprobs is not None else None
+        self.prompt_logprobs: list | None = ([None] * len(prompt_ids) if params.prompt_logprobs is not None
+                                             else None)
+        self.prompt_scored = 1  # prompt positions whose log-probabilities are known (position 0 has none)
         self.arrival = time.monotonic() if arrival is None else arrival
         self.first_scheduled: float | None = None
         self.token_times: list[float] = []
@@ -59,6 +65,11 @@ class Sequence:
     def remaining(self) -> int:
         """Tokens still to run through the model before the next sample."""
         return len(self.token_ids) - self.num_computed
+
+    @property
+    def wants_prompt_logits(self) -> bool:
+        """Its prompt still has positions to score: the runner returns logits for its prefill rows."""
+        return self.prompt_logprobs is not None and self.prompt_scored < self.num_prompt_tokens
 
     @property
     def finished(self) -> bool:

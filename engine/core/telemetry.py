@@ -19,6 +19,7 @@ import numpy as np
 import psutil
 import torch
 
+from moectl.engine.core.gpu_stats import GpuSampler
 from moectl.engine.core.records import PROCESS_SAMPLE_S, StepStats
 from moectl.engine.core.spans import SpanRecorder
 from moectl.engine.models.tracing import NULL_TRACER
@@ -114,6 +115,8 @@ class Telemetry:
         self._process = psutil.Process()
         self._process_sample: dict | None = None
         self._cuda = cuda
+        # the driver's view of the GPUs, on its own thread; an engine without CUDA asks NVML nothing
+        self.gpu: GpuSampler | None = GpuSampler() if cuda else None
         self.cost = RecordingCost()
 
     @property
@@ -208,7 +211,7 @@ class Telemetry:
             spans=spans, kernels=kernels, requests=self.take_request_events(),
             cache={"kv_blocks_used": b.num_used, "kv_blocks_total": b.num_blocks, "prefix_queries": b.prefix_queries,
                    "prefix_hits": b.prefix_hits, "preemptions": engine.scheduler.num_preemptions},
-            process=self.process_memory(), knobs=engine.scheduler.knobs.as_dict())
+            process=self.process_memory(), knobs=engine.scheduler.knobs.as_dict(), gpu=self.gpu_sample())
 
     def process_memory(self) -> dict:
         """RSS, system memory and CUDA allocator figures, sampled at most every PROCESS_SAMPLE_S."""
@@ -226,6 +229,10 @@ class Telemetry:
                 "sys_total_bytes": system.total, "sampled_at": now, "cuda": cuda}
         self.cost.seconds["process_memory"] += _clock() - t0
         return sample
+
+    def gpu_sample(self) -> dict | None:
+        """The newest NVML sample (gpu_stats), None without a GPU or NVML: an attribute read."""
+        return self.gpu.latest() if self.gpu is not None else None
 
     # -- listeners
     def publish_step(self, stats) -> None:
