@@ -14,9 +14,12 @@ from moectl.cli.common import (
     MODEL_OPT,
     NPROC_OPT,
     BadInput,
+    check_nproc,
+    check_seed,
     emit_json,
     handles_errors,
     model_dir,
+    parse_cli_size,
     parse_threads,
     progress,
 )
@@ -58,6 +61,8 @@ def bench(
     if compare is not None and compare != "hf":
         raise BadInput(f"--compare: only 'hf' is supported, got {compare!r}")
     name = suite or "compare-hf"
+    check_seed(seed)
+    check_nproc(nproc, backend)
     threads = parse_threads(threads_opt)
     threads = None if threads == "auto" else threads
     if threads is not None:
@@ -71,19 +76,23 @@ def bench(
     if contended and threads is not None:
         raise BadInput("--contended: compares thread policies itself; leave --threads out")
     if name == "compare-hf":
-        from moectl.engine.tools.bench import run_compare_hf, run_contended
+        from moectl.engine.tools.bench import check_bench_requests, run_compare_hf, run_contended
 
+        check_bench_requests(requests, "--requests")
         result = (run_contended if contended else run_compare_hf)(path, num_requests=requests, seed=seed,
                                                                   dtype=dtype or "float32", threads=threads, log=log)
     elif name == "serve":
-        from moectl.engine.tools.bench import run_serve
+        from moectl.engine.tools.bench import check_bench_requests, expected_requests, run_serve
         from moectl.engine.tools.workload import WorkloadSpec
 
-        spec = WorkloadSpec.from_option(workload) if workload else WorkloadSpec(num_requests=requests, seed=seed)
-        from moectl.engine.core.topology import parse_size
-
+        if workload:
+            spec = WorkloadSpec.from_option(workload)
+            check_bench_requests(expected_requests(spec), "--workload: requests (or rate x duration)")
+        else:
+            check_bench_requests(requests, "--requests")
+            spec = WorkloadSpec(num_requests=requests, seed=seed)
         result = run_serve(path, spec=spec, dtype=dtype, log=log,
-                           host_mem=None if host_mem is None else parse_size(host_mem, "--host-mem"))
+                           host_mem=None if host_mem is None else parse_cli_size(host_mem, "--host-mem"))
     elif name == "kv-int8":
         from moectl.engine.tools.kv_eval import default_eval_inputs, run_kv_int8_eval
 

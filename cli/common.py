@@ -18,6 +18,10 @@ from moectl.engine.core.config import EngineConfig
 from moectl.engine.core.topology import Topology, parse_size
 
 BACKENDS = ("local", "multi-gpu", "distributed")
+MAX_SIZE_BYTES = 1 << 50  # 1 PiB: more than any one device or host has; beyond it a size is a typo
+MAX_SEED = 2**63 - 1  # torch.manual_seed's and the engine's range
+# threads beyond a few per core only contend, and an absurd count crashes torch's thread pool (exit 139)
+MAX_THREADS = 4 * (os.cpu_count() or 1)
 
 MODEL_OPT = typer.Option(None, "--model", "-m", help="Hugging Face-format checkpoint directory "
                                                      "(default: the embedded sample model).")
@@ -83,16 +87,74 @@ def model_dir(model: Path | None, config_file: bool = False) -> Path:
 
 
 def parse_threads(value: str | None) -> int | str | None:
-    """--threads: "auto" or a positive integer."""
+    """--threads: "auto" or an integer in 1..MAX_THREADS."""
     if value is None or value == "auto":
         return value
     try:
         threads = int(value)
     except ValueError:
         raise BadInput(f"--threads: must be a positive integer or auto, got {value!r}") from None
-    if threads < 1:
-        raise BadInput(f"--threads: must be >= 1, got {threads}")
+    if not 1 <= threads <= MAX_THREADS:
+        raise BadInput(f"--threads: must be in 1-{MAX_THREADS} (4 per core here), got {threads}")
     return threads
+
+
+def parse_cli_size(value: str, option: str) -> int:
+    """A size option (--hbm, --host-mem): bytes, finite and at most MAX_SIZE_BYTES."""
+    try:
+        size = parse_size(value, option)
+    except OverflowError:  # int(inf): '1e999GiB'
+        raise BadInput(f"{option}: {value!r} is not a finite size") from None
+    if size > MAX_SIZE_BYTES:
+        raise BadInput(f"{option}: {value!r} is more than 1 PiB")
+    return size
+
+
+def check_seed(seed: int | None, option: str = "--seed") -> int | None:
+    """--seed within the range torch's generators take."""
+    if seed is not None and not 0 <= seed <= MAX_SEED:
+        raise BadInput(f"{option}: must be in 0-{MAX_SEED}, got {seed}")
+    return seed
+
+
+def check_nproc(nproc: int | None, backend: str) -> None:
+    """--nproc: a process count, only for the distributed backend."""
+    if nproc is None:
+        return
+    if nproc < 1:
+        raise BadInput(f"--nproc: must be >= 1, got {nproc}")
+    if backend != "distributed":
+        raise BadInput("--nproc: only with --backend distributed")
+
+
+def check_device(device: str) -> str:
+    """--device: a torch device this machine has (an unknown or absent one is bad input)."""
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError, TypeError):
+        raise BadInput(f"--device: {device!r} is not a torch device (e.g. cpu, cuda:0)") from None
+    if dev.type == "cpu":
+        return device
+    backend = getattr(torch, dev.type, None)  # torch.cuda, torch.mps, torch.xpu: each says what it has
+    available = getattr(backend, "is_available", lambda: False)()
+    count = getattr(backend, "device_count", lambda: 1)() if available else 0
+    if (dev.index or 0) >= count:
+        raise BadInput(f"--device: {device} is not available here ({count} {dev.type} devices)")
+    return device
+
+
+def check_output_file(out: Path, option: str, *inputs: Path) -> None:
+    """An output file path: its folder exists, it is not a folder, and it is none of `inputs`."""
+    out = Path(out)
+    if out.is_dir():
+        raise BadInput(f"{option}: {out} is a directory; give a file path")
+    if not out.parent.is_dir():
+        raise BadInput(f"{option}: {out.parent} is not an existing directory")
+    for src in inputs:
+        if out.exists() and Path(src).exists() and os.path.samefile(out, src):
+            raise BadInput(f"{option}: {out} is the input {src}; give another file")
 
 
 def parse_ids(spec: str) -> list[int]:
@@ -148,10 +210,10 @@ def engine_config(model: Path | None, *, devices: int | None = None, hbm: str = 
     options: any other EngineConfig field (dtype, redundant_slots, num_threads, ...)."""
     if backend not in BACKENDS:
         raise BadInput(f"--backend: must be one of {', '.join(BACKENDS)}, got {backend!r}")
-    if nproc is not None and backend != "distributed":
-        raise BadInput("--nproc: only with --backend distributed")
-    if nproc is not None and nproc < 1:
-        raise BadInput(f"--nproc: must be >= 1, got {nproc}")
+    check_nproc(nproc, backend)
+    hbm_bytes = parse_cli_size(hbm, "--hbm")  # checked even where no topology uses it
+    if backend != "multi-gpu":  # multi-gpu picks cuda:0 itself, checked below
+        check_device(device)
     if devices is not None and devices < 1:
         raise BadInput(f"--devices: must be >= 1, got {devices}")
     if backend == "distributed":
@@ -163,7 +225,7 @@ def engine_config(model: Path | None, *, devices: int | None = None, hbm: str = 
     if host_mem is not None:
         if backend == "distributed":
             raise BadInput("--host-mem: not on the distributed backend (each rank loads its own experts)")
-        options["host_mem"] = parse_size(host_mem, "--host-mem")
+        options["host_mem"] = parse_cli_size(host_mem, "--host-mem")
     if placement is not None:
         if devices is None:
             raise BadInput("--placement: needs --devices")
@@ -171,7 +233,7 @@ def engine_config(model: Path | None, *, devices: int | None = None, hbm: str = 
         _check_placement_fits(placement, options["placement"], model_dir(model), devices)
     topology = None
     if devices is not None:
-        topology = Topology(num_devices=devices, hbm_bytes=parse_size(hbm, "--hbm"))
+        topology = Topology(num_devices=devices, hbm_bytes=hbm_bytes)
     if backend == "multi-gpu":
         import torch
 

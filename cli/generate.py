@@ -23,6 +23,7 @@ from moectl.cli.common import (
     PLACEMENT_OPT,
     THREADS_OPT,
     BadInput,
+    check_seed,
     engine_config,
     handles_errors,
     parse_ids,
@@ -69,9 +70,11 @@ def generate(
     With --devices N the experts are placed on N emulated devices; the tokens are the same."""
     from moectl.engine.core.sampling import SamplingParams
 
-    inputs: list = list(prompts or []) + [parse_ids(s) for s in (prompt_ids or [])]
+    inputs: list = [_checked_text(i, p) for i, p in enumerate(prompts or [], 1)] + [parse_ids(s) for s in
+                                                                                   (prompt_ids or [])]
     if not inputs:
         raise BadInput("give a PROMPT or --prompt-ids")
+    check_seed(seed)
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                             seed=seed, stop=tuple(stop or ()), ignore_eos=ignore_eos)
     config = engine_config(model, devices=devices, hbm=hbm, backend=backend, expert_cache=expert_cache, host_mem=host_mem,
@@ -94,6 +97,17 @@ def generate(
             prompt_text = engine.decode(out.prompt_ids) if engine.tokenizer else str(out.prompt_ids)
             typer.echo(prompt_text + (out.text if engine.tokenizer else " -> " + str(out.token_ids)))
             typer.echo("")
+
+
+def _checked_text(n: int, text: str) -> str:
+    """A PROMPT argument that is text: bytes that are not UTF-8 reach Python as lone surrogates
+    (surrogateescape), which no tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise BadInput(f"PROMPT: prompt {n} is not valid UTF-8 text (a lone surrogate or undecodable byte at "
+                       f"character {exc.start})") from None
+    return text
 
 
 def _print_device_stats(engine) -> None:

@@ -7,7 +7,17 @@ from pathlib import Path
 
 import typer
 
-from moectl.cli.common import JSON_OPT, MODEL_OPT, BadInput, emit_json, handles_errors, model_dir, progress
+from moectl.cli.common import (
+    JSON_OPT,
+    MODEL_OPT,
+    BadInput,
+    check_seed,
+    emit_json,
+    handles_errors,
+    model_dir,
+    progress,
+    sample_model_dir,
+)
 
 model_app = typer.Typer(no_args_is_help=True, help="Inspect or train models.")
 
@@ -61,9 +71,11 @@ def model_make_tiny(
     """Write a scaled-down random checkpoint with a config's layer kinds (attention, routing, RoPE
     scaling, shared and dense layers), with the sample model's tokenizer: runs in the engine,
     the console and the server. Random weights: for plumbing and placement, not for text."""
-    from moectl.cli.common import sample_model_dir
     from moectl.engine.tools.make_tiny import make_tiny
 
+    check_seed(seed)
+    if out.exists() and not out.is_dir():
+        raise BadInput(f"--out: {out} exists and is not a directory")
     if out.exists() and any(out.iterdir()):
         raise BadInput(f"--out: {out} exists and is not empty")
     info = make_tiny(like, out, layers=layers, hidden=hidden, experts=experts, seed=seed,
@@ -74,8 +86,11 @@ def model_make_tiny(
 @model_app.command("train")
 @handles_errors
 def model_train(
-    out: Path = typer.Option(..., "--out", help="Output directory (the shipped model is rebuilt with "
-                                                "--out engine/sample_model)."),
+    out: Path = typer.Option(..., "--out", help="Output directory (required: there is no default). The shipped "
+                                                "sample model's own folder is refused unless --replace-sample-model."),
+    replace_sample: bool = typer.Option(False, "--replace-sample-model",
+                                        help="Allow --out to be the shipped sample model's folder and overwrite it "
+                                             "(how the shipped model is rebuilt)."),
     steps: int = typer.Option(3000, "--steps", help="Optimizer steps."),
     seq_len: int = typer.Option(256, "--seq-len", help="Tokens per training window."),
     batch_size: int = typer.Option(16, "--batch-size"),
@@ -89,9 +104,24 @@ def model_train(
     as_json: bool = JSON_OPT,
 ):
     """Re-train the sample model (tokenizer, model, model card) from the Python stdlib's source."""
-    from moectl.engine.tools.train import train_sample_model
+    from moectl.engine.tools.train import check_train_options, train_sample_model
 
+    check_train_options(steps=steps, seq_len=seq_len, batch_size=batch_size, lr=lr, time_budget_s=time_budget,
+                        eval_every=eval_every)
+    check_seed(seed)
+    _check_train_out(out, replace_sample)
     stats = train_sample_model(out, steps=steps, seq_len=seq_len, batch_size=batch_size, lr=lr, aux_coef=aux_coef,
                                seed=seed, time_budget_s=time_budget, eval_every=eval_every,
                                log=progress(as_json))
     emit_json(stats, as_json)
+
+
+def _check_train_out(out: Path, replace_sample: bool) -> None:
+    """--out: a directory (new or existing), and never the shipped sample model by accident."""
+    if out.exists() and not out.is_dir():
+        raise BadInput(f"--out: {out} exists and is not a directory")
+    shipped = sample_model_dir().resolve()
+    target = out.resolve()
+    if (target == shipped or shipped in target.parents) and not replace_sample:
+        raise BadInput(f"--out: {out} is the shipped sample model's folder; add --replace-sample-model to "
+                       f"overwrite it, or give another directory")

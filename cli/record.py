@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections import deque
 from pathlib import Path
 
 import typer
@@ -28,6 +29,11 @@ from moectl.cli.common import (
 from moectl.engine.parallel.backends import Engines
 
 DEFAULT_RECORD_WORKLOAD = "rate=6,prompt=32-256,output=32-128,duration=86400"
+# The trace file keeps every step; the engine's own in-memory step log (4096 records of ~25 KB
+# by default) would be a second, RAM-resident copy of the first few thousand. The engine reads
+# only its newest record, so a short window is all a recording needs.
+RECORD_STEP_LOG = 16
+MAX_CAPTURE_STEPS = 1000  # the engine's own limit on a deep capture
 
 
 @handles_errors
@@ -62,14 +68,7 @@ def record(
 
     from moectl.engine.tools.workload import WorkloadSpec
 
-    if (steps is None) == (seconds is None):
-        raise BadInput("give --steps N or --seconds S (one of them)")
-    if steps is not None and steps < 1:
-        raise BadInput("--steps: must be >= 1")
-    if seconds is not None and not 0 < seconds < math.inf:
-        raise BadInput("--seconds: must be a positive number")
-    if Path(trace).exists() and not overwrite:
-        raise BadInput(f"{trace}: exists (use --overwrite to replace it)")
+    _check_options(trace, steps, seconds, overwrite, capture, rebalance_at, kv_blocks)
     spec = WorkloadSpec.from_option(workload)
     config = engine_config(model, devices=devices, hbm=hbm, expert_cache=expert_cache, host_mem=host_mem, dtype=dtype,
                            redundant_slots=redundant, num_kv_blocks=kv_blocks, backend=backend, nproc=nproc,
@@ -81,18 +80,94 @@ def record(
         engines.close()
 
 
-def _record(engines, trace: Path, steps, seconds, spec, rebalance_at, capture, overwrite: bool, as_json: bool):
-    from rich.console import Console
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+def _check_options(trace: Path, steps, seconds, overwrite: bool, capture, rebalance_at, kv_blocks) -> None:
+    """Every option that can be checked without the engine, before anything is loaded or written."""
+    if (steps is None) == (seconds is None):
+        raise BadInput("give --steps N or --seconds S (one of them)")
+    if steps is not None and steps < 1:
+        raise BadInput("--steps: must be >= 1")
+    if seconds is not None and not 0 < seconds < math.inf:
+        raise BadInput("--seconds: must be a positive number")
+    if capture is not None and not 1 <= capture <= MAX_CAPTURE_STEPS:
+        raise BadInput(f"--capture: must be a step count in 1-{MAX_CAPTURE_STEPS}, got {capture}")
+    if rebalance_at is not None and rebalance_at < 1:
+        raise BadInput(f"--rebalance-at: must be a step number >= 1 (the first step is 1), got {rebalance_at}")
+    if rebalance_at is not None and steps is not None and rebalance_at > steps:
+        raise BadInput(f"--rebalance-at: step {rebalance_at} is after the last of --steps {steps}")
+    if kv_blocks is not None and kv_blocks < 1:
+        raise BadInput(f"--kv-blocks: must be >= 1, got {kv_blocks}")
+    path = Path(trace)
+    if path.is_dir():
+        raise BadInput(f"{trace}: is a directory; give a trace file path" + (" (--overwrite replaces files only)"
+                                                                              if overwrite else ""))
+    if path.exists() and not overwrite:
+        raise BadInput(f"{trace}: exists (use --overwrite to replace it)")
+    if not path.parent.is_dir():
+        raise BadInput(f"{trace}: {path.parent} is not an existing directory")
 
+
+def _check_workload_fits(spec, engine, items=None) -> None:
+    """Bad input when a request of the workload could never run: longer than the model's context
+    or than the KV pool a request draws on (the engine would refuse it as it arrives). Without
+    items: the workload's smallest possible request (before generating prompts that long);
+    with them: the largest generated one."""
+    if items is None:
+        if spec.source == "jsonl":
+            return  # lengths come from the file: checked on the items
+        prompt, output = spec.prompt_dist.lo, spec.output_dist.lo
+        what = "its smallest request"
+    else:
+        if not items:
+            return
+        largest = max(items, key=lambda it: len(it.prompt_ids) + it.params.max_tokens)
+        prompt, output = len(largest.prompt_ids), largest.params.max_tokens
+        what = "its largest request"
+    tokens = prompt + output
+    if tokens > engine.max_model_len:
+        raise BadInput(f"--workload: {what} ({prompt} prompt + {output} output tokens) exceeds the model's context "
+                       f"of {engine.max_model_len} tokens")
+    block = engine.config.block_size
+    pool = engine.blocks.largest_pool
+    if -(-tokens // block) > pool:
+        where = "a device's KV pool" if engine.blocks.num_pools > 1 else "the KV cache"
+        raise BadInput(f"--workload: {what} ({prompt} prompt + {output} output tokens) needs {-(-tokens // block)} "
+                       f"KV blocks of {block} tokens but {where} has {pool} (--kv-blocks {engine.blocks.num_blocks} "
+                       f"over {engine.blocks.num_pools} pool(s)); raise --kv-blocks or shorten the workload")
+
+
+def _record(engines, trace: Path, steps, seconds, spec, rebalance_at, capture, overwrite: bool, as_json: bool):
     from moectl.engine.core.driver import EngineDriver
     from moectl.engine.tools.workload import WorkloadFeed, workload_for_engine
     from moectl.profiler.recorder import TraceRecorder
 
     driver = EngineDriver(engines.make_engine, buffer_records=False, start=False, name="moectl-record")
     engine = driver.engine
-    feed = driver.feed = WorkloadFeed(workload_for_engine(spec, engine))
+    engine.step_log = deque(engine.step_log, maxlen=RECORD_STEP_LOG)
+    _check_workload_fits(spec, engine)
+    items = workload_for_engine(spec, engine)
+    _check_workload_fits(spec, engine, items)
+    feed = driver.feed = WorkloadFeed(items)
+    existed = Path(trace).exists()
     recorder = TraceRecorder(engine, trace, overwrite=overwrite, max_steps=steps)
+    try:
+        seconds_run = _run(driver, recorder, feed, steps, seconds, rebalance_at, capture, as_json)
+    except BaseException:
+        _discard_if_empty(recorder, trace, existed)
+        raise
+    if driver.error is not None:
+        _discard_if_empty(recorder, trace, existed)
+        raise RuntimeError(f"the engine failed at step {engine.step_count}: {driver.error} "
+                           f"({recorder.steps} steps recorded in {trace})")
+    return _report(recorder, feed, trace, seconds_run, as_json)
+
+
+def _run(driver, recorder, feed, steps, seconds, rebalance_at, capture, as_json: bool) -> float:
+    """Steps the engine on its thread until --steps/--seconds or the workload ends; closes the
+    trace. Returns the seconds it ran."""
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    engine = driver.engine
     if rebalance_at is not None:
         def rebalance(stats) -> None:  # on the engine thread, right after the step is recorded
             if stats.step == rebalance_at:
@@ -121,20 +196,34 @@ def _record(engines, trace: Path, steps, seconds, spec, rebalance_at, capture, o
         driver.close()
         engine.fail_all("abort")
         close_error = _close_recorder(recorder)
-    if driver.error is not None:
-        raise RuntimeError(f"the engine failed at step {engine.step_count}: {driver.error} "
-                           f"({recorder.steps} steps recorded in {trace})")
-    if close_error is not None:  # not bad input: exit 1, one line
+    if close_error is not None and driver.error is None:  # not bad input: exit 1, one line
         raise RuntimeError(close_error)
+    return time.monotonic() - t0
+
+
+def _report(recorder, feed, trace: Path, seconds: float, as_json: bool) -> None:
+    """The result line (or JSON); then a non-zero exit if the engine refused requests on the way."""
     result = {"trace": str(trace), "steps": recorder.steps, "dropped": recorder.dropped,
-              "rejected_requests": feed.rejected, "seconds": round(time.monotonic() - t0, 3),
+              "rejected_requests": feed.rejected, "seconds": round(seconds, 3),
               "bytes": Path(trace).stat().st_size}
     if as_json:
         typer.echo(json.dumps(result))
     else:
         typer.echo(f"{trace}: {result['steps']} steps in {result['seconds']:.1f} s, {result['bytes']:,} bytes, "
-                   f"{result['dropped']} dropped" + (f", {feed.rejected} requests refused by the engine "
-                                                     f"(too long for its KV cache)" if feed.rejected else ""))
+                   f"{result['dropped']} dropped")
+    if feed.rejected:
+        raise RuntimeError(f"{feed.rejected} of {feed.added + feed.rejected} requests were refused by the engine "
+                           f"(too long for its KV cache or context); {trace} holds the rest")
+
+
+def _discard_if_empty(recorder, trace: Path, existed: bool) -> None:
+    """A trace this run created and that holds no step is removed, so a rerun is not refused with
+    'exists'. A file that was there before the run is never deleted."""
+    if existed or recorder.steps:
+        return
+    _close_recorder(recorder)
+    for path in (Path(trace), *(Path(f"{trace}{suffix}") for suffix in ("-wal", "-shm", "-journal"))):
+        path.unlink(missing_ok=True)
 
 
 def _close_recorder(recorder) -> str | None:

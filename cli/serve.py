@@ -17,6 +17,7 @@ from moectl.cli.common import (
     PLACEMENT_OPT,
     THREADS_OPT,
     BadInput,
+    check_nproc,
     engine_config,
     handles_errors,
     parse_threads,
@@ -44,11 +45,12 @@ def serve(
 ):
     """An OpenAI-compatible server (/v1/completions, /v1/chat/completions, /v1/models, /health),
     Prometheus /metrics, the /v1/telemetry record stream, and /v1/control/* for operators."""
+    if not 0 < port < 65536:
+        raise BadInput(f"--port: must be in 1-65535, got {port}")
+    check_nproc(nproc, backend)  # the cheap checks before the server's imports
     from moectl.engine.core.driver import EngineDriver
     from moectl.server.app import check_bind, run_server
 
-    if not 0 < port < 65536:
-        raise BadInput(f"--port: must be in 1-65535, got {port}")
     check_bind(host, token)  # before loading anything: a public bind without a token is refused
     config = engine_config(model, devices=devices, hbm=hbm, expert_cache=expert_cache, host_mem=host_mem, dtype=dtype,
                            redundant_slots=redundant, num_threads=parse_threads(threads), backend=backend, nproc=nproc,

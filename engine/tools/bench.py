@@ -40,6 +40,24 @@ from moectl.engine.tools.workload import WorkloadItem, WorkloadSpec, make_worklo
 TARGET_THROUGHPUT_RATIO = 5.0  # engine output tokens/s over transformers', at least
 TARGET_TPOT_BS1_RATIO = 0.5  # engine batch-1 TPOT over transformers', at most
 TARGET_ROOFLINE_SHARE = 0.25  # engine active FLOP/s, prompt tokens counted, over measured matmul FLOP/s
+# Workloads are generated up front (the comparison needs every prompt for transformers' batches):
+# up to ~20 KB of token ids per request, so a bound keeps a typo from filling the memory.
+MAX_BENCH_REQUESTS = 10_000
+
+
+def check_bench_requests(count: int | float, option: str = "num_requests") -> None:
+    """ValueError naming `option` unless 1 <= count <= MAX_BENCH_REQUESTS."""
+    if not 1 <= count <= MAX_BENCH_REQUESTS:
+        raise ValueError(f"{option}: must be in 1-{MAX_BENCH_REQUESTS} requests, got {count:g}")
+
+
+def expected_requests(spec: WorkloadSpec) -> float:
+    """How many requests a spec generates at most: its count, or its rate over its duration (on
+    average), whichever ends it first."""
+    limits = [spec.num_requests] if spec.num_requests is not None else []
+    if spec.duration_s is not None:
+        limits.append(spec.rate * spec.duration_s)
+    return min(limits, default=1)  # neither: one per line of a JSONL file, counted when read
 
 
 def _load_avg() -> list[float] | None:
@@ -224,6 +242,7 @@ def run_compare_hf(model_dir: str | Path | None = None, *, num_requests: int = 6
     if hf_batch_size is not None and (isinstance(hf_batch_size, bool) or not isinstance(hf_batch_size, int)
                                       or hf_batch_size < 1):
         raise ValueError(f"hf_batch_size: must be an integer >= 1 or None (one batch), got {hf_batch_size!r}")
+    check_bench_requests(num_requests)
     started = time.monotonic()
     model_dir = Path(model_dir or sample_model_dir())
     prev_threads = torch.get_num_threads()
@@ -442,6 +461,7 @@ def run_serve(model_dir: str | Path | None = None, *, spec: WorkloadSpec, dtype:
               host_mem: int | None = None) -> dict:
     """One workload through the engine alone; returns the run summary (and the spec).
     host_mem: the disk tier's host memory (experts beyond it stay in the checkpoint's files)."""
+    check_bench_requests(expected_requests(spec))
     model_dir = Path(model_dir or sample_model_dir())
     cfg = EngineConfig(model=str(model_dir), dtype=dtype, host_mem=host_mem, num_threads="auto",
                        **({"knobs": knobs} if knobs else {}))

@@ -6,7 +6,7 @@ model card (README.md) and training_stats.json. Everything is fixed by the seed:
 init, batch order and the tokenizer (trained on a sorted file list). Only the Python version
 (which changes the stdlib text) and the torch build change the result.
 
-    moectl model train --out engine/sample_model --steps 4000 --time-budget 2640 --eval-every 500
+    moectl model train --out engine/sample_model --replace-sample-model --steps 4000 --time-budget 2640 --eval-every 500
 """
 
 from __future__ import annotations
@@ -257,6 +257,20 @@ def greedy_generate(model: MoEForCausalLM, tok, prompt: str, max_new_tokens: int
 
 # -- the recipe
 
+def check_train_options(*, steps: int, seq_len: int, batch_size: int, lr: float, time_budget_s: float | None,
+                        eval_every: int) -> None:
+    """ValueError naming the option (as the CLI spells it) when a run could not train anything."""
+    for option, value in (("--steps", steps), ("--seq-len", seq_len), ("--batch-size", batch_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{option}: must be an integer >= 1, got {value!r}")
+    if not (isinstance(lr, (int, float)) and 0 < lr < math.inf):
+        raise ValueError(f"--lr: must be a positive number, got {lr!r}")
+    if time_budget_s is not None and not (isinstance(time_budget_s, (int, float)) and 0 < time_budget_s < math.inf):
+        raise ValueError(f"--time-budget: must be a positive number of seconds, got {time_budget_s!r}")
+    if isinstance(eval_every, bool) or not isinstance(eval_every, int) or eval_every < 0:
+        raise ValueError(f"--eval-every: must be an integer >= 0 (0: only at the end), got {eval_every!r}")
+
+
 def train_sample_model(
     out_dir: str | Path,
     *,
@@ -291,7 +305,11 @@ def train_sample_model(
     model_overrides and max_corpus_chars exist for tiny smoke runs.
     """
     started = time.time()
+    check_train_options(steps=steps, seq_len=seq_len, batch_size=batch_size, lr=lr, time_budget_s=time_budget_s,
+                        eval_every=eval_every)
     out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"out_dir: {out_dir} exists and is not a directory")
     out_dir.mkdir(parents=True, exist_ok=True)
     if threads:
         torch.set_num_threads(threads)
@@ -426,7 +444,8 @@ scratch on the Python standard library's source, so moectl can demo and test its
 profiler and console on any machine without a download. It writes Python-looking code; it is
 not useful for anything else.
 
-Rebuild it with `moectl model train --out engine/sample_model --steps {stats['planned_steps']} --seed {r['seed']}`
+Rebuild it with
+`moectl model train --out engine/sample_model --replace-sample-model --steps {stats['planned_steps']} --seed {r['seed']}`
 (the recipe is `engine/tools/train.py`; every other setting below that shapes the model is its default). Without a time
 budget a run is fixed by the seed for a given Python version (the corpus is this Python's
 stdlib) and torch build.{_rebuild_note(stats)}

@@ -331,6 +331,12 @@ def _jsonl_records(path: str | Path) -> list[dict]:
             raise ValueError(f'{where}: needs exactly one of "prompt" (a string) or "prompt_ids" (a list of token ids)')
         if has_text and (not isinstance(obj["prompt"], str) or not obj["prompt"]):
             raise ValueError(f'{where}: "prompt" must be a non-empty string')
+        if has_text:
+            try:  # JSON may escape a lone surrogate ("\ud800"), which no tokenizer can encode
+                obj["prompt"].encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise ValueError(f'{where}: "prompt" is not valid text (a lone surrogate at character {exc.start})') \
+                    from None
         if has_ids:
             ids = obj["prompt_ids"]
             if not isinstance(ids, list) or not ids or any(isinstance(t, bool) or not isinstance(t, int) or t < 0
@@ -457,6 +463,37 @@ class WorkloadFeed:
 # -- running a workload on the caller's thread
 
 @dataclass
+class StepTotals:
+    """Running sums over a run's engine steps: everything summarize_run reports about steps, in
+    memory that does not grow with the run (a step's record is ~25 KB; a long run has millions)."""
+    steps: int = 0
+    seqs: int = 0
+    decode_steps: int = 0
+    decode_tokens: int = 0
+    tokens: int = 0
+    step_s: float = 0.0
+    preemptions: int = 0
+
+    def add(self, stats) -> None:
+        """One StepStats (or anything with its fields)."""
+        self.steps += 1
+        self.seqs += stats.num_seqs
+        if stats.decode_tokens:
+            self.decode_steps += 1
+            self.decode_tokens += stats.decode_tokens
+        self.tokens += stats.prefill_tokens + stats.decode_tokens
+        self.step_s += stats.t_end - stats.t_start
+        self.preemptions += len(stats.preempted)
+
+    @classmethod
+    def of(cls, steps: Iterable) -> StepTotals:
+        totals = cls()
+        for stats in steps:
+            totals.add(stats)
+        return totals
+
+
+@dataclass
 class WorkloadResult:
     requests: list[dict]  # per request, in workload order
     summary: dict
@@ -487,9 +524,9 @@ def run_workload(engine, items: Sequence[WorkloadItem] | Iterable[tuple], realti
                            for i, it in enumerate(given)]
     order = sorted(range(len(given)), key=lambda i: given[i].arrival_s)  # stable: ties keep their order
     items = [given[i] for i in order]
-    by_id: dict[str, dict] = {}
+    by_id: dict[str, dict] = {}  # this workload's unfinished requests
     outputs: dict[str, list[int]] = {}
-    steps: list = []
+    steps = StepTotals()  # running sums: a list of every step's record would grow without bound
     start_step = engine.step_count
     t0 = time.monotonic()
     skew = 0.0  # seconds of idle time skipped (realtime=False)
@@ -520,7 +557,7 @@ def run_workload(engine, items: Sequence[WorkloadItem] | Iterable[tuple], realti
         before = engine.step_count
         outs = engine.step()
         if engine.step_count > before and engine.step_log:
-            steps.append(engine.step_log[-1])
+            steps.add(engine.step_log[-1])
         for out in outs:
             rec = by_id.get(out.request_id)
             if rec is None:
@@ -529,6 +566,7 @@ def run_workload(engine, items: Sequence[WorkloadItem] | Iterable[tuple], realti
                 outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
             if out.finished:
                 pending -= 1
+                del by_id[out.request_id]
                 m = out.metrics
                 rec.update(finish_reason=out.finish_reason, output_tokens=m.get("output_tokens"),
                            ttft=m.get("ttft"), tpot=m.get("tpot"), e2e=m.get("e2e"),
@@ -544,15 +582,16 @@ def run_workload(engine, items: Sequence[WorkloadItem] | Iterable[tuple], realti
     return WorkloadResult(records, summarize_run(records, steps, wall, skew))
 
 
-def summarize_run(records: list[dict], steps: list, wall_s: float, skipped_s: float = 0.0) -> dict:
-    """Throughput, latency percentiles and batch statistics of one run."""
+def summarize_run(records: list[dict], steps: StepTotals | Iterable, wall_s: float, skipped_s: float = 0.0) -> dict:
+    """Throughput, latency percentiles and batch statistics of one run. steps: the run's
+    StepTotals, or its StepStats records."""
+    t = steps if isinstance(steps, StepTotals) else StepTotals.of(steps)
     done = [r for r in records if r.get("ttft") is not None or r.get("e2e") is not None]
     out_tokens = sum(r.get("output_tokens") or 0 for r in done)
     prompt_tokens = sum(r["prompt_tokens"] for r in done)
     busy = max(wall_s, 1e-9)  # the wall time the run took, idle gaps skipped by realtime=False excluded
     itl = [g for r in done for g in (r.get("itl") or [])]
-    n_steps = len(steps)
-    decode_steps = [s for s in steps if s.decode_tokens]
+    n_steps = t.steps
     return {
         "requests": len(records),
         "completed": len(done),
@@ -570,14 +609,13 @@ def summarize_run(records: list[dict], steps: list, wall_s: float, skipped_s: fl
         "e2e": summarize(r.get("e2e") for r in done),
         "queue_time": summarize(r.get("queue_time") for r in done),
         "steps": n_steps,
-        "mean_batch_size": (sum(s.num_seqs for s in steps) / n_steps) if n_steps else 0.0,
-        "mean_decode_batch_size": (sum(s.decode_tokens for s in decode_steps) / len(decode_steps))
-        if decode_steps else 0.0,
-        "mean_tokens_per_step": (sum(s.prefill_tokens + s.decode_tokens for s in steps) / n_steps) if n_steps else 0.0,
-        "mean_step_ms": (sum(s.t_end - s.t_start for s in steps) / n_steps * 1e3) if n_steps else 0.0,
-        "preemptions": sum(len(s.preempted) for s in steps),
+        "mean_batch_size": (t.seqs / n_steps) if n_steps else 0.0,
+        "mean_decode_batch_size": (t.decode_tokens / t.decode_steps) if t.decode_steps else 0.0,
+        "mean_tokens_per_step": (t.tokens / n_steps) if n_steps else 0.0,
+        "mean_step_ms": (t.step_s / n_steps * 1e3) if n_steps else 0.0,
+        "preemptions": t.preemptions,
     }
 
 
-__all__ = ["LengthDist", "WorkloadSpec", "WorkloadItem", "WorkloadResult", "make_workload", "iter_workload",
+__all__ = ["LengthDist", "WorkloadSpec", "WorkloadItem", "WorkloadResult", "StepTotals", "make_workload", "iter_workload",
            "workload_for_engine", "run_workload", "summarize_run", "summarize"]
