@@ -30,7 +30,7 @@ from pathlib import Path
 from aiohttp import web
 
 from moectl.profiler.codec import TraceError
-from moectl.server.api_request import ApiError, is_int, read_json
+from moectl.server.api_request import ApiError, is_int, param_of, read_json
 from moectl.server.state import ServerState
 
 log = logging.getLogger(__name__)
@@ -80,7 +80,8 @@ class ControlApi:
         except TimeoutError:
             raise ApiError(504, f"{kind}: the engine did not get to it within {ACTION_TIMEOUT_S:.0f} s") from None
         except ValueError as exc:  # ActionRefused, KnobError, PlacementError, ...
-            raise ApiError(400, str(exc).splitlines()[0] if str(exc) else kind) from None
+            message = str(exc).splitlines()[0] if str(exc) else kind
+            raise ApiError(400, message, param=param_of(message)) from None
 
     # -- knobs
     async def get_knobs(self, request: web.Request) -> web.Response:

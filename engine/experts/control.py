@@ -10,6 +10,7 @@ carried out between steps on the engine thread, so a step never sees half a plac
 
 from __future__ import annotations
 
+import numbers
 import threading
 import time
 from concurrent.futures import Future
@@ -22,6 +23,25 @@ from moectl.engine.experts.prefetch import CachePrefetcher, CoactivationPredicto
 from moectl.engine.experts.rebalancer import RebalancePlan
 
 EDITS = ("move", "swap", "replicate", "drop_replica", "pin", "unpin")
+# each edit's arguments, all integers (the HBM check of a replica is the cluster's, not the caller's)
+EDIT_ARGS = {"move": ("layer", "expert", "src_device", "dst_device"),
+             "swap": ("layer", "expert_a", "device_a", "expert_b", "device_b"),
+             "replicate": ("layer", "expert", "device"), "drop_replica": ("layer", "expert", "device"),
+             "pin": ("layer", "expert"), "unpin": ("layer", "expert")}
+
+
+def _check_edit_args(edit: str, args: dict) -> None:
+    """Names the argument that is wrong, in the API's words rather than a Python signature."""
+    wanted = EDIT_ARGS[edit]
+    for name in args:
+        if name not in wanted:
+            raise ValueError(f"{name}: not an argument of {edit} (its arguments: {', '.join(wanted)})")
+    for name in wanted:
+        if name not in args:
+            raise ValueError(f"{name}: missing ({edit} takes {', '.join(wanted)})")
+        value = args[name]
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise ValueError(f"{name}: must be an integer, got {str(value)[:40]!r}")
 
 
 class ExpertControl:
@@ -105,12 +125,10 @@ class ExpertControl:
         steps. Returns the placement it makes."""
         if edit not in EDITS:
             raise ValueError(f"edit: must be one of {', '.join(EDITS)}, got {edit!r}")
+        _check_edit_args(edit, args)
         with self._lock:  # held across read-modify-submit so concurrent edits are not lost
             current = self._pending or self.cluster.placement
-            try:
-                new = getattr(current, edit)(**args)
-            except TypeError as exc:
-                raise ValueError(f"{edit}: {exc}") from None
+            new = getattr(current, edit)(**args)
             self.apply(new, edit)
         return new
 

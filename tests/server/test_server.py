@@ -371,6 +371,12 @@ def test_control_rebalance_capture_edit_and_recording(secured, tmp_path):
     assert status == 200 and [0, 1] in edited["placement"]["pinned"]
     assert_error(http("POST", base + "/edit", {"edit": "pin", "layer": 99, "expert": 1}, token=TOKEN), 400)
     assert_error(http("POST", base + "/edit", {"edit": "teleport"}, token=TOKEN), 400)
+    # arguments are named in the API's words, never as a Python signature
+    for body, param, words in (({"edit": "pin", "layer": 0, "expert": 1, "colour": 3}, "colour", "layer, expert"),
+                               ({"edit": "move", "layer": 0, "expert": 1, "src_device": 0}, "dst_device", "missing"),
+                               ({"edit": "pin", "layer": "0", "expert": 1}, "layer", "integer")):
+        error = assert_error(http("POST", base + "/edit", body, token=TOKEN), 400, param)
+        assert words in error["message"] and "()" not in error["message"] and "keyword" not in error["message"]
     assert http("POST", base + "/auto_rebalance", {"enabled": False}, token=TOKEN)[0] == 200
     assert_error(http("POST", base + "/auto_rebalance", {"enabled": True, "threshold": 7}, token=TOKEN), 400)
 
