@@ -43,7 +43,8 @@ def serve(
     dtype: str | None = DTYPE_OPT,
     threads: str = THREADS_OPT,
 ):
-    """An OpenAI-compatible server (/v1/completions, /v1/chat/completions, /v1/models, /health),
+    """An OpenAI-compatible server as vLLM serves it (/v1/completions with logprobs, echo, n and
+    best_of; /v1/chat/completions; /v1/models; /tokenize, /detokenize, /tokenizer_info; /health),
     Prometheus /metrics, the /v1/telemetry record stream, and /v1/control/* for operators."""
     if not 0 < port < 65536:
         raise BadInput(f"--port: must be in 1-65535, got {port}")
