@@ -7,10 +7,20 @@ from pathlib import Path
 
 import typer
 
-from moectl.cli.common import HBM_OPT, JSON_OPT, BadInput, handles_errors, model_dir, open_trace
+from moectl.cli.common import HBM_OPT, JSON_OPT, BadInput, check_output_file, handles_errors, model_dir, open_trace
 
 plan_app = typer.Typer(no_args_is_help=True, help="Offline planning: expert rebalancing and device memory.")
 DEVICES_OPT = typer.Option(8, "--devices", "-d", help="Number of devices (1-256).")
+# --synthetic's sizes: past any MoE model (DeepSeek-V3: 61 x 256, Kimi K2: 61 x 384), and small enough that
+# the [layers, experts] loads and the [layers, devices, slots] plan fit in memory
+MAX_LAYERS, MAX_EXPERTS, MAX_DEVICES = 1024, 4096, 256
+EXPORTS = ("sglang", "vllm")
+
+
+def _check_range(option: str, value: int | None, lo: int, hi: int | None = None) -> None:
+    if value is not None and (value < lo or (hi is not None and value > hi)):
+        bound = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
+        raise BadInput(f"{option}: must be {bound}, got {value}")
 
 
 @plan_app.command("memory")
@@ -79,6 +89,10 @@ def plan_rebalance_cmd(
     seed: int = typer.Option(0, "--seed"),
     target: float | None = typer.Option(None, "--target", help="From a trace's placement: move only as much as "
                                                              "reaching this balancedness takes (e.g. 0.99)."),
+    export: str | None = typer.Option(None, "--export", help="Also write the plan as the engine loads it: sglang "
+                                                            "(an --init-expert-location .json/.pt) or vllm (JSON; "
+                                                            "vLLM loads no placement, see docs/external_load.md)."),
+    output: Path | None = typer.Option(None, "--output", "-o", help="With --export: the file to write."),
     as_json: bool = JSON_OPT,
 ):
     """Compute an EPLB-style expert placement offline: replicate hot experts, pack them in balance
@@ -95,7 +109,21 @@ def plan_rebalance_cmd(
 
     if synthetic == (loads_file is not None):
         raise BadInput("give a TRACE or loads FILE, or --synthetic (one of them)")
-    current, size, final = None, DEFAULT_EXPERT_BYTES, None
+    _check_range("--layers", layers, 1, MAX_LAYERS)
+    _check_range("--experts", experts, 1, MAX_EXPERTS)
+    _check_range("--devices", devices, 1, MAX_DEVICES)  # 0 must not fall back to the default
+    _check_range("--devices-per-node", devices_per_node, 1)
+    _check_range("--redundant", redundant, 0)
+    if (export is None) != (output is None):
+        raise BadInput("--export and --output: give both (the engine, and the file to write)")
+    if export is not None:
+        if export not in EXPORTS:
+            raise BadInput(f"--export: must be one of {', '.join(EXPORTS)}, got {export!r}")
+        check_output_file(output, "--output", *([loads_file] if loads_file is not None else []))
+        suffixes = (".pt", ".json") if export == "sglang" else (".json",)  # what each engine reads (physical_map.py)
+        if output.suffix not in suffixes:
+            raise BadInput(f"--output: the {export} file is {' or '.join(suffixes)}, got {output.name!r}")
+    current, size, final, header = None, DEFAULT_EXPERT_BYTES, None, {}
     if model is not None and not synthetic:
         raise BadInput("--model: only with --synthetic (a trace or loads file carries its own shape)")
     if synthetic:
@@ -121,6 +149,7 @@ def plan_rebalance_cmd(
             recent = list(reader.steps(max(reader.first_step, last - 63), last + 1)) if last is not None else []
             timeline = placement_timeline(reader)
             final = timeline[-1][1] if timeline else None
+            header = reader.header
         size = trace_bytes or size
         if devices is None or devices == trace_devices:
             devices = trace_devices
@@ -129,11 +158,20 @@ def plan_rebalance_cmd(
     result = run_plan_rebalance(loads, devices or 8, redundant, devices_per_node=devices_per_node,
                                 expert_bytes=size if expert_bytes is None else parse_size(expert_bytes, "--expert-bytes"),
                                 current=current, target=target)
-    if final is not None:  # a trace with devices: predict from its last steps
+    if export is not None:  # the engines fill every slot: so does the plan they get (and its figures)
+        _fill_for_export(result, loads, current)
+    imported = header.get("imported")
+    if imported:  # an engine's expert-load dump: its loads and placement are real, step times absent
+        result["imported"] = {k: imported.get(k) for k in ("engine", "engine_version", "mode")}
+        result["predicted"] = None
+        result["predicted_absent"] = f"{imported['engine']}'s dump has no step times to predict them from"
+    elif final is not None:  # a trace with devices: predict from its last steps
         from moectl.engine.experts.placement import Placement
         from moectl.engine.experts.step_time import predict_from_records
 
         result["predicted"] = predict_from_records(recent, final, Placement.from_dict(result["placement"]))
+    if export is not None:
+        result["export"] = _export(export, output, result, loads, header)
     if as_json:
         typer.echo(json.dumps(result, default=str))
         return
@@ -144,3 +182,46 @@ def plan_rebalance_cmd(
         typer.echo(f"predicted step {predicted['step_s_before'] * 1e3:.2f} -> {predicted['step_s_after'] * 1e3:.2f} ms, "
                    f"throughput {predicted['throughput_before']:,.0f} -> {predicted['throughput_after']:,.0f} tok/s "
                    f"({predicted['gain']:+.1%}; {predicted['model']})")
+    elif result.get("predicted_absent"):
+        typer.echo(f"predicted step time: absent ({result['predicted_absent']})")
+    if "export" in result:
+        typer.echo(f"{result['export']['file']}: the plan for {export} ({result['export']['layers']} layers, "
+                   f"{result['export']['physical_experts']} physical experts); start it with {result['export']['flags']}")
+
+
+def _fill_for_export(result: dict, loads, current) -> None:
+    """Fill the plan's empty slots (physical_map.fill_empty_slots) and redo the figures that change."""
+    from moectl.engine.experts.physical_map import fill_empty_slots
+    from moectl.engine.experts.placement import Placement
+
+    plan = Placement.from_dict(result["placement"])
+    filled, slots = fill_empty_slots(plan, loads)
+    result["slots_filled_for_export"] = slots
+    if not slots:
+        return
+    before = current or Placement.contiguous(plan.num_layers, plan.num_experts, plan.num_devices)
+    per_layer, overall = filled.balancedness(loads)
+    result.update(placement=filled.to_dict(), balancedness_after=overall, balancedness_after_per_layer=per_layer.tolist(),
+                  bytes_moved=before.bytes_to(filled, result["expert_bytes"]), moves=len(before.move_array(filled)),
+                  max_replicas=int(filled.replica_counts().max()))
+
+
+def _export(engine: str, output: Path, result: dict, loads, header: dict) -> dict:
+    """The plan in the file `engine` reads (engine/experts/physical_map.py). Layers: SGLang's map
+    has one row per model layer, vLLM's one per MoE layer, so the trace's layer indexing decides."""
+    from moectl.engine.experts.physical_map import write_sglang_location, write_vllm_placement
+    from moectl.engine.experts.placement import Placement, PlacementError
+
+    placement = Placement.from_dict(result["placement"])
+    per_moe_layer = (header.get("imported") or {}).get("layer_indexing") == "moe"
+    try:
+        if engine == "sglang":
+            if per_moe_layer:
+                raise BadInput("--export sglang: the loads are per MoE layer (imported from vLLM); SGLang's map "
+                               "needs one row per model layer")
+            return write_sglang_location(placement, output)
+        sparse = (header.get("model") or {}).get("sparse_layers")
+        moe_layers = None if per_moe_layer or not sparse else [i for i, s in enumerate(sparse) if s]
+        return write_vllm_placement(placement, output, loads, moe_layers)
+    except PlacementError as exc:
+        raise BadInput(f"--export {engine}: {exc}") from None

@@ -1,0 +1,80 @@
+"""`moectl trace import`: the expert load SGLang or vLLM measured, as a moectl trace; and the
+report of such a trace, which holds only that load (docs/external_load.md)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+
+from moectl.cli.common import JSON_OPT, BadInput, check_output_file, handles_errors
+
+# report sections no imported source measures (the header's imported.absent says why)
+ABSENT_SECTIONS = ("utilisation", "straggler_steps_per_device", "breakdown", "latency", "memory_growth", "caches")
+
+
+@handles_errors
+def trace_import(
+    sources: list[Path] = typer.Argument(..., help="SGLang expert distribution dump(s) (.pt; per_pass/per_token: "
+                                                   "one per rank), or saved vLLM EplbState dict(s) (.pt or .json, "
+                                                   "one per rank)."),
+    out: Path = typer.Option(..., "--output", "-o", help="The trace file to write."),
+    fmt: str | None = typer.Option(None, "--format", help="sglang or vllm (default: told by the file's keys)."),
+    ep_size: int | None = typer.Option(None, "--ep-size", help="EP ranks the source ran on: splits its "
+                                                             "physical_to_logical_map into a device placement "
+                                                             "(vLLM: default the saved 'ep_size')."),
+    engine_version: str | None = typer.Option(None, "--engine-version", help="The engine's version, for the header "
+                                                                           "(SGLang's dumps carry none)."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace OUT if it exists."),
+    as_json: bool = JSON_OPT,
+):
+    """Write the per-expert load an engine measured (tokens per logical expert per layer, one step
+    record per pass) into a trace that report, replay and `plan rebalance` read. Step times,
+    requests and memory are not in the source and stay absent; the header names the source."""
+    from moectl.profiler.external_load import guess_engine, read_source, write_imported_trace
+
+    check_output_file(out, "--output", *sources)  # never over a source it reads
+    if out.exists() and not overwrite:
+        raise BadInput(f"--output: {out} exists (give --overwrite to replace it)")
+    engine = fmt or guess_engine(sources)
+    load = read_source(engine, sources, ep_size)
+    if engine_version is not None:
+        load.engine_version = engine_version
+    result = write_imported_trace(load, out, overwrite=overwrite)
+    if as_json:
+        typer.echo(json.dumps(result))
+        return
+    devices = f"on {result['devices']} devices" if result["devices"] else "no device placement"
+    typer.echo(f"{out}: {result['steps']} {engine} {result['mode']} records, {result['layers']} layers x "
+               f"{result['experts']} experts, {result['tokens_routed']:,} routed tokens, {devices}")
+    for note in result["notes"]:
+        typer.echo(f"  {note}")
+
+
+def imported_report(report: dict, imported: dict, as_json: bool) -> None:
+    """`trace report` of an imported trace: the load figures, and what the source did not measure
+    said to be absent instead of printed as zeros."""
+    report = {**report, **dict.fromkeys(ABSENT_SECTIONS), "absent": imported.get("absent", []),
+              "imported": {k: imported.get(k) for k in ("engine", "engine_version", "mode", "files")}}
+    if as_json:
+        typer.echo(json.dumps(report, default=float))
+        return
+    say = typer.echo
+    lo, hi = report["steps"]
+    files = ", ".join(f["name"] for f in imported.get("files") or ())
+    say(f"imported from {imported['engine']} {imported.get('engine_version') or '(version unknown)'} "
+        f"[{imported['mode']}]: {files}; records {lo}-{hi} are source passes")
+    bal = report["balancedness"]
+    if bal.get("overall") is not None:
+        per_layer = ", ".join("-" if b is None else f"{b:.2f}" for b in bal["per_layer"] or [])
+        say(f"balancedness {bal['overall']:.3f} under the source's placement (per layer: {per_layer})")
+    else:
+        say("balancedness: absent (the source has no device placement)")
+    say("hottest experts: " + ", ".join(f"L{e['layer']}/E{e['expert']} {e['share']:.0%}"
+                                        for e in report["hottest_experts"]))
+    for a in report["alerts"]:
+        say(f"[{a['severity']}] {a['message']} -> {a['action']}")
+    if "counterfactual" in report:
+        say(f"counterfactual placement: balancedness {report['counterfactual']['overall']:.3f} on the same routing")
+    say("absent (not measured by the source): " + ", ".join(report["absent"]))
