@@ -262,6 +262,8 @@ def open_trace(path: Path):
     """A TraceReader on path (a context manager); a missing file is bad input."""
     from moectl.profiler.trace_store import TraceReader
 
+    if Path(path).is_dir():
+        raise BadInput(f"{path}: is a directory, not a trace")
     if not Path(path).is_file():
         raise BadInput(f"{path}: no such trace file")
     return TraceReader(path)

@@ -86,6 +86,8 @@ def replay(trace: Path = typer.Argument(..., help="A trace recorded by `moectl r
     from moectl.console.sources import ReplaySource
 
     check_theme(theme)
+    if Path(trace).is_dir():
+        raise BadInput(f"{trace}: is a directory, not a trace")
     if not Path(trace).is_file():
         raise BadInput(f"{trace}: no such trace file")
     MoectlApp(ReplaySource(trace), theme=theme).run()

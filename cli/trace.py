@@ -7,7 +7,16 @@ from pathlib import Path
 
 import typer
 
-from moectl.cli.common import JSON_OPT, BadInput, handles_errors, open_trace
+from moectl.cli.common import JSON_OPT, BadInput, check_output_file, handles_errors, open_trace
+
+MAX_STEP = 2**63 - 1  # steps are SQLite integers (int64)
+
+
+def _check_step_range(start: int | None, stop: int | None) -> None:
+    """--from-step/--to-step within the int64 range a trace stores steps in."""
+    for option, value in (("--from-step", start), ("--to-step", stop)):
+        if value is not None and not 0 <= value <= MAX_STEP:
+            raise BadInput(f"{option}: must be a step number in 0-{MAX_STEP}, got {value}")
 
 trace_app = typer.Typer(no_args_is_help=True, help="Inspect, export and compare recorded traces.")
 
@@ -18,15 +27,16 @@ def trace_info(trace: Path = typer.Argument(..., help="A trace file."), as_json:
     """Format version, model, devices, steps, duration and completeness of a trace."""
     with open_trace(trace) as reader:
         header = reader.header
-        model = header.get("model", {})
+        model = header.get("model") if isinstance(header.get("model"), dict) else {}
         devices = header.get("devices") or {}
+        status = reader.file_status()  # its -wal and -shm count too: an unclosed trace keeps recent steps there
         info = {"trace": str(trace), "format_version": header.get("format_version"),
                 "record_format": header.get("record_format"), "steps": reader.num_steps,
                 "first_step": reader.first_step, "last_step": reader.last_step,
                 "duration_s": reader.duration_s, "actions": reader.num_actions, "dropped": reader.dropped,
                 "complete": reader.complete, "model": model.get("name"), "architecture": model.get("architecture"),
                 "devices": (devices.get("topology") or {}).get("num_devices"), "backend": devices.get("backend"),
-                "bytes": Path(trace).stat().st_size, "software": header.get("software", {})}
+                "bytes": status["bytes"], "state": status["state"], "software": header.get("software", {})}
     if as_json:
         typer.echo(json.dumps(info, default=str))
         return
@@ -34,7 +44,7 @@ def trace_info(trace: Path = typer.Argument(..., help="A trace file."), as_json:
                f"({info['first_step']}-{info['last_step']}) over {info['duration_s']:.2f} s, {info['actions']} actions, "
                f"{info['bytes']:,} bytes")
     typer.echo(f"model {info['model']} ({info['architecture']}), {info['devices'] or 1} device(s) "
-               f"[{info['backend'] or 'single'}]; {'complete' if info['complete'] else 'not closed (partial)'}, "
+               f"[{info['backend'] or 'single'}]; {status['summary']}, "
                f"{info['dropped']} records dropped while recording")
 
 
@@ -54,6 +64,8 @@ def trace_export(
 
     if fmt != "chrome":
         raise BadInput(f"--format: only 'chrome' is supported, got {fmt!r}")
+    _check_step_range(start, stop)
+    check_output_file(out, "--output", trace)  # never over the trace it reads
     with open_trace(trace) as reader:
         records = list(reader.steps(start, stop))
         if not records:
@@ -115,12 +127,14 @@ def trace_report(
     from moectl.profiler import analysis
     from moectl.profiler.trace_queries import cache_summary, placement_in_force
 
+    _check_step_range(start, stop)
     with open_trace(trace) as reader:
         records = list(reader.steps(start, stop))
         if not records:
             raise BadInput(f"{trace}: no steps in the range {start}..{stop}")
         placement, changes = placement_in_force(reader, records[0]["step"])
         devices = reader.header.get("devices") or {}
+        imported = reader.header.get("imported")  # an engine's expert-load dump (cli/trace_import.py)
     changes = [s for s in changes if s < records[-1]["step"]]
     topology = Topology.from_mapping(devices["topology"]) if devices.get("topology") else None
     stragglers = analysis.stragglers(records, placement)
@@ -146,6 +160,9 @@ def trace_report(
         except (OSError, json.JSONDecodeError) as exc:
             raise BadInput(f"--placement: cannot read {placement_file} ({exc})") from None
         report["counterfactual"] = analysis.counterfactual(records, other)
+    if imported:  # only the load is measured there: the rest is said to be absent, not printed as zeros
+        from moectl.cli.trace_import import imported_report
+        return imported_report(report, imported, as_json)
     if as_json:
         typer.echo(json.dumps(report, default=float))
         return
@@ -190,3 +207,8 @@ def _print_report(r: dict) -> None:
         say(f"[{a['severity']}] {a['message']} -> {a['action']}")
     if "counterfactual" in r:
         say(f"counterfactual placement: balancedness {r['counterfactual']['overall']:.3f} on the same routing")
+
+
+from moectl.cli.trace_import import trace_import  # noqa: E402 - `trace import` lives in its own module
+
+trace_app.command("import")(trace_import)

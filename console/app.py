@@ -100,6 +100,7 @@ class MoectlApp(App):
         self.replay = isinstance(source, ReplaySource)
         self._alerts_at = 0.0
         self._alerts_running = False
+        self._alerts_asked = 0  # alert computations started: only the latest one's answer is shown
         self._shown_version, self._shown_error = -1, None
         self.sub_title = f"{source.mode} · {self.state.model_name}"
 
@@ -137,9 +138,11 @@ class MoectlApp(App):
             self._shown_version = None
 
     def _tick(self) -> None:
+        moved = False  # a replay seek: the window is another one now
         try:
             records, actions = self.source.poll()
-            if self.replay and getattr(self.source, "needs_reset", False):
+            moved = self.replay and getattr(self.source, "needs_reset", False)
+            if moved:
                 self.state.reset()
             self.state.apply(records, actions)
         except Exception as exc:  # noqa: BLE001 - a damaged record: say so once, keep running
@@ -152,15 +155,19 @@ class MoectlApp(App):
             if self.replay:  # play/pause and position still change the transport's line
                 self.query_one(TransportBar).show(self.source)
             return  # nothing new: leave the UI thread to the keyboard
-        if time.monotonic() - self._alerts_at > ALERT_EVERY_S and self.state.window and not self._alerts_running:
+        # after a seek at once: the replay opens on a full window, so the alerts computed then would
+        # otherwise stay on screen for ALERT_EVERY_S after the operator seeks elsewhere
+        due = time.monotonic() - self._alerts_at > ALERT_EVERY_S and not self._alerts_running
+        if self.state.window and (due or moved):
             self._alerts_at = time.monotonic()
             self._alerts_running = True
-            self.compute_alerts(list(self.state.window), self.state.placement_shown)
+            self._alerts_asked += 1
+            self.compute_alerts(list(self.state.window), self.state.placement_shown, self._alerts_asked)
         self.refresh_panels()
 
     # a fixed description: Textual would otherwise repr() the arguments (the whole window) on the UI thread
     @work(thread=True, exclusive=True, group="alerts", description="alerts")
-    def compute_alerts(self, records: list[dict], placement) -> None:
+    def compute_alerts(self, records: list[dict], placement, asked: int = 0) -> None:
         from moectl.engine.core.topology import Topology
         from moectl.profiler.analysis import alerts
 
@@ -172,9 +179,11 @@ class MoectlApp(App):
         except Exception as exc:  # noqa: BLE001 - an analysis bug must not take the console down
             found = [{"kind": "analysis", "severity": "error", "message": f"alerts failed: {exc}", "action": "-",
                       "predicted": {}}]
-        self.call_from_thread(self._set_alerts, found)
+        self.call_from_thread(self._set_alerts, found, asked)
 
-    def _set_alerts(self, found: list[dict]) -> None:
+    def _set_alerts(self, found: list[dict], asked: int = 0) -> None:
+        if asked != self._alerts_asked:  # for a window a seek has replaced: the newer answer follows
+            return
         self.state.alerts = found
         self.state.version += 1
         self._alerts_running = False

@@ -203,6 +203,15 @@ class ReplaySource(Source):
         self._clock = None  # (wall time, trace time) when play started
         self._pending_reset = False
         self.skipped = 0  # damaged steps skipped
+        # the first poll hands over steps up to the opening one: the console opens on real figures
+        self._target = self.opening_index
+
+    @property
+    def opening_index(self) -> int:
+        """Where a replay opens: the first step at which the console's window is full (every
+        windowed figure then has data behind it), or the last step of a shorter trace. Step 1 alone
+        would show an empty window: zero loads and no accounting."""
+        return min(WINDOW_STEPS, len(self.steps)) - 1
 
     @property
     def first_step(self) -> int:

@@ -13,8 +13,10 @@ commits cost no fsync. `finish` folds the WAL back and leaves a single self-cont
 
 from __future__ import annotations
 
+import os
 import platform
 import sqlite3
+import struct
 import sys
 import time
 from pathlib import Path
@@ -27,6 +29,12 @@ FORMAT_VERSION = 1
 # PRAGMA application_id: tells a moectl trace from any other SQLite file before reading tables.
 APPLICATION_ID = 0x6D6F6574  # "moet"
 SQLITE_MAGIC = b"SQLite format 3\x00"
+# SQLite's file header: bytes 18 and 19 (write and read format) are 2 for a WAL-mode database
+_HEADER_FORMAT_BYTES = slice(18, 20)
+# SQLite's unix VFS: every connection to a WAL database holds a read lock on this byte of the
+# -shm file (the "dead man switch"); a lock held there by another process means it is open there
+_SHM_DMS_BYTE = 128
+SIDECARS = ("-wal", "-shm")  # SQLite's files beside a WAL-mode trace
 
 _SCHEMA = """
 CREATE TABLE header (format_version INTEGER NOT NULL, created_unix REAL NOT NULL, payload BLOB NOT NULL);
@@ -39,6 +47,52 @@ CREATE INDEX actions_by_time ON actions (time);
 CREATE INDEX actions_by_step ON actions (step);
 CREATE TABLE meta (key TEXT PRIMARY KEY, value) WITHOUT ROWID;
 """
+
+
+def sidecar(path, suffix: str) -> Path:
+    return Path(f"{path}{suffix}")
+
+
+def file_sizes(path) -> dict[str, int]:
+    """Bytes on disk of the trace file ("") and of each -wal/-shm file beside it that exists: a
+    trace whose writer did not close it may hold most of its records in the -wal."""
+    sizes = {"": Path(path).stat().st_size}
+    for suffix in SIDECARS:
+        try:
+            sizes[suffix] = sidecar(path, suffix).stat().st_size
+        except FileNotFoundError:
+            pass
+    return sizes
+
+
+def in_wal_mode(path) -> bool:
+    """The file's own header says WAL mode: its writer had it open (finish() leaves rollback mode)."""
+    with open(path, "rb") as f:
+        return f.read(_HEADER_FORMAT_BYTES.stop)[_HEADER_FORMAT_BYTES] == b"\x02\x02"
+
+
+def open_elsewhere(path) -> bool | None:
+    """Another process has this WAL-mode trace open (a writer still recording, or a reader): it
+    holds SQLite's read lock on the -shm's dead-man-switch byte. None: cannot tell (no fcntl)."""
+    try:
+        import fcntl
+    except ImportError:
+        return None
+    try:
+        fd = os.open(sidecar(path, "-shm"), os.O_RDONLY)
+    except FileNotFoundError:
+        return False  # every connection to a WAL database maps the -shm: no -shm, nobody has it open
+    except OSError:
+        return None
+    try:
+        # struct flock on Linux: l_type, l_whence (short), l_start, l_len (off_t), l_pid (pid_t), padding
+        probe = struct.pack("hhqqi4x", fcntl.F_WRLCK, os.SEEK_SET, _SHM_DMS_BYTE, 1, 0)
+        answer = fcntl.fcntl(fd, fcntl.F_GETLK, probe)  # our own process's locks never conflict
+        return struct.unpack("hhqqi4x", answer)[0] != fcntl.F_UNLCK
+    except (OSError, struct.error):
+        return None
+    finally:
+        os.close(fd)
 
 
 def software_versions() -> dict:

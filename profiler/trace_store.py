@@ -9,13 +9,14 @@ crash the committed tail may still sit in "<path>-wal", which readers pick up au
 
 from __future__ import annotations
 
+import math
 import sqlite3
 import threading
 from pathlib import Path
 
 import numpy as np
 
-from moectl.profiler import codec
+from moectl.profiler import codec, trace_format
 from moectl.profiler.codec import TraceError
 from moectl.profiler.trace_format import APPLICATION_ID, FORMAT_VERSION, software_versions
 from moectl.profiler.trace_format import SQLITE_MAGIC as _SQLITE_MAGIC
@@ -33,6 +34,25 @@ _STEP_PAGE_SQL = ("SELECT step, rowid, payload FROM steps WHERE (step, rowid) > 
                   "ORDER BY step, rowid LIMIT ?")
 _ACTION_PAGE_SQL = ("SELECT time, rowid, payload FROM actions WHERE (time, rowid) > (?, ?) AND time < ? "
                     "ORDER BY time, rowid LIMIT ?")
+# the meta rows a writer keeps (trace_format.store_counts / finish) and what each must hold
+_META_COUNTS = ("dropped", "written", "failed")
+
+
+def _meta_problem(key, value) -> str | None:
+    """What is wrong with one meta row, or None: the counts are non-negative integers,
+    closed_unix a time, last_error text; other keys are left to whoever wrote them."""
+    if key in _META_COUNTS and (not isinstance(value, int) or value < 0):
+        return "must be a non-negative integer"
+    if key == "closed_unix" and (not isinstance(value, (int, float)) or not math.isfinite(value)):
+        return "must be a time in seconds"
+    if key == "last_error" and not isinstance(value, str):
+        return "must be text"
+    return None
+
+
+def _short(value, limit: int = 40) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 class TraceReader:
@@ -44,6 +64,8 @@ class TraceReader:
         self.path = Path(path)
         self._lock = threading.Lock()  # one connection, maybe used by a UI thread and a loader
         self._conn = None
+        if self.path.is_dir():
+            raise TraceError(f"{self.path}: is a directory, not a trace")
         if not self.path.is_file():
             raise TraceError(f"{self.path}: no such trace file")
         with open(self.path, "rb") as f:
@@ -54,6 +76,10 @@ class TraceReader:
             self._conn = sqlite3.connect(f"{self.path.resolve().as_uri()}?mode=ro", uri=True,
                                          check_same_thread=False)
             app_id = self._conn.execute("PRAGMA application_id").fetchone()[0]
+            if app_id != APPLICATION_ID and self._lost_its_wal():
+                raise TraceError(f"{self.path}: a moectl trace whose writer did not close it, copied without its "
+                                 "-wal file, which holds every record: nothing was checkpointed into this file, so "
+                                 f"nothing can be read from it alone (put the -wal beside it as {self.path.name}-wal)")
             if app_id != APPLICATION_ID:
                 raise TraceError(f"{self.path}: not a moectl trace (an SQLite database of another kind)")
             row = self._conn.execute("SELECT format_version, payload FROM header").fetchone()
@@ -101,9 +127,14 @@ class TraceReader:
 
     @property
     def meta(self) -> dict:
-        """The writer's counts: dropped, written, failed, last_error; closed_unix once closed."""
+        """The writer's counts: dropped, written, failed, last_error; closed_unix once closed.
+        A row that does not hold what its key says is a TraceError naming the key."""
         with self._lock:
             rows = self._query(lambda c: c.execute("SELECT key, value FROM meta").fetchall())
+        for key, value in rows:
+            problem = _meta_problem(key, value)
+            if problem:
+                raise TraceError(f"{self.path}: meta row {key!r} is corrupt: {problem}, got {_short(value)}")
         return dict(rows)
 
     @property
@@ -114,6 +145,33 @@ class TraceReader:
     def complete(self) -> bool:
         """False while the writer is still going, or when it died before close()."""
         return "closed_unix" in self.meta
+
+    def file_status(self) -> dict:
+        """What is on disk: bytes (the trace file with its -wal and -shm, where a trace whose writer
+        did not close it keeps its recent records), files (bytes of each), and state: complete,
+        open (another process has it open: a recording in progress?), unclosed (its writer stopped
+        without closing it; everything it committed is readable) or wal_missing (not closed and
+        copied without its -wal: what was still in the -wal is lost); summary: that, in words."""
+        sizes = trace_format.file_sizes(self.path)
+        if self.complete:
+            state, summary = "complete", "complete"
+        elif trace_format.open_elsewhere(self.path):
+            state, summary = "open", "not closed: another process has it open (still being recorded?)"
+        elif not sizes.get("-wal") and trace_format.in_wal_mode(self.path):  # a reader may leave an empty -wal
+            state = "wal_missing"
+            summary = (f"not closed cleanly and its -wal file is missing (steps still in {self.path.name}-wal are "
+                       f"lost; the {self.num_steps} steps checkpointed into this file can be read)")
+        else:
+            state = "unclosed"
+            summary = "not closed cleanly (its writer stopped before closing it; every step it committed is readable)"
+        return {"bytes": sum(sizes.values()), "files": sizes, "state": state, "summary": summary}
+
+    def _lost_its_wal(self) -> bool:
+        """This WAL-mode file has no schema and no -wal beside it: a trace's writer had it open and
+        nothing was checkpointed into it yet (a reader held a snapshot), and it was copied alone."""
+        if trace_format.file_sizes(self.path).get("-wal") or not trace_format.in_wal_mode(self.path):
+            return False  # (an empty -wal is what opening the lone copy read-only leaves beside it)
+        return self._conn.execute("SELECT count(*) FROM sqlite_master").fetchone()[0] == 0
 
     # --- random access ------------------------------------------------------------------------------
 

@@ -37,6 +37,21 @@ class ConfigError(ValueError):
     """A config value this engine cannot run; the message names the field."""
 
 
+def is_int(value) -> bool:
+    """A JSON integer: true/false are ints to Python, but a config that says `"hidden_size": true` is wrong."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value) -> bool:
+    """A finite JSON number (Python's json reads NaN and Infinity, which no size or rate may be)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+# our field -> its config.json key, where they differ, so an error names what the user wrote
+CONFIG_KEYS = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
+               "num_kv_heads": "num_key_value_heads", "top_k": "num_experts_per_tok"}
+
+
 @dataclass(frozen=True)
 class RopeScaling:
     """rope_scaling / rope_parameters: default RoPE, or YaRN with transformers' parameters."""
@@ -137,8 +152,8 @@ class ModelConfig:
                      "head_dim", "num_experts", "top_k", "expert_intermediate_size",
                      "max_position_embeddings"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ConfigError(f"{name}: must be a positive integer, got {value!r}")
+            if not is_int(value) or value <= 0:
+                raise ConfigError(f"{CONFIG_KEYS.get(name, name)}: must be a positive integer, got {value!r}")
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(f"num_key_value_heads: {self.num_kv_heads} does not divide "
                               f"num_attention_heads {self.num_heads}")
@@ -152,22 +167,26 @@ class ModelConfig:
             raise ConfigError("mlp_only_layers: does not match num_hidden_layers")
         if not all(self.sparse_layers) and self.dense_intermediate_size <= 0:
             raise ConfigError("intermediate_size: required for the dense (mlp_only) layers")
-        if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
-            raise ConfigError("rms_norm_eps/rope_theta: must be positive")
+        for name in ("rms_norm_eps", "rope_theta"):
+            value = getattr(self, name)
+            if not is_number(value) or value <= 0:
+                raise ConfigError(f"{name}: must be a finite positive number, got {value!r}")
         if not self.layer_windows:
             self.layer_windows = (0,) * self.num_layers
         if len(self.layer_windows) != self.num_layers:
             raise ConfigError(f"layer_types: {len(self.layer_windows)} entries for {self.num_layers} layers")
         for window in self.layer_windows:
-            if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+            if not is_int(window) or window < 0:
                 raise ConfigError(f"sliding_window: must be a positive integer, got {window!r}")
             if window > self.max_position_embeddings:
                 raise ConfigError(f"sliding_window: {window} is larger than the context "
                                   f"(max_position_embeddings {self.max_position_embeddings})")
         if self.attention == "mla" and any(self.layer_windows):
             raise ConfigError("sliding_window: latent attention (MLA) has no sliding-window layers")
-        if self.swiglu_limit is not None and self.swiglu_limit <= 0:
+        if self.swiglu_limit is not None and (not is_number(self.swiglu_limit) or self.swiglu_limit <= 0):
             raise ConfigError(f"swiglu_limit: must be positive, got {self.swiglu_limit!r}")
+        if self.clip_qkv is not None and (not is_number(self.clip_qkv) or self.clip_qkv <= 0):
+            raise ConfigError(f"clip_qkv: must be positive or null, got {self.clip_qkv!r}")
         if self.attention == "mla":
             self._check_mla()
         if self.router == "grouped_sigmoid":
@@ -176,9 +195,9 @@ class ModelConfig:
     def _check_mla(self) -> None:
         for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            if not is_int(value) or value <= 0:
                 raise ConfigError(f"{name}: must be a positive integer, got {value!r}")
-        if isinstance(self.q_lora_rank, bool) or not isinstance(self.q_lora_rank, int) or self.q_lora_rank < 0:
+        if not is_int(self.q_lora_rank) or self.q_lora_rank < 0:
             raise ConfigError(f"q_lora_rank: must be a positive integer or null, got {self.q_lora_rank!r}")
         if self.qk_rope_head_dim % 2:
             raise ConfigError(f"qk_rope_head_dim: {self.qk_rope_head_dim} must be even for RoPE")
@@ -189,16 +208,16 @@ class ModelConfig:
 
     def _check_grouped_router(self) -> None:
         e, g, tg = self.num_experts, self.n_group, self.topk_group
-        if not isinstance(g, int) or g <= 0 or e % g:
+        if not is_int(g) or g <= 0 or e % g:
             raise ConfigError(f"n_group: {g!r} must divide n_routed_experts ({e})")
-        if not isinstance(tg, int) or not 1 <= tg <= g:
+        if not is_int(tg) or not 1 <= tg <= g:
             raise ConfigError(f"topk_group: must be in 1..n_group ({g}), got {tg!r}")
         if g > 1 and e // g < 2:
             raise ConfigError(f"n_group: {g} groups of {e // g} expert leave no top-2 to score a group")
         if tg * (e // g) < self.top_k:
             raise ConfigError(f"topk_group: {tg} groups of {e // g} experts hold fewer than num_experts_per_tok "
                               f"({self.top_k})")
-        if self.routed_scaling_factor <= 0:
+        if not is_number(self.routed_scaling_factor) or self.routed_scaling_factor <= 0:
             raise ConfigError(f"routed_scaling_factor: must be positive, got {self.routed_scaling_factor!r}")
 
     # -- derived sizes used by the runtime, the planner and `model info`
@@ -305,7 +324,7 @@ class ModelConfig:
                 raise ConfigError("generation_config.json: unreadable") from None
             extra = eos if isinstance(eos, list) else [eos]
             cfg.eos_token_ids = tuple(dict.fromkeys(
-                [*cfg.eos_token_ids, *(e for e in extra if isinstance(e, int) and 0 <= e < cfg.vocab_size)]))
+                [*cfg.eos_token_ids, *(e for e in extra if is_int(e) and 0 <= e < cfg.vocab_size)]))
         return cfg
 
     @classmethod
@@ -340,7 +359,7 @@ class ModelConfig:
             raise ConfigError(f"hidden_act: {raw['hidden_act']!r} is not supported (only silu)")
 
         hidden, heads = need("hidden_size"), need("num_attention_heads")
-        head_dim = raw.get("head_dim") or (hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads else 0)
+        head_dim = raw.get("head_dim") or (hidden // heads if is_int(hidden) and is_int(heads) and heads else 0)
         layers = need("num_hidden_layers")
         kw: dict = {}
         if arch == "mixtral":
@@ -368,44 +387,48 @@ class ModelConfig:
             expert_size = need("intermediate_size")
             norm_topk = _flag(raw, "norm_topk_prob", False)
             bias = _flag(raw, "attention_bias", False)
-            kw.update(qk_norm="full", clip_qkv=raw.get("clip_qkv"))
+            kw.update(qk_norm="full", clip_qkv=_number(raw, "clip_qkv", None))
         else:  # the Qwen MoE family
             experts = raw.get("num_experts") or need("num_local_experts")  # v5 renamed it for Qwen3
             expert_size = need("moe_intermediate_size")
             norm_topk = _flag(raw, "norm_topk_prob", False)
             if arch == "qwen2_moe":
                 bias = _flag(raw, "qkv_bias", True)
-                kw["shared_expert_intermediate_size"] = int(raw.get("shared_expert_intermediate_size") or 0)
+                kw["shared_expert_intermediate_size"] = _size(raw, "shared_expert_intermediate_size")
             else:
                 bias = _flag(raw, "attention_bias", False)
                 kw["qk_norm"] = "per_head"
-            step = raw.get("decoder_sparse_step", 1) or 1
-            mlp_only = set(raw.get("mlp_only_layers") or [])
-            if isinstance(layers, int):
+            step = _size(raw, "decoder_sparse_step") or 1
+            mlp_only = raw.get("mlp_only_layers") or []
+            if not isinstance(mlp_only, list) or not all(is_int(i) for i in mlp_only):
+                raise ConfigError(f"mlp_only_layers: must be a list of layer indices, got {mlp_only!r}")
+            if is_int(layers):
                 kw["sparse_layers"] = tuple(
-                    i not in mlp_only and experts > 0 and (i + 1) % step == 0 for i in range(layers))
-            kw["dense_intermediate_size"] = int(raw.get("intermediate_size") or 0)
+                    i not in mlp_only and is_int(experts) and experts > 0 and (i + 1) % step == 0 for i in range(layers))
+            kw["dense_intermediate_size"] = _size(raw, "intermediate_size")
 
-        theta = raw.get("rope_theta")
-        if theta is None:
-            theta = (raw.get("rope_parameters") or {}).get("rope_theta", 150000.0 if arch == "gpt_oss" else 10000.0)
-        if isinstance(layers, int):
+        theta = _rope_theta(raw, 150000.0 if arch == "gpt_oss" else 10000.0)
+        if is_int(layers):
             kw["layer_windows"] = _layer_windows(raw, arch, layers)
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         vocab = need("vocab_size")
-        if isinstance(vocab, bool) or not isinstance(vocab, int):
+        if not is_int(vocab):
             raise ConfigError(f"vocab_size: must be an integer, got {vocab!r}")
-        eos_ids = tuple(e for e in eos_ids if isinstance(e, int) and 0 <= e < vocab)
+        eos_ids = tuple(e for e in eos_ids if is_int(e) and 0 <= e < vocab)
+        bos = raw.get("bos_token_id")
+        if bos is not None and not is_int(bos):
+            raise ConfigError(f"bos_token_id: must be an integer or null, got {bos!r}")
+        kv_heads = raw.get("num_key_value_heads")  # absent: one KV head per query head; 0 is an error, not absent
         load_dtype = dtype if dtype is not None else (raw.get("dtype") or raw.get("torch_dtype") or "float32")
         return cls(
             architecture=arch, vocab_size=vocab, hidden_size=hidden, num_layers=layers,
-            num_heads=heads, num_kv_heads=raw.get("num_key_value_heads") or heads, head_dim=head_dim,
+            num_heads=heads, num_kv_heads=heads if kv_heads is None else kv_heads, head_dim=head_dim,
             num_experts=experts, top_k=need("num_experts_per_tok"), expert_intermediate_size=expert_size,
             norm_topk_prob=norm_topk, rms_norm_eps=_number(raw, "rms_norm_eps", 1e-6),
-            rope_theta=float(theta), max_position_embeddings=need("max_position_embeddings"),
+            rope_theta=theta, max_position_embeddings=need("max_position_embeddings"),
             tie_word_embeddings=_flag(raw, "tie_word_embeddings", False), attention_bias=bias,
-            rope_scaling=rope_scaling, dtype=parse_dtype(load_dtype), bos_token_id=raw.get("bos_token_id"), eos_token_ids=eos_ids,
+            rope_scaling=rope_scaling, dtype=parse_dtype(load_dtype), bos_token_id=bos, eos_token_ids=eos_ids,
             raw=raw, **kw)
 
 
@@ -434,9 +457,31 @@ def _number(raw: dict, key: str, default: float) -> float:
     value = raw.get(key, default)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(f"{key}: must be a number, got {value!r}")
+    if not is_number(value):
+        raise ConfigError(f"{key}: must be a finite number, got {value!r}")
     return float(value)
+
+
+def _size(raw: dict, key: str) -> int:
+    """An optional non-negative integer (0 when absent or null)."""
+    value = raw.get(key)
+    if value is None:
+        return 0
+    if not is_int(value) or value < 0:
+        raise ConfigError(f"{key}: must be a non-negative integer, got {value!r}")
+    return value
+
+
+def _rope_theta(raw: dict, default: float) -> float:
+    """rope_theta at the top level, or inside rope_parameters (transformers v5): a finite positive number."""
+    key, theta = "rope_theta", raw.get("rope_theta")
+    if theta is None and isinstance(raw.get("rope_parameters"), dict):
+        key, theta = "rope_parameters.rope_theta", raw["rope_parameters"].get("rope_theta")
+    if theta is None:
+        return default
+    if not is_number(theta) or theta <= 0:
+        raise ConfigError(f"{key}: must be a finite positive number, got {theta!r}")
+    return float(theta)
 
 
 def _rope_scaling(raw: dict) -> RopeScaling:
@@ -464,21 +509,22 @@ def _rope_scaling(raw: dict) -> RopeScaling:
         value = spec.get(field_name, default)
         if value is None:
             return default
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or (positive and value <= 0):
-            raise ConfigError(f"{key}.{field_name}: must be a positive number, got {value!r}")
+        if not is_number(value) or (positive and value <= 0):
+            raise ConfigError(f"{key}.{field_name}: must be a {'positive' if positive else 'finite'} number, "
+                              f"got {value!r}")
         return float(value)
 
     if "original_max_position_embeddings" not in spec:
         raise ConfigError(f"{key}.original_max_position_embeddings: missing from the yarn block")
     original = spec["original_max_position_embeddings"]
-    if isinstance(original, bool) or not isinstance(original, int) or original <= 0:
+    if not is_int(original) or original <= 0:
         raise ConfigError(f"{key}.original_max_position_embeddings: must be a positive integer, got {original!r}")
     if "factor" not in spec:
         raise ConfigError(f"{key}.factor: missing from the yarn block")
     factor = number("factor", None)
     if factor is None:  # transformers: the context's growth over the original
         max_pos = raw.get("max_position_embeddings")
-        if not isinstance(max_pos, int) or max_pos <= 0:
+        if not is_int(max_pos) or max_pos <= 0:
             raise ConfigError(f"{key}.factor: null needs max_position_embeddings to derive it")
         factor = max_pos / original
     truncate = spec.get("truncate", True)
@@ -534,7 +580,7 @@ def _deepseek_v3(raw: dict, need, layers) -> dict:
 
     def integer(key: str, low: int = 1) -> int:
         value = need(key)
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        if not is_int(value) or value < low:
             raise ConfigError(f"{key}: must be an integer >= {low}, got {value!r}")
         return value
 
@@ -542,7 +588,7 @@ def _deepseek_v3(raw: dict, need, layers) -> dict:
         raise ConfigError("q_lora_rank: missing from config.json (null for a plain q_proj)")
     q_lora = 0 if raw["q_lora_rank"] is None else integer("q_lora_rank")
     first_dense = integer("first_k_dense_replace", 0)
-    if isinstance(layers, int) and first_dense >= layers:
+    if is_int(layers) and first_dense >= layers:
         raise ConfigError(f"first_k_dense_replace: {first_dense} leaves none of the {layers} layers MoE")
     expert_size = integer("moe_intermediate_size")
     nope, rope = integer("qk_nope_head_dim"), integer("qk_rope_head_dim")
@@ -553,5 +599,5 @@ def _deepseek_v3(raw: dict, need, layers) -> dict:
         n_group=integer("n_group"), topk_group=integer("topk_group"),
         routed_scaling_factor=_number(raw, "routed_scaling_factor", need("routed_scaling_factor")),
         shared_expert_intermediate_size=integer("n_shared_experts", 0) * expert_size, shared_expert_gated=False,
-        sparse_layers=tuple(i >= first_dense for i in range(layers)) if isinstance(layers, int) else (),
-        dense_intermediate_size=int(raw.get("intermediate_size") or 0))
+        sparse_layers=tuple(i >= first_dense for i in range(layers)) if is_int(layers) else (),
+        dense_intermediate_size=_size(raw, "intermediate_size"))

@@ -7,7 +7,7 @@ with one line that names the file or tensor, and nothing is left half-loaded.
 from __future__ import annotations
 
 import json
-from pathlib import Path
+from pathlib import Path, PurePosixPath, PureWindowsPath
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -21,16 +21,45 @@ class CheckpointError(ValueError):
     """The checkpoint on disk is missing, corrupt, or does not match its config."""
 
 
+# the float dtypes a weight may be stored in: each converts to the model dtype without losing its meaning
+# (an integer or fp8 tensor would need scales this loader does not read, so casting it would be garbage)
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
 def shard_map(model_dir: Path) -> dict[str, Path] | None:
-    """Tensor name -> shard file from model.safetensors.index.json; None for a single-file checkpoint."""
+    """Tensor name -> shard file from model.safetensors.index.json; None for a single-file checkpoint.
+    Every shard must lie inside model_dir: the index is checked before any shard is opened."""
     index = model_dir / "model.safetensors.index.json"
     if not index.is_file():
         return None
     try:
         weight_map = json.loads(index.read_text())["weight_map"]
-        return {name: model_dir / shard for name, shard in weight_map.items()}
+        files = {name: (shard, model_dir / shard) for name, shard in weight_map.items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise CheckpointError(f"{index.name}: unreadable ({exc})") from None
+    for name, (shard, _) in files.items():
+        _check_shard_entry(model_dir, index.name, name, shard)
+    return {name: path for name, (_, path) in files.items()}
+
+
+def _check_shard_entry(model_dir: Path, index: str, name: str, shard) -> None:
+    """A shard named by the index is a plain file name (or a path below model_dir) and, symlinks
+    followed, stays in model_dir, so a crafted index cannot make us read any other file."""
+    where = f"{index}: weight_map[{name!r}]"
+    if not isinstance(shard, str) or not shard:
+        raise CheckpointError(f"{where}: must be a shard file name, got {shard!r}")
+    for pure in (PurePosixPath(shard), PureWindowsPath(shard)):
+        if pure.is_absolute() or pure.anchor or ".." in pure.parts:
+            raise CheckpointError(f"{where}: {shard!r} points outside the checkpoint folder")
+    root, target = model_dir.resolve(), (model_dir / shard).resolve()
+    if not (target.is_relative_to(root) or _in_hub_cache_blobs(root, target)):
+        raise CheckpointError(f"{where}: {shard!r} is a link to {target}, outside the checkpoint folder")
+
+
+def _in_hub_cache_blobs(root: Path, target: Path) -> bool:
+    """The Hugging Face hub cache keeps a snapshot's files as links from snapshots/<rev>/ into the
+    repository's blobs/ folder: those links stay inside the downloaded repository."""
+    return root.parent.name == "snapshots" and target.is_relative_to(root.parent.parent / "blobs")
 
 
 class _TensorSource:
@@ -67,9 +96,24 @@ class _TensorSource:
         path = self.single if self.files is None else self.files[name]
         handle = self._open(path)
         try:
-            return handle.get_tensor(name)
+            tensor = handle.get_tensor(name)
         except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
             raise CheckpointError(f"{path.name}: cannot read tensor {name} ({exc})") from None
+        if tensor.dtype not in FLOAT_DTYPES:
+            raise CheckpointError(f"{name}: dtype {str(tensor.dtype).removeprefix('torch.')} is not a float weight "
+                                  "(float32, bfloat16, float16 or float64; quantised checkpoints are not supported)")
+        return tensor
+
+
+def cat_rows(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The named checkpoint tensors stacked along their rows (q/k/v, gate/up): a tensor whose other
+    dimensions differ from the first's is named, not left to torch.cat's error."""
+    (first, ref), *rest = tensors.items()
+    for name, t in rest:
+        if t.dim() != ref.dim() or t.shape[1:] != ref.shape[1:]:
+            raise CheckpointError(f"{name}: checkpoint shape {tuple(t.shape)} does not fit with {first}'s "
+                                  f"{tuple(ref.shape)}")
+    return torch.cat(list(tensors.values()))
 
 
 # MLA tensors: our name under layers.{i}.attn. -> the checkpoint's under model.layers.{i}.self_attn.
@@ -135,8 +179,18 @@ def read_experts(cfg: ModelConfig, layer: int, names: set[str], get, experts: li
     if moe + "experts.gate_up_proj" in names:  # transformers v5's fused layout
         return get(moe + "experts.gate_up_proj", experts), get(moe + "experts.down_proj", experts)
     chosen = range(cfg.num_experts) if experts is None else experts
-    w13 = [torch.cat([get(f"{moe}experts.{e}.{gate}.weight"), get(f"{moe}experts.{e}.{up}.weight")]) for e in chosen]
-    return torch.stack(w13), torch.stack([get(f"{moe}experts.{e}.{down}.weight") for e in chosen])
+    h, i = cfg.hidden_size, cfg.expert_intermediate_size
+
+    def expert(e: int, role: str, shape: tuple[int, int]) -> torch.Tensor:
+        # one expert of the wrong shape would otherwise stop torch.stack with a message naming none
+        name = f"{moe}experts.{e}.{role}.weight"
+        t = get(name)
+        if tuple(t.shape) != shape:
+            raise CheckpointError(f"{name}: checkpoint shape {tuple(t.shape)} does not match config shape {shape}")
+        return t
+
+    w13 = [torch.cat([expert(e, gate, (i, h)), expert(e, up, (i, h))]) for e in chosen]
+    return torch.stack(w13), torch.stack([expert(e, down, (h, i)) for e in chosen])
 
 
 def expert_tensor_names(cfg: ModelConfig, layer: int, names: set[str]) -> list[str]:
@@ -161,9 +215,9 @@ def _read_attention(cfg: ModelConfig, src: _TensorSource, n: dict, ours: str, sd
                 # a tensor of the wrong size keeps its rows: the shape check names it below
                 sd[f"{ours}attn.{part}.{kind}"] = t if rows is None or t.shape[0] != rows.numel() else t[rows]
         return
-    sd[ours + "attn.qkv.weight"] = torch.cat([src.get(n[x] + ".weight") for x in "qkv"])
+    sd[ours + "attn.qkv.weight"] = cat_rows({n[x] + ".weight": src.get(n[x] + ".weight") for x in "qkv"})
     if cfg.attention_bias:
-        sd[ours + "attn.qkv.bias"] = torch.cat([src.get(n[x] + ".bias") for x in "qkv"])
+        sd[ours + "attn.qkv.bias"] = cat_rows({n[x] + ".bias": src.get(n[x] + ".bias") for x in "qkv"})
     sd[ours + "attn.o_proj.weight"] = src.get(n["o"])
     if cfg.o_proj_bias:
         sd[ours + "attn.o_proj.bias"] = src.get(n["o_bias"])
@@ -232,12 +286,12 @@ def read_state_dict(cfg: ModelConfig, model_dir: Path, experts: bool = True) -> 
                 src.used.update(expert_tensor_names(cfg, i, src.names))
             if cfg.shared_expert_intermediate_size:
                 shared = _shared_names(cfg, moe)
-                sd[ours + "mlp.shared_w13"] = torch.cat([src.get(f"{shared}{g}.weight"), src.get(f"{shared}{u}.weight")])
+                sd[ours + "mlp.shared_w13"] = cat_rows({t: src.get(t) for t in (f"{shared}{g}.weight", f"{shared}{u}.weight")})
                 sd[ours + "mlp.shared_w2"] = src.get(f"{shared}{d}.weight")
                 if cfg.shared_expert_gated:
                     sd[ours + "mlp.shared_gate"] = src.get(moe + "shared_expert_gate.weight")
         else:
-            sd[ours + "mlp.w13"] = torch.cat([src.get(f"{moe}{g}.weight"), src.get(f"{moe}{u}.weight")])
+            sd[ours + "mlp.w13"] = cat_rows({t: src.get(t) for t in (f"{moe}{g}.weight", f"{moe}{u}.weight")})
             sd[ours + "mlp.w2"] = src.get(f"{moe}{d}.weight")
     # a tensor we do not read is a weight we would silently drop: refuse it instead
     unused = sorted(n for n in src.names - src.used if not n.endswith("rotary_emb.inv_freq")

@@ -207,3 +207,10 @@ def test_workload_file_prompt_that_is_not_text_is_bad_input(ckpt, tmp_path):
     res = run("record", tmp_path / "t.trace", "--steps", 2, "--model", ckpt, "--devices", 2, "--workload", workload)
     one_line_error(res, "w.jsonl:2")
     assert not (tmp_path / "t.trace").exists()
+
+
+@pytest.mark.parametrize("command", [["trace", "info"], ["trace", "report"], ["replay"]])
+def test_a_directory_given_as_a_trace_is_named(tmp_path, command):
+    result = run(*command, tmp_path)
+    assert result.exit_code == 2
+    assert result.stderr.strip().endswith(f"{tmp_path}: is a directory, not a trace")
