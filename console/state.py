@@ -47,6 +47,9 @@ class ConsoleState:
         self.recorded_placement = Placement.from_dict(devices["placement"]) if devices.get("placement") else None
         self.counterfactual: Placement | None = None  # replay: the placement a rebalance would have used
         self.knobs: dict = dict(header.get("knobs") or {})
+        # a trace made by `trace import` from another engine's expert-load records: only the
+        # routing was measured there, so serving figures are absent rather than zero
+        self.imported: dict | None = header.get("imported") if isinstance(header.get("imported"), dict) else None
         self.error: str | None = None
         self.alerts: list[dict] = []
         self.preview: dict | None = None  # the last rebalance preview's summary

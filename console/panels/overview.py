@@ -50,6 +50,9 @@ class OverviewPanel(ShowsOnChange, VerticalScroll):
         if source_error is not None:
             what = "engine failed" if state.mode == "live" else "connection"
             self.put("#ov-error", f"[b red]{what}:[/] {source_error}")
+        if state.imported is not None:
+            self._show_imported(state)
+            return
         lat, cache, counts = state.latency(), state.cache(), state.request_counts()
         self.put(
             "#ov-metrics",
@@ -83,6 +86,25 @@ class OverviewPanel(ShowsOnChange, VerticalScroll):
             "#ov-alerts",
             "\n".join(f"[b]{a['severity']}[/b] {a['message']}  [dim]-> {a['action']}[/]" for a in alerts)
             or "[dim]none[/]")
+
+    def _show_imported(self, state) -> None:
+        imported = state.imported
+        source = f"{imported.get('engine', '?')} {imported.get('engine_version') or ''}".strip()
+        self.put("#ov-metrics", f"[b]imported[/b] from {source} ({imported.get('mode', '?')}): per-expert load "
+                 f"measured by {imported.get('engine', 'that engine')}; throughput, latency, KV cache and step times "
+                 f"are absent from its records\nbalancedness {state.balancedness()['overall']:.2f} (routing over "
+                 + ("the recorded placement)" if state.recorded_placement is not None else "no placement: absent)"))
+        loads = state.device_loads()
+        width = max(self.size.width // 2 - 2, 30)
+        top = max(float(loads.max()) if len(loads) else 0.0, 1.0)
+        rows = [(f"d{d}", float(v) / top, f"{v:,.0f} tok") for d, v in enumerate(loads)]
+        self.put("#ov-load-title", "Expert rows per device over the window, measured by the source engine")
+        self.put("#ov-load", lambda: bars(rows, width, warn=2.0, crit=2.0) if rows else "placement absent",
+                 key=(tuple(rows), width))
+        self.put("#ov-hbm", "absent: the source engine's records hold no memory accounting")
+        self._show_gpu(state)
+        self.put("#ov-alerts", "\n".join(f"[b]{a['severity']}[/b] {a['message']}" for a in state.alerts)
+                 or "[dim]none[/]")
 
     def _show_gpu(self, state) -> None:
         sample = gpu.gpu_sample(state)

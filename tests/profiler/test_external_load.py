@@ -181,6 +181,11 @@ def test_replay_experts_panel_shows_the_imported_load(tmp_path):
         for key in "1345":  # the other panels open on a trace with only the load in it
             await pilot.press(key)
             await pilot.pause(0.1)
+        await pilot.press("1")
+        await until(pilot, lambda: "imported" in text_of(app, "#ov-metrics"), timeout=5)
+        metrics = text_of(app, "#ov-metrics")
+        assert "imported from sglang (per_pass)" in metrics and "absent" in metrics and "tok/s" not in metrics
+        assert "absent" in text_of(app, "#ov-hbm") and "measured by the source" in text_of(app, "#ov-load-title")
     run_app(MoectlApp(source), body, size=(120, 40))
 
 
