@@ -9,7 +9,7 @@ import sys
 
 import typer
 
-from moectl.cli import bench, console, generate, record, serve, verify
+from moectl.cli import bench, console, generate, record, serve, verify, web
 from moectl.cli.model import model_app
 from moectl.cli.plan import plan_app
 from moectl.cli.trace import trace_app
@@ -27,6 +27,7 @@ app.command()(console.replay)
 app.command()(console.attach)
 app.command()(serve.serve)
 app.command()(record.record)
+app.command()(web.web)
 app.add_typer(model_app, name="model")
 app.add_typer(plan_app, name="plan")
 app.add_typer(trace_app, name="trace")

@@ -10,3 +10,7 @@ python3 -m venv .venv
 # Build the paged decode kernel now (a C++ extension, ~20-40 s once per machine) rather than on
 # the first engine start; when no compiler is found the engine uses its torch path instead.
 .venv/bin/python -c "from moectl.engine.core import paged_decode as k; k.kernel(); print('paged decode kernel:', k.failure() or 'built')"
+# The browser test (`moectl web` in headless chromium) skips without a chromium on PATH; installing
+# one needs root, so it is a separate step (the CI runs it).
+command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 \
+    || echo "no chromium on PATH: the browser test will skip (scripts/setup_browser.sh installs Debian's chromium)"

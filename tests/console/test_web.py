@@ -1,0 +1,254 @@
+"""`moectl web`: the console in a real browser (Debian's chromium, headless, driven by playwright)
+from a real `moectl web` subprocess, the guard in front of it (token, Host, Origin), and its
+up-front argument checks."""
+
+from __future__ import annotations
+
+import http.client
+import importlib.util
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+
+import psutil
+import pytest
+
+from moectl.engine import sample_model_dir
+from moectl.engine.models.config import ModelConfig
+from moectl.profiler.trace_store import TraceReader
+from tests.paths import REPO, TRACES
+
+TOKEN = "web-test-token"
+ARTIFACTS = REPO / "build" / "test-artifacts"
+BROWSER_WAIT_MS = 120_000  # the first frame waits for an engine start, on a small shared machine
+START_S = 60.0  # for `moectl web` to listen (imports torch)
+
+# The page's xterm.js draws on a canvas, and the textual-serve page keeps its terminal object in a
+# closure. Its constructor assigns `this.websocket_url`, so a setter on Object.prototype catches
+# the instance as it is made; the test then reads the very screen buffer the browser displays.
+CATCH_TERMINAL = """Object.defineProperty(Object.prototype, 'websocket_url', {configurable: true,
+  set(value) {
+    Object.defineProperty(this, 'websocket_url', {value, writable: true, configurable: true, enumerable: true});
+    window.__moectlConsole = this;
+  }});"""
+SCREEN_JS = """() => {
+  const term = window.__moectlConsole && window.__moectlConsole.terminal;
+  if (!term) return '';
+  const buffer = term.buffer.active, lines = [];
+  for (let row = 0; row < term.rows; row++) {
+    const line = buffer.getLine(buffer.viewportY + row);
+    lines.push(line ? line.translateToString(true) : '');
+  }
+  return lines.join('\\n');
+}"""
+
+
+def chromium_or_skip() -> str:
+    """The system chromium, for playwright; skips without one unless MOECTL_REQUIRE_BROWSER=1 (CI)."""
+    found = shutil.which("chromium") or shutil.which("chromium-browser")
+    reason = None
+    if found is None:
+        reason = "no chromium executable on PATH (scripts/setup_browser.sh installs Debian's chromium)"
+    elif importlib.util.find_spec("playwright") is None:
+        reason = "playwright is not installed (scripts/setup.sh)"
+    if reason is not None:
+        if os.environ.get("MOECTL_REQUIRE_BROWSER") == "1":
+            pytest.fail(f"{reason}, and MOECTL_REQUIRE_BROWSER=1")
+        pytest.skip(reason)
+    return found
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def moectl(*args, timeout: float = 120) -> subprocess.CompletedProcess:
+    """The real entry point (its usage-error handling included), in a subprocess: an option
+    check that failed to refuse would start a server, and the timeout then fails the test."""
+    return subprocess.run([sys.executable, "-m", "moectl.cli", *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, cwd=REPO)
+
+
+def status(port: int, path: str = "/", headers: dict | None = None) -> http.client.HTTPResponse:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    conn.request("GET", path, headers=headers or {})
+    response = conn.getresponse()
+    response.read()
+    conn.close()
+    return response
+
+
+def stop_tree(proc: subprocess.Popen) -> None:
+    """SIGTERM the server's process group (the consoles are in it), then SIGKILL what is left."""
+    for sig, wait_s in ((signal.SIGTERM, 60), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(wait_s)
+        except subprocess.TimeoutExpired:
+            continue
+
+
+@contextmanager
+def moectl_web(*args):
+    """`moectl web ARGS` on a free port, in its own process group; yields (process, port) once it listens."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    proc = subprocess.Popen([sys.executable, "-m", "moectl.cli", "web", "--port", str(port), *map(str, args)],
+                            cwd=REPO, env=env, start_new_session=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + START_S
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                if proc.poll() is not None:
+                    pytest.fail(f"moectl web exited {proc.returncode}: {proc.stdout.read()}")
+                if time.monotonic() > deadline:
+                    pytest.fail(f"moectl web did not listen on {port} within {START_S:g} s")
+                time.sleep(0.2)
+        yield proc, port
+    finally:
+        stop_tree(proc)
+        proc.stdout.close()
+
+
+# -- the console in a browser
+
+@contextmanager
+def console_page(port: int):
+    """Headless chromium on the console at port (token given once, in the URL); yields (page, shows),
+    shows(text) waiting until the terminal's screen holds text and returning the screen."""
+    chromium = chromium_or_skip()
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=chromium, headless=True)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 900})
+            page.set_default_timeout(BROWSER_WAIT_MS)
+            page.add_init_script(CATCH_TERMINAL)
+            # hermetic: the page also links a web font; only this server is reachable (CI has no network)
+            page.route("**/*", lambda route: route.continue_() if route.request.url.startswith(
+                f"http://127.0.0.1:{port}/") else route.abort())
+            page.goto(f"http://127.0.0.1:{port}/?token={TOKEN}")
+            assert "token" not in page.url  # kept in a cookie, which the websocket then carries
+
+            def shows(text: str, *, regex: bool = False) -> str:
+                test = "new RegExp(text).test(screen)" if regex else "screen.includes(text)"
+                page.wait_for_function(f"text => {{ const screen = ({SCREEN_JS})(); return {test}; }}", arg=text)
+                return page.evaluate(SCREEN_JS)
+
+            yield page, shows
+        finally:
+            browser.close()
+
+
+def test_live_console_in_a_browser_overview_then_experts(capsys):
+    chromium_or_skip()
+    cfg = ModelConfig.from_dir(sample_model_dir())
+    overview = f"{sample_model_dir().name}  {cfg.num_layers} layers x {cfg.num_experts} experts"
+    with moectl_web("--token", TOKEN) as (server, port), console_page(port) as (page, shows):
+        screen = shows(overview)
+        assert "Expert rows per device" in screen and "tok/s" in screen, screen
+        page.locator(".xterm-helper-textarea").focus()
+        page.keyboard.press("2")
+        shows("Routing heat map")
+        # the live engine serves its demo workload: wait for routed tokens, so the shot shows a live heat map
+        shows(r"[1-9][0-9,]* tokens", regex=True)  # the heat map's scale, no longer "0 tokens"
+        screen = shows("Placement, layer 0")
+        assert "Expert rows per device" not in screen, screen  # the Overview is gone, not drawn over
+        ARTIFACTS.mkdir(parents=True, exist_ok=True)
+        shot = ARTIFACTS / "web_experts.png"
+        page.screenshot(path=str(shot))
+        assert shot.stat().st_size > 0
+        with capsys.disabled():
+            print(f"\nscreenshot of the Experts tab in chromium: {shot}")
+
+        # a stop with the tab still open ends its console too (none is left running its engine)
+        consoles = [p for p in psutil.Process(server.pid).children(recursive=True) if "run" in p.cmdline()]
+        assert consoles, "no console process under moectl web"
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(120) == 0
+        _, alive = psutil.wait_procs(consoles, timeout=60)
+        assert not alive, f"consoles still running after the server stopped: {alive}"
+
+
+def test_replay_in_a_browser():
+    chromium_or_skip()
+    trace = TRACES / "steady_rebalance.trace"
+    with TraceReader(trace) as reader:
+        name = reader.header["model"]["name"]
+    with moectl_web("--token", TOKEN, "--replay", trace) as (_, port), console_page(port) as (_, shows):
+        shows(f"replay · {name}")
+        screen = shows("Expert rows per device")
+        assert "Play" in screen, screen  # the replay's transport bar
+
+
+# -- the guard
+
+def test_token_is_required_on_every_request_and_accepted_in_each_form():
+    with moectl_web("--token", TOKEN) as (_, port):
+        for path in ("/", "/ws", "/static/js/textual.js"):
+            assert status(port, path).status == 401, path
+            assert status(port, path, {"Authorization": "Bearer wrong"}).status == 401, path
+        assert status(port, "/?token=wrong").status == 401
+        assert status(port, "/", {"Authorization": f"Bearer {TOKEN}"}).status == 200
+        moved = status(port, f"/?token={TOKEN}&fontsize=14")
+        assert moved.status == 303 and moved.getheader("Location") == "/?fontsize=14"
+        cookie = moved.getheader("Set-Cookie").split(";")[0]
+        assert "HttpOnly" in moved.getheader("Set-Cookie")
+        assert status(port, "/static/js/textual.js", {"Cookie": cookie}).status == 200
+        assert status(port, "/", {"Cookie": cookie.replace(TOKEN, "x" * len(TOKEN))}).status == 401
+
+
+def test_loopback_without_token_refuses_other_hosts_and_origins():
+    with moectl_web() as (_, port):
+        assert status(port, "/").status == 200
+        assert status(port, "/", {"Host": f"localhost:{port}"}).status == 200
+        assert status(port, "/", {"Host": f"attacker.example:{port}"}).status == 403  # DNS rebinding
+        assert status(port, "/", {"Host": "localhost:1"}).status == 403
+        assert status(port, "/ws", {"Origin": "http://attacker.example"}).status == 403
+        assert status(port, "/", {"Origin": f"http://127.0.0.1:{port}"}).status == 200
+
+
+# -- argument checks, before anything is served
+
+@pytest.mark.parametrize("args, option", [
+    (["--host", "0.0.0.0"], "--host"),
+    (["--host", "192.0.2.7", "--port", "8080"], "--host"),
+    (["--port", "0"], "--port"),
+    (["--port", "70000"], "--port"),
+    (["--replay", "no-such.trace"], "--replay"),
+    (["--replay", "README.md"], "--replay"),
+    (["--replay", TRACES / "steady_rebalance.trace", "--devices", "2"], "--devices"),
+    (["--attach", "ftp://example"], "--attach"),
+    (["--attach-token", "t"], "--attach-token"),
+    (["--workload", "rate=0"], "--workload"),
+    (["--theme", "sepia"], "--theme"),
+])
+def test_bad_arguments_exit_2_with_one_line_before_serving(args, option):
+    done = moectl("web", *args)
+    assert done.returncode == 2, done.stdout + done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("moectl: error:") and option in lines[0], done.stderr
+
+
+def test_a_port_in_use_is_one_line_and_exit_1():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        done = moectl("web", "--port", taken.getsockname()[1])
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 1 and len(lines) == 1 and "cannot listen" in lines[0], done.stderr
