@@ -37,15 +37,24 @@ def trace_info(trace: Path = typer.Argument(..., help="A trace file."), as_json:
                 "complete": reader.complete, "model": model.get("name"), "architecture": model.get("architecture"),
                 "devices": (devices.get("topology") or {}).get("num_devices"), "backend": devices.get("backend"),
                 "bytes": status["bytes"], "state": status["state"], "software": header.get("software", {})}
+    imported = header.get("imported")
+    if imported:  # an engine's expert-load dump: its records have no time (t_start = t_end = 0), not a 0 s run
+        info.update(duration_s=None, step_times="absent",
+                    imported={k: imported.get(k) for k in ("engine", "engine_version", "mode", "files")})
     if as_json:
         typer.echo(json.dumps(info, default=str))
         return
+    if imported:
+        from moectl.cli.trace_import import imported_source
+
+        span = f", step times absent (imported from {imported_source(imported, most_files=2)})"
+    else:
+        span = f" over {info['duration_s']:.2f} s"
     typer.echo(f"{trace}: moectl trace format {info['format_version']}, {info['steps']} steps "
-               f"({info['first_step']}-{info['last_step']}) over {info['duration_s']:.2f} s, {info['actions']} actions, "
-               f"{info['bytes']:,} bytes")
-    typer.echo(f"model {info['model']} ({info['architecture']}), {info['devices'] or 1} device(s) "
-               f"[{info['backend'] or 'single'}]; {status['summary']}, "
-               f"{info['dropped']} records dropped while recording")
+               f"({info['first_step']}-{info['last_step']}){span}, {info['actions']} actions, {info['bytes']:,} bytes")
+    typer.echo(f"model {info['model']} ({info['architecture'] or 'architecture not recorded'}), "
+               f"{info['devices'] or 1} device(s) [{info['backend'] or 'single'}]; {status['summary']}, "
+               f"{info['dropped']} records dropped while {'importing' if imported else 'recording'}")
 
 
 @trace_app.command("export")
@@ -78,6 +87,16 @@ def trace_export(
                                                   f"{result['bytes']:,} bytes")
 
 
+def _refuse_imported(path: Path, header: dict) -> None:
+    """An imported trace holds the source's expert load only: diff's figures (throughput, latency,
+    step times) would be zeros, and its balancedness is under another placement rule."""
+    imported = header.get("imported")
+    if imported:
+        raise BadInput(f"{path}: imported from {imported['engine']} [{imported['mode']}]: it has expert load only, no "
+                       f"step times, latency or throughput to diff; compare loads with `moectl trace report` "
+                       f"(--placement for another placement)")
+
+
 @trace_app.command("diff")
 @handles_errors
 def trace_diff(a: Path = typer.Argument(..., help="Baseline trace."), b: Path = typer.Argument(..., help="Other trace."),
@@ -86,6 +105,8 @@ def trace_diff(a: Path = typer.Argument(..., help="Baseline trace."), b: Path = 
     from moectl.profiler.trace_queries import trace_summary
 
     with open_trace(a) as ra, open_trace(b) as rb:
+        for path, reader in ((a, ra), (b, rb)):
+            _refuse_imported(path, reader.header)
         sa, sb = trace_summary(ra), trace_summary(rb)
     if as_json:
         typer.echo(json.dumps({"a": sa, "b": sb}, default=float))

@@ -52,6 +52,13 @@ def trace_import(
         typer.echo(f"  {note}")
 
 
+def imported_source(imported: dict, most_files: int = 3) -> str:
+    """'sglang 0.5.4 [per_pass]: a.pt, b.pt': what an imported trace's header says it came from."""
+    names = [f["name"] for f in imported.get("files") or ()]
+    files = ", ".join(names[:most_files]) + (f" and {len(names) - most_files} more" if len(names) > most_files else "")
+    return f"{imported['engine']} {imported.get('engine_version') or '(version unknown)'} [{imported['mode']}]: {files}"
+
+
 def imported_report(report: dict, imported: dict, as_json: bool) -> None:
     """`trace report` of an imported trace: the load figures, and what the source did not measure
     said to be absent instead of printed as zeros."""
@@ -62,9 +69,8 @@ def imported_report(report: dict, imported: dict, as_json: bool) -> None:
         return
     say = typer.echo
     lo, hi = report["steps"]
-    files = ", ".join(f["name"] for f in imported.get("files") or ())
-    say(f"imported from {imported['engine']} {imported.get('engine_version') or '(version unknown)'} "
-        f"[{imported['mode']}]: {files}; records {lo}-{hi} are source passes")
+    say(f"imported from {imported_source(imported, most_files=len(imported.get('files') or ()))}; "
+        f"records {lo}-{hi} are source passes")
     bal = report["balancedness"]
     if bal.get("overall") is not None:
         per_layer = ", ".join("-" if b is None else f"{b:.2f}" for b in bal["per_layer"] or [])

@@ -222,3 +222,35 @@ def test_import_refuses_mismatched_ranks_and_a_bad_ep_size(tmp_path):
     out = import_trace(tmp_path, files, name="kept.trace")
     res = run("trace", "import", *files, "-o", out)
     assert res.exit_code == 2 and "--overwrite" in res.stderr
+
+
+def test_trace_info_says_an_imported_trace_has_no_step_times(tmp_path):
+    from tests.paths import TRACES
+
+    files, _ = sglang_per_pass(tmp_path)
+    out = import_trace(tmp_path, files, "--ep-size", D, "--engine-version", "0.5.4")
+    res = run("trace", "info", out)
+    assert res.exit_code == 0, res.output
+    first = res.stdout.splitlines()[0]
+    assert "step times absent (imported from sglang 0.5.4 [per_pass]: " + files[0].name in first
+    assert " s, " not in first.split("absent")[0] and "over" not in first  # no "over 0.00 s": the source has no time
+    info = json.loads(run("trace", "info", out, "--json").stdout)
+    assert info["duration_s"] is None and info["step_times"] == "absent"
+    assert (info["imported"]["engine"], info["imported"]["mode"]) == ("sglang", "per_pass")
+    recorded = run("trace", "info", TRACES / "steady_rebalance.trace")  # a recorded trace keeps its duration
+    assert recorded.exit_code == 0 and " s, 4 actions" in recorded.stdout.splitlines()[0]
+    assert "over" in recorded.stdout and "absent" not in recorded.stdout
+
+
+def test_trace_diff_refuses_an_imported_trace_in_one_line(tmp_path):
+    from tests.paths import TRACES
+
+    files, _ = sglang_per_pass(tmp_path)
+    out = import_trace(tmp_path, files, "--ep-size", D)
+    recorded = TRACES / "steady_rebalance.trace"
+    for a, b in ((recorded, out), (out, recorded), (out, out)):
+        res = run("trace", "diff", a, b)
+        assert res.exit_code == 2, res.output
+        assert res.stderr.startswith(f"moectl: error: {out}: imported from sglang [per_pass]") and res.stderr.count("\n") == 1
+        assert "no step times" in res.stderr and "Traceback" not in res.output and res.stdout == ""
+    assert run("trace", "diff", recorded, recorded).exit_code == 0  # two recorded traces still diff
