@@ -228,9 +228,9 @@ async def _same_origin(request: web.Request, handler):
             raise ApiError(403, f"Host: {host or 'none'} is not this loopback server's (without --token only "
                            "localhost, 127.0.0.1 and [::1] are served)")
         origin = request.headers.get("Origin")
-        if origin is not None:
-            scheme, _, rest = origin.partition("://")
-            if _host_of(rest.split("/", 1)[0]) not in LOOPBACK_NAMES:
+        if origin is not None:  # only this server's own pages: another local port is another site too
+            netloc = origin.partition("://")[2].split("/", 1)[0].lower()
+            if netloc != request.headers.get("Host", "").strip().lower():
                 raise ApiError(403, f"Origin: {origin[:100]} may not use this server (another site's page; "
                                "start the server with --token to serve other origins)")
     return await handler(request)

@@ -55,6 +55,9 @@ class ChatTemplate:
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"messages: the chat template ({self.origin}) refused them: {_first_line(exc)}") \
                 from None
+        except Exception as exc:  # noqa: BLE001 - a checkpoint's template is code that may fail on any input
+            raise ChatTemplateError(f"messages: the chat template ({self.origin}) failed on them: "
+                                    f"{type(exc).__name__}: {_first_line(exc)}") from None
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ChatTemplate:

@@ -47,7 +47,7 @@ from moectl.server.state import ServerState
 from moectl.server.streams import AsyncRequestStream, TextDeltas
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-MAX_STOP_STRINGS = 4  # as OpenAI
+MAX_STOP_STRINGS = 64  # OpenAI allows 4; vLLM has no limit, and lm-eval sends a task's `until` + EOS (often 5-6)
 MAX_N = 16  # choices (or best_of candidates) per prompt
 MAX_BATCH = 64  # prompts per completions request
 MAX_CANDIDATES = 128  # engine requests per API request
@@ -135,7 +135,7 @@ class OpenAIApi:
             else:
                 ids = self.encoder.ids(prompt, where)
             prompts.append(ids)
-            texts.append(prompt if isinstance(prompt, str) else self.state.driver.engine.decode(ids))
+            texts.append(prompt if isinstance(prompt, str) or not echo else self.state.driver.engine.decode(ids))
         job = self._job("completion", "cmpl", body, prompts, texts, echo, logprobs,
                         max_tokens=int_field(body, "max_tokens", 0, self.state.max_tokens_limit,
                                              DEFAULT_COMPLETION_MAX_TOKENS))

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from moectl.server.api_request import ApiError, bool_field, check_model, read_json
+from moectl.server.api_request import ApiError, bool_field, check_model, is_int, read_json
 from moectl.server.prompts import PromptEncoder
 from moectl.server.state import ServerState
 
@@ -50,7 +50,10 @@ class TokenizeApi:
     async def detokenize(self, request: web.Request) -> web.Response:
         body = await read_json(request, self.state.max_request_bytes)
         check_model(body, self.state.model_name)
-        ids = self.encoder.ids(body.get("tokens"), "tokens")
+        ids = body.get("tokens")
+        vocab = self.state.driver.engine.model_config.vocab_size
+        if not isinstance(ids, list) or not all(is_int(t) and 0 <= t < vocab for t in ids):
+            raise ApiError(400, f"tokens: must be a list of integers in [0, {vocab})", param="tokens")
         if self.encoder.tokenizer is None:
             raise ApiError(400, "tokens: this checkpoint has no tokenizer.json to decode with", param="tokens")
         return web.json_response({"prompt": self.state.driver.engine.decode(ids)})

@@ -109,6 +109,7 @@ class EngineDriver:
         def swap() -> dict:
             engine = self._make_engine()
             self._attach(engine)
+            _release(self.engine)
             self.engine = engine
             self._error = None
             return {"restarted": True}
@@ -156,6 +157,15 @@ class EngineDriver:
         self.engine.commands.ready.set()
         if self._thread.is_alive():
             self._thread.join(timeout=5)
+        _release(self.engine)
+
+
+def _release(engine) -> None:
+    """What an engine holds beyond its memory: the NVML sampler's thread (engines sit in
+    reference cycles, so waiting for the collector would leave it running after a restart)."""
+    sampler = getattr(getattr(engine, "telemetry", None), "gpu", None)
+    if sampler is not None:
+        sampler.close()
 
 
 def _int_arg(args: dict, name: str, default: int) -> int:

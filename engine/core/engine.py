@@ -235,8 +235,10 @@ class EngineCore:
         samplers = [completing[i] for i in rows]
         if len(rows) < len(completing):
             logits = logits[rows]
-        histories = [(s.token_ids[:s.num_prompt_tokens], s.output_ids) if s.params.penalised else None
-                     for s in samplers]
+        histories = None
+        if any(s.params.penalised for s in samplers):
+            histories = [(s.token_ids[:s.num_prompt_tokens], s.output_ids) if s.params.penalised else None
+                         for s in samplers]
         tokens = sample(logits, [s.params for s in samplers], [s.generator for s in samplers], histories)
         wanted = [i for i, s in enumerate(samplers) if s.output_logprobs is not None]
         if wanted:
@@ -248,21 +250,14 @@ class EngineCore:
         return dict(zip(map(id, samplers), tokens))
 
     def _score_prompts(self, batch: ScheduledBatch) -> None:
-        """Prompt log-probabilities from this step's prefill logits (the runner keeps them only
-        for sequences that asked)."""
-        found = self.runner.prompt_logits
-        if not found:
-            return
-        for seq, _ in batch.items:
+        """Prompt log-probabilities the runner scored in this step's prefill."""
+        found, self.runner.prompt_scores = self.runner.prompt_scores, {}
+        for seq, _ in batch.items if found else ():
             entry = found.get(id(seq))
-            if entry is None:
-                continue
-            first, logits = entry
-            targets = seq.token_ids[first:first + logits.shape[0]]
-            scored = token_logprobs(logits, targets, [seq.params.prompt_logprobs] * len(targets))
-            seq.prompt_logprobs[first:first + len(scored)] = scored
-            seq.prompt_scored = first + len(scored)
-        self.runner.prompt_logits = {}
+            if entry is not None:
+                first, scored = entry
+                seq.prompt_logprobs[first:first + len(scored)] = scored
+                seq.prompt_scored = first + len(scored)
 
     def _postprocess(self, batch: ScheduledBatch, new_tokens: dict[int, int]) -> None:
         now = time.monotonic()

@@ -8,6 +8,7 @@ import torch
 from moectl.engine.core import paged_decode
 from moectl.engine.core.kv_cache import KVCache
 from moectl.engine.core.paged_attention import DecodeGroup, PagedContext, PrefillSlice
+from moectl.engine.core.sampling import LOGPROB_ROWS, token_logprobs
 from moectl.engine.core.sequence import Sequence
 from moectl.engine.models.decoder import MoEForCausalLM
 
@@ -38,7 +39,7 @@ class ModelRunner:
         self.probe = RoutingProbe(model.cfg.num_layers, model.cfg.num_experts)
         # decodes read the cache in place (one table per row, no padding mask) when the kernel serves it
         self.decode_kernel = paged_decode.serves(cache)
-        self.prompt_logits: dict = {}  # the last step's, for sequences scoring their prompt (_prompt_logits)
+        self.prompt_scores: dict = {}  # the last step's, for sequences scoring their prompt (_score_prompts)
 
     def _slots(self, table: list[int], start: int, end: int) -> np.ndarray:
         pos = np.arange(start, end)
@@ -101,16 +102,23 @@ class ModelRunner:
             offset += n
         return ctx
 
-    def _prompt_logits(self, ordered, hidden: torch.Tensor) -> dict:
-        """id(seq) -> (first prompt position predicted, fp32 logits) for sequences scoring their
-        prompt: row q predicts token q + 1, up to the last prompt token (whose logits sample)."""
+    def _score_prompts(self, ordered, hidden: torch.Tensor) -> dict:
+        """id(seq) -> (first prompt position scored, [(logprob, top)...]) for sequences scoring their
+        prompt: row q predicts token q + 1, up to the last prompt token (whose logits sample).
+        Scored LOGPROB_ROWS rows at a time, so a long prefill chunk never holds its whole
+        [tokens, vocab] logits (the memory plan counts logits for one row per sequence)."""
         out, cursor = {}, 0
         for seq, n in ordered:
             if seq.wants_prompt_logits:
                 start = seq.num_computed
                 lo, hi = max(start, seq.prompt_scored - 1), min(start + n, seq.num_prompt_tokens - 1)
-                if lo < hi:
-                    out[id(seq)] = (lo + 1, self.model.logits(hidden[cursor + lo - start:cursor + hi - start]))
+                scored = []
+                for a in range(lo, hi, LOGPROB_ROWS):
+                    b = min(a + LOGPROB_ROWS, hi)
+                    logits = self.model.logits(hidden[cursor + a - start:cursor + b - start])
+                    scored += token_logprobs(logits, seq.token_ids[a + 1:b + 1], [seq.params.prompt_logprobs] * (b - a))
+                if scored:
+                    out[id(seq)] = (lo + 1, scored)
             cursor += n
         return out
 
@@ -150,7 +158,8 @@ class ModelRunner:
                             ctx, probe or self.probe)
         if all_logits:
             return self.model.logits(hidden)
-        self.prompt_logits = self._prompt_logits(ordered, hidden)
+        if any(s.prompt_logprobs is not None for s, _ in ordered):
+            self.prompt_scores = self._score_prompts(ordered, hidden)
         # map back to `items` order, keeping only sequences that will sample
         last_index, cursor = {}, 0
         for seq, n in ordered:

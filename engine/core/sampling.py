@@ -128,6 +128,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     gives the same tokens whatever else is in the batch."""
     tokens = logits.argmax(dim=-1).tolist()
     for row, (p, gen) in enumerate(zip(params, generators)):
+        if p.greedy and not p.penalised:  # the common case: the shared argmax stands
+            continue
         scores = logits[row]
         if p.penalised:
             scores = apply_penalties(scores, p, *histories[row])

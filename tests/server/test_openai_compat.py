@@ -135,6 +135,11 @@ def test_stop_token_ids_and_penalties_reach_the_engine(server, model_dir):
     greedy = post(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 12, "ignore_eos": True})
     ids = tokens(server, greedy["choices"][0]["text"])
     stopped = post(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 12, "stop_token_ids": [ids[2]]})
+    # lm-eval sends a task's `until` plus EOS as stop strings: often more than OpenAI's 4
+    many = post(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 12, "ignore_eos": True,
+                                            "stop": ["\nclass", "\ndef", "\n#", "\nif", "\nprint", "</s>"]})
+    assert many["choices"][0]["text"] == greedy["choices"][0]["text"].split("\nclass")[0].split("\ndef")[0] \
+        .split("\n#")[0].split("\nif")[0].split("\nprint")[0].split("</s>")[0]
     assert stopped["choices"][0]["finish_reason"] == "stop"
     assert stopped["usage"]["completion_tokens"] <= 3
     engine = LLMEngine(_config(model_dir))
@@ -206,6 +211,7 @@ def test_tokenize_and_detokenize(server):
     assert out["count"] == len(out["tokens"]) == len(out["token_strs"]) and out["max_model_len"] == 2048
     assert post(server, "/detokenize", {"tokens": out["tokens"]})["prompt"] == PROMPT
     assert_error(http("POST", server.url + "/detokenize", {"tokens": [99999]}), 400, "tokens")
+    assert post(server, "/detokenize", {"tokens": []})["prompt"] == ""  # as vLLM
     assert_error(http("POST", server.url + "/tokenize", {}), 400, "prompt")
 
 
@@ -227,8 +233,9 @@ def test_cross_site_requests_are_refused_without_a_token(server):
     # DNS rebinding: the page's own name resolves to 127.0.0.1, and the Host header says so
     status, err = raw_request(server, "/v1/completions", body, {**as_json, "Host": f"evil.example:{server.port}"})
     assert status == 403 and "Host" in err["error"]["message"]
-    status, err = raw_request(server, "/v1/completions", body, {**as_json, "Origin": "https://evil.example"})
-    assert status == 403 and "Origin" in err["error"]["message"]
+    for origin in ("https://evil.example", "http://127.0.0.1:1", "null"):  # another local port is another site
+        status, err = raw_request(server, "/v1/completions", body, {**as_json, "Origin": origin})
+        assert status == 403 and "Origin" in err["error"]["message"]
     assert raw_request(server, "/v1/completions", body, {**as_json, "Origin": server.url})[0] == 200
     # a form or fetch(no-cors) post is text/plain: never parsed as JSON
     status, err = raw_request(server, "/v1/completions", body, {"Content-Type": "text/plain"})
@@ -256,3 +263,12 @@ def test_surrogates_nesting_and_huge_prompts_get_400(server):
     status, err = raw_request(server, "/v1/completions", json.dumps({"prompt": "x" * 1_000_000}).encode(), as_json)
     assert status == 400 and err["error"]["code"] == "context_length_exceeded" and "characters" in err["error"]["message"]
     assert json.loads(urllib.request.urlopen(server.url + "/health").read())["status"] == "ok"
+
+
+def test_a_template_that_fails_on_a_chat_is_refused_naming_messages(tmp_path):
+    from moectl.server.chat_template import ChatTemplate, ChatTemplateError
+
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages[0]['content'] + 1 }}"}))
+    template = ChatTemplate.from_dir(tmp_path)
+    with pytest.raises(ChatTemplateError, match=r"^messages: .*TypeError"):  # the encoder answers it as a 400
+        template.render([{"role": "user", "content": "hi"}])
