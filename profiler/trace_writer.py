@@ -536,6 +536,9 @@ class TraceWriter:
                              f"killed; the trace is incomplete" + (f", {lost} records not written" if lost else ""))
         if self._final is not None and code == 0:
             return
+        if self._broken is None:  # it died after taking every write (the pipe buffer held them): say so once
+            with self._lock:
+                self._mark_broken(self._fatal or f"the writer process exited (code {code})")
         lost += self._lost
         reason = self._fatal or self._broken or "no final answer"
         tail = self._stderr_tail()
