@@ -7,7 +7,16 @@ from pathlib import Path
 
 import typer
 
-from moectl.cli.common import HBM_OPT, JSON_OPT, BadInput, check_output_file, handles_errors, model_dir, open_trace
+from moectl.cli.common import (
+    HBM_OPT,
+    JSON_OPT,
+    BadInput,
+    check_output_file,
+    handles_errors,
+    model_dir,
+    open_trace,
+    parse_cli_size,
+)
 
 plan_app = typer.Typer(no_args_is_help=True, help="Offline planning: expert rebalancing and device memory.")
 DEVICES_OPT = typer.Option(8, "--devices", "-d", help="Number of devices (1-256).")
@@ -43,14 +52,14 @@ def plan_memory_cmd(
     """The operator-level memory table for each device: weights by category, KV cache, activations
     at peak, communication buffers and headroom; whether it fits and, if not, by how much. With
     --offload, also the experts' three tiers (HBM cache, host, disk)."""
-    from moectl.engine.core.topology import Topology, parse_size
+    from moectl.engine.core.topology import Topology
     from moectl.engine.planning.memory_plan import fit_suggestions, plan_memory
     from moectl.engine.planning.offload_plan import plan_offload
 
-    topo = Topology(num_devices=devices, hbm_bytes=parse_size(hbm, "--hbm"))
+    topo = Topology(num_devices=devices, hbm_bytes=parse_cli_size(hbm, "--hbm"))
     kw = dict(tp=tp, ep=ep, context=context, batch=batch, dtype=dtype, kv_dtype=kv_dtype)
     plan = plan_memory(model, topo, **kw)
-    tiers = plan_offload(plan, parse_size(host_mem, "--host-mem")) if offload else None
+    tiers = plan_offload(plan, parse_cli_size(host_mem, "--host-mem")) if offload else None
     suggestions = [] if plan.fits or (tiers is not None and tiers.fits) else fit_suggestions(model, topo, **kw)
     if as_json:
         out = {**plan.as_dict(), "suggestions": suggestions}
@@ -99,7 +108,6 @@ def plan_rebalance_cmd(
     (by node when there are nodes), and report balancedness before/after and bytes moved. From a
     trace, the loads are its recorded routing and "before" is the placement it was recorded with
     (exact: routing does not depend on placement)."""
-    from moectl.engine.core.topology import parse_size
     from moectl.engine.experts.rebalancer import (
         DEFAULT_EXPERT_BYTES,
         load_loads_file,
@@ -156,7 +164,7 @@ def plan_rebalance_cmd(
         else:
             current = None  # another device count: no recorded placement to compare against
     result = run_plan_rebalance(loads, devices or 8, redundant, devices_per_node=devices_per_node,
-                                expert_bytes=size if expert_bytes is None else parse_size(expert_bytes, "--expert-bytes"),
+                                expert_bytes=size if expert_bytes is None else parse_cli_size(expert_bytes, "--expert-bytes"),
                                 current=current, target=target)
     if export is not None:  # the engines fill every slot: so does the plan they get (and its figures)
         _fill_for_export(result, loads, current)

@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 from collections import deque
+from pathlib import Path
 
 import pytest
 
@@ -214,3 +215,10 @@ def test_a_directory_given_as_a_trace_is_named(tmp_path, command):
     result = run(*command, tmp_path)
     assert result.exit_code == 2
     assert result.stderr.strip().endswith(f"{tmp_path}: is a directory, not a trace")
+
+
+def test_plan_memory_refuses_absurd_sizes():
+    config = Path(__file__).resolve().parents[2] / "docs" / "configs" / "k3-3t-1m.json"
+    res = run("plan", "memory", "--model", config, "--devices", 8, "--context", 4096,
+              "--hbm", "1e99TiB")
+    assert res.exit_code == 2 and "--hbm" in res.stderr and "1 PiB" in res.stderr
