@@ -79,14 +79,23 @@ def setup(tmp_path_factory):
     shutil.copytree(sample_model_dir(), model_dir)
     cfg = json.loads((model_dir / "tokenizer_config.json").read_text())
     (model_dir / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": TEMPLATE}))
+    saved = dict(os.environ)
     for key in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
         os.environ[key] = "1"  # nothing is downloaded: the data files are local
     os.environ["HF_DATASETS_CACHE"] = str(root / "datasets_cache")
+    # a distributed engine earlier in this process left torch.distributed's variables as rank 0 of 2;
+    # lm-eval's hf model (through accelerate) would wait for a second rank
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(key, None)
     driver = EngineDriver(lambda: LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", block_size=16,
                                                          num_kv_blocks=512, num_threads=1)))
-    with ServerThread(driver, model_name=NAME) as srv:
-        yield srv, model_dir, write_tasks(root)
-    driver.close()
+    try:
+        with ServerThread(driver, model_name=NAME) as srv:
+            yield srv, model_dir, write_tasks(root)
+    finally:
+        driver.close()
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 def evaluate(model: str, model_args: dict, tasks: list[dict], **kw) -> dict:
