@@ -117,10 +117,15 @@ def init_distributed(device: str | None = None, timeout_s: float = COLLECTIVE_TI
     return _make_ctrl(DistState(rank, world, local_rank, dev))
 
 
-def _init_from_store(rank: int, world: int, port: int, device: str, timeout_s: float) -> DistState:
-    """For processes spawned by `launch`: the parent hosts the TCPStore, so no port can race."""
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _init_from_store(rank: int, world: int, port: int, device: str, timeout_s: float,
+                     export_env: bool = True) -> DistState:
+    """For processes spawned by `launch`: the parent hosts the TCPStore, so no port can race.
+    export_env: also say so in torchrun's variables, for a spawned rank's libraries. A front end
+    that is rank 0 in its own process passes False: the variables would outlive its engine and
+    make every process it starts later look like a torchrun rank."""
+    if export_env:
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     use_cuda = str(device).startswith("cuda")
     if use_cuda:
         if not torch.cuda.is_available():

@@ -110,7 +110,8 @@ class RankGroup:
         self.state = None
         try:
             self._await_workers()
-            self.state = _init_from_store(0, nproc, self.store.port, config.device, STARTUP_TIMEOUT_S)
+            self.state = _init_from_store(0, nproc, self.store.port, config.device, STARTUP_TIMEOUT_S,
+                                          export_env=False)
         except BaseException:
             self.close()
             raise

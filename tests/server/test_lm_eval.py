@@ -83,8 +83,8 @@ def setup(tmp_path_factory):
     for key in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
         os.environ[key] = "1"  # nothing is downloaded: the data files are local
     os.environ["HF_DATASETS_CACHE"] = str(root / "datasets_cache")
-    # a distributed engine earlier in this process left torch.distributed's variables as rank 0 of 2;
-    # lm-eval's hf model (through accelerate) would wait for a second rank
+    # with torchrun's variables in the environment lm-eval's hf model (through accelerate) joins a
+    # process group and waits for the other ranks: run it as a plain process, whatever ran before
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         os.environ.pop(key, None)
     driver = EngineDriver(lambda: LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", block_size=16,

@@ -32,6 +32,9 @@ def test_serve_on_ranks_then_a_rank_dies(checkpoint):
     config = EngineConfig(model=str(checkpoint), block_size=4, num_kv_blocks=256, topology=Topology(num_devices=2),
                           redundant_slots=1, num_threads=1)
     group = RankGroup(config, 2)
+    # rank 0 is this process: torchrun's variables must not leak into it (every process it starts
+    # later would take itself for a rank)
+    assert not {"RANK", "WORLD_SIZE", "MASTER_PORT"} & set(os.environ)
     driver = EngineDriver(group.make_engine)
     try:
         with ServerThread(driver, token=TOKEN) as srv:
