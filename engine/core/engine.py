@@ -25,7 +25,7 @@ from moectl.engine.core.kv_cache import KVCache
 from moectl.engine.core.model_runner import ModelRunner
 from moectl.engine.core.outputs import RequestOutput, RequestStream
 from moectl.engine.core.records import StepStats
-from moectl.engine.core.sampling import SamplingParams, _GeneratorFactory, sample, token_logprobs
+from moectl.engine.core.sampling import PenaltyHistory, SamplingParams, _GeneratorFactory, sample, token_logprobs
 from moectl.engine.core.scheduler import ScheduledBatch, Scheduler
 from moectl.engine.core.sequence import Sequence
 from moectl.engine.core.telemetry import DeepCapture, Telemetry
@@ -237,8 +237,7 @@ class EngineCore:
             logits = logits[rows]
         histories = None
         if any(s.params.penalised for s in samplers):
-            histories = [(s.token_ids[:s.num_prompt_tokens], s.output_ids) if s.params.penalised else None
-                         for s in samplers]
+            histories = [self._penalty_history(s) if s.params.penalised else None for s in samplers]
         tokens = sample(logits, [s.params for s in samplers], [s.generator for s in samplers], histories)
         wanted = [i for i, s in enumerate(samplers) if s.output_logprobs is not None]
         if wanted:
@@ -248,6 +247,11 @@ class EngineCore:
                 samplers[i].output_logprobs.append(lp)
         tracer.close(mark, "sampler")
         return dict(zip(map(id, samplers), tokens))
+
+    def _penalty_history(self, seq: Sequence) -> PenaltyHistory:
+        if seq.penalty_history is None:
+            seq.penalty_history = PenaltyHistory(seq.token_ids[:seq.num_prompt_tokens], self.model_config.vocab_size)
+        return seq.penalty_history.update(seq.output_ids)
 
     def _score_prompts(self, batch: ScheduledBatch) -> None:
         """Prompt log-probabilities the runner scored in this step's prefill."""

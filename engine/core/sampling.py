@@ -83,17 +83,39 @@ def _is_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
-def apply_penalties(row: torch.Tensor, p: SamplingParams, prompt_ids: list[int], output_ids: list[int]) -> torch.Tensor:
+class PenaltyHistory:
+    """What a penalised request has seen, kept up to date one token at a time (rebuilding it
+    from the whole history every step would cost O(length) per token): which tokens occurred in
+    the prompt or output (repetition) and how often each occurred in the output (presence, frequency)."""
+
+    def __init__(self, prompt_ids: list[int], vocab: int):
+        self.seen = torch.zeros(vocab, dtype=torch.bool)
+        self.seen[torch.tensor(prompt_ids, dtype=torch.long)] = True
+        self.counts = torch.zeros(vocab, dtype=torch.float32)
+        self.synced = 0  # output tokens counted
+
+    def update(self, output_ids: list[int]) -> PenaltyHistory:
+        if len(output_ids) > self.synced:
+            new = torch.tensor(output_ids[self.synced:], dtype=torch.long)
+            self.seen[new] = True
+            self.counts.index_add_(0, new, torch.ones(len(new)))
+            self.synced = len(output_ids)
+        return self
+
+
+def apply_penalties(row: torch.Tensor, p: SamplingParams, history: PenaltyHistory) -> torch.Tensor:
     """One row of logits with the request's penalties applied (a new tensor). Repetition counts
     prompt and output tokens (vLLM, transformers); presence and frequency count the output only (OpenAI)."""
-    row = row.clone()
+    row = row.float().cpu()
+    vocab = min(row.numel(), history.seen.numel())
     if p.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), dtype=torch.long, device=row.device)
-        picked = row[seen]
-        row[seen] = torch.where(picked > 0, picked / p.repetition_penalty, picked * p.repetition_penalty)
-    if output_ids and (p.presence_penalty or p.frequency_penalty):
-        counts = torch.bincount(torch.tensor(output_ids, device=row.device), minlength=row.numel())[:row.numel()]
-        row -= p.frequency_penalty * counts.to(row.dtype) + p.presence_penalty * (counts > 0).to(row.dtype)
+        head = row[:vocab]
+        penalised = torch.where(head > 0, head / p.repetition_penalty, head * p.repetition_penalty)
+        row = torch.cat([torch.where(history.seen[:vocab], penalised, head), row[vocab:]])
+    if history.synced and (p.presence_penalty or p.frequency_penalty):
+        counts = history.counts[:vocab]
+        row = row.clone()
+        row[:vocab] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
     return row
 
 
@@ -122,8 +144,8 @@ LOGPROB_ROWS = 64  # rows per float64 log-softmax: 64 x a 150k vocabulary is 77 
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-           histories: list[tuple[list[int], list[int]]] | None = None) -> list[int]:
-    """logits: fp32 [B, V]; histories: (prompt ids, output ids) per row, needed for penalties.
+           histories: list[PenaltyHistory | None] | None = None) -> list[int]:
+    """logits: fp32 [B, V]; histories: each penalised row's PenaltyHistory (up to date).
     Greedy rows share one argmax; sampled rows draw with their own generator, so a seeded request
     gives the same tokens whatever else is in the batch."""
     tokens = logits.argmax(dim=-1).tolist()
@@ -132,7 +154,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
             continue
         scores = logits[row]
         if p.penalised:
-            scores = apply_penalties(scores, p, *histories[row])
+            scores = apply_penalties(scores, p, histories[row])
             if p.greedy:
                 tokens[row] = int(scores.argmax())
         if p.greedy:

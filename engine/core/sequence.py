@@ -44,6 +44,7 @@ class Sequence:
         self.prompt_logprobs: list | None = ([None] * len(prompt_ids) if params.prompt_logprobs is not None
                                              else None)
         self.prompt_scored = 1  # prompt positions whose log-probabilities are known (position 0 has none)
+        self.penalty_history = None  # sampling.PenaltyHistory, made at its first penalised sample
         self.arrival = time.monotonic() if arrival is None else arrival
         self.first_scheduled: float | None = None
         self.token_times: list[float] = []
