@@ -90,3 +90,14 @@ def fmt_bytes(n) -> str:
             return f"{value:.1f}{unit}" if value < 100 else f"{value:.0f}{unit}"
     return f"{n}B"
 
+
+def absent_in_import(state, what: str) -> str | None:
+    """On a trace imported from another engine's expert-load records: the line saying `what` is
+    absent there (its records hold the routing only); None on the engine's own traces."""
+    imported = state.imported
+    if imported is None:
+        return None
+    source = f"{imported.get('engine', '?')} {imported.get('engine_version') or ''}".strip()
+    return (f"[b]absent[/b]: {what} were not measured by {source} ({imported.get('mode', '?')}); "
+            "this trace was imported from its expert-load records (Experts tab)")
+

@@ -14,7 +14,7 @@ from textual.widgets import Static
 from textual_plotext import PlotextPlot
 
 from moectl.console.panels import gpu
-from moectl.console.panels.common import ShowsOnChange, fmt_bytes, replot
+from moectl.console.panels.common import ShowsOnChange, absent_in_import, fmt_bytes, replot
 
 # derived from each step's shapes with the planner's formulas, not read from an allocator
 MODELED_CATEGORIES = ("activations", "comm_buffers")
@@ -40,6 +40,10 @@ class MemoryPanel(ShowsOnChange, VerticalScroll):
         self._plan_text: str | None = None
 
     def show(self, state) -> None:
+        absent = absent_in_import(state, "memory accounting and the devices' HBM")
+        if absent is not None:
+            self.put("#mem-categories", absent)
+            return
         history = [h for h in state.history if h["memory"]]
         steps = [h["step"] for h in history]
         shown = min(len(history[-1]["memory"]), 8) if history else 0  # beyond 8 lines a plot is unreadable

@@ -8,7 +8,7 @@ from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.widgets import Button, DataTable, Input, Label, Select, Static, Switch
 from textual_plotext import PlotextPlot
 
-from moectl.console.panels.common import ActionRequested, ShowsOnChange, fmt_s, replot
+from moectl.console.panels.common import ActionRequested, ShowsOnChange, absent_in_import, fmt_s, replot
 from moectl.console.widgets.line_cache import LineCacheMixin
 
 KNOBS = (("max_num_seqs", "max seqs"), ("max_num_batched_tokens", "max batched tokens"),
@@ -97,6 +97,10 @@ class RequestsPanel(ShowsOnChange, VerticalScroll):
         self._filled = True
 
     def show(self, state) -> None:
+        absent = absent_in_import(state, "requests, latencies and batching knobs")
+        if absent is not None:
+            self.put("#rq-counts", absent)
+            return
         counts = state.request_counts()
         self.put("#rq-counts",
                  f"running {counts['running']}   waiting {counts['waiting']}   finished (kept) {counts['finished']}   "

@@ -8,7 +8,7 @@ from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical
 from textual.widgets import Button, Input, Label, Static
 
-from moectl.console.panels.common import ShowsOnChange
+from moectl.console.panels.common import ShowsOnChange, absent_in_import
 from moectl.console.widgets import Timeline
 from moectl.profiler.analysis import step_breakdown
 
@@ -63,6 +63,10 @@ class TimelinePanel(ShowsOnChange, Vertical):
         self.shown_step = None
 
     def show(self, state) -> None:
+        absent = absent_in_import(state, "step times, spans and kernels")
+        if absent is not None:
+            self.put("#tl-status", absent)
+            return
         if self.frozen or not state.window:
             return
         records = list(state.window)[-self.count:]

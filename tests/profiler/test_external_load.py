@@ -178,9 +178,10 @@ def test_replay_experts_panel_shows_the_imported_load(tmp_path):
         homes = ", ".join(f"d{p // LOCAL}" for p in np.flatnonzero(P2L[0] == 0))  # SGLang: slot p on rank p // 3
         assert f"L0/E0: {int(expected[:, 0, 0].sum()):,} tokens in the window; on {homes} (2 replicas)" \
             in text_of(app, "#ex-cell")
-        for key in "1345":  # the other panels open on a trace with only the load in it
-            await pilot.press(key)
-            await pilot.pause(0.1)
+        for key, where in (("3", "#mem-categories"), ("4", "#tl-status"), ("5", "#rq-counts")):
+            await pilot.press(key)  # the other panels open, and say what the source did not measure
+            await until(pilot, lambda: "absent" in text_of(app, where), timeout=5)
+            assert "imported from its expert-load records" in text_of(app, where)
         await pilot.press("1")
         await until(pilot, lambda: "imported" in text_of(app, "#ov-metrics"), timeout=5)
         metrics = text_of(app, "#ov-metrics")
