@@ -26,19 +26,31 @@ from moectl.engine.parallel.backends import Engines
 from moectl.themes import check_theme
 
 DEMO_WORKLOAD = "rate=4,prompt=32-256,output=32-128"
+# the live console's own options (`run`, and `web` which hands them on to it)
+LIVE_DEVICES_OPT = typer.Option(4, "--devices", "-d", help="Devices for the experts (emulated on the local backend).")
+LIVE_REDUNDANT_OPT = typer.Option(1, "--redundant", help="Redundant expert slots per device (room for replicas).")
+DEMO_WORKLOAD_OPT = typer.Option(DEMO_WORKLOAD, "--workload", help="The demo workload: rate=R,prompt=LO-HI,"
+                                                                  "output=LO-HI (editable live).")
+
+
+def demo_load(workload: str):
+    """The --workload option as the live console's DemoLoad; a bad one is bad input."""
+    from moectl.console.sources import DemoLoad
+    from moectl.engine.tools.workload import WorkloadSpec
+
+    try:
+        return DemoLoad.from_spec(WorkloadSpec.from_option(workload))
+    except ValueError as exc:
+        message = str(exc)
+        raise BadInput(message if message.startswith("--workload") else f"--workload: {message}") from None
 
 
 def live_source(model: Path | None, devices: int, hbm: str, redundant: int, expert_cache: int | None,
                 workload: str, dtype: str | None, threads: int | str, backend: str = "local", nproc: int | None = None,
                 placement: Path | None = None, host_mem: str | None = None):
-    from moectl.console.sources import DemoLoad, LiveSource
-    from moectl.engine.tools.workload import WorkloadSpec
+    from moectl.console.sources import LiveSource
 
-    try:
-        load = DemoLoad.from_spec(WorkloadSpec.from_option(workload))
-    except ValueError as exc:
-        message = str(exc)
-        raise BadInput(message if message.startswith("--workload") else f"--workload: {message}") from None
+    load = demo_load(workload)
     config = engine_config(model, devices=devices, hbm=hbm, expert_cache=expert_cache, host_mem=host_mem, dtype=dtype,
                            redundant_slots=redundant, num_threads=parse_threads(threads), backend=backend,
                            nproc=nproc, placement=placement, reserved_cores=1)  # a core for the UI
@@ -53,16 +65,15 @@ def live_source(model: Path | None, devices: int, hbm: str, redundant: int, expe
 @handles_errors
 def run(
     model: Path | None = MODEL_OPT,
-    devices: int = typer.Option(4, "--devices", "-d", help="Devices for the experts (emulated on the local backend)."),
+    devices: int = LIVE_DEVICES_OPT,
     hbm: str = HBM_OPT,
-    redundant: int = typer.Option(1, "--redundant", help="Redundant expert slots per device (room for replicas)."),
+    redundant: int = LIVE_REDUNDANT_OPT,
     backend: str = BACKEND_OPT,
     nproc: int | None = NPROC_OPT,
     placement: Path | None = PLACEMENT_OPT,
     expert_cache: int | None = EXPERT_CACHE_OPT,
     host_mem: str | None = HOST_MEM_OPT,
-    workload: str = typer.Option(DEMO_WORKLOAD, "--workload", help="The demo workload: rate=R,prompt=LO-HI,"
-                                                                   "output=LO-HI (editable live)."),
+    workload: str = DEMO_WORKLOAD_OPT,
     dtype: str | None = DTYPE_OPT,
     threads: str = THREADS_OPT,
     theme: str = THEME_OPT,

@@ -36,7 +36,7 @@ from moectl.cli.common import (
     handles_errors,
     parse_threads,
 )
-from moectl.cli.console import DEMO_WORKLOAD
+from moectl.cli.console import DEMO_WORKLOAD_OPT, LIVE_DEVICES_OPT, LIVE_REDUNDANT_OPT, demo_load
 from moectl.themes import check_theme
 
 # the options handed on to `moectl run` (parameter names); meaningless with --replay / --attach
@@ -59,16 +59,15 @@ def web(
     attach_token: str | None = typer.Option(None, "--attach-token", help="With --attach: the server's bearer token "
                                                                          "(`moectl attach --token`)."),
     model: Path | None = MODEL_OPT,
-    devices: int = typer.Option(4, "--devices", "-d", help="Devices for the experts (emulated on the local backend)."),
+    devices: int = LIVE_DEVICES_OPT,
     hbm: str = HBM_OPT,
-    redundant: int = typer.Option(1, "--redundant", help="Redundant expert slots per device (room for replicas)."),
+    redundant: int = LIVE_REDUNDANT_OPT,
     backend: str = BACKEND_OPT,
     nproc: int | None = NPROC_OPT,
     placement: Path | None = PLACEMENT_OPT,
     expert_cache: int | None = EXPERT_CACHE_OPT,
     host_mem: str | None = HOST_MEM_OPT,
-    workload: str = typer.Option(DEMO_WORKLOAD, "--workload", help="The demo workload: rate=R,prompt=LO-HI,"
-                                                                   "output=LO-HI (editable live)."),
+    workload: str = DEMO_WORKLOAD_OPT,
     dtype: str | None = DTYPE_OPT,
     threads: str = THREADS_OPT,
     theme: str = THEME_OPT,
@@ -113,14 +112,7 @@ def option_flag(ctx: typer.Context, name: str) -> str:
 
 def live_args(ctx: typer.Context, live: dict) -> list[str]:
     """`run` and its options, after the checks `moectl run` makes before it starts an engine."""
-    from moectl.console.sources import DemoLoad
-    from moectl.engine.tools.workload import WorkloadSpec
-
-    try:  # the same wording as `moectl run`
-        DemoLoad.from_spec(WorkloadSpec.from_option(live["workload"]))
-    except ValueError as exc:
-        message = str(exc)
-        raise BadInput(message if message.startswith("--workload") else f"--workload: {message}") from None
+    demo_load(live["workload"])  # the same check and wording as `moectl run`
     options = dict(live, threads=parse_threads(live["threads"]))
     options["redundant_slots"] = options.pop("redundant")
     options["num_threads"] = options.pop("threads")

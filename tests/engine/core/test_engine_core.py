@@ -11,18 +11,7 @@ from moectl.engine.core.config import EngineConfig, KnobError, SchedulerKnobs
 from moectl.engine.core.kv_cache import KVCache
 from moectl.engine.core.sampling import SamplingParams
 from moectl.engine.llm_engine import LLMEngine
-from moectl.engine.models.loader import load_model
 from tests.checkpoints import prompts, reference_greedy, tiny_checkpoint
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return tiny_checkpoint(tmp_path_factory.mktemp("tiny"))
-
-
-@pytest.fixture(scope="module")
-def ref_model(ckpt):
-    return load_model(ckpt)
 
 
 def make_engine(ckpt, **kw) -> LLMEngine:

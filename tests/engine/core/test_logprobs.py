@@ -5,27 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moectl.engine.core.config import EngineConfig, SchedulerKnobs
 from moectl.engine.core.sampling import SamplingParams
-from moectl.engine.llm_engine import LLMEngine
 from moectl.engine.models.attention import DenseContext
-from moectl.engine.models.loader import load_model
-from tests.checkpoints import prompts, tiny_checkpoint
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return tiny_checkpoint(tmp_path_factory.mktemp("tiny"))
-
-
-@pytest.fixture(scope="module")
-def ref_model(ckpt):
-    return load_model(ckpt)
-
-
-def make_engine(ckpt, **kw) -> LLMEngine:
-    knobs = SchedulerKnobs(max_num_batched_tokens=24, long_prefill_token_threshold=10)
-    return LLMEngine(EngineConfig(model=str(ckpt), block_size=4, num_kv_blocks=128, knobs=knobs, **kw))
+from tests.checkpoints import prompts
+from tests.engine.core.test_engine_core import make_engine  # ckpt, ref_model: conftest.py
 
 
 def reference_logp(model, ids: list[int]) -> torch.Tensor:
