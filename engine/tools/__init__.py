@@ -1,1 +1,2 @@
-"""TODO"""
+"""Tools built on the engine: benchmarks, verification against transformers, KV evaluation,
+workloads, training on the stdlib corpus, and tiny random checkpoints."""
