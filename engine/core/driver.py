@@ -9,19 +9,27 @@ themselves and never wait on it. There is one queue: the engine's own (core/comm
 the server alike: a bad one raises ActionRefused (a ValueError) with a one-line reason at once;
 a good one returns a Future that completes on the engine thread.
 
-A step that raises does not kill the thread: every request in flight fails (finish_reason
-"error"), `error` says why, and the engine only runs commands until `restart()` builds a fresh
-one from the same factory.
+A step whose model run fails (StepFailed) fails only the requests it scheduled, with the cause
+in their output's `error`, and the engine serves on. The engine is given up as failed when it
+says so itself (`engine.failure`: MAX_FAILED_STEPS failed steps in a row, or a distributed rank
+lost; see core/engine.py) or when anything else in the loop raises (the scheduler, a command,
+the feed: its state is unknown). Then every request in flight fails, `error` says why (the
+server's /health answers 503 with it), and the engine only runs commands until `restart()`
+builds a fresh one from the same factory.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 
 from moectl.engine.core.config import AutoRebalancePolicy
+from moectl.engine.core.outputs import StepFailed, describe_error
+
+log = logging.getLogger(__name__)
 
 RECORD_BUFFER = 4096  # records kept for a consumer that falls behind (the oldest are dropped)
 IDLE_WAIT_S = 0.005  # an idle engine looks for new work this often (a command wakes it at once)
@@ -68,15 +76,16 @@ class EngineDriver:
 
     @property
     def error(self) -> str | None:
-        """Why the engine stopped serving (None while it serves)."""
-        return self._error
+        """Why the engine stopped serving (None while it serves); the engine's own `failure` is
+        seen at once, before this thread has failed the rest of its requests."""
+        return self._error if self._error is not None else self.engine.failure
 
     # -- the engine thread
     def _loop(self) -> None:
         while not self._stop.is_set():
             engine = self.engine
-            if self._error is not None:  # only commands (a restart) until someone restarts it
-                engine.run_commands()
+            if self._error is not None:  # only commands (a restart) until someone restarts it;
+                _fail_requests(engine, self._error)  # a request that still arrives fails at once
                 engine.commands.ready.wait(0.05)
                 continue
             try:
@@ -86,12 +95,17 @@ class EngineDriver:
                     engine.step()
                 else:
                     engine.commands.ready.wait(IDLE_WAIT_S)
+            except StepFailed as exc:  # its requests have failed; the engine serves on unless broken
+                log.warning("%s", exc, exc_info=exc.__cause__)  # the operator's traceback
+                if exc.failure is not None:
+                    self._give_up(engine, exc.failure)
             except Exception as exc:  # noqa: BLE001 - reported through `error`; restart() recovers
-                self._error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-                try:
-                    engine.fail_all("error")
-                except Exception:  # noqa: BLE001
-                    pass
+                self._give_up(engine, describe_error(exc))
+
+    def _give_up(self, engine, error: str) -> None:
+        """The engine failed: `error` says why; every request in flight fails with it."""
+        self._error = error
+        _fail_requests(engine, error)
 
     # -- any thread
     def call(self, fn: Callable, kind: str = "call") -> Future:
@@ -158,6 +172,14 @@ class EngineDriver:
         if self._thread.is_alive():
             self._thread.join(timeout=5)
         _release(self.engine)
+
+
+def _fail_requests(engine, error: str) -> None:
+    """Runs the engine's commands (a restart among them), then fails every request it holds."""
+    try:
+        engine.fail_all("error", error)
+    except Exception:  # noqa: BLE001 - a broken engine's bookkeeping: its commands have run
+        pass
 
 
 def _release(engine) -> None:

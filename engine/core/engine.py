@@ -4,6 +4,13 @@ Other threads may add requests, abort them, change knobs and submit commands at 
 call is validated at once and its work runs at the start of the next step (core/commands.py),
 so the step loop owns all engine state. The expert layer (placement on devices, rebalancing)
 plugs in as `experts`, built by moectl.engine.llm_engine.LLMEngine.
+
+A step whose model run, sampler or postprocess raises fails only the requests it scheduled
+(finish_reason "error", the cause in RequestOutput.error), frees their KV blocks and raises
+StepFailed; the next step serves the other requests (see _fail_step for what a failed step leaves).
+The engine reports itself failed (`failure`, why) when MAX_FAILED_STEPS steps fail in a row (a
+broken model or device: every request would fail, one step at a time) or a step fails with
+EngineLost (it cannot step again: a distributed rank is gone); its driver then stops serving.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ from moectl.engine.core.commands import CommandQueue
 from moectl.engine.core.config import EngineConfig, KnobError, SchedulerKnobs
 from moectl.engine.core.kv_cache import KVCache
 from moectl.engine.core.model_runner import ModelRunner
-from moectl.engine.core.outputs import RequestOutput, RequestStream
+from moectl.engine.core.outputs import EngineLost, RequestOutput, RequestStream, StepFailed, describe_error
 from moectl.engine.core.records import StepStats
 from moectl.engine.core.sampling import PenaltyHistory, SamplingParams, _GeneratorFactory, sample, token_logprobs
 from moectl.engine.core.scheduler import ScheduledBatch, Scheduler
@@ -34,6 +41,8 @@ from moectl.engine.models.config import ModelConfig
 from moectl.engine.models.decoder import MoEForCausalLM
 from moectl.engine.models.loader import load_model
 from moectl.engine.models.tokenizer import Tokenizer
+
+MAX_FAILED_STEPS = 3  # failed steps in a row that mean the engine, not a request, is broken
 
 
 class EngineCore:
@@ -74,6 +83,8 @@ class EngineCore:
         if experts is not None:
             self.experts = self.runner.experts = experts(self)
         self.step_count = 0
+        self.failed_steps_in_a_row = 0
+        self.failure: str | None = None  # why this engine should not serve on (see _fail_step)
         self.step_log: deque[StepStats] = deque(maxlen=4096)
         self.num_aborted = 0
         self.actions: deque[dict] = deque(maxlen=4096)  # operator and automatic actions, with their time
@@ -204,15 +215,44 @@ class EngineCore:
         batch = self.scheduler.schedule()
         if not batch.empty:
             self.step_count += 1
-            with self.telemetry.step(self, batch, t_start):
-                logits = self.runner.run(batch.items)
-                tokens = self._sample(batch, logits)
-                self._postprocess(batch, tokens)
+            try:
+                with self.telemetry.step(self, batch, t_start):
+                    logits = self.runner.run(batch.items)
+                    tokens = self._sample(batch, logits)
+                    self._postprocess(batch, tokens)
+            except Exception as exc:  # noqa: BLE001 - the step's requests fail, not the engine
+                raise self._fail_step(batch, exc) from exc
+            self.failed_steps_in_a_row = 0
             if self.experts is not None:
                 self.experts.after_step(self.step_count, self.step_log[-1].routing)
             native_memory.after_step()  # a periodic malloc_trim: varied batch shapes fragment the C heap
         outputs, self._outputs = self._outputs, []
         return outputs
+
+    def _fail_step(self, batch: ScheduledBatch, exc: Exception) -> StepFailed:
+        """Ends the failed step's requests and frees their blocks; every other request, and the
+        scheduler's queues, are as schedule() left them. What the step half did is dropped safely:
+        K/V it wrote went to its requests' new blocks, freed now without a prefix-cache entry
+        (blocks join the prefix cache only in _postprocess, once the forward and the sampler have
+        finished, so what a half-done postprocess registered holds K/V really written); the
+        runner's prompt scores are keyed by id() and discarded; spans, the routing probe and the
+        expert layer's figures start afresh at the next step (telemetry.step records nothing for
+        this one). `failure` is set before any request hears of it, so whoever reads a failed
+        request's output already sees the engine's state. The caller raises the StepFailed returned."""
+        self.runner.prompt_scores = {}
+        self.failed_steps_in_a_row += 1
+        error = f"step {self.step_count} failed: {describe_error(exc)}"
+        if isinstance(exc, EngineLost):
+            self.failure = error
+        elif self.failed_steps_in_a_row >= MAX_FAILED_STEPS:
+            self.failure = f"{self.failed_steps_in_a_row} steps failed in a row, the last: {error}"
+        failed = [seq for seq, _ in batch.items if not seq.finished]
+        for seq in failed:
+            self.scheduler.finish(seq, "error")
+            self._emit(seq, [], error)
+        self.record_action("step_failed", {"requests": [s.request_id for s in failed]}, {"error": error})
+        outputs, self._outputs = self._outputs, []
+        return StepFailed(error, outputs, self.failed_steps_in_a_row, self.failure)
 
     def run_commands(self) -> None:
         for kind, fn, future in self.commands.take():
@@ -303,7 +343,7 @@ class EngineCore:
     def _at_length(self, seq: Sequence) -> bool:
         return seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len
 
-    def _emit(self, seq: Sequence, new: list[int]) -> None:
+    def _emit(self, seq: Sequence, new: list[int], error: str | None = None) -> None:
         finished = seq.finished
         if finished:
             if seq.output_text is None:
@@ -321,7 +361,7 @@ class EngineCore:
                 stream = self._streams.get(seq.request_id)
         out = RequestOutput(seq.request_id, seq.token_ids[:seq.num_prompt_tokens], seq.output_ids, new,
                             (seq.output_text or "") if finished else "", finished, seq.finish_reason,
-                            seq.metrics() if finished else {})
+                            seq.metrics() if finished else {}, error=error)
         if seq.output_logprobs is not None:
             out.new_logprobs = seq.output_logprobs[len(seq.output_logprobs) - len(new):] if new else []
             if finished:
@@ -356,13 +396,13 @@ class EngineCore:
         self.record_action("capture", {"steps": steps}, {})
 
     # -- conveniences
-    def fail_all(self, reason: str = "error") -> list[RequestOutput]:
-        """After step() raised: end every request (finish_reason `reason`) and free its blocks, so
-        no stream waits forever and the engine can serve again."""
+    def fail_all(self, reason: str = "error", error: str | None = None) -> list[RequestOutput]:
+        """After step() raised: end every request (finish_reason `reason`, `error` saying why) and
+        free its blocks, so no stream waits forever and the engine can serve again."""
         self.run_commands()
         for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
             self.scheduler.finish(seq, reason)
-            self._emit(seq, [])
+            self._emit(seq, [], error)
         outputs, self._outputs = self._outputs, []
         return outputs
 
@@ -382,8 +422,8 @@ class EngineCore:
                 for out in self.step():
                     if out.finished:
                         done[out.request_id] = out
-        except BaseException:
-            self.fail_all()
+        except BaseException as exc:
+            self.fail_all(error=str(exc) if isinstance(exc, StepFailed) else describe_error(exc))
             raise
         return [done[i] for i in ids]
 

@@ -1,4 +1,5 @@
-"""What a request gets back: RequestOutput per step, and RequestStream to read them from any thread."""
+"""What a request gets back: RequestOutput per step, RequestStream to read them from any thread,
+and the errors a failed step reports (StepFailed; EngineLost when the engine cannot go on)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,30 @@ class RequestOutput:
     new_logprobs: list | None = None
     logprobs: list | None = None
     prompt_logprobs: list | None = None
+    error: str | None = None  # with finish_reason "error": why, e.g. "step 7 failed: RuntimeError: ..."
+
+
+def describe_error(exc: BaseException) -> str:
+    """One line naming an exception: its type and the first line of its message."""
+    text = str(exc)
+    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
+
+
+class EngineLost(RuntimeError):
+    """An error after which the engine cannot run another step (a distributed rank is gone, the
+    ranks are out of step): a step failing with it fails the engine, not only its requests."""
+
+
+class StepFailed(RuntimeError):
+    """A step's model run, sampler or postprocess raised (the original is its __cause__). The
+    step's requests were ended (finish_reason "error", RequestOutput.error saying why) and their
+    KV blocks freed. outputs: what the step produced, those requests' last outputs among them;
+    in_a_row: failed steps since the last good one; failure: set when the engine should not
+    serve on (EngineCore.failure: why), None when the next step may run."""
+
+    def __init__(self, message: str, outputs: list[RequestOutput], in_a_row: int, failure: str | None):
+        super().__init__(message)
+        self.outputs, self.in_a_row, self.failure = outputs, in_a_row, failure
 
 
 class RequestStream:

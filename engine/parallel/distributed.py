@@ -49,6 +49,7 @@ from moectl.engine.core import paged_decode
 from moectl.engine.core.config import EngineConfig
 from moectl.engine.core.kv_cache import KVCache
 from moectl.engine.core.model_runner import ModelRunner
+from moectl.engine.core.outputs import EngineLost
 from moectl.engine.core.paged_attention import DecodeGroup, PagedContext, PrefillSlice
 from moectl.engine.core.sampling import SamplingParams
 from moectl.engine.core.topology import Topology
@@ -72,8 +73,9 @@ IDLE_TIMEOUT_S = 7 * 24 * 3600.0  # workers wait this long for rank 0's next ste
 LAUNCH_TIMEOUT_S = 900.0  # generate_distributed gives up (and kills every rank) after this
 
 
-class DistributedError(RuntimeError):
-    """A distributed launch failed for a reason other than bad input (a crash, a timeout)."""
+class DistributedError(EngineLost):
+    """A distributed launch failed for a reason other than bad input (a crash, a timeout); in a
+    step, the engine cannot step again (its ranks are gone or out of step)."""
 
 
 # ---------------------------------------------------------------- process groups
@@ -383,12 +385,19 @@ class _PublishingModel:
         self.model, self.channel = model, channel
         self.cfg = model.cfg
         self.after_forward = None  # rank 0's cluster: gathers every rank's figures for the step
+        self.health = None  # see DistributedModelRunner.health
 
     def __call__(self, input_ids, positions, ctx, probe=None):
-        self.channel.publish(input_ids, positions, ctx)
-        hidden = self.model(input_ids, positions, ctx, probe)
-        if self.after_forward is not None:
-            self.after_forward()
+        try:
+            self.channel.publish(input_ids, positions, ctx)
+            hidden = self.model(input_ids, positions, ctx, probe)
+            if self.after_forward is not None:
+                self.after_forward()
+        except Exception as exc:  # noqa: BLE001 - from the publish to the gather the ranks run in
+            # lockstep: a failure here (a collective, or rank 0's own part) leaves them out of step
+            if self.health is not None:
+                self.health(exc)  # raises DistributedError naming the rank, and ends the group
+            raise
         return hidden
 
     def logits(self, hidden):
@@ -403,17 +412,20 @@ class DistributedModelRunner(ModelRunner):
         super().__init__(_PublishingModel(model, channel), cache, device)
         self.channel = channel
         self.closed = False
-        self.health = None  # health(error=None): raises naming a failed rank (group.RankGroup.check)
+
+    @property
+    def health(self):
+        """health(error=None): raises DistributedError naming a failed rank (group.RankGroup.check)."""
+        return self.model.health
+
+    @health.setter
+    def health(self, check) -> None:
+        self.model.health = check
 
     def run(self, *args, **kwargs):
-        if self.health is None:
-            return super().run(*args, **kwargs)
-        self.health()  # a rank that died while idle fails this step before it starts
-        try:
-            return super().run(*args, **kwargs)
-        except RuntimeError as exc:  # a collective failed or timed out: say which rank
-            self.health(exc)
-            raise
+        if self.health is not None:
+            self.health()  # a rank that died while idle fails this step before it starts
+        return super().run(*args, **kwargs)
 
     def shutdown(self) -> None:
         if not self.closed:

@@ -5,7 +5,14 @@ holds the scheduler and whatever front end runs here; the workers follow its ste
 rank must not hang the front end:
 
 * a worker that dies is seen by a watchdog thread within WATCH_S, and the step in flight (or
-  the next one) fails with "distributed: rank R exited with code C";
+  the next one) fails with "distributed: rank R exited with code C"; a worker that raised first
+  leaves its exception in the rendezvous store (`moectl/error/R`), so the message names it:
+  "distributed: rank R failed: ValueError: ... (exit code 1)";
+* an error in rank 0's own part of a step's forward (between publishing the step and gathering
+  the ranks' figures) leaves the other ranks waiting in a collective that will never come: it
+  ends the group too, naming rank 0 and the error. Errors in rank 0's input preparation,
+  sampling or postprocess happen while the ranks are in step: they fail only that step's
+  requests, as on one process;
 * a worker that hangs (stopped, stuck) stops beating its heartbeat in the rendezvous store; after
   STALE_S the watchdog names it and stops it for good, so a collective blocked on it fails at
   once. Compute collectives also time out after RANK_TIMEOUT_S, a backstop long enough for a
@@ -30,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from moectl.engine.core.config import EngineConfig
+from moectl.engine.core.outputs import describe_error
 from moectl.engine.llm_engine import LLMEngine
 from moectl.engine.models.config import ModelConfig
 from moectl.engine.parallel.distributed import (
@@ -59,9 +67,19 @@ def _heartbeat(store, rank: int, parent: int) -> None:
         time.sleep(HEARTBEAT_S)
 
 
+def _report_error(store, rank: int, exc: BaseException) -> None:
+    """The exception that ends a worker, for rank 0's watchdog (see _failure_of)."""
+    try:
+        store.set(f"moectl/error/{rank}", f"{time.time()!r} {describe_error(exc)}")
+        store.check([f"moectl/error/{rank}"])  # a round trip: the store has it before this rank exits
+    except Exception:  # noqa: BLE001 - the store (rank 0) is gone: nobody to tell
+        pass
+
+
 def _worker(rank: int, world: int, port: int, config: EngineConfig, tp: int | None, num_threads: int | None,
             parent: int) -> None:
     code = 0
+    store = None
     try:
         if num_threads:
             torch.set_num_threads(num_threads)
@@ -72,8 +90,10 @@ def _worker(rank: int, world: int, port: int, config: EngineConfig, tp: int | No
         threading.Thread(target=_heartbeat, args=(store, rank, parent), daemon=True).start()
         state = _init_from_store(rank, world, port, config.device, STARTUP_TIMEOUT_S)
         start_rank(config, tp, state, RANK_TIMEOUT_S)  # serves rank 0's steps until it says stop
-    except BaseException:  # noqa: BLE001 - rank 0 reports the failure (agreement or watchdog)
+    except BaseException as exc:  # noqa: BLE001 - rank 0 reports the failure (agreement or watchdog)
         code = 1
+        if store is not None:
+            _report_error(store, rank, exc)
     os._exit(code)
 
 
@@ -133,7 +153,7 @@ class RankGroup:
                     self.procs[rank - 1] = p = self._spawn(rank)
                     p.start()
                 elif p.exitcode is not None:
-                    raise DistributedError(f"distributed: rank {rank} exited with code {p.exitcode} while starting")
+                    raise DistributedError(f"{self._failure_of([rank])} while starting")
                 if self.store.check([f"moectl/heartbeat/{rank}"]):
                     waiting.discard(rank)
             if time.monotonic() > deadline:
@@ -153,10 +173,9 @@ class RankGroup:
         while not self._closed.wait(WATCH_S):
             if self.failure is not None:
                 continue
-            for rank, p in enumerate(self.procs, start=1):
-                if p.exitcode is not None:
-                    self.failure = f"distributed: rank {rank} exited with code {p.exitcode}"
-                    break
+            exited = [rank for rank, p in enumerate(self.procs, start=1) if p.exitcode is not None]
+            if exited:
+                self.failure = self._failure_of(exited)
             else:
                 # only once serving: loading and the start-up exchanges may hold a worker's GIL for long
                 stale = self._stale_rank() if self.engine is not None else None
@@ -164,6 +183,29 @@ class RankGroup:
                     self.failure = (f"distributed: rank {stale} stopped responding (no heartbeat for "
                                     f"{STALE_S:.0f} s); it was stopped")
                     self.procs[stale - 1].kill()
+
+    def _failure_of(self, exited: list[int]) -> str:
+        """Names the rank that failed first among those that exited: one that left no error
+        crashed outright (killed); otherwise the earliest error (the others' are usually the
+        lost connection to it)."""
+        reports = {}
+        for rank in exited:
+            reports[rank] = self._error_report(rank)
+            if reports[rank] is None:
+                return f"distributed: rank {rank} exited with code {self.procs[rank - 1].exitcode}"
+        rank = min(reports, key=lambda r: reports[r][0])
+        return f"distributed: rank {rank} failed: {reports[rank][1]} (exit code {self.procs[rank - 1].exitcode})"
+
+    def _error_report(self, rank: int) -> tuple[float, str] | None:
+        """(when, "Type: message") of the exception that ended worker `rank`, or None."""
+        key = f"moectl/error/{rank}"
+        try:
+            if not self.store.check([key]):
+                return None
+            when, _, error = self.store.get(key).decode().partition(" ")
+            return float(when), error
+        except Exception:  # noqa: BLE001 - unreadable: as if it left none
+            return None
 
     def _stale_rank(self) -> int | None:
         now = time.time()
@@ -185,8 +227,8 @@ class RankGroup:
             deadline = time.monotonic() + 1.0  # a dead rank's exit code may take a moment to show
             while self.failure is None and time.monotonic() < deadline:
                 time.sleep(WATCH_S / 2)
-        if self.failure is None:
-            self.failure = f"distributed: a collective failed ({str(error).splitlines()[0] if error else ''})"
+        if self.failure is None:  # no rank died: rank 0's own part of the step failed, or a collective timed out
+            self.failure = f"distributed: rank 0 failed: {describe_error(error)}"
         self._stop_workers()  # the ranks may be out of step now: nothing runs on this group again
         raise DistributedError(self.failure)
 
