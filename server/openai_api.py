@@ -253,8 +253,9 @@ class OpenAIApi:
             c.final = out
 
         await asyncio.gather(*(finish(c) for c in job.candidates))
-        if any(c.final.finish_reason == "error" for c in job.candidates):
-            raise ApiError(500, f"the engine failed while running this request ({self.state.driver.error})")
+        failed = next((c.final for c in job.candidates if c.final.finish_reason == "error"), None)
+        if failed is not None:  # the failed step's cause (RequestOutput.error)
+            raise ApiError(500, f"the engine failed while running this request ({failed.error})")
         choices, completion_tokens = [], 0
         for p in range(len(job.prompts)):
             group = job.candidates[p * job.best_of:(p + 1) * job.best_of]
@@ -330,7 +331,7 @@ class OpenAIApi:
                                                                     waiting_logprobs)))
                     waiting_ids, waiting_logprobs = [], []
             if out.finish_reason == "error":
-                totals["failed"] = True
+                totals["failed"] = out.error or "the engine failed"
                 return
             totals["completion_tokens"] += len(out.token_ids)
             if job.logprobs is not None:
@@ -342,7 +343,7 @@ class OpenAIApi:
 
         await asyncio.gather(*(one(i, c) for i, c in enumerate(job.candidates)))
         if totals["failed"]:
-            message = f"the engine failed while running this request ({self.state.driver.error})"
+            message = f"the engine failed while running this request ({totals['failed']})"
             await _send(response, {"error": {"message": message, "type": "server_error", "param": None,
                                              "code": None}})
         elif job.include_usage:
