@@ -78,13 +78,23 @@ def trace_export(
     with open_trace(trace) as reader:
         records = list(reader.steps(start, stop))
         if not records:
-            raise BadInput(f"{trace}: no steps in the range {start}..{stop}")
+            raise BadInput(_empty_range(trace, reader, start, stop))
         t_lo, t_hi = records[0]["t_start"], records[-1]["t_end"]
         actions = list(reader.actions(t_lo, t_hi))
         write_chrome_trace(records, out, header=reader.header, actions=actions)
     result = {"output": str(out), "steps": len(records), "actions": len(actions), "bytes": Path(out).stat().st_size}
     typer.echo(json.dumps(result) if as_json else f"{out}: {len(records)} steps, {len(actions)} actions, "
                                                   f"{result['bytes']:,} bytes")
+
+
+def _empty_range(trace: Path, reader, start: int | None, stop: int | None) -> str:
+    """Why a step range selected nothing, in the flags' words and the trace's own step range."""
+    steps = reader.step_times()[0]
+    if not len(steps):
+        return f"{trace}: the trace has no steps"
+    asked = " ".join(f"{flag} {value}" for flag, value in (("--from-step", start), ("--to-step", stop))
+                     if value is not None)
+    return f"{trace}: no steps in {asked or 'the trace'}: the trace has steps {int(steps[0])}-{int(steps[-1])}"
 
 
 def _refuse_imported(path: Path, header: dict) -> None:
@@ -152,7 +162,7 @@ def trace_report(
     with open_trace(trace) as reader:
         records = list(reader.steps(start, stop))
         if not records:
-            raise BadInput(f"{trace}: no steps in the range {start}..{stop}")
+            raise BadInput(_empty_range(trace, reader, start, stop))
         placement, changes = placement_in_force(reader, records[0]["step"])
         devices = reader.header.get("devices") or {}
         imported = reader.header.get("imported")  # an engine's expert-load dump (cli/trace_import.py)
@@ -221,7 +231,9 @@ def _print_report(r: dict) -> None:
         + (f", expert cache {c['expert_cache_hit_rate']:.1%} hits ({c['expert_prefetches']:,} prefetches)"
            if c["expert_cache_hit_rate"] is not None else ""))
     mem = r["memory_growth"]
-    if mem.get("samples"):
+    if mem.get("absent"):
+        say(f"process memory slope absent ({mem['absent']})")
+    elif mem.get("samples"):
         say(f"process memory slope {mem['slope_bytes_per_s'] / 2**20:+.2f} MiB/s over {mem['samples']} samples"
             + (" (leak suspected)" if mem["leak_suspected"] else ""))
     for a in r["alerts"]:

@@ -42,6 +42,10 @@ LEAK_MIN_GROWTH = 0.05  # ... and how much it must grow over the range, as a fra
 # ... over at least this long: allocator pools and first-touched buffers grow for the first
 # seconds of any run, and a short window cannot tell that warm-up from a leak
 LEAK_MIN_SECONDS = 60.0
+# a slope from fewer samples, or a shorter span, is the sampling's noise (two samples 0.5 s
+# apart once read as +100 MiB/s): below these the slope is absent, not invented
+SLOPE_MIN_SAMPLES = 3
+SLOPE_MIN_SECONDS = 5.0
 
 # span name keywords -> wall-clock category (engine lane); first match wins
 _CATEGORY_KEYWORDS = (("attention", "attention"), ("router", "moe"), ("dispatch", "moe"),
@@ -417,7 +421,8 @@ def memory_growth(records: Iterable[dict]) -> dict:
     sampled_at counts once, at the first step that carries it. leak_suspected: the time slope is
     positive, its R^2 > LEAK_MIN_R2 (steady growth, not noise) and the fitted growth over the
     range exceeds LEAK_MIN_GROWTH of the first sample (not a few pages). Needs 3 samples spanning
-    at least LEAK_MIN_SECONDS.
+    at least LEAK_MIN_SECONDS. With fewer than SLOPE_MIN_SAMPLES samples or a span under
+    SLOPE_MIN_SECONDS the fit says nothing: the slopes are None and `absent` says why.
     """
     seen, t, step, rss = set(), [], [], []
     for rec in records:
@@ -433,8 +438,11 @@ def memory_growth(records: Iterable[dict]) -> dict:
         rss.append(float(proc["rss_bytes"]))
     n = len(rss)
     result = {"samples": n, "slope_bytes_per_s": None, "slope_bytes_per_step": None, "r2": None,
-              "r2_steps": None, "growth_bytes": None, "first_bytes": rss[0] if n else None, "leak_suspected": False}
-    if n < 2:
+              "r2_steps": None, "growth_bytes": None, "first_bytes": rss[0] if n else None, "leak_suspected": False,
+              "span_s": float(max(t) - min(t)) if n else 0.0, "absent": None}
+    if n < SLOPE_MIN_SAMPLES or result["span_s"] < SLOPE_MIN_SECONDS:
+        result["absent"] = (f"{n} memory sample{'s' if n != 1 else ''} over {result['span_s']:.1f} s; a slope needs "
+                            f"{SLOPE_MIN_SAMPLES} over {SLOPE_MIN_SECONDS:g} s")
         return result
     t, step, rss = np.array(t), np.array(step), np.array(rss)
     slope_t, r2 = _fit_line(t, rss)

@@ -182,15 +182,41 @@ def test_memory_growth_linear_leak():
 
 
 def test_memory_growth_counts_each_sample_once_and_ignores_small_growth():
-    # one sample per two steps (the process block is re-sent): 5 samples, +1 MB/s on 1 GB
-    records = [make_record(s, wall=0.1, rss=1e9 + 1e6 * (s // 2) * 0.2, sampled_at=(s // 2) * 0.2)
+    # one sample per two steps (the process block is re-sent): 5 samples over 8 s, +1 MB/s on 1 GB
+    records = [make_record(s, wall=1.0, rss=1e9 + 1e6 * (s // 2) * 2.0, sampled_at=(s // 2) * 2.0)
                for s in range(0, 10)]
     out = analysis.memory_growth(records)
-    assert out["samples"] == 5
+    assert out["samples"] == 5 and out["absent"] is None
     assert out["slope_bytes_per_s"] == pytest.approx(1e6)
-    assert out["leak_suspected"] is False  # 0.8 MB over the range: under 5% of 1 GB
-    flat = analysis.memory_growth([make_record(s, rss=5e8) for s in range(1, 5)])
+    assert out["leak_suspected"] is False  # 8 MB over the range: under 5% of 1 GB
+    flat = analysis.memory_growth([make_record(s, wall=2.0, rss=5e8) for s in range(1, 5)])
     assert flat["slope_bytes_per_s"] == 0.0 and flat["leak_suspected"] is False
+
+
+def test_memory_slope_is_absent_from_too_few_samples_or_too_short_a_span():
+    # two samples 0.5 s apart once read as +100 MiB/s: noise, not a figure
+    two = analysis.memory_growth([make_record(1, rss=1e9), make_record(6, wall=0.1, rss=1.05e9)])
+    assert two["samples"] == 2 and two["slope_bytes_per_s"] is None and two["r2"] is None
+    assert "2 memory samples" in two["absent"]
+    one = analysis.memory_growth([make_record(1, rss=1e9)])
+    assert one["slope_bytes_per_s"] is None and "1 memory sample " in one["absent"]
+    short = analysis.memory_growth([make_record(s, wall=0.5, rss=1e9 + s * 1e7) for s in range(1, 6)])
+    assert short["samples"] == 5 and short["slope_bytes_per_s"] is None and short["leak_suspected"] is False
+
+
+def test_trace_report_on_one_memory_sample_says_absent(tmp_path):
+    from typer.testing import CliRunner
+
+    from moectl.cli.main import app
+    from tests.paths import TRACES
+
+    trace = TRACES / "steady_rebalance.trace"
+    result = CliRunner().invoke(app, ["trace", "report", str(trace), "--from-step", "300", "--to-step", "305"])
+    assert result.exit_code == 0, result.output
+    assert "process memory slope absent" in result.output and "TypeError" not in result.output
+    as_json = CliRunner().invoke(app, ["trace", "report", str(trace), "--from-step", "300", "--to-step", "305",
+                                       "--json"])
+    assert as_json.exit_code == 0 and '"slope_bytes_per_s": null' in as_json.output
 
 
 # --- alerts ---------------------------------------------------------------------------------------
@@ -267,3 +293,18 @@ def test_kv_cache_and_leak_and_ttft_alerts():
     (a,) = analysis.alerts([make_record(1, requests=finished)])
     assert a["kind"] == "ttft_tail" and a["predicted"]["ttft_p50_s"] == pytest.approx(0.01)
     assert a["predicted"]["ratio"] > analysis.TTFT_TAIL_RATIO
+
+
+def test_an_empty_step_range_names_the_flags_and_the_traces_steps():
+    from typer.testing import CliRunner
+
+    from moectl.cli.main import app
+    from tests.paths import TRACES
+
+    trace = TRACES / "steady_rebalance.trace"
+    for command in (["trace", "report", str(trace)], ["trace", "export", str(trace), "-o", "/tmp/unused.json"]):
+        result = CliRunner().invoke(app, [*command, "--from-step", "90000"])
+        assert result.exit_code == 2
+        assert "--from-step 90000: the trace has steps 0-" in result.output or \
+            "--from-step 90000: the trace has steps 1-" in result.output, result.output
+        assert "None" not in result.output
