@@ -23,6 +23,7 @@ import typer
 from aiohttp import web
 from textual_serve.app_service import AppService
 from textual_serve.server import Server, to_int
+from yarl import URL
 
 log = logging.getLogger("textual-serve")  # textual-serve's own log, which serve() sets up
 QUIT_S = 15.0  # how long a console gets to quit (engine shutdown included) before it is killed
@@ -45,6 +46,12 @@ def url_host(host: str) -> str:
 def loopback_host_headers(host: str, port: int) -> frozenset[str]:
     names = {"localhost", "127.0.0.1", "[::1]", url_host(host).lower()}
     return frozenset({f"{name}:{port}" for name in names} | (names if port == 80 else set()))
+
+
+def same_origin_path(path: str, query) -> str:
+    """A redirect target on this server only: `//host/x` (or `/\\host`, or their %2F forms, which
+    arrive decoded) would be another origin to a browser, so the path keeps one leading slash."""
+    return str(URL.build(path="/" + path.lstrip("/\\"), query=query))
 
 
 class ConsoleSession(AppService):
@@ -113,7 +120,7 @@ class ConsoleServer(Server):
                 # address bar and history
                 query = request.query.copy()
                 del query["token"]
-                moved = web.HTTPSeeOther(str(request.rel_url.with_query(query)))
+                moved = web.HTTPSeeOther(same_origin_path(request.path, query))
                 moved.set_cookie(self.cookie, self.token, httponly=True, samesite="Strict", path="/")
                 return moved
             return await handler(request)

@@ -213,6 +213,19 @@ def test_token_is_required_on_every_request_and_accepted_in_each_form():
         assert status(port, "/", {"Cookie": cookie.replace(TOKEN, "x" * len(TOKEN))}).status == 401
 
 
+def test_the_token_redirect_stays_on_this_origin():
+    """`//evil.example/x?token=T` once answered `Location: ////evil.example/x`, which a browser
+    follows to the other host."""
+    with moectl_web("--token", TOKEN) as (_, port):
+        for path in ("//evil.example/x", "///evil.example/x", "/\\evil.example/x", "/%2F%2Fevil.example/x",
+                     "/%5Cevil.example/x"):
+            moved = status(port, f"{path}?token={TOKEN}")
+            location = moved.getheader("Location")
+            assert moved.status == 303 and location.startswith("/") and not location.startswith(("//", "/\\")), \
+                (path, location)
+            assert location.split("?")[0].endswith("evil.example/x"), location  # the same path, on this server
+
+
 def test_loopback_without_token_refuses_other_hosts_and_origins():
     with moectl_web() as (_, port):
         assert status(port, "/").status == 200
