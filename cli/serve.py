@@ -50,17 +50,26 @@ def serve(
         raise BadInput(f"--port: must be in 1-65535, got {port}")
     check_nproc(nproc, backend)  # the cheap checks before the server's imports
     from moectl.engine.core.driver import EngineDriver
-    from moectl.server.app import check_bind, run_server
+    from moectl.server.app import check_bind, listen, run_server
 
     check_bind(host, token)  # before loading anything: a public bind without a token is refused
+    try:
+        sock = listen(host, port)  # and a port in use is said at once, not after the model loads
+    except OSError as exc:
+        typer.echo(f"moectl: error: {exc}", err=True)
+        raise typer.Exit(1) from None
     config = engine_config(model, devices=devices, hbm=hbm, expert_cache=expert_cache, host_mem=host_mem, dtype=dtype,
                            redundant_slots=redundant, num_threads=parse_threads(threads), backend=backend, nproc=nproc,
                            placement=placement)
-    engines = Engines(config, backend)
+    try:
+        engines = Engines(config, backend)
+    except BaseException:
+        sock.close()
+        raise
     try:
         driver = EngineDriver(engines.make_engine, name="moectl-serve")
         try:
-            run_server(driver, host=host, port=port, token=token)
+            run_server(driver, host=host, port=port, token=token, sock=sock)
         finally:
             driver.close()
     finally:

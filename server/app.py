@@ -20,6 +20,7 @@ import asyncio
 import hmac
 import ipaddress
 import logging
+import socket
 import threading
 import time
 from functools import partial
@@ -110,13 +111,25 @@ def check_bind(host: str, token: str | None) -> None:
                          f"(anyone who can reach the port could use the engine)")
 
 
-def run_server(driver: EngineDriver, host: str = "127.0.0.1", port: int = 8000, token: str | None = None, **app_options) -> None:
-    """`moectl serve`: serve until SIGINT/SIGTERM. ValueError (one line) for a bad bind."""
+def listen(host: str, port: int) -> socket.socket:
+    """The server's listening socket, bound before the model loads: a port in use is one line at
+    once (OSError, naming the address), not a traceback after the load."""
+    try:
+        return socket.create_server((host, port), backlog=LISTEN_BACKLOG)
+    except OSError as exc:
+        raise OSError(f"--host/--port: cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+
+
+def run_server(driver: EngineDriver, host: str = "127.0.0.1", port: int = 8000, token: str | None = None,
+               sock: socket.socket | None = None, **app_options) -> None:
+    """`moectl serve`: serve until SIGINT/SIGTERM (on `sock` when the caller bound it already).
+    ValueError (one line) for a bad bind."""
     check_bind(host, token)
     app = make_app(driver, token=token, **app_options)
     name = app[STATE].model_name
+    sock = sock if sock is not None else listen(host, port)
     # handler_cancellation: a client that disconnects cancels its handler, which aborts its request
-    web.run_app(app, host=host, port=port, handler_cancellation=True, backlog=LISTEN_BACKLOG,
+    web.run_app(app, sock=sock, handler_cancellation=True, backlog=LISTEN_BACKLOG,
                 shutdown_timeout=SHUTDOWN_TIMEOUT_S,
                 print=lambda _: print(f"moectl serve: {name} on http://{host}:{port} (Ctrl-C to stop)", flush=True))
 
