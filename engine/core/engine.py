@@ -326,6 +326,9 @@ class EngineCore:
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.model_config.eos_token_ids):
+            # the stop token ends the text without being part of it (vLLM's default,
+            # include_stop_str_in_output false); it stays in the token ids and the counts
+            seq.output_text = self.decode(seq.output_ids[:-1])
             return "stop"
         if p.stop and self.tokenizer is not None:
             # a stop string of L characters ends within the last L tokens (+ a few for split UTF-8):

@@ -142,6 +142,10 @@ def test_stop_token_ids_and_penalties_reach_the_engine(server, model_dir):
         .split("\n#")[0].split("\nif")[0].split("\nprint")[0].split("</s>")[0]
     assert stopped["choices"][0]["finish_reason"] == "stop"
     assert stopped["usage"]["completion_tokens"] <= 3
+    # vLLM returns the text before the stop token ("self", not "self,"), still counting the token
+    stop_at = ids.index(ids[2])
+    assert tokens(server, stopped["choices"][0]["text"]) == ids[:stop_at]
+    assert stopped["usage"]["completion_tokens"] == stop_at + 1
     engine = LLMEngine(_config(model_dir))
     penalties = dict(presence_penalty=1.5, frequency_penalty=0.5, repetition_penalty=1.3)
     want = engine.generate([PROMPT], SamplingParams(max_tokens=24, ignore_eos=True, **penalties))[0].text
@@ -272,3 +276,37 @@ def test_a_template_that_fails_on_a_chat_is_refused_naming_messages(tmp_path):
     template = ChatTemplate.from_dir(tmp_path)
     with pytest.raises(ChatTemplateError, match=r"^messages: .*TypeError"):  # the encoder answers it as a 400
         template.render([{"role": "user", "content": "hi"}])
+
+
+def sse(srv, path: str, body: dict) -> list[dict]:
+    """A streamed request's chunks, read as any SSE client reads them."""
+    request = urllib.request.Request(srv.url + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        lines = response.read().decode().splitlines()
+    assert lines[-2:] == ["data: [DONE]", ""] or lines[-1] == "data: [DONE]", lines[-3:]
+    return [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+
+
+# the bodies guidellm (the vLLM project's benchmark client) sends from its OpenAI HTTP backend:
+# streaming, usage on every chunk, a fixed output length (ignore_eos) and no stop
+GUIDELLM_STREAM = {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": PROMPT, "max_tokens": 6, "ignore_eos": True, "stop": None}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": PROMPT}], "max_completion_tokens": 6,
+                              "max_tokens": 6, "ignore_eos": True, "stop": None}),
+])
+def test_guidellm_requests_stream_with_usage_on_every_chunk(server, path, body):
+    model = http("GET", server.url + "/v1/models")[1]["data"][0]["id"]
+    chunks = sse(server, path, {"model": model, **body, **GUIDELLM_STREAM})
+    prompt_tokens = chunks[-1]["usage"]["prompt_tokens"]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 6
+    seen = [c["usage"]["completion_tokens"] for c in chunks]
+    assert all(c["usage"]["prompt_tokens"] == prompt_tokens for c in chunks)  # every chunk carries usage
+    assert all(c["usage"]["total_tokens"] == prompt_tokens + c["usage"]["completion_tokens"] for c in chunks)
+    assert seen == sorted(seen) and 0 < seen[-2] <= 6  # tokens so far, growing
+    # without continuous_usage_stats: usage null on each chunk, then the usage chunk (unchanged)
+    plain = sse(server, path, {"model": model, **body, "stream": True,
+                               "stream_options": {"include_usage": True}})
+    assert all(c["usage"] is None for c in plain[:-1]) and plain[-1]["usage"]["completion_tokens"] == 6

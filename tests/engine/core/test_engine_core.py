@@ -133,6 +133,8 @@ def test_stop_token_ids_and_stop_strings(ckpt, ref_model):
     full = reference_greedy(ref_model, p, 10)
     out = engine.generate([p], SamplingParams(max_tokens=10, stop_token_ids=(full[3],), ignore_eos=True))[0]
     assert out.token_ids == full[:full.index(full[3]) + 1] and out.finish_reason == "stop"
+    # the stop token is counted but is not part of the text (vLLM's include_stop_str_in_output false)
+    assert out.text == engine.decode(out.token_ids[:-1])
     # a random model emits partial UTF-8 too; stop on the first plain character it writes
     stop = next(c for c in engine.decode(full) if c.isascii() and c.isprintable() and not c.isspace())
     out = engine.generate([p], SamplingParams(max_tokens=10, stop=(stop,), ignore_eos=True))[0]
