@@ -81,8 +81,19 @@ def tiny_config(raw: dict, *, layers: int = 4, hidden: int = 64, experts: int = 
             out[key] = dict(spec, original_max_position_embeddings=max(16, int(out["max_position_embeddings"] / factor)))
     for key in ("bos_token_id", "eos_token_id"):
         out[key] = {"bos_token_id": 0, "eos_token_id": 1}[key]  # the sample tokenizer's <s> and </s>
+    # the source's other ids (pad 199999 for gpt-oss, 163839 for Kimi) name tokens of its own
+    # vocabulary: in this one they would be out of range (transformers refuses a padding_idx
+    # beyond the embedding), so they are dropped, and the result says which
+    dropped = sorted(key for key, value in out.items()
+                     if key.endswith("_token_id") and not _token_ids_fit(value, vocab_size))
+    out.update(dict.fromkeys(dropped, None))
     ModelConfig.from_hf(out)  # the result must itself be a valid config
-    return out
+    return {**out, "_dropped_token_ids": dropped}  # make_tiny reports them; not written to config.json
+
+
+def _token_ids_fit(value, vocab_size: int) -> bool:
+    ids = value if isinstance(value, list) else [value]
+    return all(i is None or (isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab_size) for i in ids)
 
 
 def make_tiny(like: str | Path, out_dir: str | Path, *, layers: int = 4, hidden: int = 64, experts: int = 16,
@@ -93,6 +104,7 @@ def make_tiny(like: str | Path, out_dir: str | Path, *, layers: int = 4, hidden:
     raw = read_config_json(like if like.is_file() else like / "config.json", what="--like")
     vocab = read_config_json(tokenizer_dir / "config.json")["vocab_size"]
     tiny = tiny_config(raw, layers=layers, hidden=hidden, experts=experts, vocab_size=vocab)
+    dropped = tiny.pop("_dropped_token_ids", [])
     model = MoEForCausalLM(ModelConfig.from_hf(tiny))
     # std 1/sqrt(hidden): activations keep their scale through the layers, so routing is not a near-tie
     model.init_weights(std=1.0 / math.sqrt(hidden), seed=seed)
@@ -111,4 +123,4 @@ def make_tiny(like: str | Path, out_dir: str | Path, *, layers: int = 4, hidden:
     return {"out": str(out_dir), "architecture": cfg.hf_architecture, "model_type": tiny.get("model_type"),
             "layers": cfg.num_layers, "dense_layers": cfg.num_layers - sum(cfg.sparse_layers),
             "experts": cfg.num_experts, "top_k": cfg.top_k, "attention": cfg.attention,
-            "rope": cfg.rope_scaling.kind, **cfg.param_counts()}
+            "rope": cfg.rope_scaling.kind, "token_ids_dropped": dropped, **cfg.param_counts()}

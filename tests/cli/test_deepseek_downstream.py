@@ -107,3 +107,20 @@ def test_server_answers_on_the_tiny_3t(tiny_k3):
             assert out.usage.completion_tokens >= 1
     finally:
         driver.close()
+
+
+def test_make_tiny_drops_token_ids_beyond_its_vocabulary_and_verify_passes(tmp_path):
+    """Kimi's pad_token_id 163839 (gpt-oss: 199999) once went into a 4096-token vocabulary, and
+    `verify` failed with "Padding_idx must be within num_embeddings"."""
+    like = json.loads(CONFIG_3T.read_text())
+    like.update(pad_token_id=163839, unk_token_id=[7, 163000])
+    (tmp_path / "like.json").write_text(json.dumps(like))
+    out = tmp_path / "tiny"
+    res = run("model", "make-tiny", "--like", tmp_path / "like.json", "--out", out, "--layers", "2", "--json")
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["token_ids_dropped"] == ["pad_token_id", "unk_token_id"]
+    config = json.loads((out / "config.json").read_text())
+    assert config["pad_token_id"] is None and config["unk_token_id"] is None and config["eos_token_id"] == 1
+    assert "_dropped_token_ids" not in config
+    res = run("verify", "--model", out, "--json")
+    assert res.exit_code == 0, res.output
