@@ -54,6 +54,18 @@ def _fail(message: str, code: int) -> None:
     raise typer.Exit(code)
 
 
+# the engine's config fields as the command line spells them: the engine's errors name its field
+# (right for an API user), a command's name the flag that was typed
+FIELD_FLAGS = {"redundant_slots": "--redundant", "expert_cache_slots": "--expert-cache", "host_mem": "--host-mem",
+               "hbm": "--hbm", "num_threads": "--threads"}
+
+
+def flag_words(message: str) -> str:
+    """A one-line error whose leading `field:` is an engine config field, with the flag instead."""
+    field, sep, rest = message.partition(":")
+    return f"{FIELD_FLAGS[field]}:{rest}" if sep and field in FIELD_FLAGS else message
+
+
 def handles_errors(fn):
     """Bad input (ValueError) exits 2, anything else 1; both with one line and no traceback."""
 
@@ -67,7 +79,7 @@ def handles_errors(fn):
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             raise typer.Exit(0) from None
         except ValueError as exc:
-            _fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__, 2)
+            _fail(flag_words(str(exc).splitlines()[0]) if str(exc) else type(exc).__name__, 2)
         except KeyboardInterrupt:
             _fail("interrupted", 1)
         except Exception as exc:  # noqa: BLE001 - the CLI's last line of defence

@@ -77,6 +77,9 @@ def run(
     dtype: str | None = DTYPE_OPT,
     threads: str = THREADS_OPT,
     theme: str = THEME_OPT,
+    check_only: bool = typer.Option(False, "--check-only", hidden=True,
+                                    help="Build the engine, then exit without the console (how `web` checks "
+                                         "its options before serving)."),
 ):
     """The live console (the default command): the embedded engine on a steady demo workload,
     experts on emulated devices in the naive contiguous placement, so imbalance shows and a
@@ -86,6 +89,9 @@ def run(
     check_theme(theme)
     source = live_source(model, devices, hbm, redundant, expert_cache, workload, dtype, threads, backend, nproc,
                          placement, host_mem)
+    if check_only:
+        source.close()
+        return
     MoectlApp(source, theme=theme).run()
 
 

@@ -9,6 +9,7 @@ server starts, so a bad option is one line and exit 2 rather than a "Session end
 from __future__ import annotations
 
 import shlex
+import subprocess
 import sys
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -122,7 +123,20 @@ def live_args(ctx: typer.Context, live: dict) -> list[str]:
     for name, value in live.items():
         if value is not None:  # paths absolute: the console runs in a fresh process
             args += [option_flag(ctx, name), str(Path(value).resolve()) if isinstance(value, Path) else str(value)]
+    check_engine_builds(args)
     return args
+
+
+def check_engine_builds(run_args: list[str]) -> None:
+    """What `run` checks only as its engine is built (HBM too small for the model: `--hbm 1KiB`),
+    checked before serving by building that engine once in a child process (this one never loads
+    torch), so a tab never opens on a console that cannot start. Its one-line error is ours."""
+    done = subprocess.run([sys.executable, "-m", "moectl.cli", *run_args, "--check-only"],
+                          capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    if done.returncode != 0:
+        lines = done.stderr.strip().splitlines()
+        typer.echo(lines[-1] if lines else f"moectl: error: run exited {done.returncode}", err=True)
+        raise typer.Exit(done.returncode)
 
 
 def replay_args(trace: Path) -> list[str]:
