@@ -82,7 +82,7 @@ def grouped_swiglu(x_sorted: torch.Tensor, counts: list[int], w13: torch.Tensor,
     stacked weights. offsets (int32 cumulative counts) selects one grouped matmul per projection
     instead of a loop over experts, for batches large enough to hit many experts. (Not for biased
     experts: the bias column leaves rows of H + 1 values, which _grouped_mm's stride alignment refuses.)"""
-    if offsets is not None and not ffn.biased:
+    if offsets is not None and not ffn.biased and _rows_aligned(w13):
         gate_up = torch._grouped_mm(x_sorted, w13.transpose(1, 2), offs=offsets)
         return torch._grouped_mm(ffn.activate(gate_up), w2.transpose(1, 2), offs=offsets)
     out = torch.empty_like(x_sorted)
@@ -92,6 +92,14 @@ def grouped_swiglu(x_sorted: torch.Tensor, counts: list[int], w13: torch.Tensor,
             out[start:start + n] = ffn(x_sorted[start:start + n], w13[expert], w2[expert])
             start += n
     return out
+
+
+def _rows_aligned(w13: torch.Tensor) -> bool:
+    """_grouped_mm wants every operand's rows on 16-byte strides ("strides should be multiple of
+    16 bytes"): hidden and expert widths of 8 values in bf16/fp16, 4 in fp32. Other widths (a
+    Mixtral of hidden 52) take the per-expert loop."""
+    intermediate, hidden = w13.shape[1] // 2, w13.shape[2]
+    return (hidden * w13.element_size()) % 16 == 0 and (intermediate * w13.element_size()) % 16 == 0
 
 
 def grouped_offsets(counts_t: torch.Tensor, rows: int, training: bool = False,

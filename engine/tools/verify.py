@@ -117,7 +117,9 @@ def run_verify(model_dir, *, prompts=None, reference_text=None, max_new_tokens: 
     def reference(dtype):
         say(f"loading transformers reference ({dtype})")
         # eager attention: the plainest reference, independent of the SDPA kernel this engine uses
-        kwargs = dict(dtype=dtype, attn_implementation="eager")
+        # and the eager experts loop: transformers' grouped_mm experts refuse widths off 16-byte
+        # strides (hidden 52) that the model itself defines, and the loop is the plainest reference
+        kwargs = dict(dtype=dtype, attn_implementation="eager", experts_implementation="eager")
         if cfg.raw.get("model_type") in MODEL_TYPE_ALIASES:
             # transformers knows no kimi_k2 model_type, and keys its weight conversion on model_type:
             # load the architecture it names under the model_type that architecture has
