@@ -33,10 +33,11 @@ import numpy as np
 
 from moectl.engine.core.records import FORMAT_VERSION
 from moectl.engine.experts.physical_map import placement_from_physical_map
-from moectl.engine.experts.placement import Placement, PlacementError
+from moectl.engine.experts.placement import MAX_EXPERTS, Placement, PlacementError
 from moectl.profiler.trace_format import SQLITE_MAGIC
 
 ENGINES = ("sglang", "vllm")
+MAX_COUNT = 2**31 - 1  # a trace's routing counts are int32: beyond it a count would wrap (2^62 read as 0)
 # what a source commit these readers follow: named in every imported header
 FORMAT_REFERENCES = {
     "sglang": "sgl-project/sglang@dd780ab9de484cf1198ff538a1b8b0da6464ab5a python/sglang/srt/eplb/expert_distribution.py",
@@ -105,7 +106,29 @@ def _array(value, name: str, path: Path, ndim: int) -> np.ndarray:
     arr = arr.astype(np.int64)
     if (arr < (-1 if name == "topk_ids_of_layer" else 0)).any():  # -1: a token's unused top-k slot
         raise SourceFormatError(f"{path}: {name} holds negative values")
+    if arr.size and arr.max() > MAX_COUNT:
+        raise SourceFormatError(f"{path}: {name} holds {int(arr.max()):,}, beyond the trace's counts (at most "
+                                f"{MAX_COUNT:,})")
     return arr
+
+
+def _pass_id(value, where: str) -> int:
+    """SGLang's forward_pass_id: an integer (0-d tensors and numpy integers too); a fractional or
+    missing id would merge passes silently."""
+    if hasattr(value, "item") and getattr(value, "ndim", 1) == 0:
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise SourceFormatError(f"{where}: forward_pass_id must be an integer, got {value!r}")
+    return int(value)
+
+
+def _num_experts(p2l: np.ndarray, where: str) -> int:
+    """Logical experts: one more than the largest id the map names, at most MAX_EXPERTS."""
+    num_experts = int(p2l.max(initial=-1)) + 1
+    if not 1 <= num_experts <= MAX_EXPERTS:
+        raise SourceFormatError(f"{where}: names logical expert {num_experts - 1:,}; at most {MAX_EXPERTS} experts "
+                                f"a layer are supported")
+    return num_experts
 
 
 def _to_logical(physical: np.ndarray, p2l: np.ndarray, num_experts: int) -> np.ndarray:
@@ -190,10 +213,12 @@ def _sglang_detail(dumps, ep_size) -> ImportedLoad:
                 raise SourceFormatError(f"{where}: counts are {list(physical.shape)}, last_physical_to_logical_map "
                                    f"{list(p2l.shape)}")
             rank = rec.get("rank")
+            if rank is not None and (isinstance(rank, bool) or not isinstance(rank, (int, np.integer))):
+                raise SourceFormatError(f"{where}: rank must be an integer, got {rank!r}")
             if ranks.get(rank, n) != n:  # one file per rank: a second one would count its passes twice
                 raise SourceFormatError(f"{p}: rank {rank}'s records are in {dumps[ranks[rank]][0]} too")
             ranks[rank] = n
-            fid = int(rec["forward_pass_id"])
+            fid = _pass_id(rec["forward_pass_id"], where)
             # per rank, as stat mode all-reduces them: the ranks' counts of one pass add up
             by_pass[fid] = by_pass.get(fid, 0) + physical
     if any(not np.array_equal(m, maps[0]) for m in maps[1:]):
@@ -201,7 +226,8 @@ def _sglang_detail(dumps, ep_size) -> ImportedLoad:
     if not by_pass:
         raise SourceFormatError(f"{dumps[0][0]}: the dump holds no records")
     p2l = maps[0]
-    num_experts = int(p2l.max()) + 1  # SGLang maps every logical expert to at least one physical one
+    # SGLang maps every logical expert to at least one physical one
+    num_experts = _num_experts(p2l, f"{dumps[0][0]}: last_physical_to_logical_map")
     ids = sorted(by_pass)
     counts = _to_logical(np.stack([by_pass[i] for i in ids]), p2l, num_experts)
     notes = [f"{mode} mode: one record per forward pass (forward_pass_id order), counts of the {len(ranks)} "
@@ -254,7 +280,7 @@ def read_vllm(paths: list[Path], ep_size: int | None = None) -> ImportedLoad:
     if any(not np.array_equal(m, maps[0]) for m in maps[1:]):
         raise SourceFormatError("physical_to_logical_map differs between the files: saved at different times?")
     p2l = maps[0]
-    num_experts = int(p2l.max()) + 1  # vLLM gives every logical expert a physical slot
+    num_experts = _num_experts(p2l, f"{paths[0]}: physical_to_logical_map")  # vLLM gives each one a slot
     physical = np.sum(windows, axis=0)  # as EplbState.rearrange all-reduces the ranks' windows
     counts = _to_logical(physical, p2l, num_experts)
     kept = counts.reshape(len(counts), -1).any(1)
@@ -336,6 +362,9 @@ def imported_record(step: int, routing: np.ndarray) -> dict:
 def write_imported_trace(load: ImportedLoad, out: Path, overwrite: bool = False) -> dict:
     from moectl.profiler.trace_store import TraceError, TraceWriter
 
+    if load.counts.size and load.counts.max() > MAX_COUNT:  # passes added up past the trace's 32-bit counts
+        raise SourceFormatError(f"a count of {int(load.counts.max()):,} tokens (the ranks' passes added up) is "
+                                f"beyond the trace's counts (at most {MAX_COUNT:,})")
     writer = TraceWriter(out, imported_header(load), overwrite=overwrite, str_keys=True)
     try:
         every = max(1, min(FLUSH_EVERY, FLUSH_BYTES // max(load.counts[0].size * 4, 1)))

@@ -20,6 +20,10 @@ import torch
 
 from moectl.engine.core.config import ROUTING_POLICIES as POLICIES
 
+# the most logical experts per layer anything here plans for (the largest published MoE has 384):
+# beyond it a count is a typo or a corrupt file, and a plan's arrays would not fit in memory
+MAX_EXPERTS = 4096
+
 
 class PlacementError(ValueError):
     """A placement edit or query refused; the one-line message names the bad value."""

@@ -190,6 +190,39 @@ def test_replay_experts_panel_shows_the_imported_load(tmp_path):
     run_app(MoectlApp(source), body, size=(120, 40))
 
 
+def _one_pass(path, **record):
+    count = record.pop("count", torch.zeros(L, P2L.shape[1], dtype=torch.int64))
+    p2l = record.pop("p2l", torch.tensor(P2L))
+    torch.save({"records": [{"forward_pass_id": 0, "rank": 0, "global_physical_count": count, **record}],
+                "last_physical_to_logical_map": p2l}, path)
+
+
+BIG_ID = torch.tensor(P2L)
+BIG_ID[0, 0] = 3_000_000
+HUGE = torch.zeros(L, P2L.shape[1], dtype=torch.int64)
+HUGE[0, 0] = 2**62
+
+
+@pytest.mark.parametrize("make, message", [
+    # 2^62 once imported as "0 routed tokens" (the trace's int32 counts wrapped)
+    (lambda p: _one_pass(p, count=HUGE), "beyond the trace's counts"),
+    # an expert id of 3,000,000 once made a 3,000,001-expert trace (plan rebalance: MemoryError at 4.7 GB)
+    (lambda p: _one_pass(p, p2l=BIG_ID), "names logical expert 3,000,000; at most 4096"),
+    (lambda p: _one_pass(p, forward_pass_id=None), "records[0]: forward_pass_id must be an integer, got None"),
+    (lambda p: _one_pass(p, forward_pass_id=[1]), "forward_pass_id must be an integer, got [1]"),
+    (lambda p: _one_pass(p, forward_pass_id=float("nan")), "forward_pass_id must be an integer, got nan"),
+    (lambda p: _one_pass(p, forward_pass_id=1.5), "forward_pass_id must be an integer, got 1.5"),  # once merged
+    (lambda p: _one_pass(p, rank=[0]), "records[0]: rank must be an integer, got [0]"),
+])
+def test_an_sglang_dump_out_of_bounds_is_a_one_line_error_naming_file_and_field(tmp_path, make, message):
+    path = tmp_path / "dump.pt"
+    make(path)
+    res = run("trace", "import", path, "--format", "sglang", "-o", tmp_path / "out.trace")
+    assert res.exit_code == 2, res.output
+    assert message in res.stderr and str(path) in res.stderr and res.stderr.count("\n") == 1, res.stderr
+    assert not (tmp_path / "out.trace").exists()
+
+
 @pytest.mark.parametrize("make, message", [
     (lambda p: torch.save([1, 2], p), "not an SGLang expert distribution dump"),
     (lambda p: torch.save({"records": [{"forward_pass_id": 0, "global_physical_count": torch.zeros(2, 5, dtype=torch.int32)}],
