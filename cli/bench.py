@@ -17,6 +17,7 @@ from moectl.cli.common import (
     check_nproc,
     check_seed,
     emit_json,
+    given,
     handles_errors,
     model_dir,
     parse_cli_size,
@@ -24,9 +25,35 @@ from moectl.cli.common import (
     progress,
 )
 
+# the options each suite reads: one given to a suite that would ignore it is refused, naming both
+SUITE_OPTIONS = {
+    "compare-hf": {"compare", "requests", "seed", "contended"},
+    "serve": {"workload", "requests", "seed", "host_mem"},
+    "kv-int8": set(),
+    "profiler": {"backend", "nproc"},
+    "rebalance": {"backend", "nproc", "devices", "rounds", "redundant", "requests"},
+    "limits": set(),
+    "soak": {"backend", "requests", "devices", "seed"},
+}
+EVERY_SUITE = {"suite", "model", "dtype", "threads_opt", "as_json"}
+
+
+def check_suite_options(ctx: typer.Context, suite: str) -> None:
+    """An option given on the command line that `suite` does not read is bad input, not ignored."""
+    if suite not in SUITE_OPTIONS:
+        return  # the unknown suite's own error follows
+    for param in ctx.command.params:
+        if given(ctx, param.name) and param.name not in SUITE_OPTIONS[suite] | EVERY_SUITE:
+            flag = max(param.opts, key=len)
+            if param.name == "compare":
+                raise BadInput(f"--compare hf: is the compare-hf suite, not --suite {suite}")
+            users = [name for name, options in SUITE_OPTIONS.items() if param.name in options]
+            raise BadInput(f"{flag}: not read by --suite {suite} (only by {', '.join(users) or 'no suite'})")
+
 
 @handles_errors
 def bench(
+    ctx: typer.Context,
     compare: str | None = typer.Option(None, "--compare", help="'hf': this engine vs transformers' generate."),
     suite: str | None = typer.Option(None, "--suite",
                                         help="compare-hf | serve | kv-int8 | profiler | rebalance | limits | soak "
@@ -61,6 +88,7 @@ def bench(
     if compare is not None and compare != "hf":
         raise BadInput(f"--compare: only 'hf' is supported, got {compare!r}")
     name = suite or "compare-hf"
+    check_suite_options(ctx, name)
     check_seed(seed)
     check_nproc(nproc, backend)
     threads = parse_threads(threads_opt)

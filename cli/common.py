@@ -13,6 +13,11 @@ from pathlib import Path
 
 import typer
 
+try:  # newer typer vendors click
+    from typer._click.core import ParameterSource
+except ImportError:
+    from click.core import ParameterSource
+
 from moectl.engine import sample_model_dir
 from moectl.engine.core.config import EngineConfig
 from moectl.engine.core.topology import Topology, parse_size
@@ -43,6 +48,11 @@ THREADS_OPT = typer.Option("auto", "--threads", help="torch intra-op threads: N,
                                                     "measures why).")
 PLACEMENT_OPT = typer.Option(None, "--placement", help="Initial expert placement: the JSON `plan rebalance --json` "
                                                        "writes or the console exports (any backend).")
+
+
+def given(ctx: typer.Context, name: str) -> bool:
+    """Whether the option `name` was given (command line or environment), not left at its default."""
+    return ctx.get_parameter_source(name) not in (ParameterSource.DEFAULT, None)
 
 
 class BadInput(ValueError):

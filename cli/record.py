@@ -92,6 +92,8 @@ def _check_options(trace: Path, steps, seconds, overwrite: bool, capture, rebala
         raise BadInput(f"--capture: must be a step count in 1-{MAX_CAPTURE_STEPS}, got {capture}")
     if rebalance_at is not None and rebalance_at < 1:
         raise BadInput(f"--rebalance-at: must be a step number >= 1 (the first step is 1), got {rebalance_at}")
+    if capture is not None and steps is not None and capture > steps:  # it would end short, unsaid
+        raise BadInput(f"--capture: {capture} steps is more than the {steps} of --steps")
     if rebalance_at is not None and steps is not None and rebalance_at > steps:
         raise BadInput(f"--rebalance-at: step {rebalance_at} is after the last of --steps {steps}")
     if kv_blocks is not None and kv_blocks < 1:

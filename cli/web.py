@@ -16,11 +16,6 @@ from urllib.parse import urlsplit
 
 import typer
 
-try:  # newer typer vendors click
-    from typer._click.core import ParameterSource
-except ImportError:
-    from click.core import ParameterSource
-
 from moectl.cli.common import (
     BACKEND_OPT,
     DTYPE_OPT,
@@ -34,6 +29,7 @@ from moectl.cli.common import (
     THREADS_OPT,
     BadInput,
     engine_config,
+    given,
     handles_errors,
     parse_threads,
 )
@@ -86,11 +82,11 @@ def web(
     live = {name: value for name, value in ctx.params.items() if name in LIVE_OPTIONS}
     if replay is not None or attach is not None:
         mode = "--replay" if replay is not None else "--attach"
-        given = [option_flag(ctx, name) for name in live if ctx.get_parameter_source(name) != ParameterSource.DEFAULT]
+        live_given = [option_flag(ctx, name) for name in live if given(ctx, name)]
         if replay is not None and attach is not None:
             raise BadInput("--replay, --attach: give one of them, not both")
-        if given:
-            raise BadInput(f"{given[0]}: an option of the live console, not for {mode}")
+        if live_given:
+            raise BadInput(f"{live_given[0]}: an option of the live console, not for {mode}")
     if attach_token is not None and attach is None:
         raise BadInput("--attach-token: only with --attach")
 
