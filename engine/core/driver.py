@@ -96,7 +96,8 @@ class EngineDriver:
                 else:
                     engine.commands.ready.wait(IDLE_WAIT_S)
             except StepFailed as exc:  # its requests have failed; the engine serves on unless broken
-                log.warning("%s", exc, exc_info=exc.__cause__)  # the operator's traceback
+                log.warning("%s", exc)  # one line where commands print warnings; the traceback at debug
+                log.debug("the failed step's traceback", exc_info=exc.__cause__)
                 if exc.failure is not None:
                     self._give_up(engine, exc.failure)
             except Exception as exc:  # noqa: BLE001 - reported through `error`; restart() recovers
