@@ -147,7 +147,9 @@ def _placement(p2l: np.ndarray, num_experts: int, ep_size: int | None, where: st
     try:
         return placement_from_physical_map(p2l, num_experts, ep_size)
     except PlacementError as exc:
-        raise SourceFormatError(f"{where}: {exc} (--ep-size {ep_size})") from None
+        # the map's own errors start with its generic name; `where` names the field this file has
+        message = str(exc).removeprefix("physical_to_logical_map: ")
+        raise SourceFormatError(f"{where}: {message} (--ep-size {ep_size})") from None
 
 
 def read_sglang(paths: list[Path], ep_size: int | None = None) -> ImportedLoad:

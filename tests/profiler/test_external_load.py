@@ -251,6 +251,7 @@ def test_import_refuses_mismatched_ranks_and_a_bad_ep_size(tmp_path):
     files, _ = sglang_per_pass(tmp_path)
     res = run("trace", "import", *files, "--ep-size", 5, "-o", tmp_path / "x.trace")
     assert res.exit_code == 2 and "do not split over 5 devices" in res.stderr and "--ep-size 5" in res.stderr
+    assert res.stderr.count("physical_to_logical_map") == 1, res.stderr  # the field named once
     res = run("trace", "import", files[0], files[0], "-o", tmp_path / "x.trace")  # the same rank twice
     assert res.exit_code == 2 and "rank 0" in res.stderr
     out = import_trace(tmp_path, files, name="kept.trace")
