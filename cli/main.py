@@ -41,7 +41,7 @@ def _default(ctx: typer.Context,
     if ctx.invoked_subcommand is None:
         console.run(model=None, devices=4, hbm="80GiB", redundant=1, backend="local", nproc=None, placement=None,
                     expert_cache=None, host_mem=None, workload=console.DEMO_WORKLOAD, dtype=None, threads="auto",
-                    theme=theme or "dark")
+                    theme=theme or "dark", check_only=False)
     elif theme is not None:
         raise typer.BadParameter("--theme: give it after the command, e.g. `moectl replay T --theme light`")
 
