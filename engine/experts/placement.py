@@ -23,6 +23,7 @@ from moectl.engine.core.config import ROUTING_POLICIES as POLICIES
 # the most logical experts per layer anything here plans for (the largest published MoE has 384):
 # beyond it a count is a typo or a corrupt file, and a plan's arrays would not fit in memory
 MAX_EXPERTS = 4096
+MAX_LOAD = float(2**53)  # tokens per expert: exact in float64, and far beyond any recording
 
 
 class PlacementError(ValueError):
@@ -65,6 +66,11 @@ def as_loads(loads, name: str = "loads") -> np.ndarray:
         raise PlacementError(f"{name}: expected shape [layers, experts], got {list(arr.shape)}")
     if not np.isfinite(arr).all() or (arr < 0).any():
         raise PlacementError(f"{name}: must be finite and non-negative")
+    if arr.size and arr.max() > MAX_LOAD:  # 1e308 is finite, but sums of it overflow the planner
+        raise PlacementError(f"{name}: a load of {arr.max():.3g} is more than the {MAX_LOAD:.3g} tokens any count "
+                             f"holds")
+    if arr.shape[1] > MAX_EXPERTS:
+        raise PlacementError(f"{name}: {arr.shape[1]:,} experts a layer; at most {MAX_EXPERTS} are supported")
     return arr
 
 
@@ -151,6 +157,9 @@ class Placement:
             slots = np.array(raw["layers"], dtype=np.int64)
         except (TypeError, ValueError):
             raise PlacementError("placement: 'layers' must be a [layers][devices][slots] array of ints") from None
+        experts = raw["num_experts"]
+        if isinstance(experts, bool) or not isinstance(experts, int) or not 1 <= experts <= MAX_EXPERTS:
+            raise PlacementError(f"placement: num_experts must be an integer in 1-{MAX_EXPERTS}, got {experts!r}")
         pinned = raw.get("pinned", [])
         if not isinstance(pinned, list) or any(not isinstance(p, (list, tuple)) or len(p) != 2 for p in pinned):
             raise PlacementError("placement: 'pinned' must be a list of [layer, expert] pairs")

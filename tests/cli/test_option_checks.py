@@ -50,3 +50,23 @@ def test_flag_words_translates_only_a_leading_engine_field():
     assert flag_words("hbm: needs 3 MiB") == "--hbm: needs 3 MiB"
     assert flag_words("--hbm: already a flag") == "--hbm: already a flag"
     assert flag_words("the hbm: is fine here") == "the hbm: is fine here"
+
+
+def test_out_of_range_loads_and_placements_are_bad_input_not_python_errors(tmp_path):
+    """A loads file of 1e308 values (IndexError in the planner) and a placement of 1e12 experts
+    (MemoryError) once exited 1 with a Python error."""
+    import json
+
+    loads = tmp_path / "loads.json"
+    loads.write_text(json.dumps([[1e308] * 8] * 2))
+    line = refused("plan", "rebalance", loads, "--devices", "2")
+    assert "loads file loads.json: a load of 1e+308" in line
+    plan = tmp_path / "plan.json"
+    result = runner.invoke(app, ["plan", "rebalance", "--synthetic", "--layers", "4", "--experts", "16",
+                                 "--devices", "4", "--json"])
+    assert result.exit_code == 0, result.output
+    placement = json.loads(result.stdout)
+    placement["placement"]["num_experts"] = 10**12
+    plan.write_text(json.dumps(placement))
+    line = refused("generate", "x", "--devices", "4", "--placement", plan, "--max-tokens", "1")
+    assert "num_experts must be an integer in 1-4096" in line and str(plan) in line
