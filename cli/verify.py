@@ -14,18 +14,26 @@ from moectl.cli.common import JSON_OPT, MODEL_OPT, BadInput, handles_errors, mod
 def verify(
     model: Path | None = MODEL_OPT,
     max_new_tokens: int = typer.Option(16, "--max-new-tokens", help="Greedy tokens compared per prompt."),
+    dtype: str = typer.Option("fp32", "--dtype", help="fp32, bf16 or fp16: bf16/fp16 also compare the per-layer "
+                                                      "hidden states and logits in that dtype."),
     as_json: bool = JSON_OPT,
 ):
     """Check this engine against transformers on one checkpoint: per-layer hidden states and logits
     (fp32, max relative error <= 1e-3), reference-text log-likelihood (bf16, <= 5%), and greedy
-    generations (fp32, token-identical). Exits 1 when a check fails. Needs moectl\\[reference] (transformers)."""
-    from moectl.engine.tools.verify import run_verify
+    generations (fp32, token-identical); with --dtype bf16/fp16 the hidden states and logits in that
+    dtype too. Exits 1 when a check fails. Needs moectl\\[reference] (transformers)."""
+    from moectl.engine.models.config import parse_dtype
+    from moectl.engine.tools.verify import ReferenceMissing, run_verify
 
+    try:
+        numerics_dtype = parse_dtype(dtype)
+    except ValueError as exc:
+        raise BadInput(f"--dtype: {str(exc).partition(': ')[2]}") from None
     path = model_dir(model)
     try:
-        result = run_verify(path, max_new_tokens=max_new_tokens,
+        result = run_verify(path, max_new_tokens=max_new_tokens, dtype=numerics_dtype,
                             log=None if as_json else (lambda m: typer.echo(f"  {m}", err=True)))
-    except RuntimeError as exc:  # transformers missing
+    except ReferenceMissing as exc:  # only this: the engine's own RuntimeErrors are failures (exit 1)
         raise BadInput(str(exc)) from None
     if as_json:
         typer.echo(json.dumps(result, default=str))
@@ -34,6 +42,10 @@ def verify(
         typer.echo(f"{result['architecture']} at {path}")
         typer.echo(f"  hidden states + logits (fp32): max rel error {result['max_rel_error']:.2e} "
                    f"(<= {t['max_rel_error']:.0e})")
+        if result["half"] is not None:
+            half = result["half"]
+            typer.echo(f"  hidden states + logits ({half['dtype']}): median per-token rel error "
+                       f"{half['median_rel_error']:.2e} (<= {t['median_rel_error']:.0e})")
         typer.echo(f"  log-likelihood (bf16): engine {result['loglik_engine']:.4f}, transformers "
                    f"{result['loglik_reference']:.4f}, rel diff {result['loglik_rel_diff']:.2%} "
                    f"(<= {t['loglik_rel_diff']:.0%})")

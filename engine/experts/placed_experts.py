@@ -177,7 +177,7 @@ class PlacedExperts(nn.Module):
                     self.layer_idx, rows_in, experts, [counts_list[i] for i in active]), real, self.layer_idx)
             else:
                 w13, w2 = self.device_w13[device], self.device_w2[device]
-                offsets = grouped_offsets(counts_d, rows, dtype=x.dtype)
+                offsets = grouped_offsets(counts_d, rows, w13, w2, self.logical.ffn)
                 result = stats.timed(device, lambda: grouped_swiglu(rows_in, counts_list, w13, w2, offsets,
                                                                     self.logical.ffn),
                                      real, self.layer_idx)

@@ -22,6 +22,7 @@ from moectl.engine.models.tracing import NULL_TRACER, NullTracer
 # one thread: 0.10 vs 0.09 ms at 2 rows, 0.13 vs 0.17 at 4, 0.28 vs 0.68-0.86 at 16).
 GROUPED_MM_MIN_ROWS = 4
 _grouped_mm_ok: dict[tuple, bool] = {}
+_grouped_mm_fits: dict[tuple, bool] = {}
 
 
 def _grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
@@ -79,10 +80,10 @@ SWIGLU = ExpertFFN()
 def grouped_swiglu(x_sorted: torch.Tensor, counts: list[int], w13: torch.Tensor, w2: torch.Tensor,
                    offsets: torch.Tensor | None = None, ffn: ExpertFFN = SWIGLU) -> torch.Tensor:
     """x_sorted holds tokens grouped by expert in id order; counts[e] tokens go to expert e of the
-    stacked weights. offsets (int32 cumulative counts) selects one grouped matmul per projection
-    instead of a loop over experts, for batches large enough to hit many experts. (Not for biased
-    experts: the bias column leaves rows of H + 1 values, which _grouped_mm's stride alignment refuses.)"""
-    if offsets is not None and not ffn.biased and _rows_aligned(w13):
+    stacked weights. offsets (int32 cumulative counts, from grouped_offsets: None where the grouped
+    GEMM cannot take these weights) selects one grouped matmul per projection instead of a loop
+    over experts, for batches large enough to hit many experts."""
+    if offsets is not None:
         gate_up = torch._grouped_mm(x_sorted, w13.transpose(1, 2), offs=offsets)
         return torch._grouped_mm(ffn.activate(gate_up), w2.transpose(1, 2), offs=offsets)
     out = torch.empty_like(x_sorted)
@@ -94,19 +95,33 @@ def grouped_swiglu(x_sorted: torch.Tensor, counts: list[int], w13: torch.Tensor,
     return out
 
 
-def _rows_aligned(w13: torch.Tensor) -> bool:
-    """_grouped_mm wants every operand's rows on 16-byte strides ("strides should be multiple of
-    16 bytes"): hidden and expert widths of 8 values in bf16/fp16, 4 in fp32. Other widths (a
-    Mixtral of hidden 52) take the per-expert loop."""
-    intermediate, hidden = w13.shape[1] // 2, w13.shape[2]
-    return (hidden * w13.element_size()) % 16 == 0 and (intermediate * w13.element_size()) % 16 == 0
+def grouped_mm_fits(w13: torch.Tensor, w2: torch.Tensor, ffn: ExpertFFN = SWIGLU) -> bool:
+    """Whether torch._grouped_mm takes these stacked weights, decided once per device, dtype and
+    widths (a dict lookup per step after that). It wants every operand's rows on 16-byte strides
+    ("strides should be multiple of 16 bytes"): the hidden and expert widths, the two GEMMs'
+    inner dimensions, must be multiples of 8 values in bf16/fp16, of 4 in fp32. Biased experts
+    never fit: their bias column leaves rows of H + 1 values, and the grouped path has no place to
+    feed it its constant 1. The rest take the per-expert loop: it keeps the weights as stored
+    (a padded copy would change every expert's bytes for placement, the expert cache and
+    migration) and computes exactly what transformers' eager experts do."""
+    key = (w13.device.type, w13.dtype, w13.shape[-1], w2.shape[-1], ffn.biased)
+    fits = _grouped_mm_fits.get(key)
+    if fits is None:
+        row_bytes = (w13.shape[-1] * w13.element_size(), w2.shape[-1] * w2.element_size())
+        fits = (not ffn.biased and all(b % 16 == 0 for b in row_bytes)
+                and _grouped_mm_works(w13.device, w13.dtype))
+        _grouped_mm_fits[key] = fits
+    return fits
 
 
-def grouped_offsets(counts_t: torch.Tensor, rows: int, training: bool = False,
-                    dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
-    if not training and rows >= GROUPED_MM_MIN_ROWS and _grouped_mm_works(counts_t.device, dtype):
-        return torch.cumsum(counts_t, 0, dtype=torch.int32)
-    return None
+def grouped_offsets(counts_t: torch.Tensor, rows: int, w13: torch.Tensor, w2: torch.Tensor,
+                    ffn: ExpertFFN = SWIGLU, training: bool = False) -> torch.Tensor | None:
+    """grouped_swiglu's offsets for `rows` tokens on these weights, or None for the per-expert
+    loop: in training (autograd), under GROUPED_MM_MIN_ROWS rows, or where the kernel cannot take
+    the weights (grouped_mm_fits)."""
+    if training or rows < GROUPED_MM_MIN_ROWS or not grouped_mm_fits(w13, w2, ffn):
+        return None
+    return torch.cumsum(counts_t, 0, dtype=torch.int32)
 
 
 class StackedExperts(nn.Module):
@@ -126,7 +141,7 @@ class StackedExperts(nn.Module):
         This version runs every expert here; emulated devices and expert parallelism replace it."""
         top_k = ids.shape[1]
         order = torch.argsort(ids.flatten(), stable=True)
-        offsets = grouped_offsets(counts_t, order.numel(), self.training, x.dtype)
+        offsets = grouped_offsets(counts_t, order.numel(), self.w13, self.w2, self.ffn, self.training)
         expert_out = self(x.index_select(0, order // top_k), counts_t.tolist(), offsets)
         return combine(expert_out, order, weights, x.dtype)
 

@@ -171,7 +171,7 @@ class RankExperts(nn.Module):
         local_order = torch.argsort(local_ids, stable=True)
         local_counts = recv_counts.sum(0)
         counts_list = local_counts.tolist()
-        offsets = grouped_offsets(local_counts, local_order.numel(), False, x.dtype)
+        offsets = grouped_offsets(local_counts, local_order.numel(), self.w13, self.w2, self.ffn)
         out_sorted, busy = self._timed(lambda: grouped_swiglu(recv.index_select(0, local_order), counts_list,
                                                               self.w13, self.w2, offsets, self.ffn),
                                        "experts", device_lane)

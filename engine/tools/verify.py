@@ -9,7 +9,11 @@ Three checks, each with a fixed threshold (THRESHOLDS):
 * log-likelihood (bf16): mean per-token NLL of a reference text, this engine in bf16 against
   transformers in bf16 (both are also reported against the fp32 reference, for information);
 * greedy generation (fp32): this engine runs all prompts batched (continuous batching, paged
-  KV cache) and must be token-identical to transformers' `generate` run on each prompt alone.
+  KV cache) and must be token-identical to transformers' `generate` run on each prompt alone;
+* with dtype bf16 or fp16, the numerics once more in that dtype, both sides in it. The max error
+  is no measure there: rounding flips a near-tied top-k routing now and then, on either side,
+  and that token's output changes outright. Each tensor's median per-token relative error is
+  checked instead (HALF_THRESHOLDS).
 
 The engine side always goes through the real paged path (block tables, slot mapping, KV writes),
 not a dense shortcut, so the checks cover what serving runs.
@@ -29,13 +33,23 @@ from moectl.engine.core.config import EngineConfig, SchedulerKnobs
 from moectl.engine.core.sampling import SamplingParams
 from moectl.engine.core.sequence import Sequence
 from moectl.engine.llm_engine import LLMEngine
-from moectl.engine.models.config import MODEL_TYPE_ALIASES, ModelConfig
+from moectl.engine.models.config import MODEL_TYPE_ALIASES, ModelConfig, parse_dtype
 from moectl.engine.models.tokenizer import Tokenizer
 
 THRESHOLDS = {"max_rel_error": 1e-3, "loglik_rel_diff": 0.05}
+# the median per-token relative error of every layer and the logits, engine against transformers in
+# the same half precision; measured on the tiny checkpoints of every architecture, odd widths too
+# (tests/engine/models/test_odd_widths.py): up to 0.032 in bf16, 0.003 in fp16. A wrong cast or
+# kernel, which every token meets, gives O(1). (The fp32 check is the one that catches a fault
+# only some tokens meet, such as a swapped expert.)
+HALF_THRESHOLDS = {torch.bfloat16: 0.1, torch.float16: 0.02}
 MAX_TEXT_TOKENS = 256  # enough to cross many KV blocks, small enough for a CPU reference run
 PROMPT_LENGTHS = (3, 9, 17, 33)  # default greedy prompts: under, at and across block boundaries
 BLOCK_SIZE = 16
+
+
+class ReferenceMissing(RuntimeError):
+    """transformers, the reference, is not installed."""
 
 
 class _Probe:
@@ -85,6 +99,43 @@ def rel_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
     return float((ours - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
 
 
+def median_token_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    """The median over tokens (rows of the last dimension) of each token's rel_error."""
+    ours, ref = ours.float(), ref.float()
+    per_token = (ours - ref).abs().amax(-1) / ref.abs().amax(-1).clamp_min(1e-30)
+    return float(per_token.flatten().median())
+
+
+def compare_layers(ours: LLMEngine, ref, batch: list[list[int]]) -> dict:
+    """One batched prefill of `batch` (rows of equal length) through this engine's paged path and
+    through transformers, in whatever dtype each was loaded: the hidden state after every layer
+    (index 0 = embeddings, the last one after the final norm) and the logits, each as rel_error
+    and median_token_error. Also this engine's fp32 logits [rows, len, vocab], transformers'
+    ("ref_logits") and the tokens routed to each expert of each sparse layer ("routed")."""
+    probe = _Probe()
+    logits = torch.stack(prefill_batch(ours, batch, probe))
+    with torch.inference_mode():  # equal lengths, so one unpadded batch is exact
+        out = ref(input_ids=torch.tensor(batch), output_hidden_states=True)
+    ref_hidden, ref_logits = out.hidden_states, out.logits.float()
+    # transformers' hidden_states are (embeddings, after layer 1, ..., after layer L) except that the
+    # last entry is replaced by the final-normed output (tie_last_hidden_states). Our probe sees the
+    # pre-norm output of layer L, so the last comparison applies our final norm to it first (in the
+    # model's dtype, as the model does).
+    n = ours.model_config.num_layers
+    if len(ref_hidden) != n + 1:
+        raise RuntimeError(f"transformers returned {len(ref_hidden)} hidden states for {n} layers")
+    ours_hidden = [probe.hidden[i].view(len(batch), len(batch[0]), -1) for i in range(n)]
+    last = probe.hidden[n].to(ours.model.norm.weight.dtype)
+    ours_hidden.append(ours.model.norm(last).float().view_as(ours_hidden[0]))
+    pairs = [*zip(ours_hidden, ref_hidden), (logits, ref_logits)]
+    errors = [rel_error(o, r) for o, r in pairs]
+    medians = [median_token_error(o, r) for o, r in pairs]
+    return {"layer_rel_errors": errors[:-1], "logits_rel_error": errors[-1], "max_rel_error": max(errors),
+            "layer_median_rel_errors": medians[:-1], "logits_median_rel_error": medians[-1],
+            "median_rel_error": max(medians), "logits": logits, "ref_logits": ref_logits,
+            "routed": list(probe.routed.values())}
+
+
 def mean_nll(logits: torch.Tensor, ids: list[int]) -> float:
     """Mean next-token negative log-likelihood in nats (logits row t predicts ids[t + 1])."""
     return float(F.cross_entropy(logits[:-1].float(), torch.tensor(ids[1:])))
@@ -96,19 +147,23 @@ def default_reference_text() -> str:
 
 
 def run_verify(model_dir, *, prompts=None, reference_text=None, max_new_tokens: int = 16,
-               log: Callable[[str], None] | None = None, knobs: SchedulerKnobs | None = None) -> dict:
+               log: Callable[[str], None] | None = None, knobs: SchedulerKnobs | None = None,
+               dtype: str | torch.dtype = "float32") -> dict:
     """Compare this engine with transformers on `model_dir`; returns the measurements and `passed`.
 
     prompts: token-id lists or strings (strings need tokenizer.json); default: slices of the
     reference text of PROMPT_LENGTHS tokens. reference_text: a string or token ids; default: a
     chunk of stdlib source, or seeded pseudo-random ids when the checkpoint has no tokenizer.
     knobs: the engine's batching knobs for the greedy run (small prefill chunks exercise chunking).
+    dtype: bf16 or fp16 adds the numerics in that dtype (under "half"); fp32 adds nothing.
     """
+    half_dtype = parse_dtype(dtype)
+    half_dtype = None if half_dtype == torch.float32 else half_dtype
     try:
         import transformers
         from transformers import AutoModelForCausalLM
     except ImportError:
-        raise RuntimeError("verify needs transformers: pip install 'moectl[reference]'") from None
+        raise ReferenceMissing("verify needs transformers: pip install 'moectl[reference]'") from None
     say = log or (lambda msg: None)
     transformers.logging.set_verbosity_error()  # generation-config chatter is not a result
     transformers.utils.logging.disable_progress_bar()
@@ -153,41 +208,43 @@ def run_verify(model_dir, *, prompts=None, reference_text=None, max_new_tokens: 
     noise = torch.randint(0, cfg.vocab_size, (len(text_ids),), generator=torch.Generator().manual_seed(1)).tolist()
     batch = [text_ids, noise]
     say(f"comparing hidden states over {len(batch)} x {len(text_ids)} tokens")
-    probe = _Probe()
-    logits = torch.stack(prefill_batch(ours, batch, probe))
-    with torch.inference_mode():  # equal lengths, so one unpadded batch is exact
-        out = ref(input_ids=torch.tensor(batch), output_hidden_states=True)
-    ref_hidden, ref_logits = out.hidden_states, out.logits.float()
-    # transformers' hidden_states are (embeddings, after layer 1, ..., after layer L) except that the
-    # last entry is replaced by the final-normed output (tie_last_hidden_states). Our probe sees the
-    # pre-norm output of layer L, so the last comparison applies our final norm to it first.
-    n = cfg.num_layers
-    if len(ref_hidden) != n + 1:
-        raise RuntimeError(f"transformers returned {len(ref_hidden)} hidden states for {n} layers")
-    ours_hidden = [probe.hidden[i].view(len(batch), len(text_ids), -1) for i in range(n)]
-    ours_hidden.append(ours.model.norm(probe.hidden[n]).float().view_as(ours_hidden[0]))
-    layer_errors = [rel_error(h, r) for h, r in zip(ours_hidden, ref_hidden)]
-    logits_error = rel_error(logits, ref_logits)
-    max_error = float(torch.tensor(layer_errors + [logits_error]).max())
+    numerics = compare_layers(ours, ref, batch)
+    logits, ref_logits = numerics["logits"], numerics["ref_logits"]
+    layer_errors, logits_error = numerics["layer_rel_errors"], numerics["logits_rel_error"]
+    max_error = numerics["max_rel_error"]
     nll_engine_fp32, nll_ref_fp32 = mean_nll(logits[0], text_ids), mean_nll(ref_logits[0], text_ids)
-    routed = list(probe.routed.values())
+    routed = numerics["routed"]
     coverage = (sum(int((c > 0).sum()) for c in routed), sum(c.numel() for c in routed))
 
     say(f"greedy generation: {len(prompt_ids)} prompts x {max_new_tokens} tokens")
     greedy = _compare_greedy(ours, ref, prompt_ids, max_new_tokens)
-    del ours, ref, out, probe
+    del ours, ref, numerics, logits, ref_logits
     gc.collect()
 
+    # -- bf16 or fp16 on request: the numerics in that dtype
+    half = loglik = None
+    if half_dtype is not None:
+        half_name = str(half_dtype).removeprefix("torch.")
+        ours, ref = engine(half_name, blocks), reference(half_dtype)
+        say(f"comparing hidden states in {half_name}")
+        measured = compare_layers(ours, ref, batch)
+        half = {"dtype": half_name, **{k: v for k, v in measured.items() if k not in ("logits", "ref_logits", "routed")}}
+        if half_dtype == torch.bfloat16:  # the pair the log-likelihood check loads anyway
+            loglik = mean_nll(ours.score(text_ids), text_ids), _reference_nll(ref, text_ids)
+        del ours, ref, measured
+        gc.collect()
+
     # -- bf16: log-likelihood of the reference text, one model at a time
-    ours = engine("bfloat16", blocks)
-    nll_engine = mean_nll(ours.score(text_ids), text_ids)
-    del ours
-    gc.collect()
-    ref = reference(torch.bfloat16)
-    with torch.inference_mode():
-        nll_ref = mean_nll(ref(input_ids=torch.tensor([text_ids])).logits[0].float(), text_ids)
-    del ref
-    gc.collect()
+    if loglik is None:
+        ours = engine("bfloat16", blocks)
+        nll_engine = mean_nll(ours.score(text_ids), text_ids)
+        del ours
+        gc.collect()
+        ref = reference(torch.bfloat16)
+        loglik = nll_engine, _reference_nll(ref, text_ids)
+        del ref
+        gc.collect()
+    nll_engine, nll_ref = loglik
 
     loglik_diff = abs(nll_engine - nll_ref) / abs(nll_ref)
     matched = sum(g["match"] for g in greedy)
@@ -196,9 +253,13 @@ def run_verify(model_dir, *, prompts=None, reference_text=None, max_new_tokens: 
         "loglik": loglik_diff <= THRESHOLDS["loglik_rel_diff"],
         "greedy": matched == len(greedy),
     }
+    thresholds = dict(THRESHOLDS)
+    if half is not None:
+        thresholds["median_rel_error"] = HALF_THRESHOLDS[half_dtype]
+        checks["half_numerics"] = half["median_rel_error"] <= thresholds["median_rel_error"]
     return {
         "architecture": cfg.architecture,
-        "num_layers": n,
+        "num_layers": cfg.num_layers,
         "num_text_tokens": len(text_ids),  # the numerics also run as many seeded random ids
         # index 0: embeddings, i: after layer i (1..L-1), L: after the final norm
         "layer_rel_errors": layer_errors,
@@ -216,10 +277,17 @@ def run_verify(model_dir, *, prompts=None, reference_text=None, max_new_tokens: 
         "greedy_match": checks["greedy"],
         "greedy_matched": f"{matched}/{len(greedy)}",
         "greedy": greedy,
-        "thresholds": dict(THRESHOLDS),
+        # dtype bf16/fp16: that dtype's numerics, as compare_layers measures them, and its dtype
+        "half": half,
+        "thresholds": thresholds,
         "checks": checks,
         "passed": all(checks.values()),
     }
+
+
+def _reference_nll(ref, ids: list[int]) -> float:
+    with torch.inference_mode():
+        return mean_nll(ref(input_ids=torch.tensor([ids])).logits[0].float(), ids)
 
 
 def _encode(tokenizer: Tokenizer | None, prompt) -> list[int]:
