@@ -46,8 +46,9 @@ NPROC_OPT = typer.Option(None, "--nproc", help="distributed: processes, one per 
 THREADS_OPT = typer.Option("auto", "--threads", help="torch intra-op threads: N, or auto (the cores other processes "
                                                     "leave free, re-measured every second; `bench --contended` "
                                                     "measures why).")
-PLACEMENT_OPT = typer.Option(None, "--placement", help="Initial expert placement: the JSON `plan rebalance --json` "
-                                                       "writes or the console exports (any backend).")
+PLACEMENT_OPT = typer.Option(None, "--placement", help="Initial expert placement: the placement file `plan rebalance "
+                                                       "--json` writes (any backend); one planned for another "
+                                                       "model is refused.")
 
 
 def given(ctx: typer.Context, name: str) -> bool:
@@ -189,40 +190,23 @@ def parse_ids(spec: str) -> list[int]:
     return ids
 
 
-def read_placement(path: Path | None) -> dict | None:
-    """A placement file: Placement.to_dict's JSON, or a `plan rebalance --json` result holding one."""
-    if path is None:
-        return None
-    import json
-
-    from moectl.engine.experts.placement import Placement
-
-    try:
-        raw = json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise BadInput(f"--placement: {path}: no such file") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise BadInput(f"--placement: {path} is not JSON ({exc})") from None
-    if isinstance(raw, dict) and isinstance(raw.get("placement"), dict):
-        raw = raw["placement"]
-    try:
-        return Placement.from_dict(raw).to_dict()
-    except ValueError as exc:
-        raise BadInput(f"--placement: {path}: {exc}") from None
-
-
-def _check_placement_fits(path: Path, placement: dict, model: Path, devices: int) -> None:
-    """The placement file against the checkpoint's config.json and the device count, before
-    anything is loaded, so the error names the option."""
+def read_placement(path: Path, model: Path, devices: int) -> dict:
+    """The --placement file (engine/experts/placement_file.py: a placement or a `plan rebalance
+    --json` result) fitted to the checkpoint's config.json and checked against the device count,
+    before anything is loaded, so the error names the option."""
+    from moectl.engine.experts.placement import PlacementError
+    from moectl.engine.experts.placement_file import fit_to_model, model_identity, read_placement_file
     from moectl.engine.models.config import ModelConfig
 
-    cfg = ModelConfig.from_dir(model)
-    layers, num_devices = len(placement["layers"]), placement["num_devices"]
-    if (layers, placement["num_experts"]) != (cfg.num_layers, cfg.num_experts):
-        raise BadInput(f"--placement: {path} is for {layers} layers x {placement['num_experts']} experts, "
-                       f"the model has {cfg.num_layers} x {cfg.num_experts}")
-    if num_devices != devices:
-        raise BadInput(f"--placement: {path} places experts on {num_devices} devices, this run has {devices}")
+    try:
+        placement, planned_for = read_placement_file(path)
+        identity = model_identity(ModelConfig.from_dir(model), Path(model).resolve().name)
+        placement = fit_to_model(placement, planned_for, identity)
+    except PlacementError as exc:
+        raise BadInput(f"--placement: {path}: {exc}") from None
+    if placement.num_devices != devices:
+        raise BadInput(f"--placement: {path} places experts on {placement.num_devices} devices, this run has {devices}")
+    return placement.to_dict()
 
 
 def engine_config(model: Path | None, *, devices: int | None = None, hbm: str = "80GiB", backend: str = "local",
@@ -251,8 +235,7 @@ def engine_config(model: Path | None, *, devices: int | None = None, hbm: str = 
     if placement is not None:
         if devices is None:
             raise BadInput("--placement: needs --devices")
-        options["placement"] = read_placement(placement)
-        _check_placement_fits(placement, options["placement"], model_dir(model), devices)
+        options["placement"] = read_placement(placement, model_dir(model), devices)
     topology = None
     if devices is not None:
         topology = Topology(num_devices=devices, hbm_bytes=hbm_bytes)

@@ -132,17 +132,30 @@ def plan_rebalance_cmd(
         suffixes = (".pt", ".json") if export == "sglang" else (".json",)  # what each engine reads (physical_map.py)
         if output.suffix not in suffixes:
             raise BadInput(f"--output: the {export} file is {' or '.join(suffixes)}, got {output.name!r}")
-    current, size, final, header = None, DEFAULT_EXPERT_BYTES, None, {}
+    current, size, final, header, planned_for = None, DEFAULT_EXPERT_BYTES, None, {}, None
     if model is not None and not synthetic:
         raise BadInput("--model: only with --synthetic (a trace or loads file carries its own shape)")
     if synthetic:
         if model is not None:
+            import numpy as np
+
+            from moectl.engine.experts.placement_file import model_identity
             from moectl.engine.models.config import ModelConfig
 
-            cfg = ModelConfig.from_dir(model_dir(model, config_file=True))
-            layers, experts = layers or sum(cfg.sparse_layers), experts or cfg.num_experts
+            path = model_dir(model, config_file=True)
+            cfg = ModelConfig.from_dir(path)
+            for option, given_value, value in (("--layers", layers, sum(cfg.sparse_layers)),
+                                               ("--experts", experts, cfg.num_experts)):
+                if given_value is not None and given_value != value:
+                    raise BadInput(f"{option}: --model {model} has {value}; give one or the other")
+            planned_for = model_identity(cfg, (path.parent if path.is_file() else path).resolve().name)
             size = 3 * cfg.hidden_size * cfg.expert_intermediate_size * cfg.dtype.itemsize
-        loads = synthetic_loads(layers or 61, experts or 384, seed=seed, skew=skew)
+            # a row for every layer, as a trace's plan has: the dense layers route nothing
+            moe_loads = synthetic_loads(sum(cfg.sparse_layers), cfg.num_experts, seed=seed, skew=skew)
+            loads = np.zeros((cfg.num_layers, cfg.num_experts), dtype=moe_loads.dtype)
+            loads[np.asarray(cfg.sparse_layers)] = moe_loads
+        else:
+            loads = synthetic_loads(layers or 61, experts or 384, seed=seed, skew=skew)
     elif loads_file.suffix in (".npy", ".json"):
         loads = load_loads_file(loads_file)
     else:
@@ -159,6 +172,9 @@ def plan_rebalance_cmd(
             timeline = placement_timeline(reader)
             final = timeline[-1][1] if timeline else None
             header = reader.header
+            from moectl.engine.experts.placement_file import identity_from_header
+
+            planned_for = identity_from_header(header)
         size = trace_bytes or size
         if devices is None or devices == trace_devices:
             devices = trace_devices
@@ -181,6 +197,8 @@ def plan_rebalance_cmd(
         result["predicted"] = predict_from_records(recent, final, Placement.from_dict(result["placement"]))
     if export is not None:
         result["export"] = _export(export, output, result, loads, header)
+    if planned_for is not None:  # the placement file says which model it fits (placement_file.py)
+        result["placement"]["model"] = planned_for
     if as_json:
         typer.echo(json.dumps(result, default=str))
         return

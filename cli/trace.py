@@ -146,15 +146,14 @@ def trace_report(
     start: int | None = typer.Option(None, "--from-step", help="First step of the range."),
     stop: int | None = typer.Option(None, "--to-step", help="End of the range (exclusive)."),
     placement_file: Path | None = typer.Option(None, "--placement",
-                                                  help="Counterfactual: a placement JSON (Placement.to_dict, as "
-                                                       "in a rebalance action) to replay the recorded routing on."),
+                                                  help="Counterfactual: a placement file (what `plan rebalance "
+                                                       "--json` writes) to replay the recorded routing on."),
     as_json: bool = JSON_OPT,
 ):
     """Analyses of a trace range: balancedness, utilisation, stragglers, hottest experts, step-time
     breakdown (measured; modeled communication apart), latency percentiles, memory growth and
     alerts with a suggested action; with --placement, what the same routing does under it."""
     from moectl.engine.core.topology import Topology
-    from moectl.engine.experts.placement import Placement
     from moectl.profiler import analysis
     from moectl.profiler.trace_queries import cache_summary, placement_in_force
 
@@ -165,7 +164,8 @@ def trace_report(
             raise BadInput(_empty_range(trace, reader, start, stop))
         placement, changes = placement_in_force(reader, records[0]["step"])
         devices = reader.header.get("devices") or {}
-        imported = reader.header.get("imported")  # an engine's expert-load dump (cli/trace_import.py)
+        header = reader.header
+        imported = header.get("imported")  # an engine's expert-load dump (cli/trace_import.py)
     changes = [s for s in changes if s < records[-1]["step"]]
     topology = Topology.from_mapping(devices["topology"]) if devices.get("topology") else None
     stragglers = analysis.stragglers(records, placement)
@@ -186,11 +186,7 @@ def trace_report(
                                   devices.get("redundant_slots") or None),
     }
     if placement_file is not None:
-        try:
-            other = Placement.from_dict(json.loads(Path(placement_file).read_text()))
-        except (OSError, json.JSONDecodeError) as exc:
-            raise BadInput(f"--placement: cannot read {placement_file} ({exc})") from None
-        report["counterfactual"] = analysis.counterfactual(records, other)
+        report["counterfactual"] = analysis.counterfactual(records, _placement_for_trace(placement_file, header))
     if imported:  # only the load is measured there: the rest is said to be absent, not printed as zeros
         from moectl.cli.trace_import import imported_report
         return imported_report(report, imported, as_json)
@@ -198,6 +194,22 @@ def trace_report(
         typer.echo(json.dumps(report, default=float))
         return
     _print_report(report)
+
+
+def _placement_for_trace(path: Path, header: dict):
+    """--placement of trace report: the placement file every command reads, fitted to the model
+    the trace recorded (the routing's layers and experts, where the header names no model)."""
+    from moectl.engine.experts.placement import PlacementError
+    from moectl.engine.experts.placement_file import fit_to_model, identity_from_header, read_placement_file
+
+    try:
+        placement, planned_for = read_placement_file(path)
+        recorded = identity_from_header(header)
+        if recorded is None:
+            raise PlacementError("the trace records no model to check it against")
+        return fit_to_model(placement, planned_for, recorded)
+    except PlacementError as exc:
+        raise BadInput(f"--placement: {path}: {exc}") from None
 
 
 def _print_report(r: dict) -> None:

@@ -48,8 +48,9 @@ def test_3t_config_is_a_deepseek_v3_config_json():
     res = run("plan", "rebalance", "--synthetic", "--model", CONFIG_3T, "--devices", 64, "--json")
     assert res.exit_code == 0, res.output
     plan = json.loads(res.stdout)
-    # the MoE layers (80 less 3 dense) and experts of the config; a bf16 expert's bytes
-    assert (plan["layers"], plan["experts"], plan["devices"]) == (77, 512, 64)
+    # a row for each of the 80 layers (3 dense, routing nothing) and the experts of the config
+    assert (plan["layers"], plan["experts"], plan["devices"]) == (80, 512, 64)
+    assert sum(plan["placement"]["model"]["sparse_layers"]) == 77
     assert plan["expert_bytes"] == 3 * 8192 * 3072 * 2
     assert plan["balancedness_after"] > plan["balancedness_before"]
 
