@@ -158,10 +158,13 @@ def store_counts(conn: sqlite3.Connection, counts: dict) -> None:
     conn.executemany("INSERT OR REPLACE INTO meta VALUES (?, ?)", [(k, v) for k, v in counts.items() if v is not None])
 
 
-def finish(conn: sqlite3.Connection, counts: dict) -> None:
-    """The final counts and closed_unix, then one self-contained file (no -wal beside it)."""
+def finish(conn: sqlite3.Connection, counts: dict, *, abandoned: bool = False) -> None:
+    """The final counts and closed_unix, then one self-contained file (no -wal beside it).
+    abandoned: the engine went without closing the trace (killed): abandoned_unix instead of
+    closed_unix, so the trace still reads as not closed, but as sealed by its writer with every
+    record it received, not as one whose -wal may be missing."""
     conn.execute("BEGIN")
-    store_counts(conn, {**counts, "closed_unix": time.time()})
+    store_counts(conn, {**counts, ("abandoned_unix" if abandoned else "closed_unix"): time.time()})
     conn.execute("COMMIT")
     conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
     try:  # a finished trace is one file, copyable alone; a reader still attached keeps it WAL

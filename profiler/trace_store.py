@@ -40,10 +40,10 @@ _META_COUNTS = ("dropped", "written", "failed")
 
 def _meta_problem(key, value) -> str | None:
     """What is wrong with one meta row, or None: the counts are non-negative integers,
-    closed_unix a time, last_error text; other keys are left to whoever wrote them."""
+    closed_unix and abandoned_unix times, last_error text; other keys are left to whoever wrote them."""
     if key in _META_COUNTS and (not isinstance(value, int) or value < 0):
         return "must be a non-negative integer"
-    if key == "closed_unix" and (not isinstance(value, (int, float)) or not math.isfinite(value)):
+    if key in ("closed_unix", "abandoned_unix") and (not isinstance(value, (int, float)) or not math.isfinite(value)):
         return "must be a time in seconds"
     if key == "last_error" and not isinstance(value, str):
         return "must be text"
@@ -150,17 +150,24 @@ class TraceReader:
         """What is on disk: bytes (the trace file with its -wal and -shm, where a trace whose writer
         did not close it keeps its recent records), files (bytes of each), and state: complete,
         open (another process has it open: a recording in progress?), unclosed (its writer stopped
-        without closing it; everything it committed is readable) or wal_missing (not closed and
-        copied without its -wal: what was still in the -wal is lost); summary: that, in words."""
+        without closing it; everything it committed is readable), abandoned (the recording
+        process died, killed perhaps; its writer process sealed the file with every record it had
+        received) or wal_missing (not closed, and no -wal beside it: if it was copied without its
+        -wal, what was still in there is not here); summary: that, in words."""
         sizes = trace_format.file_sizes(self.path)
-        if self.complete:
+        meta = self.meta
+        if "closed_unix" in meta:
             state, summary = "complete", "complete"
+        elif "abandoned_unix" in meta:
+            state = "abandoned"
+            summary = (f"not closed: the recording process ended without closing it (killed?); its writer sealed "
+                       f"the file with every record it had received ({self.num_steps} steps, all readable)")
         elif trace_format.open_elsewhere(self.path):
             state, summary = "open", "not closed: another process has it open (still being recorded?)"
         elif not sizes.get("-wal") and trace_format.in_wal_mode(self.path):  # a reader may leave an empty -wal
             state = "wal_missing"
-            summary = (f"not closed cleanly and its -wal file is missing (steps still in {self.path.name}-wal are "
-                       f"lost; the {self.num_steps} steps checkpointed into this file can be read)")
+            summary = (f"not closed cleanly, and no -wal file beside it: the {self.num_steps} steps in this file can "
+                       f"be read; if it was copied without {self.path.name}-wal, steps still in that are not here")
         else:
             state = "unclosed"
             summary = "not closed cleanly (its writer stopped before closing it; every step it committed is readable)"

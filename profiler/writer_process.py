@@ -9,8 +9,9 @@ failed count so far (records it could not pickle), kind), then the payload. Kind
 (pickle of (key, record)), FLUSH (an 8-byte sequence number: commit now and answer), STOP
 (commit, finish the file, answer, exit). Answers (stdout) are JSON lines: {"ready": pid} once the
 file is open, then one per FLUSH and STOP; {"fatal": one line} if the process fails. End of input
-without STOP means the engine died: what arrived is committed and the trace is left without
-closed_unix, as a crashed trace. Anything unexpected also goes to stderr, which TraceWriter
+without STOP means the engine died: what arrived is committed and the file sealed with
+abandoned_unix instead of closed_unix (a crashed trace, every record that reached this process in
+it). Anything unexpected also goes to stderr, which TraceWriter
 keeps and quotes.
 """
 
@@ -129,7 +130,9 @@ def serve(path: str, poll_s: float, str_keys: bool, fd: int, kick: int, out) -> 
             if _frames(writer, buf, out):
                 return 0
         writer.commit()
-        if eof:  # the engine is gone without STOP: keep what arrived, as a crash would
+        if eof:  # the engine is gone without STOP: keep what arrived, sealed, and say it was not closed
+            writer.formats.finish(writer.conn, writer.counts(), abandoned=True)
+            writer.conn.close()
             return 0
 
 

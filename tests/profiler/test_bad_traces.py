@@ -1,5 +1,6 @@
 """Traces that are not what they should be: a directory, corrupt meta rows, a trace whose writer was
-killed (its recent steps still in the -wal), and one copied without that -wal. Each is one line
+killed (its recent steps still in the -wal), one copied without that -wal, and one whose
+recording process was killed (sealed whole by its writer). Each is one line
 that says what it is; `moectl trace info` counts the -wal and -shm in the size it reports."""
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ def test_a_directory_is_not_a_trace(tmp_path):
     ("failed", 1.5, "must be a non-negative integer"),
     ("dropped", None, "must be a non-negative integer"),
     ("closed_unix", "yesterday", "must be a time in seconds"),
+    ("abandoned_unix", float("nan"), "must be a time in seconds"),
     ("last_error", b"\x00\x01", "must be text"),
 ])
 def test_a_corrupt_meta_row_names_its_key_and_problem(tmp_path, key, value, problem):
@@ -102,8 +104,66 @@ def test_a_killed_writers_trace_copied_without_its_wal_says_so(killed_writer_tra
     assert status["state"] == "wal_missing" and readable < 20
     res = trace_info(copy)
     assert res.exit_code == 0, res.output
-    assert "its -wal file is missing" in res.output and f"the {readable} steps checkpointed" in res.output
-    assert trace_info(killed_writer_trace).output.count("-wal file is missing") == 0  # the original is whole
+    assert "no -wal file beside it" in res.output and f"the {readable} steps in this file" in res.output
+    assert trace_info(killed_writer_trace).output.count("no -wal file") == 0  # the original is whole
+
+
+_RECORDING_PROCESS = r"""
+import sys
+from moectl.profiler.trace_store import TraceWriter
+from tests.profiler.test_trace_store import step_record
+w = TraceWriter(sys.argv[1], {"model": {"name": "tiny"}})
+for i in range(50):
+    w.write_step(step_record(i))
+assert w.flush(timeout=30)
+print(w.writer_pid, flush=True)
+import time
+time.sleep(600)
+"""
+
+
+def _exited(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_a_trace_whose_recording_process_was_killed_is_sealed_whole_and_says_so(tmp_path):
+    """kill -9 of `moectl record` (the engine's process, not its writer): the writer process sees its
+    input end, commits what it received and seals the file. `trace info` once said the steps in
+    the -wal were lost, because that seal had emptied the -wal without saying so; all 50 were there."""
+    import subprocess
+    import sys
+    import time
+
+    path = tmp_path / "killed.trace"
+    child = subprocess.Popen([sys.executable, "-c", _RECORDING_PROCESS, str(path)], stdout=subprocess.PIPE,
+                             cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    try:
+        writer_pid = int(child.stdout.readline().strip() or 0)
+        assert writer_pid, "the recording process never flushed"
+        os.kill(child.pid, signal.SIGKILL)
+    finally:
+        child.kill()
+        child.wait()
+        child.stdout.close()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not _exited(writer_pid):  # it polls its input every 0.25 s
+        time.sleep(0.05)  # (not reading the trace meanwhile: a reader keeps the file in WAL mode)
+    with TraceReader(path) as reader:
+        status, steps, complete = reader.file_status(), reader.num_steps, reader.complete
+    assert status["state"] == "abandoned" and steps == 50 and not complete
+    assert not trace_format.in_wal_mode(path) and not trace_format.file_sizes(path).get("-wal")
+    res = trace_info(path)
+    assert res.exit_code == 0, res.output
+    assert "ended without closing it" in res.output and "50 steps, all readable" in res.output
+    assert "-wal" not in res.output and "lost" not in res.output
+    copy = tmp_path / "copy.trace"
+    shutil.copy(path, copy)  # sealed: the file alone holds everything
+    with TraceReader(copy) as reader:
+        assert reader.num_steps == 50 and reader.file_status()["state"] == "abandoned"
 
 
 def test_a_trace_copied_without_its_wal_before_any_checkpoint_is_not_another_kind_of_database(tmp_path):
