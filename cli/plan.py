@@ -92,7 +92,9 @@ def plan_rebalance_cmd(
     devices: int | None = typer.Option(None, "--devices", "-d",
                                           help="Number of devices (default: the trace's, else 8)."),
     devices_per_node: int = typer.Option(8, "--devices-per-node"),
-    redundant: int = typer.Option(1, "--redundant", help="Redundant expert slots per device."),
+    redundant: int | None = typer.Option(None, "--redundant",
+                                         help="Redundant expert slots per device (default: those of the trace's "
+                                              "recorded placement, else 1)."),
     expert_bytes: str | None = typer.Option(None, "--expert-bytes",
                                                help="Bytes of one expert, for bytes_moved (default: the trace's "
                                                     "model, else a DeepSeek-V3 FP8 expert, 42 MiB)."),
@@ -180,6 +182,8 @@ def plan_rebalance_cmd(
             devices = trace_devices
         else:
             current = None  # another device count: no recorded placement to compare against
+    if redundant is None:  # as many slots as the source had: fewer would lower the balance it reached
+        redundant = current.slots_per_device - -(-current.num_experts // current.num_devices) if current else 1
     result = run_plan_rebalance(loads, devices or 8, redundant, devices_per_node=devices_per_node,
                                 expert_bytes=size if expert_bytes is None else parse_cli_size(expert_bytes, "--expert-bytes"),
                                 current=current, target=target)

@@ -160,3 +160,29 @@ def test_plan_rebalance_bounds_its_sizes(args, option):
     res = run("plan", "rebalance", "--synthetic", *args)
     assert res.exit_code == 2, res.output
     assert res.stderr.startswith(f"moectl: error: {option}:") and res.stderr.count("\n") == 1
+
+
+def test_plan_on_an_imported_trace_keeps_the_sources_slot_count_by_default(tmp_path):
+    """vLLM with 8 slots per device for 8 experts on 2 ranks (4 redundant each): the default
+    --redundant was 1, which planned 5 slots per device, lowered the balance the source reached
+    and reported the change as 0 bytes moved. Default: the recorded placement's redundant slots."""
+    rng = np.random.default_rng(6)
+    p2l = np.array([list(range(E)) * 2] * L)  # [L, 16]: every expert twice, once per rank
+    window = rng.integers(1, 60, size=(6, L, 2 * E))
+    path = tmp_path / "eplb_rank0.pt"
+    torch.save({"physical_to_logical_map": torch.tensor(p2l), "expert_load_window": torch.tensor(window, dtype=torch.int32),
+                "expert_load_window_step": 0, "ep_size": 2, "rank": 0, "vllm_version": "0.11.1"}, path)
+    trace = tmp_path / "vllm.trace"
+    res = run("trace", "import", path, "-o", trace)
+    assert res.exit_code == 0, res.output
+    result = plan(trace)
+    assert result["slots_per_device"] == E and result["redundant_per_device"] == E - E // 2
+    assert result["balancedness_after"] >= result["balancedness_before"] - 1e-9
+    assert plan(trace, "--redundant", 1)["slots_per_device"] == E // 2 + 1  # an explicit value still rules
+    # a moectl trace recorded with 1 redundant slot per device: the default plans with 1 too
+    recorded = plan(TRACES / "steady_rebalance.trace")
+    with TraceReader(TRACES / "steady_rebalance.trace") as reader:
+        source = reader.header["devices"]["placement"]
+    assert recorded["slots_per_device"] == source["slots_per_device"]
+    assert plan(TRACES / "steady_rebalance.trace", "--redundant", 3)["slots_per_device"] == \
+        source["slots_per_device"] - recorded["redundant_per_device"] + 3
