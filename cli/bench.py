@@ -148,6 +148,9 @@ def bench(
             raise BadInput("--rounds: must be in 1-20")
         if not 1 <= requests <= 4096:
             raise BadInput("--requests: must be in 1-4096")
+        if nproc is not None and given(ctx, "devices") and devices != nproc:
+            raise BadInput(f"--devices {devices}, --nproc {nproc}: the distributed backend runs one process per "
+                           "device; give one of them")
         count = nproc if nproc is not None else devices
         if not 1 <= count <= 64:
             raise BadInput(f"--{'nproc' if nproc is not None else 'devices'}: must be in 1-64, got {count}")

@@ -20,7 +20,7 @@ except ImportError:
 
 from moectl.engine import sample_model_dir
 from moectl.engine.core.config import EngineConfig
-from moectl.engine.core.topology import Topology, parse_size
+from moectl.engine.core.topology import MAX_DEVICES, Topology, parse_size
 
 BACKENDS = ("local", "multi-gpu", "distributed")
 MAX_SIZE_BYTES = 1 << 50  # 1 PiB: more than any one device or host has; beyond it a size is a typo
@@ -46,6 +46,10 @@ NPROC_OPT = typer.Option(None, "--nproc", help="distributed: processes, one per 
 THREADS_OPT = typer.Option("auto", "--threads", help="torch intra-op threads: N, or auto (the cores other processes "
                                                     "leave free, re-measured every second; `bench --contended` "
                                                     "measures why).")
+DEFAULT_DEVICES = 4  # run, serve, record, web: enough emulated devices for imbalance to show
+DEVICES_OPT = typer.Option(None, "--devices", "-d", show_default=False,
+                           help=f"Devices for the experts (emulated on the local backend) [default: {DEFAULT_DEVICES}; "
+                                "with --nproc, one per process].")
 PLACEMENT_OPT = typer.Option(None, "--placement", help="Initial expert placement: the placement file `plan rebalance "
                                                        "--json` writes (any backend); one planned for another "
                                                        "model is refused.")
@@ -209,10 +213,21 @@ def read_placement(path: Path, model: Path, devices: int) -> dict:
     return placement.to_dict()
 
 
+def _check_ranks(model: Path | None, ranks: int, flag: str) -> None:
+    """Every rank must own at least one expert (engine/parallel/distributed.py checks it too, later)."""
+    from moectl.engine.models.config import ModelConfig
+
+    experts = ModelConfig.from_dir(model_dir(model)).num_experts
+    if ranks > experts:
+        raise BadInput(f"{flag}: {ranks} ranks exceed the model's {experts} experts (every rank must own at least one)")
+
+
 def engine_config(model: Path | None, *, devices: int | None = None, hbm: str = "80GiB", backend: str = "local",
                   expert_cache: int | None = None, device: str = "cpu", nproc: int | None = None,
-                  placement: Path | None = None, host_mem: str | None = None, **options) -> EngineConfig:
-    """The EngineConfig the device options describe. devices None: one device, no placement.
+                  placement: Path | None = None, host_mem: str | None = None, default_devices: int | None = None,
+                  **options) -> EngineConfig:
+    """The EngineConfig the device options describe. devices None (not given): default_devices,
+    which --nproc replaces, and None there is one device, no placement.
     options: any other EngineConfig field (dtype, redundant_slots, num_threads, ...)."""
     if backend not in BACKENDS:
         raise BadInput(f"--backend: must be one of {', '.join(BACKENDS)}, got {backend!r}")
@@ -222,10 +237,21 @@ def engine_config(model: Path | None, *, devices: int | None = None, hbm: str = 
         check_device(device)
     if devices is not None and devices < 1:
         raise BadInput(f"--devices: must be >= 1, got {devices}")
+    devices_given = devices is not None
+    devices = devices if devices_given else default_devices
+    count_flag = "--devices"
     if backend == "distributed":
         if expert_cache is not None:
             raise BadInput("--expert-cache: not on the distributed backend (each rank holds its experts)")
+        if nproc is not None and devices is not None and devices_given and devices != nproc:
+            raise BadInput(f"--devices {devices}, --nproc {nproc}: the distributed backend runs one process per "
+                           "device; give one of them")
+        count_flag = "--nproc" if nproc is not None else count_flag
         devices = nproc if nproc is not None else (devices or 2)
+    if devices is not None and devices > MAX_DEVICES:
+        raise BadInput(f"{count_flag}: must be in 1-{MAX_DEVICES}, got {devices}")
+    if backend == "distributed":
+        _check_ranks(model, devices, count_flag)
     if expert_cache is not None and devices is None:
         raise BadInput("--expert-cache: needs --devices")
     if host_mem is not None:

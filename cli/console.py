@@ -8,6 +8,8 @@ import typer
 
 from moectl.cli.common import (
     BACKEND_OPT,
+    DEFAULT_DEVICES,
+    DEVICES_OPT,
     DTYPE_OPT,
     EXPERT_CACHE_OPT,
     HBM_OPT,
@@ -27,7 +29,6 @@ from moectl.themes import check_theme
 
 DEMO_WORKLOAD = "rate=4,prompt=32-256,output=32-128"
 # the live console's own options (`run`, and `web` which hands them on to it)
-LIVE_DEVICES_OPT = typer.Option(4, "--devices", "-d", help="Devices for the experts (emulated on the local backend).")
 LIVE_REDUNDANT_OPT = typer.Option(1, "--redundant", help="Redundant expert slots per device (room for replicas).")
 DEMO_WORKLOAD_OPT = typer.Option(DEMO_WORKLOAD, "--workload", help="The demo workload: rate=R,prompt=LO-HI,"
                                                                   "output=LO-HI (editable live).")
@@ -45,7 +46,7 @@ def demo_load(workload: str):
         raise BadInput(message if message.startswith("--workload") else f"--workload: {message}") from None
 
 
-def live_source(model: Path | None, devices: int, hbm: str, redundant: int, expert_cache: int | None,
+def live_source(model: Path | None, devices: int | None, hbm: str, redundant: int, expert_cache: int | None,
                 workload: str, dtype: str | None, threads: int | str, backend: str = "local", nproc: int | None = None,
                 placement: Path | None = None, host_mem: str | None = None):
     from moectl.console.sources import LiveSource
@@ -53,7 +54,8 @@ def live_source(model: Path | None, devices: int, hbm: str, redundant: int, expe
     load = demo_load(workload)
     config = engine_config(model, devices=devices, hbm=hbm, expert_cache=expert_cache, host_mem=host_mem, dtype=dtype,
                            redundant_slots=redundant, num_threads=parse_threads(threads), backend=backend,
-                           nproc=nproc, placement=placement, reserved_cores=1)  # a core for the UI
+                           nproc=nproc, placement=placement, default_devices=DEFAULT_DEVICES,
+                           reserved_cores=1)  # a core for the UI
     engines = Engines(config, backend)
     try:
         return LiveSource(engines.make_engine, load, on_close=engines.close)
@@ -65,7 +67,7 @@ def live_source(model: Path | None, devices: int, hbm: str, redundant: int, expe
 @handles_errors
 def run(
     model: Path | None = MODEL_OPT,
-    devices: int = LIVE_DEVICES_OPT,
+    devices: int | None = DEVICES_OPT,
     hbm: str = HBM_OPT,
     redundant: int = LIVE_REDUNDANT_OPT,
     backend: str = BACKEND_OPT,

@@ -77,9 +77,6 @@ def generate(
     check_seed(seed)
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                             seed=seed, stop=tuple(stop or ()), ignore_eos=ignore_eos)
-    if backend == "distributed" and None not in (devices, nproc) and devices != nproc:
-        raise BadInput(f"--devices {devices}, --nproc {nproc}: the distributed backend runs one process per device; "
-                       "give one of them")
     config = engine_config(model, devices=devices, hbm=hbm, backend=backend, expert_cache=expert_cache, host_mem=host_mem,
                            device=device, dtype=dtype, kv_cache_dtype=kv_cache_dtype, nproc=nproc,
                            redundant_slots=redundant, placement=placement, num_threads=parse_threads(threads))

@@ -39,7 +39,7 @@ def _default(ctx: typer.Context,
                                                                     "light, high-contrast).")) -> None:
     """With no command, `moectl` opens the live console (`moectl run` with its defaults)."""
     if ctx.invoked_subcommand is None:
-        console.run(model=None, devices=4, hbm="80GiB", redundant=1, backend="local", nproc=None, placement=None,
+        console.run(model=None, devices=None, hbm="80GiB", redundant=1, backend="local", nproc=None, placement=None,
                     expert_cache=None, host_mem=None, workload=console.DEMO_WORKLOAD, dtype=None, threads="auto",
                     theme=theme or "dark", check_only=False)
     elif theme is not None:

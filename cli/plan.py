@@ -17,13 +17,14 @@ from moectl.cli.common import (
     open_trace,
     parse_cli_size,
 )
+from moectl.engine.core.topology import MAX_DEVICES
 from moectl.engine.experts.placement import MAX_EXPERTS
 
 plan_app = typer.Typer(no_args_is_help=True, help="Offline planning: expert rebalancing and device memory.")
 DEVICES_OPT = typer.Option(8, "--devices", "-d", help="Number of devices (1-256).")
 # --synthetic's sizes: past any MoE model (DeepSeek-V3: 61 x 256, Kimi K2: 61 x 384), and small enough that
 # the [layers, experts] loads and the [layers, devices, slots] plan fit in memory
-MAX_LAYERS, MAX_DEVICES = 1024, 256
+MAX_LAYERS = 1024
 EXPORTS = ("sglang", "vllm")
 
 

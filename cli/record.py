@@ -12,6 +12,8 @@ import typer
 
 from moectl.cli.common import (
     BACKEND_OPT,
+    DEFAULT_DEVICES,
+    DEVICES_OPT,
     DTYPE_OPT,
     EXPERT_CACHE_OPT,
     HBM_OPT,
@@ -42,7 +44,7 @@ def record(
     steps: int | None = typer.Option(None, "--steps", help="Stop after this many engine steps."),
     seconds: float | None = typer.Option(None, "--seconds", help="Stop after this many seconds."),
     model: Path | None = MODEL_OPT,
-    devices: int = typer.Option(4, "--devices", "-d", help="Devices for the experts (emulated on the local backend)."),
+    devices: int | None = DEVICES_OPT,
     hbm: str = HBM_OPT,
     backend: str = BACKEND_OPT,
     nproc: int | None = NPROC_OPT,
@@ -70,7 +72,8 @@ def record(
 
     _check_options(trace, steps, seconds, overwrite, capture, rebalance_at, kv_blocks)
     spec = WorkloadSpec.from_option(workload)
-    config = engine_config(model, devices=devices, hbm=hbm, expert_cache=expert_cache, host_mem=host_mem, dtype=dtype,
+    config = engine_config(model, devices=devices, default_devices=DEFAULT_DEVICES,
+                           hbm=hbm, expert_cache=expert_cache, host_mem=host_mem, dtype=dtype,
                            redundant_slots=redundant, num_kv_blocks=kv_blocks, backend=backend, nproc=nproc,
                            placement=placement, num_threads=parse_threads(threads))
     engines = Engines(config, backend)

@@ -8,6 +8,8 @@ import typer
 
 from moectl.cli.common import (
     BACKEND_OPT,
+    DEFAULT_DEVICES,
+    DEVICES_OPT,
     DTYPE_OPT,
     EXPERT_CACHE_OPT,
     HBM_OPT,
@@ -32,7 +34,7 @@ def serve(
     token: str | None = typer.Option(None, "--token", help="Bearer token for /v1/control/* (and required for "
                                                            "a non-loopback bind)."),
     model: Path | None = MODEL_OPT,
-    devices: int = typer.Option(4, "--devices", "-d", help="Devices for the experts (emulated on the local backend)."),
+    devices: int | None = DEVICES_OPT,
     hbm: str = HBM_OPT,
     redundant: int = typer.Option(1, "--redundant"),
     backend: str = BACKEND_OPT,
@@ -53,14 +55,16 @@ def serve(
     from moectl.server.app import check_bind, listen, run_server
 
     check_bind(host, token)  # before loading anything: a public bind without a token is refused
+    # the option checks come before the port is taken; neither loads the model
+    config = engine_config(model, devices=devices, default_devices=DEFAULT_DEVICES,
+                           hbm=hbm, expert_cache=expert_cache, host_mem=host_mem, dtype=dtype,
+                           redundant_slots=redundant, num_threads=parse_threads(threads), backend=backend, nproc=nproc,
+                           placement=placement)
     try:
         sock = listen(host, port)  # and a port in use is said at once, not after the model loads
     except OSError as exc:
         typer.echo(f"moectl: error: {exc}", err=True)
         raise typer.Exit(1) from None
-    config = engine_config(model, devices=devices, hbm=hbm, expert_cache=expert_cache, host_mem=host_mem, dtype=dtype,
-                           redundant_slots=redundant, num_threads=parse_threads(threads), backend=backend, nproc=nproc,
-                           placement=placement)
     try:
         engines = Engines(config, backend)
     except BaseException:

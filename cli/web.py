@@ -18,6 +18,8 @@ import typer
 
 from moectl.cli.common import (
     BACKEND_OPT,
+    DEFAULT_DEVICES,
+    DEVICES_OPT,
     DTYPE_OPT,
     EXPERT_CACHE_OPT,
     HBM_OPT,
@@ -33,7 +35,7 @@ from moectl.cli.common import (
     handles_errors,
     parse_threads,
 )
-from moectl.cli.console import DEMO_WORKLOAD_OPT, LIVE_DEVICES_OPT, LIVE_REDUNDANT_OPT, demo_load
+from moectl.cli.console import DEMO_WORKLOAD_OPT, LIVE_REDUNDANT_OPT, demo_load
 from moectl.themes import check_theme
 
 # the options handed on to `moectl run` (parameter names); meaningless with --replay / --attach
@@ -56,7 +58,7 @@ def web(
     attach_token: str | None = typer.Option(None, "--attach-token", help="With --attach: the server's bearer token "
                                                                          "(`moectl attach --token`)."),
     model: Path | None = MODEL_OPT,
-    devices: int = LIVE_DEVICES_OPT,
+    devices: int | None = DEVICES_OPT,
     hbm: str = HBM_OPT,
     redundant: int = LIVE_REDUNDANT_OPT,
     backend: str = BACKEND_OPT,
@@ -114,7 +116,7 @@ def live_args(ctx: typer.Context, live: dict) -> list[str]:
     options["redundant_slots"] = options.pop("redundant")
     options["num_threads"] = options.pop("threads")
     options.pop("workload")
-    engine_config(**options)
+    engine_config(**options, default_devices=DEFAULT_DEVICES)
     args = ["run"]
     for name, value in live.items():
         if value is not None:  # paths absolute: the console runs in a fresh process

@@ -46,6 +46,9 @@ def format_size(n: float) -> str:
     return f"{n:.2f} PiB"
 
 
+MAX_DEVICES = 256  # devices (or ranks) one engine drives: past the seeds' 64-256 GPU deployments
+
+
 @dataclass(frozen=True)
 class Topology:
     num_devices: int = 1
@@ -60,8 +63,8 @@ class Topology:
 
     def __post_init__(self):
         if isinstance(self.num_devices, bool) or not isinstance(self.num_devices, int) \
-                or not 1 <= self.num_devices <= 256:
-            raise TopologyError(f"devices: must be an integer in [1, 256], got {self.num_devices!r}")
+                or not 1 <= self.num_devices <= MAX_DEVICES:
+            raise TopologyError(f"devices: must be an integer in [1, {MAX_DEVICES}], got {self.num_devices!r}")
         if isinstance(self.devices_per_node, bool) or not isinstance(self.devices_per_node, int) \
                 or self.devices_per_node < 1:
             raise TopologyError(f"devices_per_node: must be a positive integer, got {self.devices_per_node!r}")

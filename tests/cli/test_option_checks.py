@@ -27,6 +27,13 @@ def refused(*args) -> str:
     (["bench", "--suite", "serve", "--redundant", "1"], "--redundant: not read by --suite serve"),
     (["generate", "x", "--devices", "4", "--backend", "distributed", "--nproc", "2"], "--devices 4, --nproc 2"),
     (["record", "unused.trace", "--capture", "1000", "--steps", "5"], "--capture: 1000 steps is more than the 5"),
+    # --nproc replaced a --devices that was typed, on every command that takes both
+    (["record", "unused.trace", "--backend", "distributed", "--devices", "4", "--nproc", "2", "--steps", "2"],
+     "--devices 4, --nproc 2"),
+    (["run", "--backend", "distributed", "--devices", "3", "--nproc", "2", "--check-only"], "--devices 3, --nproc 2"),
+    (["serve", "--backend", "distributed", "--devices", "3", "--nproc", "2", "--port", "8000"], "--devices 3, --nproc 2"),
+    (["bench", "--suite", "rebalance", "--backend", "distributed", "--devices", "4", "--nproc", "2"],
+     "--devices 4, --nproc 2"),
 ])
 def test_an_option_the_command_would_ignore_is_refused(tmp_path, monkeypatch, args, words):
     monkeypatch.chdir(tmp_path)
@@ -36,6 +43,11 @@ def test_an_option_the_command_would_ignore_is_refused(tmp_path, monkeypatch, ar
 @pytest.mark.parametrize("args, flag", [
     (["generate", "x", "--devices", "2", "--expert-cache", "0", "--max-tokens", "1"], "--expert-cache:"),
     (["generate", "x", "--devices", "2", "--redundant", "5000", "--max-tokens", "1"], "--redundant:"),
+    # the device count: it said "devices:" for --nproc, and "nproc:" for --devices
+    (["generate", "x", "--backend", "distributed", "--nproc", "300"], "--nproc: must be in 1-256, got 300"),
+    (["generate", "x", "--devices", "300"], "--devices: must be in 1-256, got 300"),
+    (["generate", "x", "--backend", "distributed", "--nproc", "17"], "--nproc: 17 ranks exceed the model's 16"),
+    (["record", "unused.trace", "--backend", "distributed", "--devices", "17", "--steps", "2"], "--devices: 17 ranks exceed"),
 ])
 def test_errors_name_the_flag_not_the_engine_field(args, flag):
     line = refused(*args)
