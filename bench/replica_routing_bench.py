@@ -17,16 +17,17 @@ import time
 
 import torch
 
-from moectl.engine.experts.placement import POLICIES, Placement, RoutingState
+from moectl.engine.experts.placement import Placement
+from moectl.engine.experts.replica_routing import POLICIES, RoutingState, assign_replicas
 
 
 def time_call(placement: Placement, ids: torch.Tensor, home: torch.Tensor, policy: str, repeat: int) -> float:
     state = RoutingState(8)
-    placement.assign_replicas(0, ids, home, policy, state, check=False)  # warm-up (tables cached)
+    assign_replicas(placement, 0, ids, home, policy, state, check=False)  # warm-up (tables cached)
     times = []
     for _ in range(repeat):
         t0 = time.perf_counter()
-        placement.assign_replicas(0, ids, home, policy, state, check=False)
+        assign_replicas(placement, 0, ids, home, policy, state, check=False)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 

@@ -60,6 +60,24 @@ def given(ctx: typer.Context, name: str) -> bool:
     return ctx.get_parameter_source(name) not in (ParameterSource.DEFAULT, None)
 
 
+def option_flag(ctx: typer.Context, name: str) -> str:
+    """The long flag of one of the command's parameters (e.g. expert_cache -> --expert-cache)."""
+    param = next(p for p in ctx.command.params if p.name == name)
+    return max(param.opts, key=len)
+
+
+def forwarded_options(ctx: typer.Context | None, names) -> list[str]:
+    """The given ones of these options as flags and values for another moectl process (paths
+    absolute: it may run elsewhere); none when there is no context (a direct call)."""
+    args: list[str] = []
+    for name in names:
+        if ctx is None or not given(ctx, name):
+            continue
+        value = ctx.params[name]
+        args += [option_flag(ctx, name), str(Path(value).resolve()) if isinstance(value, Path) else str(value)]
+    return args
+
+
 class BadInput(ValueError):
     """Bad input from the command line: exit code 2."""
 

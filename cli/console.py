@@ -1,7 +1,9 @@
-"""`moectl` / `moectl run` (the live console), `moectl replay TRACE` and `moectl attach URL`."""
+"""`moectl` / `moectl run` (the live console on its engine process), `moectl replay TRACE`,
+`moectl attach URL`, and the engine process itself (`moectl engine-host`, hidden)."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import typer
@@ -21,10 +23,12 @@ from moectl.cli.common import (
     THREADS_OPT,
     BadInput,
     engine_config,
+    forwarded_options,
+    given,
     handles_errors,
+    option_flag,
     parse_threads,
 )
-from moectl.engine.parallel.backends import Engines
 from moectl.themes import check_theme
 
 DEMO_WORKLOAD = "rate=4,prompt=32-256,output=32-128"
@@ -36,7 +40,7 @@ DEMO_WORKLOAD_OPT = typer.Option(DEMO_WORKLOAD, "--workload", help="The demo wor
 
 def demo_load(workload: str):
     """The --workload option as the live console's DemoLoad; a bad one is bad input."""
-    from moectl.console.sources import DemoLoad
+    from moectl.engine.tools.demo_workload import DemoLoad
     from moectl.engine.tools.workload import WorkloadSpec
 
     try:
@@ -46,16 +50,27 @@ def demo_load(workload: str):
         raise BadInput(message if message.startswith("--workload") else f"--workload: {message}") from None
 
 
+def live_engine_config(model: Path | None, devices: int | None, hbm: str, redundant: int, expert_cache: int | None,
+                       dtype: str | None, threads: int | str, backend: str = "local", nproc: int | None = None,
+                       placement: Path | None = None, host_mem: str | None = None):
+    """The live engine's EngineConfig from run's options (checked: BadInput names the flag)."""
+    return engine_config(model, devices=devices, hbm=hbm, expert_cache=expert_cache, host_mem=host_mem, dtype=dtype,
+                         redundant_slots=redundant, num_threads=parse_threads(threads), backend=backend, nproc=nproc,
+                         placement=placement, default_devices=DEFAULT_DEVICES,
+                         reserved_cores=1)  # a core for the console's process
+
+
 def live_source(model: Path | None, devices: int | None, hbm: str, redundant: int, expert_cache: int | None,
                 workload: str, dtype: str | None, threads: int | str, backend: str = "local", nproc: int | None = None,
                 placement: Path | None = None, host_mem: str | None = None):
-    from moectl.console.sources import LiveSource
+    """The engine on a thread of this process (console/live_source.py): the baseline that
+    bench/console_bench.py measures the engine process against."""
+    from moectl.console.live_source import LiveSource
+    from moectl.engine.parallel.backends import Engines
 
     load = demo_load(workload)
-    config = engine_config(model, devices=devices, hbm=hbm, expert_cache=expert_cache, host_mem=host_mem, dtype=dtype,
-                           redundant_slots=redundant, num_threads=parse_threads(threads), backend=backend,
-                           nproc=nproc, placement=placement, default_devices=DEFAULT_DEVICES,
-                           reserved_cores=1)  # a core for the UI
+    config = live_engine_config(model, devices, hbm, redundant, expert_cache, dtype, threads, backend, nproc,
+                                placement, host_mem)
     engines = Engines(config, backend)
     try:
         return LiveSource(engines.make_engine, load, on_close=engines.close)
@@ -64,8 +79,18 @@ def live_source(model: Path | None, devices: int | None, hbm: str, redundant: in
         raise
 
 
+# run's options that configure its engine: run hands the given ones to its engine process, and
+# `web` to the one engine its tabs share
+ENGINE_OPTIONS = ("model", "devices", "hbm", "redundant", "backend", "nproc", "placement", "expert_cache",
+                  "host_mem", "workload", "dtype", "threads")
+ENGINE_DIR_OPT = typer.Option(None, "--engine", hidden=True,
+                              help="Attach to the engine process in this directory (its socket and token) "
+                                   "instead of starting one: how `moectl web`'s tabs share one engine.")
+
+
 @handles_errors
 def run(
+    ctx: typer.Context,
     model: Path | None = MODEL_OPT,
     devices: int | None = DEVICES_OPT,
     hbm: str = HBM_OPT,
@@ -79,22 +104,98 @@ def run(
     dtype: str | None = DTYPE_OPT,
     threads: str = THREADS_OPT,
     theme: str = THEME_OPT,
+    engine: Path | None = ENGINE_DIR_OPT,
     check_only: bool = typer.Option(False, "--check-only", hidden=True,
-                                    help="Build the engine, then exit without the console (how `web` checks "
-                                         "its options before serving)."),
+                                    help="Start the engine and attach, then exit without the console."),
 ):
-    """The live console (the default command): the embedded engine on a steady demo workload,
-    experts on emulated devices in the naive contiguous placement, so imbalance shows and a
-    rebalance visibly helps."""
-    from moectl.console.app import MoectlApp
+    """The live console (the default command): the engine, in a process of its own, on a steady
+    demo workload, experts on emulated devices in the naive contiguous placement, so imbalance
+    shows and a rebalance visibly helps. The console's process never loads torch."""
+    from moectl.cli.engine_process import EngineProcess, EngineStartFailed
+    from moectl.console.engine_client import EngineSource
+    from moectl.engine.core.actions import ActionRefused
 
     check_theme(theme)
-    source = live_source(model, devices, hbm, redundant, expert_cache, workload, dtype, threads, backend, nproc,
-                         placement, host_mem)
-    if check_only:
-        source.close()
-        return
-    MoectlApp(source, theme=theme).run()
+    process = None
+    if engine is not None:
+        for name in ENGINE_OPTIONS:
+            if ctx is not None and given(ctx, name):
+                raise BadInput(f"{option_flag(ctx, name)}: an option of the engine; --engine attaches to one "
+                               "already running")
+    else:
+        process = EngineProcess(forwarded_options(ctx, ENGINE_OPTIONS))
+        engine = process.dir
+    try:
+        from moectl.console.app import MoectlApp  # imported while the engine loads
+
+        if process is not None:
+            try:
+                process.wait_ready()
+            except EngineStartFailed as exc:
+                typer.echo(f"moectl: error: {exc}", err=True)
+                raise typer.Exit(exc.code) from None
+        try:
+            source = EngineSource(engine, owner=process is not None)
+        except ActionRefused as exc:
+            raise BadInput(f"--engine: {exc}" if process is None else str(exc)) from None
+        try:
+            if not check_only:
+                MoectlApp(source, theme=theme).run()
+        finally:
+            source.close()
+    finally:
+        if process is not None:
+            process.stop()
+
+
+@handles_errors
+def engine_host(
+    engine_dir: Path = typer.Option(..., "--engine-dir", help="The run's private directory (token; the socket "
+                                                               "goes there)."),
+    model: Path | None = MODEL_OPT,
+    devices: int | None = DEVICES_OPT,
+    hbm: str = HBM_OPT,
+    redundant: int = LIVE_REDUNDANT_OPT,
+    backend: str = BACKEND_OPT,
+    nproc: int | None = NPROC_OPT,
+    placement: Path | None = PLACEMENT_OPT,
+    expert_cache: int | None = EXPERT_CACHE_OPT,
+    host_mem: str | None = HOST_MEM_OPT,
+    workload: str = DEMO_WORKLOAD_OPT,
+    dtype: str | None = DTYPE_OPT,
+    threads: str = THREADS_OPT,
+):
+    """The engine process of `run` and `web` (server/engine_host.py): not for direct use."""
+    import json
+    import os
+    import signal
+
+    from moectl.engine.parallel.backends import Engines
+    from moectl.server.engine_host import EngineHost, die_with_parent
+    from moectl.server.protocol import SOCKET_NAME, read_token
+
+    die_with_parent()
+    parent = os.environ.get("MOECTL_PARENT_PID")
+    if parent and os.getppid() != int(parent):  # it died before die_with_parent took effect
+        raise typer.Exit(1)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the console's to handle; it stops us
+    load = demo_load(workload)
+    config = live_engine_config(model, devices, hbm, redundant, expert_cache, dtype, threads, backend, nproc,
+                                placement, host_mem)
+    token = read_token(engine_dir)
+    engines = Engines(config, backend)
+    try:
+        host = EngineHost(engines.make_engine, load, engine_dir, token, on_close=engines.close)
+    except BaseException:
+        engines.close()
+        raise
+    signal.signal(signal.SIGTERM, lambda *_: host.stop("SIGTERM"))
+    typer.echo(json.dumps({"ready": str(Path(engine_dir) / SOCKET_NAME), "pid": os.getpid()}))
+    sys.stdout.flush()
+    try:
+        host.wait()
+    finally:
+        host.close()
 
 
 @handles_errors

@@ -30,7 +30,6 @@ from moectl.cli.common import (
     parse_threads,
 )
 from moectl.engine.core.topology import format_size
-from moectl.engine.parallel.backends import Engines
 
 
 @handles_errors
@@ -69,6 +68,7 @@ def generate(
     """Generate completions with the embedded engine (continuous batching over all prompts).
     With --devices N the experts are placed on N emulated devices; the tokens are the same."""
     from moectl.engine.core.sampling import SamplingParams
+    from moectl.engine.parallel.backends import Engines
 
     inputs: list = [_checked_text(i, p) for i, p in enumerate(prompts or [], 1)] + [parse_ids(s) for s in
                                                                                    (prompt_ids or [])]

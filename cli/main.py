@@ -25,6 +25,7 @@ app.command()(bench.bench)
 app.command()(console.run)
 app.command()(console.replay)
 app.command()(console.attach)
+app.command("engine-host", hidden=True)(console.engine_host)
 app.command()(serve.serve)
 app.command()(record.record)
 app.command()(web.web)
@@ -39,9 +40,9 @@ def _default(ctx: typer.Context,
                                                                     "light, high-contrast).")) -> None:
     """With no command, `moectl` opens the live console (`moectl run` with its defaults)."""
     if ctx.invoked_subcommand is None:
-        console.run(model=None, devices=None, hbm="80GiB", redundant=1, backend="local", nproc=None, placement=None,
-                    expert_cache=None, host_mem=None, workload=console.DEMO_WORKLOAD, dtype=None, threads="auto",
-                    theme=theme or "dark", check_only=False)
+        console.run(ctx=None, model=None, devices=None, hbm="80GiB", redundant=1, backend="local", nproc=None,
+                    placement=None, expert_cache=None, host_mem=None, workload=console.DEMO_WORKLOAD, dtype=None,
+                    threads="auto", theme=theme or "dark", engine=None, check_only=False)
     elif theme is not None:
         raise typer.BadParameter("--theme: give it after the command, e.g. `moectl replay T --theme light`")
 

@@ -28,7 +28,6 @@ from moectl.cli.common import (
     handles_errors,
     parse_threads,
 )
-from moectl.engine.parallel.backends import Engines
 
 DEFAULT_RECORD_WORKLOAD = "rate=6,prompt=32-256,output=32-128,duration=86400"
 # The trace file keeps every step; the engine's own in-memory step log (4096 records of ~25 KB
@@ -68,6 +67,7 @@ def record(
 ):
     """Run the engine headless on a workload and record every step and action to TRACE."""
 
+    from moectl.engine.parallel.backends import Engines
     from moectl.engine.tools.workload import WorkloadSpec
 
     _check_options(trace, steps, seconds, overwrite, capture, rebalance_at, kv_blocks)

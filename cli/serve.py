@@ -24,7 +24,6 @@ from moectl.cli.common import (
     handles_errors,
     parse_threads,
 )
-from moectl.engine.parallel.backends import Engines
 
 
 @handles_errors
@@ -52,6 +51,7 @@ def serve(
         raise BadInput(f"--port: must be in 1-65535, got {port}")
     check_nproc(nproc, backend)  # the cheap checks before the server's imports
     from moectl.engine.core.driver import EngineDriver
+    from moectl.engine.parallel.backends import Engines
     from moectl.server.app import check_bind, listen, run_server
 
     check_bind(host, token)  # before loading anything: a public bind without a token is refused

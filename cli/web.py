@@ -1,15 +1,16 @@
 """`moectl web`: the full console in a browser, through textual-serve.
 
 Each browser tab gets its own console: the server runs the real console command (`moectl run`,
-`moectl replay` or `moectl attach`, with the options given here) as a subprocess per session,
-so the browser shows exactly what the terminal would. Everything is validated here, before the
-server starts, so a bad option is one line and exit 2 rather than a "Session ended" page.
+`moectl replay` or `moectl attach`) as a subprocess per session, so the browser shows exactly
+what the terminal would. Live, one engine process serves every tab: web starts it (with the
+engine options given here) before it serves, and each tab's console attaches to it (`run
+--engine DIR`); only that engine loads torch. Everything is validated before the server starts,
+so a bad option is one line and exit 2 rather than a "Session ended" page.
 """
 
 from __future__ import annotations
 
 import shlex
-import subprocess
 import sys
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -18,7 +19,6 @@ import typer
 
 from moectl.cli.common import (
     BACKEND_OPT,
-    DEFAULT_DEVICES,
     DEVICES_OPT,
     DTYPE_OPT,
     EXPERT_CACHE_OPT,
@@ -30,17 +30,13 @@ from moectl.cli.common import (
     THEME_OPT,
     THREADS_OPT,
     BadInput,
-    engine_config,
+    forwarded_options,
     given,
     handles_errors,
-    parse_threads,
+    option_flag,
 )
-from moectl.cli.console import DEMO_WORKLOAD_OPT, LIVE_REDUNDANT_OPT, demo_load
+from moectl.cli.console import DEMO_WORKLOAD_OPT, ENGINE_OPTIONS, LIVE_REDUNDANT_OPT
 from moectl.themes import check_theme
-
-# the options handed on to `moectl run` (parameter names); meaningless with --replay / --attach
-LIVE_OPTIONS = ("model", "devices", "hbm", "redundant", "backend", "nproc", "placement", "expert_cache", "host_mem",
-                "workload", "dtype", "threads")
 
 
 @handles_errors
@@ -72,7 +68,8 @@ def web(
     theme: str = THEME_OPT,
 ):
     """The console in a browser: live (the `moectl run` options), --replay TRACE or --attach URL.
-    Each browser tab runs its own console; loopback only unless --token is given."""
+    Each browser tab runs its own console (live: all attached to one engine process); loopback only
+    unless --token is given."""
     from moectl.cli.web_server import ConsoleServer, is_loopback
 
     if token is not None and not token:
@@ -81,7 +78,7 @@ def web(
         raise BadInput(f"--host: {host} is not a loopback address; give --token (or MOECTL_WEB_TOKEN) so that "
                        "only holders of the token can open the console")
     check_theme(theme)
-    live = {name: value for name, value in ctx.params.items() if name in LIVE_OPTIONS}
+    live = {name: value for name, value in ctx.params.items() if name in ENGINE_OPTIONS}
     if replay is not None or attach is not None:
         mode = "--replay" if replay is not None else "--attach"
         live_given = [option_flag(ctx, name) for name in live if given(ctx, name)]
@@ -92,49 +89,34 @@ def web(
     if attach_token is not None and attach is None:
         raise BadInput("--attach-token: only with --attach")
 
+    engine = None
     if replay is not None:
         args, what = replay_args(replay), f"replay of {replay}"
     elif attach is not None:
         args, what = attach_args(attach, attach_token), f"console attached to {attach}"
-    else:
-        args, what = live_args(ctx, live), "live console"
+    else:  # one engine process, started (and its options checked) before serving; every tab attaches to it
+        engine = start_engine(ctx)
+        args, what = ["run", "--engine", str(engine.dir)], "live console"
     # textual-serve runs it through the shell; exec, so that the process it holds is the console itself
     command = "exec " + shlex.join([sys.executable, "-m", "moectl.cli", *args, "--theme", theme])
-    ConsoleServer(command, host, port, title=f"moectl · {what}", token=token).serve()
+    try:
+        ConsoleServer(command, host, port, title=f"moectl · {what}", token=token).serve()
+    finally:
+        if engine is not None:
+            engine.terminate()
 
 
-def option_flag(ctx: typer.Context, name: str) -> str:
-    """The long flag of one of this command's parameters (e.g. expert_cache -> --expert-cache)."""
-    param = next(p for p in ctx.command.params if p.name == name)
-    return max(param.opts, key=len)
+def start_engine(ctx: typer.Context):
+    """The live console's engine process with web's engine options; its one-line error is ours."""
+    from moectl.cli.engine_process import EngineProcess, EngineStartFailed
 
-
-def live_args(ctx: typer.Context, live: dict) -> list[str]:
-    """`run` and its options, after the checks `moectl run` makes before it starts an engine."""
-    demo_load(live["workload"])  # the same check and wording as `moectl run`
-    options = dict(live, threads=parse_threads(live["threads"]))
-    options["redundant_slots"] = options.pop("redundant")
-    options["num_threads"] = options.pop("threads")
-    options.pop("workload")
-    engine_config(**options, default_devices=DEFAULT_DEVICES)
-    args = ["run"]
-    for name, value in live.items():
-        if value is not None:  # paths absolute: the console runs in a fresh process
-            args += [option_flag(ctx, name), str(Path(value).resolve()) if isinstance(value, Path) else str(value)]
-    check_engine_builds(args)
-    return args
-
-
-def check_engine_builds(run_args: list[str]) -> None:
-    """What `run` checks only as its engine is built (HBM too small for the model: `--hbm 1KiB`),
-    checked before serving by building that engine once in a child process (this one never loads
-    torch), so a tab never opens on a console that cannot start. Its one-line error is ours."""
-    done = subprocess.run([sys.executable, "-m", "moectl.cli", *run_args, "--check-only"],
-                          capture_output=True, text=True, stdin=subprocess.DEVNULL)
-    if done.returncode != 0:
-        lines = done.stderr.strip().splitlines()
-        typer.echo(lines[-1] if lines else f"moectl: error: run exited {done.returncode}", err=True)
-        raise typer.Exit(done.returncode)
+    engine = EngineProcess(forwarded_options(ctx, ENGINE_OPTIONS))
+    try:
+        engine.wait_ready()
+    except EngineStartFailed as exc:
+        typer.echo(f"moectl: error: {exc}", err=True)
+        raise typer.Exit(exc.code) from None
+    return engine
 
 
 def replay_args(trace: Path) -> list[str]:

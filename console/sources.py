@@ -4,8 +4,11 @@ One interface, several sources (../shared/DESIGN.md): `poll()` hands over the st
 records that arrived since the last call; `act(kind, **args)` asks for an operator action and
 returns its result, or raises ActionRefused with a one-line reason when this source cannot do it.
 
-* LiveSource: the embedded engine on an EngineDriver's thread (moectl.engine.core.driver), which
-  buffers its records (it never waits on the UI) and validates and runs actions between steps.
+* EngineSource (engine_client.py): the engine in a process of its own (server/engine_host.py),
+  over server/protocol.py; what `moectl run` and `moectl web` attach to.
+* LiveSource (server/live_source.py): the engine on a thread of this process; benchmarks compare
+  it with the engine process. It is the one source that loads torch, and the console never
+  imports it.
 * ReplaySource: a trace file with a transport (play, pause, speed, step, seek). Its rebalance
   acts on the counterfactual: what the recorded routing would have done under the new placement.
 """
@@ -18,20 +21,18 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import Future
-from dataclasses import dataclass, replace
 from pathlib import Path
 
 import aiohttp
 import numpy as np
 
 from moectl.console.state import WINDOW_STEPS
-from moectl.engine.core.driver import RECORD_BUFFER, ActionRefused, EngineDriver
+from moectl.engine.core.actions import ActionRefused
+from moectl.engine.core.records import RECORD_BUFFER
 from moectl.engine.core.topology import Topology
 from moectl.engine.experts.rebalancer import plan_rebalance
 from moectl.engine.experts.step_time import predict_from_records
-from moectl.engine.tools.workload import WorkloadSpec, make_workload
 from moectl.profiler.analysis import alerts
-from moectl.profiler.recorder import engine_header
 from moectl.profiler.trace_queries import placement_timeline
 from moectl.profiler.trace_store import TraceError, TraceReader
 
@@ -52,134 +53,6 @@ class Source:
     @property
     def error(self) -> str | None:
         return None
-
-
-# -- live
-
-@dataclass(frozen=True)
-class DemoLoad:
-    """The live demo's workload, editable while it runs."""
-
-    rate: float = 4.0  # requests per second (Poisson)
-    prompt_len: str = "32-256"
-    output_len: str = "32-128"
-    paused: bool = False
-
-    @classmethod
-    def from_spec(cls, spec: WorkloadSpec) -> DemoLoad:
-        """The live demo's part of a --workload spec: its rate and lengths (it runs until quit)."""
-        if spec.source == "jsonl":
-            raise ValueError("--workload: the live demo draws corpus prompts; give rate=,prompt=,output=")
-        load = cls(rate=spec.rate, prompt_len=spec.prompt_len, output_len=spec.output_len)
-        load.spec(0, 1)
-        return load
-
-    def spec(self, seed: int, count: int) -> WorkloadSpec:
-        if isinstance(self.rate, bool) or not isinstance(self.rate, (int, float)) or not 0 < self.rate <= 1000:
-            raise ValueError(f"rate: must be a number of requests/s in (0, 1000], got {self.rate!r}")
-        return WorkloadSpec(num_requests=count, rate=self.rate, prompt_len=self.prompt_len,
-                            output_len=self.output_len, seed=seed)
-
-
-class DemoWorkload:
-    """An endless Poisson stream of corpus prompts: batches of make_workload, one seed each. Fed to
-    the engine on its own thread (the driver's feed)."""
-
-    BATCH = 32
-
-    def __init__(self, load: DemoLoad):
-        self.load = load
-        self.seed = 0
-        self.queue: deque = deque()
-        self.t0 = time.monotonic()
-
-    def update(self, load: DemoLoad) -> None:
-        load.spec(0, 1)  # validates (ValueError names the field)
-        self.load = load
-        self.queue.clear()  # the new rate and lengths apply from now on
-        self.t0 = time.monotonic()
-
-    def feed(self, engine) -> None:
-        for item in self.due(engine):
-            try:
-                engine.add_request(item.prompt_ids, item.params)
-            except ValueError:
-                pass  # a prompt too long for this KV cache: skipped, like a rejected request
-
-    def due(self, engine) -> list:
-        if self.load.paused:
-            self.t0 = time.monotonic()
-            return []
-        now = time.monotonic() - self.t0
-        if not self.queue:
-            self.seed += 1
-            items = make_workload(self.load.spec(self.seed, self.BATCH), engine.tokenizer,
-                                  engine.model_config.vocab_size)
-            self.queue.extend(items)
-        out = []
-        while self.queue and self.queue[0].arrival_s <= now:
-            out.append(self.queue.popleft())
-        if not self.queue:  # the next batch's arrivals start after this one's
-            self.t0 += now
-        return out
-
-
-class LiveSource(Source):
-    """The embedded engine on its driver's thread, fed by the demo workload."""
-
-    mode = "live"
-
-    def __init__(self, make_engine, load: DemoLoad | None = None, on_close=None):
-        """make_engine(): builds a fresh LLMEngine (also used by restart). on_close(): after the
-        driver stops (the distributed backend's ranks are released there)."""
-        self._on_close = on_close
-        self._load = load or DemoLoad()
-        self.workload = DemoWorkload(self._load)
-        self.driver = EngineDriver(make_engine, feed=self.workload.feed)
-        self._header = (None, {})
-
-    @property
-    def engine(self):
-        return self.driver.engine
-
-    @property
-    def header(self) -> dict:
-        engine, header = self._header
-        if engine is not self.driver.engine:  # a restart made a new engine
-            engine = self.driver.engine
-            self._header = (engine, engine_header(engine))
-        return self._header[1]
-
-    @property
-    def error(self) -> str | None:
-        return self.driver.error
-
-    def poll(self) -> tuple[list[dict], list[dict]]:
-        return self.driver.poll()
-
-    def act(self, kind: str, **args) -> Future:
-        """The engine's actions go to the driver (validated there, ActionRefused); the demo
-        workload's own are handled here."""
-        if kind != "workload":
-            return self.driver.act(kind, **args)
-        try:
-            load = replace(self._load, **args)
-            load.spec(0, 1)  # validates rate and lengths now
-        except (TypeError, ValueError) as exc:
-            raise ActionRefused(f"workload: {exc}") from None
-        self._load = load
-        return self.driver.call(lambda: self.workload.update(load) or {"workload": args}, "workload")
-
-    @property
-    def load(self) -> DemoLoad:
-        return self._load
-
-    def close(self) -> None:
-        try:
-            self.driver.close()
-        finally:
-            if self._on_close is not None:
-                self._on_close()
 
 
 # -- replay

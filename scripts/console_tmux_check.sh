@@ -215,7 +215,32 @@ else
     fail "live: throughput stays at 0 tok/s"
 fi
 keep "live-running"
+# the console's process draws without torch (the Memory tab's plan included: the engine computes
+# it); the engine process it started holds torch
+send 3
+check "live memory tab" "HBM" 5
+send 1
+pane=$(tm display-message -p -t "$SESSION" '#{pane_pid}' 2>/dev/null)
+console_pid=$(ps -o pid= --ppid "$pane" 2>/dev/null | head -1 | tr -d ' ')
+engine_pid=$(ps -o pid= --ppid "$console_pid" 2>/dev/null | head -1 | tr -d ' ')
+if [ -n "$console_pid" ] && [ -r "/proc/$console_pid/maps" ] && ! grep -q libtorch "/proc/$console_pid/maps"; then
+    pass "live: the console's process ($console_pid) has not loaded torch"
+else
+    fail "live: the console's process (${console_pid:-not found}) has loaded torch"
+fi
+if [ -n "$engine_pid" ] && grep -q "engine-host" "/proc/$engine_pid/cmdline" 2>/dev/null \
+        && grep -q libtorch "/proc/$engine_pid/maps" 2>/dev/null; then
+    pass "live: the engine runs in its own process ($engine_pid)"
+else
+    fail "live: no engine process under the console (${engine_pid:-none})"
+fi
 quit_and_check "live"
+if [ -n "$engine_pid" ] && kill -0 "$engine_pid" 2>/dev/null \
+        && [ "$(cut -d' ' -f3 "/proc/$engine_pid/stat" 2>/dev/null)" != "Z" ]; then
+    fail "live: the engine process ($engine_pid) is still running after q"
+else
+    pass "live: q leaves no engine process behind"
+fi
 
 echo "elapsed $(( $(date +%s) - T0 )) s"
 if [ "$FAILED" -eq 0 ]; then

@@ -113,11 +113,12 @@ class ControlApi:
         plan = self.plans.pop(plan_id)  # before awaiting: a second apply of it gets the 400 above
         self.state.metrics.placement_requested(time.monotonic())
         try:
-            await self._act("rebalance_apply", {"plan": plan})
+            applied = await self._act("rebalance_apply", {"plan": plan})  # once the copy has run
         except ApiError:
             self.plans[plan_id] = plan  # refused: it can be applied later
             raise
-        return web.json_response({"plan_id": plan_id, "summary": plan.summary()})
+        measured = {k: applied.get(k) for k in ("bytes_moved", "seconds")} if isinstance(applied, dict) else {}
+        return web.json_response({"plan_id": plan_id, "summary": plan.summary(), "applied": measured})
 
     async def auto_rebalance(self, request: web.Request) -> web.Response:
         body = await self._body(request, AUTO_REBALANCE_ARGS)

@@ -3,8 +3,6 @@ blocks, expert-cache hit rates, and the memory planner's table for this layout."
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from rich.console import Group
 from rich.table import Table
 from rich.text import Text
@@ -150,20 +148,11 @@ class MemoryPanel(ShowsOnChange, VerticalScroll):
 
     @staticmethod
     def _plan(state) -> str:
-        from moectl.engine.core.topology import Topology
-        from moectl.engine.planning.memory_plan import PlanError, plan_memory
+        """The plan the engine computed (its header's memory_plan); a trace recorded before the
+        engine put it there is planned here from the model's config.json (replay only)."""
+        plan = state.header.get("memory_plan")
+        if plan is not None:
+            return plan
+        from moectl.engine.planning.memory_plan import plan_text_for_header
 
-        model = (state.header.get("model") or {}).get("path")
-        topo = (state.header.get("devices") or {}).get("topology")
-        if not model or not (Path(model) / "config.json").is_file() or not topo:
-            return "[dim]not available: needs the model's config.json and a device topology[/]"
-        config = state.header.get("engine_config") or {}
-        knobs = state.header.get("knobs") or {}
-        try:
-            plan = plan_memory(model, Topology.from_mapping(topo), tp=1, ep=int(topo["num_devices"]),
-                               context=int(config.get("max_model_len") or 2048), batch=int(topo["num_devices"]),
-                               max_batched_tokens=knobs.get("max_num_batched_tokens"),
-                               block_size=int(config.get("block_size", 16)), attn_impl="eager")
-        except (PlanError, ValueError) as exc:
-            return f"[dim]not available: {exc}[/]"
-        return plan.format_table()
+        return plan_text_for_header(state.header)

@@ -26,18 +26,17 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 
+from moectl.engine.core.actions import ActionRefused
 from moectl.engine.core.config import AutoRebalancePolicy
 from moectl.engine.core.outputs import StepFailed, describe_error
+from moectl.engine.core.records import RECORD_BUFFER
+
+__all__ = ["RECORD_BUFFER", "ActionRefused", "EngineDriver", "done"]  # ActionRefused: core/actions.py
 
 log = logging.getLogger(__name__)
 
-RECORD_BUFFER = 4096  # records kept for a consumer that falls behind (the oldest are dropped)
 IDLE_WAIT_S = 0.005  # an idle engine looks for new work this often (a command wakes it at once)
 EXPERT_ACTIONS = ("rebalance_preview", "rebalance_apply", "auto_rebalance", "edit")
-
-
-class ActionRefused(ValueError):
-    """An action that cannot be carried out here, or bad arguments for it; the message says why."""
 
 
 def done(result) -> Future:
@@ -152,8 +151,8 @@ class EngineDriver:
                 plan = args.get("plan")
                 if plan is None:
                     raise ActionRefused("rebalance_apply: preview a plan first")
-                experts.apply(plan.placement, kind="rebalance_apply")
-                return done({"placement": plan.placement})
+                # completes when the copy has run (or failed): its measured bytes and seconds
+                return experts.apply(plan.placement, kind="rebalance_apply")
             if kind == "auto_rebalance":
                 policy = AutoRebalancePolicy(mode="auto" if args.get("enabled") else "manual",
                                              every_k_steps=_int_arg(args, "every_k_steps", 0),

@@ -80,11 +80,15 @@ record_start, record_stop, and "<kind>_failed" with {"error": str}.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # the record format itself is torch-free: consoles and traces read it without torch
+    import torch
 
 FORMAT_VERSION = 1
+RECORD_BUFFER = 4096  # records kept for a consumer that falls behind (the oldest are dropped)
 PROCESS_SAMPLE_S = 0.25
 
 ENGINE_LANE = "engine"

@@ -22,8 +22,9 @@ from moectl.engine.core.config import AutoRebalancePolicy
 from moectl.engine.core.topology import Topology, format_size
 from moectl.engine.experts.memory_ledger import MemoryLedger
 from moectl.engine.experts.placed_experts import PlacedExperts, StepDeviceStats
-from moectl.engine.experts.placement import Placement, PlacementError, RoutingState
+from moectl.engine.experts.placement import Placement, PlacementError
 from moectl.engine.experts.rebalancer import LoadWindow, RebalancePlan, plan_rebalance
+from moectl.engine.experts.replica_routing import RoutingState
 from moectl.engine.experts.step_time import ExpertCostModel, change, parallel_step, predict_step_times
 from moectl.engine.models.decoder import MoEForCausalLM
 from moectl.engine.models.moe import MoEBlock

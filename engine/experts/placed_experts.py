@@ -19,7 +19,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from moectl.engine.experts.placement import Placement, RoutingState, traffic_matrix
+from moectl.engine.experts.placement import Placement
+from moectl.engine.experts.replica_routing import RoutingState, assign_replicas, traffic_matrix
 from moectl.engine.models.moe import StackedExperts, combine, grouped_offsets, grouped_swiglu
 from moectl.engine.models.tracing import NULL_TRACER
 
@@ -147,7 +148,7 @@ class PlacedExperts(nn.Module):
         mark = tracer.mark()
         token_device = stats.token_device
         # replica tables live on the CPU; route there, then bring the choice to the compute device
-        devices_cpu = self.placement.assign_replicas(self.layer_idx, ids.cpu(), token_device.cpu(), self.policy,
+        devices_cpu = assign_replicas(self.placement, self.layer_idx, ids.cpu(), token_device.cpu(), self.policy,
                                                      self.routing_state, check=False)
         devices = devices_cpu.to(ids.device)
         slots = self.slot_of[ids, devices].flatten()

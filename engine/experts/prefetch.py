@@ -36,7 +36,8 @@ import torch
 
 from moectl.engine.core.model_runner import RoutingProbe
 from moectl.engine.experts.expert_cache import belady, simulate
-from moectl.engine.experts.placement import Placement, RoutingState
+from moectl.engine.experts.placement import Placement
+from moectl.engine.experts.replica_routing import RoutingState, assign_replicas
 from moectl.engine.models.moe import MoEBlock
 
 
@@ -230,7 +231,7 @@ class RoutingRecorder(RoutingProbe):
             else:
                 ids_c = ids.detach().long().cpu()
                 token_device = torch.arange(ids_c.shape[0]) % self.num_devices
-                devices = self.placement.assign_replicas(layer, ids_c, token_device, self.replica_policy,
+                devices = assign_replicas(self.placement, layer, ids_c, token_device, self.replica_policy,
                                                          self.routing_state)
                 for d, e in sorted(set(zip(devices.flatten().tolist(), ids_c.flatten().tolist()))):
                     sets[d].append(e)

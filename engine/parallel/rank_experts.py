@@ -30,7 +30,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moectl.engine.experts.placement import Placement, RoutingState
+from moectl.engine.experts.placement import Placement
+from moectl.engine.experts.replica_routing import RoutingState, assign_replicas
 from moectl.engine.models.moe import SWIGLU, ExpertFFN, MoEBlock, combine, grouped_offsets, grouped_swiglu
 from moectl.engine.models.tracing import NULL_TRACER
 
@@ -149,7 +150,7 @@ class RankExperts(nn.Module):
         #     contiguous per destination rank
         ids_cpu = ids_s.cpu()
         home = torch.full((b - a,), rank, dtype=torch.int64)
-        dest = self.placement.assign_replicas(self.layer_idx, ids_cpu, home, self.policy, self.routing_state,
+        dest = assign_replicas(self.placement, self.layer_idx, ids_cpu, home, self.policy, self.routing_state,
                                               check=False)
         slots = self.slot_of[ids_cpu, dest].flatten().to(x.device)
         order = torch.argsort(slots, stable=True)

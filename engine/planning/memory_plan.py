@@ -887,3 +887,22 @@ def fit_suggestions(config, topology: Topology, **options) -> list[dict]:
         if best:
             attempt(f"{flag} {best}", **{key: best})
     return out
+
+
+def plan_text_for_header(header: dict) -> str:
+    """The Memory panel's plan table (console markup) for an engine as its trace header
+    (profiler/recorder.py engine_header) describes it: the engine computes it, consoles draw it."""
+    model = (header.get("model") or {}).get("path")
+    topo = (header.get("devices") or {}).get("topology")
+    if not model or not (Path(model) / "config.json").is_file() or not topo:
+        return "[dim]not available: needs the model's config.json and a device topology[/]"
+    config = header.get("engine_config") or {}
+    knobs = header.get("knobs") or {}
+    try:
+        plan = plan_memory(model, Topology.from_mapping(topo), tp=1, ep=int(topo["num_devices"]),
+                           context=int(config.get("max_model_len") or 2048), batch=int(topo["num_devices"]),
+                           max_batched_tokens=knobs.get("max_num_batched_tokens"),
+                           block_size=int(config.get("block_size", 16)), attn_impl="eager")
+    except (PlanError, ValueError) as exc:
+        return f"[dim]not available: {exc}[/]"
+    return plan.format_table()

@@ -11,12 +11,13 @@ from typer.testing import CliRunner
 
 from moectl.cli.main import app
 from moectl.console.app import MoectlApp
-from moectl.console.sources import DemoLoad, LiveSource
+from moectl.console.live_source import LiveSource
 from moectl.engine.core.config import EngineConfig
 from moectl.engine.core.driver import EngineDriver
 from moectl.engine.core.topology import Topology
 from moectl.engine.llm_engine import LLMEngine
 from moectl.engine.models.config import ModelConfig
+from moectl.engine.tools.demo_workload import DemoLoad
 from moectl.server.app import ServerThread
 from tests.paths import DOCS
 from tests.pilot import run_app, text_of, until

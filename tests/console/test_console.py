@@ -6,10 +6,12 @@ from __future__ import annotations
 import pytest
 
 from moectl.console.app import MoectlApp
-from moectl.console.sources import DemoLoad, LiveSource, ReplaySource
+from moectl.console.live_source import LiveSource
+from moectl.console.sources import ReplaySource
 from moectl.engine.core.config import EngineConfig
 from moectl.engine.core.topology import Topology
 from moectl.engine.llm_engine import LLMEngine
+from moectl.engine.tools.demo_workload import DemoLoad
 from tests.checkpoints import tiny_checkpoint
 from tests.paths import TRACES
 from tests.pilot import run_app, text_of, until

@@ -11,10 +11,11 @@ import time
 import pytest
 
 from moectl.console.app import MoectlApp
-from moectl.console.sources import DemoLoad, LiveSource
+from moectl.console.live_source import LiveSource
 from moectl.engine.core.config import EngineConfig
 from moectl.engine.core.topology import Topology
 from moectl.engine.parallel.group import STALE_S, RankGroup
+from moectl.engine.tools.demo_workload import DemoLoad
 from tests.checkpoints import tiny_checkpoint
 from tests.pilot import run_app, text_of, until
 

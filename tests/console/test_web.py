@@ -176,13 +176,39 @@ def test_live_console_in_a_browser_overview_then_experts(capsys):
         with capsys.disabled():
             print(f"\nscreenshot of the Experts tab in chromium: {shot}")
 
-        # a stop with the tab still open ends its console too (none is left running its engine)
-        consoles = [p for p in psutil.Process(server.pid).children(recursive=True) if "run" in p.cmdline()]
-        assert consoles, "no console process under moectl web"
+        # two more tabs: three consoles, all attached to the one engine process; only it loads torch
+        for _ in range(2):
+            tab = page.context.browser.new_page(viewport={"width": 1400, "height": 900})
+            tab.set_default_timeout(BROWSER_WAIT_MS)
+            tab.add_init_script(CATCH_TERMINAL)
+            tab.route("**/*", lambda route: route.continue_() if route.request.url.startswith(
+                f"http://127.0.0.1:{port}/") else route.abort())
+            tab.goto(f"http://127.0.0.1:{port}/?token={TOKEN}")
+            tab.wait_for_function(f"() => ({SCREEN_JS})().includes('tok/s')")
+        tree = psutil.Process(server.pid).children(recursive=True)
+        consoles = [p for p in tree if "run" in p.cmdline() and "--engine" in p.cmdline()]
+        engines = [p for p in tree if "engine-host" in p.cmdline()]
+        with_torch = [p for p in [psutil.Process(server.pid), *tree] if _maps_torch(p)]
+        assert len(consoles) == 3 and len(engines) == 1, [p.cmdline() for p in tree]
+        assert with_torch == engines, [p.cmdline() for p in with_torch]
+        with capsys.disabled():
+            rss = sum(p.memory_info().rss for p in [psutil.Process(server.pid), *tree])
+            print(f"moectl web, 3 tabs: {len(tree) + 1} processes, 1 with torch, {rss / 2**30:.2f} GiB RSS in all")
+
+        # a stop with the tabs still open ends their consoles and the engine (none is left running)
+        consoles += engines
         server.send_signal(signal.SIGTERM)
         assert server.wait(120) == 0
         _, alive = psutil.wait_procs(consoles, timeout=60)
         assert not alive, f"consoles still running after the server stopped: {alive}"
+
+
+def _maps_torch(proc: psutil.Process) -> bool:
+    try:
+        with open(f"/proc/{proc.pid}/maps") as maps:
+            return "libtorch" in maps.read()
+    except OSError:
+        return False
 
 
 def test_replay_in_a_browser():

@@ -7,15 +7,15 @@ import socket
 
 from typer.testing import CliRunner
 
-from moectl.cli import serve as serve_cli
 from moectl.cli.main import app
+from moectl.engine.parallel import backends
 
 
 def test_a_port_in_use_is_one_line_before_the_model_loads(monkeypatch):
     def must_not_load(*args, **kwargs):
         raise AssertionError("the model was loaded before the port was checked")
 
-    monkeypatch.setattr(serve_cli, "Engines", must_not_load)
+    monkeypatch.setattr(backends, "Engines", must_not_load)  # serve imports it when it starts the engine
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()

@@ -359,6 +359,8 @@ def test_control_rebalance_capture_edit_and_recording(secured, tmp_path):
     assert_error(http("POST", base + "/rebalance/apply", {"plan_id": "plan-nope"}, token=TOKEN), 400, "plan_id")
     status, applied = http("POST", base + "/rebalance/apply", {"plan_id": preview["plan_id"]}, token=TOKEN)
     assert status == 200 and applied["plan_id"] == preview["plan_id"]
+    # answered once the copy has run, with what it measured (it once answered before the copy)
+    assert applied["applied"]["bytes_moved"] >= 0 and applied["applied"]["seconds"] > 0
     assert_error(http("POST", base + "/rebalance/apply", {"plan_id": preview["plan_id"]}, token=TOKEN), 400)
     wait_until(lambda: sample(scrape(secured, TOKEN), "moectl:rebalances", "_total") == 1, what="the rebalance")
     assert sample(scrape(secured, TOKEN), "moectl:rebalance_seconds", "_count") == 1

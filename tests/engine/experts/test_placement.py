@@ -11,12 +11,10 @@ from moectl.engine.experts.placement import (
     Move,
     Placement,
     PlacementError,
-    RoutingState,
     balancedness,
-    device_token_load,
     expert_nbytes,
-    traffic_matrix,
 )
+from moectl.engine.experts.replica_routing import RoutingState, assign_replicas, device_token_load, traffic_matrix
 
 
 def small() -> Placement:
@@ -199,22 +197,22 @@ def test_locality_picks_the_local_then_the_same_node_replica():
     p = routing_placement()
     token_device = torch.tensor([0, 1, 3, 2, 2])
     ids = torch.tensor([[0], [0], [0], [0], [1]])
-    out = p.assign_replicas(0, ids, token_device, "locality", RoutingState(devices_per_node=2))
+    out = assign_replicas(p, 0, ids, token_device, "locality", RoutingState(devices_per_node=2))
     assert out.squeeze(1).tolist() == [0, 1, 3, 3, 2]
 
 
 def test_locality_without_nodes_spreads_remote_tokens():
     p = routing_placement()
-    out = p.assign_replicas(0, torch.zeros(6, 1, dtype=torch.long), torch.full((6,), 2), "locality")
+    out = assign_replicas(p, 0, torch.zeros(6, 1, dtype=torch.long), torch.full((6,), 2), "locality")
     assert sorted(torch.bincount(out.flatten(), minlength=4).tolist()) == [0, 2, 2, 2]
 
 
 def test_round_robin_spreads_and_continues_across_calls():
     p = routing_placement()
-    out = p.assign_replicas(0, torch.zeros(9, 1, dtype=torch.long), torch.zeros(9, dtype=torch.long), "round_robin")
+    out = assign_replicas(p, 0, torch.zeros(9, 1, dtype=torch.long), torch.zeros(9, dtype=torch.long), "round_robin")
     assert torch.bincount(out.flatten(), minlength=4).tolist() == [3, 3, 0, 3]
     state = RoutingState()
-    picks = [p.assign_replicas(0, torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, dtype=torch.long),
+    picks = [assign_replicas(p, 0, torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, dtype=torch.long),
                                "round_robin", state).item() for _ in range(4)]
     assert picks == [0, 1, 3, 0]
 
@@ -223,18 +221,18 @@ def test_least_loaded_evens_out_device_load():
     # expert 0 on devices 0 and 1, expert 1 only on device 0: its 4 tokens load device 0 first
     p = Placement([[[0, 1], [0, -1]]], 2)
     ids = torch.tensor([[1]] * 4 + [[0]] * 6)
-    out = p.assign_replicas(0, ids, torch.zeros(10, dtype=torch.long), "least_loaded")
+    out = assign_replicas(p, 0, ids, torch.zeros(10, dtype=torch.long), "least_loaded")
     assert device_token_load(out, 2).tolist() == [5, 5]
 
 
 def test_assign_replicas_validates():
     p = routing_placement()
     with pytest.raises(PlacementError, match="policy 'fastest' unknown"):
-        p.assign_replicas(0, torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, dtype=torch.long), "fastest")
+        assign_replicas(p, 0, torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, dtype=torch.long), "fastest")
     with pytest.raises(PlacementError, match="expert 7 out of range"):
-        p.assign_replicas(0, torch.tensor([[7]]), torch.zeros(1, dtype=torch.long))
+        assign_replicas(p, 0, torch.tensor([[7]]), torch.zeros(1, dtype=torch.long))
     with pytest.raises(PlacementError, match="device 4 out of range"):
-        p.assign_replicas(0, torch.tensor([[0]]), torch.tensor([4]))
+        assign_replicas(p, 0, torch.tensor([[0]]), torch.tensor([4]))
 
 
 def test_top_k_routing_keeps_the_shape():
@@ -242,7 +240,7 @@ def test_top_k_routing_keeps_the_shape():
     ids = torch.randint(0, 8, (32, 2), generator=torch.Generator().manual_seed(0))
     tok = torch.arange(32) % 4
     for policy in ("locality", "least_loaded", "round_robin"):
-        out = p.assign_replicas(0, ids, tok, policy, RoutingState(devices_per_node=2))
+        out = assign_replicas(p, 0, ids, tok, policy, RoutingState(devices_per_node=2))
         assert out.shape == ids.shape
         held = torch.from_numpy(p.held()[0].copy())  # [D, E]: the chosen device must hold the expert
         assert held[out, ids].all()

@@ -1,0 +1,170 @@
+"""The console's side of the engine process: a Source over server/protocol.py.
+
+EngineSource connects to an engine's directory (its Unix socket and token), takes the catch-up,
+then a reader thread files every record as it arrives, so the console's tick only drains
+deques; actions go out as Act messages and come back as Results, each on its own Future. When
+the engine goes (killed, crashed, stopped) the connection's end says so at once: `error` names
+the engine and the console stays up for inspection.
+
+Torch-free: this is what a console process imports instead of an engine.
+"""
+
+from __future__ import annotations
+
+import itertools
+import socket
+import threading
+from collections import deque
+from concurrent.futures import Future
+from pathlib import Path
+from types import SimpleNamespace
+
+from moectl.console.sources import RECORD_BUFFER, RemotePlan, Source
+from moectl.engine.core.actions import ActionRefused
+from moectl.server.protocol import (
+    Act,
+    Bye,
+    Hello,
+    ProtocolError,
+    Records,
+    Result,
+    Shutdown,
+    Status,
+    Welcome,
+    connect,
+    encode,
+    read_message,
+    read_token,
+)
+
+WELCOME_TIMEOUT_S = 30.0  # a busy engine answers between steps
+
+
+class EngineSource(Source):
+    """An engine process's records and actions. owner: this console started the engine, which
+    stops when this source closes (or this process dies)."""
+
+    mode = "live"
+
+    def __init__(self, engine_dir: Path, *, owner: bool = False, timeout_s: float = WELCOME_TIMEOUT_S):
+        self.engine_dir = Path(engine_dir)
+        self.owner = owner
+        self._records: deque = deque(maxlen=RECORD_BUFFER)
+        self._actions: deque = deque(maxlen=RECORD_BUFFER)
+        self._pending: dict[int, tuple[str, Future]] = {}
+        self._ids = itertools.count(1)
+        self._send_lock = threading.Lock()
+        self._lost: str | None = None
+        self.dropped = 0
+        try:
+            token = read_token(self.engine_dir)
+            self._sock = connect(self.engine_dir)
+        except ProtocolError as exc:
+            raise ActionRefused(f"engine: {exc}") from None
+        try:
+            self._sock.settimeout(timeout_s)
+            self._sock.sendall(encode(Hello(token=token, owner=owner)))
+            welcome = read_message(self._sock)
+            self._sock.settimeout(None)
+        except (OSError, ProtocolError) as exc:
+            self._sock.close()
+            raise ActionRefused(f"engine: no welcome from {self.engine_dir} ({exc})") from None
+        if not isinstance(welcome, Welcome):
+            self._sock.close()
+            reason = welcome.reason if isinstance(welcome, Bye) else "the engine closed the connection"
+            raise ActionRefused(f"engine: {reason}")
+        self.engine_name, self.pid = welcome.engine, welcome.pid
+        self.header = welcome.header
+        self._status = Status(**welcome.status)
+        self._records.extend(welcome.steps)
+        self._actions.extend(welcome.actions)
+        self._reader = threading.Thread(target=self._read_loop, name="moectl-engine-client", daemon=True)
+        self._reader.start()
+
+    # -- the reader thread
+    def _read_loop(self) -> None:
+        reason = "the connection closed"
+        try:
+            while True:
+                message = read_message(self._sock)
+                if message is None:
+                    break
+                if isinstance(message, Records):
+                    self._records.extend(message.steps)
+                    self._actions.extend(message.actions)
+                    self.dropped = max(self.dropped, message.dropped)
+                elif isinstance(message, Status):
+                    self._status = message
+                elif isinstance(message, Result):
+                    self._answer(message)
+                elif isinstance(message, Bye):
+                    reason = message.reason
+                    break
+        except (OSError, ProtocolError) as exc:
+            reason = str(exc) or type(exc).__name__
+        self._lost = f"{self.engine_name} is gone: {reason}"
+        for kind, future in list(self._pending.values()):
+            if not future.done():
+                future.set_exception(ActionRefused(f"{kind}: {self._lost}"))
+        self._pending.clear()
+
+    def _answer(self, result: Result) -> None:
+        kind, future = self._pending.pop(result.id, (None, None))
+        if future is None:
+            return
+        if result.error is not None:
+            future.set_exception(ActionRefused(result.error))
+        elif kind == "rebalance_preview":
+            future.set_result(RemotePlan(result.value["plan_id"], result.value["summary"]))
+        else:
+            future.set_result(result.value)
+
+    # -- Source
+    @property
+    def error(self) -> str | None:
+        return self._lost or self._status.error
+
+    @property
+    def load(self):
+        """The demo workload's rate, lengths and pause, as the engine last reported them."""
+        return SimpleNamespace(**self._status.load) if self._status.load else None
+
+    def poll(self) -> tuple[list[dict], list[dict]]:
+        records = [self._records.popleft() for _ in range(len(self._records))]
+        actions = [self._actions.popleft() for _ in range(len(self._actions))]
+        return records, actions
+
+    def act(self, kind: str, **args) -> Future:
+        if self._lost is not None:
+            raise ActionRefused(f"{kind}: {self._lost}")
+        if kind == "rebalance_apply":
+            plan = args.pop("plan", None)
+            if not isinstance(plan, RemotePlan):
+                raise ActionRefused("rebalance_apply: preview a plan first")
+            args = {"plan_id": plan.plan_id}
+        future: Future = Future()
+        act_id = next(self._ids)
+        self._pending[act_id] = (kind, future)
+        try:
+            self._send(Act(id=act_id, kind=kind, args=args))
+        except (OSError, ProtocolError, TypeError) as exc:
+            self._pending.pop(act_id, None)
+            raise ActionRefused(f"{kind}: not sent ({exc})") from None
+        return future
+
+    def _send(self, message) -> None:
+        with self._send_lock:
+            self._sock.sendall(encode(message))
+
+    def close(self) -> None:
+        if self.owner and self._lost is None:
+            try:
+                self._send(Shutdown())
+            except OSError:
+                pass
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._reader.join(timeout=5)
+        self._sock.close()

@@ -1,0 +1,343 @@
+"""The engine process: one engine, its demo workload, and every client attached to it.
+
+`moectl run` starts it (`moectl engine-host`, cli/console.py) and attaches a console; `moectl
+web` starts one and attaches every browser tab's console to it. Clients speak server/protocol.py
+over a Unix socket in the run's private directory. The engine computes every figure; clients
+get the records and draw them.
+
+Threads: the engine steps on its driver's thread (engine/core/driver.py); a pump thread takes
+the driver's records every PUMP_S, encodes them once and queues the bytes for every client; each
+client has a reader thread (its actions) and a sender thread (its queue, bounded: a slow client
+loses its oldest messages, counted, and costs nobody else anything). The engine exits when its
+owner client goes (the console that `run` started), on Shutdown, on SIGTERM, or when the process
+that started it dies (PR_SET_PDEATHSIG).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import msgspec
+
+from moectl.engine.core.actions import ActionRefused
+from moectl.engine.core.driver import EngineDriver
+from moectl.engine.tools.demo_workload import DemoLoad, DemoWorkload
+from moectl.profiler.recorder import engine_header
+from moectl.server import protocol
+from moectl.server.protocol import (
+    Act,
+    Bye,
+    Hello,
+    ProtocolError,
+    Records,
+    Result,
+    Shutdown,
+    Status,
+    Welcome,
+    encode,
+    read_message,
+    token_matches,
+)
+
+log = logging.getLogger(__name__)
+
+PUMP_S = 0.02  # records reach clients this often: 50 a second, faster than any console redraws
+RECENT_STEPS, RECENT_ACTIONS = 64, 256  # a new client's catch-up
+CLIENT_QUEUE = 256  # messages waiting per client before its oldest are dropped
+HELLO_TIMEOUT_S = 5.0
+MAX_PLANS = 16  # previews kept for an apply (newest)
+
+
+class EngineHost:
+    def __init__(self, make_engine, load: DemoLoad, engine_dir: Path, token: str, on_close=None):
+        self.engine_dir = Path(engine_dir)
+        self._token = token
+        self._on_close = on_close
+        self.load = load
+        self.workload = DemoWorkload(load)
+        self.driver = EngineDriver(make_engine, feed=self.workload.feed)
+        self.name = f"moectl engine (pid {os.getpid()})"
+        self._plans: dict[str, object] = {}
+        self._plan_seq = 0
+        self._lock = threading.Lock()  # clients, recent, status
+        self._clients: set[_Client] = set()
+        self._recent_steps: deque = deque(maxlen=RECENT_STEPS)
+        self._recent_actions: deque = deque(maxlen=RECENT_ACTIONS)
+        self._status = self._current_status()
+        self.stop_reason: str | None = None
+        self._stopped = threading.Event()
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        path = self.engine_dir / protocol.SOCKET_NAME
+        self._listener.bind(str(path))
+        os.chmod(path, 0o600)
+        self._listener.listen(16)
+        self._threads = [threading.Thread(target=self._accept_loop, name="moectl-accept", daemon=True),
+                         threading.Thread(target=self._pump_loop, name="moectl-pump", daemon=True)]
+        for t in self._threads:
+            t.start()
+
+    # -- lifetime
+    def wait(self) -> str:
+        """Blocks until the engine is told to stop; returns why."""
+        self._stopped.wait()
+        return self.stop_reason or "stopped"
+
+    def stop(self, reason: str) -> None:
+        with self._lock:
+            if self.stop_reason is not None:
+                return
+            self.stop_reason = reason
+            clients = list(self._clients)
+        frame = encode(Bye(reason))
+        for client in clients:
+            client.offer(frame)
+        self._stopped.set()
+
+    def close(self) -> None:
+        """After wait(): the clients get their Bye, then the engine and the socket go."""
+        self.stop(self.stop_reason or "stopped")
+        deadline = time.monotonic() + 1.0
+        for client in list(self._clients):
+            client.finish(max(0.0, deadline - time.monotonic()))
+        try:
+            self._listener.close()
+        except OSError:
+            pass
+        try:
+            self.driver.close()
+        finally:
+            if self._on_close is not None:
+                self._on_close()
+            (self.engine_dir / protocol.SOCKET_NAME).unlink(missing_ok=True)
+
+    # -- clients
+    def _accept_loop(self) -> None:
+        while not self._stopped.is_set():
+            try:
+                sock, _ = self._listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._greet, args=(sock,), name="moectl-client", daemon=True).start()
+
+    def _greet(self, sock: socket.socket) -> None:
+        """The first message must be a Hello with the run's token; then the catch-up."""
+        try:
+            self._welcome(sock)
+        except Exception:  # noqa: BLE001 - one client's failure is logged; the engine serves on
+            log.exception("engine host: a client's greeting failed")
+            sock.close()
+
+    def _welcome(self, sock: socket.socket) -> None:
+        try:
+            sock.settimeout(HELLO_TIMEOUT_S)
+            hello = read_message(sock)
+            sock.settimeout(None)
+            if not isinstance(hello, Hello) or not token_matches(hello.token, self._token):
+                sock.sendall(encode(Bye("refused: the first message must be a hello with this run's token")))
+                sock.close()
+                return
+        except (OSError, ProtocolError):
+            sock.close()
+            return
+        with self._lock:  # the catch-up and the client's place in the fan-out, at one instant
+            welcome = Welcome(engine=self.name, pid=os.getpid(), header=self.header(), steps=list(self._recent_steps),
+                              actions=list(self._recent_actions), status=msgspec.structs.asdict(self._status))
+            client = _Client(self, sock, hello.owner, encode(welcome))
+            self._clients.add(client)
+        client.start()
+
+    def gone(self, client: _Client) -> None:
+        with self._lock:
+            self._clients.discard(client)
+        if client.owner:
+            self.stop("its console went away")
+
+    def header(self) -> dict:
+        return engine_header(self.driver.engine)
+
+    # -- records and status
+    def _pump_loop(self) -> None:
+        while not self._stopped.wait(PUMP_S):
+            try:
+                self.pump()
+            except Exception:  # noqa: BLE001 - a record that cannot be sent must not stop the stream
+                log.exception("engine host: records not sent")
+
+    def pump(self) -> None:
+        steps, actions = self.driver.poll()
+        status = self._current_status()
+        with self._lock:
+            self._recent_steps.extend(steps)
+            self._recent_actions.extend(actions)
+            frames = []
+            if steps or actions:
+                frames.append(encode(Records(steps=steps, actions=actions)))
+            if status != self._status:
+                self._status = status
+                frames.append(encode(status))
+            clients = list(self._clients)
+        for frame in frames:
+            for client in clients:
+                client.offer(frame)
+
+    def _current_status(self) -> Status:
+        return Status(error=self.driver.error, load=asdict(self.load))
+
+    # -- actions
+    def act(self, act: Act) -> Future:
+        """An operator action, as EngineDriver.act takes it; "workload" steers the demo workload,
+        "rebalance_preview" answers a plan id and summary, "rebalance_apply" takes that id."""
+        kind, args = act.kind, dict(act.args)
+        if kind == "workload":
+            try:
+                load = replace(self.load, **args)
+                load.spec(0, 1)  # validates rate and lengths now
+            except (TypeError, ValueError) as exc:
+                raise ActionRefused(f"workload: {exc}") from None
+            self.load = load
+            return self.driver.call(lambda: self.workload.update(load) or {"workload": args}, "workload")
+        if kind == "rebalance_apply":
+            plan = self._plans.get(str(args.pop("plan_id", "")))
+            if plan is None:
+                raise ActionRefused("rebalance_apply: preview a plan first (or that preview is gone)")
+            return self.driver.act(kind, plan=plan)
+        future = self.driver.act(kind, **args)
+        if kind != "rebalance_preview":
+            return future
+        answer: Future = Future()
+
+        def keep(done: Future) -> None:
+            try:
+                plan = done.result()
+            except Exception as exc:  # noqa: BLE001 - passed on as the action's error
+                answer.set_exception(exc)
+                return
+            with self._lock:
+                self._plan_seq += 1
+                plan_id = f"p{self._plan_seq}"
+                self._plans[plan_id] = plan
+                while len(self._plans) > MAX_PLANS:
+                    self._plans.pop(next(iter(self._plans)))
+            answer.set_result({"plan_id": plan_id, "summary": plan.summary()})
+        future.add_done_callback(keep)
+        return answer
+
+
+def _plain(value):
+    """An action's result as the protocol carries it (placements as their dict)."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    to_dict = getattr(value, "to_dict", None)
+    return to_dict() if callable(to_dict) else value
+
+
+class _Client:
+    def __init__(self, host: EngineHost, sock: socket.socket, owner: bool, welcome: bytes):
+        self.host, self.sock, self.owner = host, sock, owner
+        self._queue: deque[bytes] = deque([welcome])
+        self._ready = threading.Condition()
+        self._closed = False
+        self.dropped = 0
+        self._send_lock = threading.Lock()
+        self._reader = threading.Thread(target=self._read_loop, name="moectl-client-read", daemon=True)
+        self._sender = threading.Thread(target=self._send_loop, name="moectl-client-send", daemon=True)
+
+    def start(self) -> None:
+        self._reader.start()
+        self._sender.start()
+
+    def offer(self, frame: bytes) -> None:
+        with self._ready:
+            if len(self._queue) >= CLIENT_QUEUE:
+                self._queue.popleft()
+                self.dropped += 1
+            self._queue.append(frame)
+            self._ready.notify()
+
+    def _send_loop(self) -> None:
+        sent_dropped = 0
+        while True:
+            with self._ready:
+                while not self._queue and not self._closed:
+                    self._ready.wait()
+                if not self._queue:
+                    return
+                frame = self._queue.popleft()
+                dropped = self.dropped
+            try:
+                if dropped != sent_dropped:  # says how much it lost before what follows
+                    self.sock.sendall(encode(Records(steps=[], actions=[], dropped=dropped)))
+                    sent_dropped = dropped
+                self.sock.sendall(frame)
+            except OSError:
+                return
+
+    def _read_loop(self) -> None:
+        try:
+            while True:
+                message = read_message(self.sock)
+                if message is None:
+                    break
+                if isinstance(message, Shutdown):
+                    self.host.stop("a console asked it to stop")
+                elif isinstance(message, Act):
+                    self._act(message)
+                else:
+                    raise ProtocolError(f"a client does not send {type(message).__name__}")
+        except (OSError, ProtocolError) as exc:
+            log.info("engine host: client dropped (%s)", exc)
+        finally:
+            self.finish(0.0)
+            self.host.gone(self)
+
+    def _act(self, act: Act) -> None:
+        try:
+            future = self.host.act(act)
+        except ActionRefused as exc:
+            self.offer(encode(Result(id=act.id, error=str(exc))))
+            return
+
+        def answer(done: Future) -> None:
+            try:
+                frame = encode(Result(id=act.id, value=_plain(done.result())))
+            except Exception as exc:  # noqa: BLE001 - the action's failure, in one line
+                text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                frame = encode(Result(id=act.id, error=text))
+            self.offer(frame)
+        future.add_done_callback(answer)
+
+    def finish(self, timeout_s: float) -> None:
+        """Send what is queued (for up to timeout_s), then close the connection."""
+        with self._ready:
+            self._closed = True
+            self._ready.notify()
+        if self._sender.is_alive() and threading.current_thread() is not self._sender:
+            self._sender.join(timeout_s)
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+
+
+def die_with_parent() -> None:
+    """SIGTERM this process when the one that started it dies (Linux; elsewhere the owner
+    client's closed connection is what stops the engine)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass

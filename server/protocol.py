@@ -1,0 +1,203 @@
+"""The engine's client protocol: what a console (or any client) and the engine process say.
+
+Binary: each message is a msgpack document (msgspec) behind a 4-byte little-endian length. Step
+records travel as the engine built them: numpy arrays as msgpack extension ARRAY_EXT (dtype,
+shape, raw bytes), never as JSON lists; nothing a peer sends is unpickled. The transport is a Unix
+socket in a directory only its owner can enter (engine_dir), and a client's first message must
+carry the run's token (Hello), compared in constant time.
+
+Torch-free, like everything a console process imports.
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+import secrets
+import socket
+import struct
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+
+LENGTH = struct.Struct("<I")
+MAX_MESSAGE = 64 << 20  # a catch-up of recent records on a 61 x 384 model is a few MiB
+ARRAY_EXT = 1
+SOCKET_NAME, TOKEN_NAME = "engine.sock", "token"
+
+
+class ProtocolError(ValueError):
+    """A peer sent something this protocol does not allow; the message says what."""
+
+
+# -- messages (tag: the "type" field on the wire)
+
+class Hello(msgspec.Struct, tag="hello"):
+    """Client -> engine, first: the run's token; owner: the engine exits when this client goes."""
+    token: str
+    client: str = "console"
+    owner: bool = False
+
+
+class Welcome(msgspec.Struct, tag="welcome"):
+    """Engine -> client, once: the catch-up (trace header, recent steps and actions, status)."""
+    engine: str  # "moectl engine (pid N)": how a client names it
+    pid: int
+    header: dict
+    steps: list
+    actions: list
+    status: dict
+
+
+class Records(msgspec.Struct, tag="records"):
+    """Engine -> client: the step and action records since the last Records; dropped counts the
+    ones this client lost so far because it read too slowly."""
+    steps: list
+    actions: list
+    dropped: int = 0
+
+
+class Status(msgspec.Struct, tag="status"):
+    """Engine -> client, when it changes: why the engine stopped serving (None while it serves)
+    and the demo workload (rate, lengths, paused)."""
+    error: str | None
+    load: dict | None
+
+
+class Act(msgspec.Struct, tag="act"):
+    """Client -> engine: an operator action (engine/core/driver.py EngineDriver.act's kinds, and
+    "workload"); answered by a Result with the same id."""
+    id: int
+    kind: str
+    args: dict
+
+
+class Result(msgspec.Struct, tag="result"):
+    id: int
+    value: Any = None
+    error: str | None = None
+
+
+class Shutdown(msgspec.Struct, tag="shutdown"):
+    """Client -> engine: stop (an owner's quit)."""
+
+
+class Bye(msgspec.Struct, tag="bye"):
+    """Engine -> client, last: why the engine is going."""
+    reason: str
+
+
+Message = Hello | Welcome | Records | Status | Act | Result | Shutdown | Bye
+
+
+# -- encoding
+
+def _enc_hook(obj):
+    if isinstance(obj, np.ndarray):
+        if obj.dtype.hasobject:
+            raise TypeError("an object array cannot be sent")
+        arr = np.ascontiguousarray(obj)
+        return msgspec.msgpack.Ext(ARRAY_EXT, msgspec.msgpack.encode((arr.dtype.str, arr.shape, arr.tobytes())))
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, (tuple, set, frozenset)):
+        return list(obj)
+    tolist = getattr(obj, "tolist", None)  # a torch tensor, without importing torch here
+    if callable(tolist):
+        return tolist()
+    raise TypeError(f"{type(obj).__name__} cannot be sent")
+
+
+def _ext_hook(code: int, data: memoryview):
+    if code != ARRAY_EXT:
+        raise ProtocolError(f"unknown extension type {code}")
+    try:
+        dtype, shape, raw = msgspec.msgpack.decode(data)
+        arr = np.frombuffer(raw, dtype=np.dtype(dtype))
+        return arr.reshape(shape).copy()  # writable, and free of the frame's buffer
+    except (TypeError, ValueError, msgspec.DecodeError) as exc:
+        raise ProtocolError(f"a malformed array ({exc})") from None
+
+
+_encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
+_decoder = msgspec.msgpack.Decoder(Message, ext_hook=_ext_hook)
+
+
+def encode(message: Message) -> bytes:
+    """One framed message."""
+    body = _encoder.encode(message)
+    if len(body) > MAX_MESSAGE:
+        raise ProtocolError(f"a message of {len(body):,} bytes; at most {MAX_MESSAGE:,}")
+    return LENGTH.pack(len(body)) + body
+
+
+def decode(body: bytes) -> Message:
+    try:
+        return _decoder.decode(body)
+    except msgspec.DecodeError as exc:
+        raise ProtocolError(f"not a message of this protocol ({str(exc).splitlines()[0]})") from None
+
+
+def read_message(sock: socket.socket) -> Message | None:
+    """The next message, or None when the peer closed the connection between messages."""
+    head = _read_exactly(sock, LENGTH.size, eof_ok=True)
+    if head is None:
+        return None
+    (length,) = LENGTH.unpack(head)
+    if length > MAX_MESSAGE:
+        raise ProtocolError(f"a message of {length:,} bytes announced; at most {MAX_MESSAGE:,}")
+    return decode(_read_exactly(sock, length))
+
+
+def _read_exactly(sock: socket.socket, n: int, eof_ok: bool = False) -> bytes | None:
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if k == 0:
+            if eof_ok and got == 0:
+                return None
+            raise ProtocolError("the connection closed in the middle of a message")
+        got += k
+    return bytes(buf)
+
+
+# -- where an engine listens
+
+def new_engine_dir() -> tuple[Path, str]:
+    """A fresh directory only this user can enter, holding the run's token (mode 0600); the
+    engine's socket goes beside it. Returns (directory, token)."""
+    path = Path(tempfile.mkdtemp(prefix="moectl-engine-"))  # mode 0700
+    token = secrets.token_urlsafe(32)
+    fd = os.open(path / TOKEN_NAME, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token)
+    return path, token
+
+
+def read_token(engine_dir: Path) -> str:
+    try:
+        return (Path(engine_dir) / TOKEN_NAME).read_text().strip()
+    except OSError as exc:
+        raise ProtocolError(f"{engine_dir}: no engine's token here ({exc.strerror or exc})") from None
+
+
+def token_matches(given: str, expected: str) -> bool:
+    return hmac.compare_digest(given.encode(), expected.encode())
+
+
+def connect(engine_dir: Path, timeout_s: float = 5.0) -> socket.socket:
+    """A connection to the engine listening in engine_dir (ProtocolError when none is there)."""
+    path = Path(engine_dir) / SOCKET_NAME
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout_s)
+    try:
+        sock.connect(str(path))
+    except OSError as exc:
+        sock.close()
+        raise ProtocolError(f"no engine listening at {path} ({exc.strerror or exc})") from None
+    sock.settimeout(None)
+    return sock

@@ -1,0 +1,225 @@
+"""The engine in a process of its own (server/engine_host.py) and consoles attached to it over
+server/protocol.py: the console drives a real engine process through Pilot, its process never
+loads torch, and the process table is checked after a kill -9 of either side and after q."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import psutil
+import pytest
+
+from moectl.cli.engine_process import EngineProcess, EngineStartFailed
+from moectl.console.app import MoectlApp
+from moectl.console.engine_client import EngineSource
+from moectl.engine.core.actions import ActionRefused
+from moectl.server import protocol
+from tests.checkpoints import tiny_checkpoint
+from tests.paths import REPO
+from tests.pilot import run_app, text_of, until
+
+WORKLOAD = "rate=40,prompt=8-24,output=8-16"
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return tiny_checkpoint(tmp_path_factory.mktemp("engine_process"))
+
+
+def start_engine(ckpt, *extra) -> EngineProcess:
+    engine = EngineProcess(["--model", str(ckpt), "--devices", "4", "--redundant", "1", "--workload", WORKLOAD,
+                            "--threads", "1", *extra])
+    engine.wait_ready(timeout_s=120)
+    return engine
+
+
+def gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def wait_gone(pid: int, timeout_s: float) -> float | None:
+    """Seconds until pid exits, or None if it outlives timeout_s."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        if gone(pid):
+            return time.monotonic() - t0
+        time.sleep(0.02)
+    return None
+
+
+# -- the protocol
+
+def test_records_cross_the_protocol_as_arrays_not_lists():
+    record = {"step": 3, "routing": np.arange(12, dtype=np.int32).reshape(3, 4),
+              "spans": {"start_s": np.array([0.5, 1.5]), "name": np.array(["a", "bc"])},
+              "devices": {"step_time": {"step_s": np.float64(0.25), "modeled": True}}, "nested": [1, (2, 3)]}
+    frame = protocol.encode(protocol.Records(steps=[record], actions=[]))
+    assert b"[0,1,2" not in frame  # no JSON-like lists of the array's values
+    back = protocol.decode(frame[protocol.LENGTH.size:])
+    got = back.steps[0]
+    assert got["routing"].dtype == np.int32 and got["routing"].shape == (3, 4)
+    np.testing.assert_array_equal(got["routing"], record["routing"])
+    assert list(got["spans"]["name"]) == ["a", "bc"] and got["devices"]["step_time"] == {"step_s": 0.25,
+                                                                                       "modeled": True}
+    assert got["nested"] == [1, [2, 3]]
+
+
+@pytest.mark.parametrize("body, words", [
+    (b"\x01\x02", "not a message of this protocol"),
+    (b"\x81\xa4type\xa6pickle", "not a message of this protocol"),  # {"type": "pickle"}: no such message
+])
+def test_a_malformed_message_is_one_line(body, words):
+    with pytest.raises(protocol.ProtocolError) as err:
+        protocol.decode(body)
+    assert words in str(err.value) and "\n" not in str(err.value)
+
+
+def test_an_oversized_announcement_is_refused_before_reading_it():
+    import socket
+
+    a, b = socket.socketpair()
+    with a, b:
+        a.sendall(protocol.LENGTH.pack(protocol.MAX_MESSAGE + 1))
+        with pytest.raises(protocol.ProtocolError, match="at most"):
+            protocol.read_message(b)
+
+
+def test_a_client_without_the_token_is_refused(ckpt):
+    engine = start_engine(ckpt)
+    try:
+        sock = protocol.connect(engine.dir)
+        with sock:
+            sock.sendall(protocol.encode(protocol.Hello(token="wrong")))
+            answer = protocol.read_message(sock)
+        assert isinstance(answer, protocol.Bye) and "token" in answer.reason
+        assert engine.alive()  # a refused client changes nothing
+        assert oct(engine.dir.stat().st_mode & 0o777) == "0o700"
+        assert oct((engine.dir / protocol.TOKEN_NAME).stat().st_mode & 0o777) == "0o600"
+    finally:
+        engine.terminate()
+
+
+def test_a_bad_engine_option_is_the_engines_one_line_and_exit_code(ckpt):
+    engine = EngineProcess(["--model", str(ckpt), "--hbm", "1KiB"])
+    with pytest.raises(EngineStartFailed) as err:
+        engine.wait_ready(timeout_s=120)
+    engine.stop()
+    assert err.value.code == 2 and str(err.value).startswith("--hbm: ") and "\n" not in str(err.value)
+    assert not engine.dir.exists()
+
+
+# -- the console on an engine process
+
+def test_the_console_drives_an_engine_process(ckpt):
+    """Records arrive, a rebalance previewed in the engine is applied there, and two consoles
+    attach to the one engine at once."""
+    engine = start_engine(ckpt)
+    source = EngineSource(engine.dir, owner=True)
+    second = EngineSource(engine.dir)
+
+    async def body(app, pilot):
+        await until(pilot, lambda: app.state.steps_seen > 5 and app.state.throughput() > 0, timeout=60)
+        assert app.state.header["model"]["num_layers"] > 0 and "emulated" in text_of(app, "#ov-title")
+        before = app.state.placement
+        await pilot.press("2")
+        await pilot.press("r")
+        await until(pilot, lambda: app.plan is not None, timeout=30)
+        await until(pilot, lambda: "predicted balancedness" in text_of(app, "#ex-preview-result"), timeout=5)
+        await pilot.press("A")
+        await until(pilot, lambda: app.state.placement is not None and app.state.placement != before, timeout=30)
+        # the apply is reported once the copy has run, with its measured bytes and time
+        await until(pilot, lambda: any("bytes copied in" in str(n.message) for n in app._notifications), timeout=10)
+        # the second console, attached all along, saw the same records and the apply
+        await until(pilot, lambda: any(a["kind"] == "rebalance_apply" for a in seen_by_second()), timeout=10)
+        with pytest.raises(ActionRefused, match="preview a plan first"):
+            second.act("rebalance_apply")
+        with pytest.raises(ActionRefused, match="rate"):
+            second.act("workload", rate=-1).result(timeout=30)
+        assert second.act("workload", rate=12.0).result(timeout=30) == {"workload": {"rate": 12.0}}
+        await until(pilot, lambda: second.load.rate == 12.0 and source.load.rate == 12.0, timeout=10)
+
+    second_actions: list = []
+
+    def seen_by_second() -> list:
+        second_actions.extend(second.poll()[1])
+        return second_actions
+    try:
+        run_app(MoectlApp(source), body)
+    finally:
+        second.close()
+        source.close()
+        engine.stop()
+    assert gone(engine.pid) and not engine.dir.exists()  # q's path: the owner's close stops the engine
+
+
+def test_an_engine_killed_with_sigkill_is_named_at_once_and_the_console_stays_up(ckpt):
+    engine = start_engine(ckpt)
+    source = EngineSource(engine.dir, owner=True)
+    seen = {}
+
+    async def body(app, pilot):
+        await until(pilot, lambda: app.state.steps_seen > 0, timeout=60)
+        os.kill(engine.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        await until(pilot, lambda: source.error is not None and app._shown_error == source.error, timeout=10)
+        seen["after_s"] = time.monotonic() - t0
+        assert f"moectl engine (pid {engine.pid}) is gone" in source.error
+        assert any(source.error in str(n.message) for n in app._notifications)
+        await pilot.press("3")  # still usable for inspection
+        await until(pilot, lambda: app.query_one("#tabs").active == "memory", timeout=5)
+        with pytest.raises(ActionRefused, match="is gone"):
+            source.act("rebalance_preview")
+    try:
+        run_app(MoectlApp(source), body)
+    finally:
+        source.close()
+        engine.stop()
+    print(f"engine SIGKILL -> console says so in {seen['after_s'] * 1e3:.0f} ms")
+
+
+_CONSOLE = textwrap.dedent("""
+    import sys, time
+    from moectl.cli.engine_process import EngineProcess
+    from moectl.console.engine_client import EngineSource
+    engine = EngineProcess(sys.argv[1:])
+    engine.wait_ready(timeout_s=120)
+    source = EngineSource(engine.dir, owner=True)
+    print(engine.pid, flush=True)
+    time.sleep(600)
+""")
+
+
+def test_killing_the_console_stops_the_engine_it_started(ckpt):
+    console = subprocess.Popen([sys.executable, "-c", _CONSOLE, "--model", str(ckpt), "--devices", "2",
+                                "--threads", "1", "--workload", WORKLOAD], stdout=subprocess.PIPE, text=True,
+                               cwd=REPO)
+    try:
+        engine_pid = int(console.stdout.readline())
+        assert not gone(engine_pid)
+        console.kill()
+        exited = wait_gone(engine_pid, 30)
+    finally:
+        console.kill()
+        console.wait()
+        console.stdout.close()
+    assert exited is not None, "the engine outlived its console"
+    print(f"console SIGKILL -> engine exited in {exited:.2f} s")
+
+
+def test_the_console_process_never_imports_torch():
+    """What `moectl run` imports in the console's process, and what it imports to draw."""
+    code = ("import sys\n"
+            "import moectl.cli.main, moectl.cli.engine_process, moectl.console.app, moectl.console.engine_client\n"
+            "from moectl.cli import console, web\n"
+            "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))[:3]\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    assert done.returncode == 0, done.stderr
