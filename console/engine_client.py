@@ -23,6 +23,7 @@ from moectl.console.sources import RECORD_BUFFER, RemotePlan, Source
 from moectl.engine.core.actions import ActionRefused
 from moectl.server.protocol import (
     Act,
+    Alerts,
     Bye,
     Hello,
     ProtocolError,
@@ -45,6 +46,7 @@ class EngineSource(Source):
     stops when this source closes (or this process dies)."""
 
     mode = "live"
+    computes_alerts = False  # the engine does: `alerts` and `alerts_version` follow its Alerts
 
     def __init__(self, engine_dir: Path, *, owner: bool = False, timeout_s: float = WELCOME_TIMEOUT_S):
         self.engine_dir = Path(engine_dir)
@@ -78,6 +80,8 @@ class EngineSource(Source):
         self._status = Status(**welcome.status)
         self._records.extend(welcome.steps)
         self._actions.extend(welcome.actions)
+        self.alerts: list = welcome.alerts or []
+        self.alerts_version = 0 if welcome.alerts is None else 1
         self._reader = threading.Thread(target=self._read_loop, name="moectl-engine-client", daemon=True)
         self._reader.start()
 
@@ -95,6 +99,9 @@ class EngineSource(Source):
                     self.dropped = max(self.dropped, message.dropped)
                 elif isinstance(message, Status):
                     self._status = message
+                elif isinstance(message, Alerts):
+                    self.alerts = message.alerts
+                    self.alerts_version += 1
                 elif isinstance(message, Result):
                     self._answer(message)
                 elif isinstance(message, Bye):

@@ -35,6 +35,7 @@ from moectl.profiler.recorder import engine_header
 from moectl.server import protocol
 from moectl.server.protocol import (
     Act,
+    Alerts,
     Bye,
     Hello,
     ProtocolError,
@@ -51,7 +52,8 @@ from moectl.server.protocol import (
 log = logging.getLogger(__name__)
 
 PUMP_S = 0.02  # records reach clients this often: 50 a second, faster than any console redraws
-RECENT_STEPS, RECENT_ACTIONS = 64, 256  # a new client's catch-up
+RECENT_STEPS, RECENT_ACTIONS = 64, 256  # a new client's catch-up, and the alerts' window (a console's)
+ALERT_EVERY_S = 2.0  # alerts are recomputed this often while a client is attached and steps arrive
 CLIENT_QUEUE = 256  # messages waiting per client before its oldest are dropped
 HELLO_TIMEOUT_S = 5.0
 MAX_PLANS = 16  # previews kept for an apply (newest)
@@ -73,6 +75,10 @@ class EngineHost:
         self._recent_steps: deque = deque(maxlen=RECENT_STEPS)
         self._recent_actions: deque = deque(maxlen=RECENT_ACTIONS)
         self._status = self._current_status()
+        self._alerts: Alerts | None = None
+        self._alerts_at = 0.0
+        self._alerts_steps = 0  # steps seen when the alerts were last computed
+        self._steps_seen = 0
         self.stop_reason: str | None = None
         self._stopped = threading.Event()
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -150,7 +156,8 @@ class EngineHost:
             return
         with self._lock:  # the catch-up and the client's place in the fan-out, at one instant
             welcome = Welcome(engine=self.name, pid=os.getpid(), header=self.header(), steps=list(self._recent_steps),
-                              actions=list(self._recent_actions), status=msgspec.structs.asdict(self._status))
+                              actions=list(self._recent_actions), status=msgspec.structs.asdict(self._status),
+                              alerts=self._alerts.alerts if self._alerts is not None else None)
             client = _Client(self, sock, hello.owner, encode(welcome))
             self._clients.add(client)
         client.start()
@@ -178,6 +185,7 @@ class EngineHost:
         with self._lock:
             self._recent_steps.extend(steps)
             self._recent_actions.extend(actions)
+            self._steps_seen += len(steps)
             frames = []
             if steps or actions:
                 frames.append(encode(Records(steps=steps, actions=actions)))
@@ -185,9 +193,37 @@ class EngineHost:
                 self._status = status
                 frames.append(encode(status))
             clients = list(self._clients)
+        alerts = self._due_alerts() if clients else None
+        if alerts is not None:
+            frames.append(encode(alerts))
         for frame in frames:
             for client in clients:
                 client.offer(frame)
+
+    def _due_alerts(self) -> Alerts | None:
+        """The alerts over the recent window, every ALERT_EVERY_S while steps arrive; computed
+        here, once, so no console recomputes them (or shares its UI thread with the work)."""
+        now = time.monotonic()
+        if now - self._alerts_at < ALERT_EVERY_S or self._steps_seen == self._alerts_steps:
+            return None
+        from moectl.profiler.analysis import alerts
+
+        self._alerts_at, self._alerts_steps = now, self._steps_seen
+        with self._lock:
+            window = list(self._recent_steps)
+        if not window:
+            return None
+        experts = self.driver.engine.experts
+        devices = self.header().get("devices") or {}
+        try:
+            found = alerts(window, experts.placement if experts is not None else None,
+                           experts.topology if experts is not None else None, devices.get("expert_bytes"),
+                           devices.get("redundant_slots") or None)
+        except Exception as exc:  # noqa: BLE001 - an analysis bug must not stop the stream
+            found = [{"kind": "analysis", "severity": "error", "message": f"alerts failed: {exc}", "action": "-",
+                      "predicted": {}}]
+        self._alerts = Alerts(step=int(window[-1]["step"]), alerts=found)
+        return self._alerts
 
     def _current_status(self) -> Status:
         return Status(error=self.driver.error, load=asdict(self.load))

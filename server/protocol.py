@@ -50,6 +50,7 @@ class Welcome(msgspec.Struct, tag="welcome"):
     steps: list
     actions: list
     status: dict
+    alerts: list | None = None  # the newest Alerts' list, None before the first
 
 
 class Records(msgspec.Struct, tag="records"):
@@ -65,6 +66,14 @@ class Status(msgspec.Struct, tag="status"):
     and the demo workload (rate, lengths, paused)."""
     error: str | None
     load: dict | None
+
+
+class Alerts(msgspec.Struct, tag="alerts"):
+    """Engine -> client, when they change: the plain-language alerts (profiler/analysis.py
+    alerts) over the engine's recent window, up to `step`, computed once in the engine for every
+    client."""
+    step: int
+    alerts: list
 
 
 class Act(msgspec.Struct, tag="act"):
@@ -90,7 +99,7 @@ class Bye(msgspec.Struct, tag="bye"):
     reason: str
 
 
-Message = Hello | Welcome | Records | Status | Act | Result | Shutdown | Bye
+Message = Hello | Welcome | Records | Status | Alerts | Act | Result | Shutdown | Bye
 
 
 # -- encoding

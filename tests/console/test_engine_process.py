@@ -129,6 +129,9 @@ def test_the_console_drives_an_engine_process(ckpt):
     async def body(app, pilot):
         await until(pilot, lambda: app.state.steps_seen > 5 and app.state.throughput() > 0, timeout=60)
         assert app.state.header["model"]["num_layers"] > 0 and "emulated" in text_of(app, "#ov-title")
+        # the alerts are the engine's, computed there for every client: the console computes none
+        await until(pilot, lambda: source.alerts_version > 0 and app.state.alerts == source.alerts, timeout=30)
+        assert app._alerts_at == 0.0 and not app._alerts_running
         before = app.state.placement
         await pilot.press("2")
         await pilot.press("r")
