@@ -185,7 +185,7 @@ def engine_host(
     token = read_token(engine_dir)
     engines = Engines(config, backend)
     try:
-        host = EngineHost(engines.make_engine, load, engine_dir, token, on_close=engines.close)
+        host = EngineHost(engine_dir, token, make_engine=engines.make_engine, load=load, on_close=engines.close)
     except BaseException:
         engines.close()
         raise

@@ -73,8 +73,28 @@ def serve(
     try:
         driver = EngineDriver(engines.make_engine, name="moectl-serve")
         try:
-            run_server(driver, host=host, port=port, token=token, sock=sock)
+            consoles = serve_consoles(driver)
+            try:
+                run_server(driver, host=host, port=port, token=token, sock=sock, record_sinks=(consoles.publish,))
+            finally:
+                consoles.stop("the server stopped")
+                consoles.close()
         finally:
             driver.close()
     finally:
         engines.close()
+
+
+def serve_consoles(driver):
+    """The engine process's protocol beside the API, for any number of consoles on this machine
+    (`moectl run --engine DIR`): a private directory, its socket and token, removed at the end."""
+    import shutil
+
+    from moectl.server.engine_host import EngineHost
+    from moectl.server.protocol import new_engine_dir
+
+    engine_dir, token = new_engine_dir()
+    host = EngineHost(engine_dir, token, driver=driver, name="moectl serve",
+                      on_close=lambda: shutil.rmtree(engine_dir, ignore_errors=True))
+    typer.echo(f"moectl serve: consoles attach with `moectl run --engine {engine_dir}`", err=True)
+    return host

@@ -54,8 +54,10 @@ LISTEN_BACKLOG = 1024  # hundreds of clients may connect at once
 
 def make_app(driver: EngineDriver, *, token: str | None = None, model_name: str | None = None,
              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, max_tokens_limit: int = DEFAULT_MAX_TOKENS_LIMIT,
-             poll_interval_s: float = POLL_INTERVAL_S) -> web.Application:
+             poll_interval_s: float = POLL_INTERVAL_S, record_sinks: tuple = ()) -> web.Application:
     """driver: the engine on its thread (the server's clients are its only requests).
+    record_sinks: sink(steps, actions) for each batch of records, beside the metrics and
+    /v1/telemetry (the consoles' engine host: the driver's records have one reader, this app).
     model_name: what /v1/models lists and requests must name (default: the checkpoint's directory
     name). max_request_bytes: larger bodies get 413. max_tokens_limit: the largest max_tokens."""
     _check_token(token)
@@ -67,7 +69,8 @@ def make_app(driver: EngineDriver, *, token: str | None = None, model_name: str 
     state = ServerState(driver=driver, token=token,
                         model_name=model_name or (header.get("model") or {}).get("name") or "moectl",
                         max_request_bytes=max_request_bytes, max_tokens_limit=max_tokens_limit, metrics=metrics,
-                        hub=TelemetryHub(header, on_dropped=metrics.dropped_telemetry), started=time.time())
+                        hub=TelemetryHub(header, on_dropped=metrics.dropped_telemetry), started=time.time(),
+                        record_sinks=tuple(record_sinks))
     # the checkpoint's chat template, or the fallback (said once at start, and in /v1/models)
     template = ChatTemplate.from_dir(driver.engine.config.model)
     if template.is_fallback:
@@ -300,6 +303,9 @@ async def _consume(state: ServerState, interval_s: float) -> None:
         try:
             records, actions = state.driver.poll()
             fan_out(state, records, actions)
+            if records or actions:
+                for sink in state.record_sinks:
+                    sink(records, actions)
         except Exception:  # noqa: BLE001 - the consumer must outlive one bad record
             log.exception("record consumer")
         await asyncio.sleep(interval_s)

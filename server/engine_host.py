@@ -1,7 +1,8 @@
 """The engine process: one engine, its demo workload, and every client attached to it.
 
 `moectl run` starts it (`moectl engine-host`, cli/console.py) and attaches a console; `moectl
-web` starts one and attaches every browser tab's console to it. Clients speak server/protocol.py
+web` starts one and attaches every browser tab's console to it; `moectl serve` hosts the same
+protocol beside its HTTP API, for any number of consoles (`moectl run --engine DIR`). Clients speak server/protocol.py
 over a Unix socket in the run's private directory. The engine computes every figure; clients
 get the records and draw them.
 
@@ -60,14 +61,23 @@ MAX_PLANS = 16  # previews kept for an apply (newest)
 
 
 class EngineHost:
-    def __init__(self, make_engine, load: DemoLoad, engine_dir: Path, token: str, on_close=None):
+    """An engine's clients over the protocol. With a demo workload (`moectl run`, `web`) the host
+    builds the engine's driver and owns it; `moectl serve` hands in its own driver (no workload:
+    its requests come through the API) and keeps it."""
+
+    def __init__(self, engine_dir: Path, token: str, *, make_engine=None, load: DemoLoad | None = None,
+                 driver: EngineDriver | None = None, on_close=None, name: str = "moectl engine"):
+        if (make_engine is None) == (driver is None):
+            raise ValueError("EngineHost: give make_engine (and a load) or a driver")
         self.engine_dir = Path(engine_dir)
         self._token = token
         self._on_close = on_close
         self.load = load
-        self.workload = DemoWorkload(load)
-        self.driver = EngineDriver(make_engine, feed=self.workload.feed)
-        self.name = f"moectl engine (pid {os.getpid()})"
+        self.workload = DemoWorkload(load) if load is not None else None
+        self._owns_driver = driver is None
+        self._inbox: deque = deque(maxlen=RECENT_ACTIONS * 16)  # (steps, actions) published by a driver's reader
+        self.driver = driver or EngineDriver(make_engine, feed=self.workload.feed if self.workload else None)
+        self.name = f"{name} (pid {os.getpid()})"
         self._plans: dict[str, object] = {}
         self._plan_seq = 0
         self._lock = threading.Lock()  # clients, recent, status
@@ -119,7 +129,8 @@ class EngineHost:
         except OSError:
             pass
         try:
-            self.driver.close()
+            if self._owns_driver:
+                self.driver.close()
         finally:
             if self._on_close is not None:
                 self._on_close()
@@ -179,8 +190,23 @@ class EngineHost:
             except Exception:  # noqa: BLE001 - a record that cannot be sent must not stop the stream
                 log.exception("engine host: records not sent")
 
+    def publish(self, steps: list, actions: list) -> None:
+        """Records read from a driver this host does not own (serve's app reads them): sent on
+        with the next pump."""
+        self._inbox.append((steps, actions))
+
+    def _take(self) -> tuple[list, list]:
+        if self._owns_driver:
+            return self.driver.poll()
+        steps, actions = [], []
+        while self._inbox:
+            s, a = self._inbox.popleft()
+            steps += s
+            actions += a
+        return steps, actions
+
     def pump(self) -> None:
-        steps, actions = self.driver.poll()
+        steps, actions = self._take()
         status = self._current_status()
         with self._lock:
             self._recent_steps.extend(steps)
@@ -226,7 +252,7 @@ class EngineHost:
         return self._alerts
 
     def _current_status(self) -> Status:
-        return Status(error=self.driver.error, load=asdict(self.load))
+        return Status(error=self.driver.error, load=asdict(self.load) if self.load is not None else None)
 
     # -- actions
     def act(self, act: Act) -> Future:
@@ -234,6 +260,9 @@ class EngineHost:
         "rebalance_preview" answers a plan id and summary, "rebalance_apply" takes that id."""
         kind, args = act.kind, dict(act.args)
         if kind == "workload":
+            if self.workload is None:
+                raise ActionRefused("workload: this engine has no demo workload (moectl serve: its requests come "
+                                    "through the API)")
             try:
                 load = replace(self.load, **args)
                 load.spec(0, 1)  # validates rate and lengths now
@@ -326,7 +355,8 @@ class _Client:
                 if message is None:
                     break
                 if isinstance(message, Shutdown):
-                    self.host.stop("a console asked it to stop")
+                    if self.owner:  # only the console that started the engine stops it
+                        self.host.stop("its console asked it to stop")
                 elif isinstance(message, Act):
                     self._act(message)
                 else:

@@ -23,6 +23,7 @@ class ServerState:
     hub: TelemetryHub
     started: float  # unix time
     bridge: EngineBridge | None = None  # made on the server's loop at startup
+    record_sinks: tuple = ()  # more consumers of the record stream: sink(steps, actions), e.g. consoles
 
 
 STATE = web.AppKey("moectl_state", ServerState)
