@@ -22,7 +22,7 @@ from moectl.engine.core.config import AutoRebalancePolicy
 from moectl.engine.core.topology import Topology, format_size
 from moectl.engine.experts.memory_ledger import MemoryLedger
 from moectl.engine.experts.placed_experts import PlacedExperts, StepDeviceStats
-from moectl.engine.experts.placement import Placement, PlacementError
+from moectl.engine.experts.placement import Placement, PlacementError, migration_in
 from moectl.engine.experts.rebalancer import LoadWindow, RebalancePlan, plan_rebalance
 from moectl.engine.experts.replica_routing import RoutingState
 from moectl.engine.experts.step_time import ExpertCostModel, change, parallel_step, predict_step_times
@@ -272,8 +272,16 @@ class LocalCluster(ClusterBase):
         self.check(placement)
         if self.caches is not None:  # each device now serves other experts: build before changing anything
             self.caches = self._make_caches(placement)
-        moved = sum(layer.load(placement) for layer in self.layers)
+        plan = migration_in(self.placement, placement, self.moe_layers)
+        for layer in self.layers:
+            layer.load(placement)
         self.placement = placement
+        if self.caches is not None:  # tiered: nothing moves between HBMs; caches refill on demand
+            moved = local = 0
+        else:  # the copies made are the migration's (the slots whose expert changed)
+            moved = int(plan[:, 6].sum()) * self.expert_bytes
+            local = int((plan[:, 6] == 0).sum()) * self.expert_bytes
+        self.last_migration = {"bytes_local": local}
         self.bytes_moved_total += moved
         return moved
 

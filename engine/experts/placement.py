@@ -29,6 +29,11 @@ class PlacementError(ValueError):
     """A placement edit or query refused; the one-line message names the bad value."""
 
 
+# a row of Placement.migration: copy `expert` of `layer` from (src_device, src_slot) into
+# (dst_device, dst_slot); over_link 1 when the devices differ
+MIGRATION_FIELDS = ("layer", "expert", "src_device", "src_slot", "dst_device", "dst_slot", "over_link")
+
+
 class Move(NamedTuple):
     """Copy expert `expert` of `layer` from device `src_device` into slot `dst_slot` of `dst_device`."""
     layer: int
@@ -380,32 +385,77 @@ class Placement:
         rows = self.move_array(other, devices_per_node)
         return [Move(*r) for r in rows.tolist()], len(rows) * int(expert_bytes)
 
-    def move_array(self, other: Placement, devices_per_node: int | None = None) -> np.ndarray:
-        """moves_to's moves as an int64 array [M, 5] of Move fields (cheap for 10^4+ moves)."""
-        layer, device, slot, expert = self._arrivals(other)
-        held = self._held_by_expert()[layer, expert]  # [M, D] candidate sources
-        score = held.astype(np.int8)
+    def migration(self, other: Placement, devices_per_node: int | None = None) -> np.ndarray:
+        """The one migration plan from this placement to `other`, which every backend executes
+        and every preview counts: int64 [M, 7] rows of MIGRATION_FIELDS, one per slot of `other`
+        whose expert changes (empty slots excepted), ordered by (layer, device, slot). The
+        source is a slot of the destination device that holds the expert already (a copy within
+        the device: over_link 0), else a replica on another device, on the destination's node
+        when there is one, the lowest such device, in its first slot holding the expert."""
+        self._check_same_shape(other)
+        old, new = self._slots, other.slots
+        layer, device, slot = np.nonzero((new != _slots_like(old, new.shape[2])) & (new >= 0))
+        expert = new[layer, device, slot]
+        held = self._held_by_expert()[layer, expert]  # [M, D] devices holding each expert now
+        here = held[np.arange(layer.size), device] if layer.size else np.zeros(0, dtype=bool)
+        score = held.astype(np.int8) + 2 * (held & (np.arange(self.num_devices)[None, :] == device[:, None]))
         if devices_per_node:
             node = np.arange(self.num_devices) // devices_per_node
             score = score + (held & (node[None, :] == node[device][:, None]))
         src = score.argmax(1) if layer.size else layer
-        return np.stack([layer, expert, src, device, slot], axis=1)
+        src_slot = (old[layer, src, :] == expert[:, None]).argmax(1) if layer.size else layer
+        return np.stack([layer, expert, src, src_slot, device, slot, (~here).astype(np.int64)], axis=1)
+
+    def move_array(self, other: Placement, devices_per_node: int | None = None) -> np.ndarray:
+        """moves_to's moves as an int64 array [M, 5] of Move fields (cheap for 10^4+ moves): the
+        migration's rows that cross a link."""
+        m = self.migration(other, devices_per_node)
+        return m[m[:, 6] == 1][:, [0, 1, 2, 4, 5]]
 
     def bytes_to(self, other: Placement, expert_bytes: int) -> int:
-        """moves_to's byte count without building the move list."""
+        """moves_to's byte count: the migration's copies over links."""
         return int(self._arrivals(other)[0].size) * int(expert_bytes)
 
-    def _arrivals(self, other: Placement):
+    def local_copies(self, other: Placement) -> int:
+        """The migration's copies within a device (an expert the device holds, into another of
+        its slots): no link carries them, but they are copies all the same."""
+        self._check_same_shape(other)
+        changed = (other.slots != _slots_like(self._slots, other.slots_per_device)) & (other.slots >= 0)
+        return int(changed.sum()) - int(self._arrivals(other)[0].size)
+
+    def _check_same_shape(self, other: Placement) -> None:
         if not isinstance(other, Placement):
             raise PlacementError("moves_to: expected a Placement")
         if (other.num_layers, other.num_experts, other.num_devices) != \
                 (self.num_layers, self.num_experts, self.num_devices):
             raise PlacementError("moves_to: placements differ in layers, experts or devices")
+
+    def _arrivals(self, other: Placement):
+        """(layer, device, slot, expert) of every slot of `other` whose device did not hold its
+        expert: the migration's rows over links, without its sources."""
+        self._check_same_shape(other)
         new = other.slots
         l, d = np.indices(new.shape[:2])
         arrives = (new >= 0) & ~self.held()[l[..., None], d[..., None], np.maximum(new, 0)]
         layer, device, slot = np.nonzero(arrives)
         return layer, device, slot, new[layer, device, slot]
+
+def migration_in(old: Placement, new: Placement, layers) -> np.ndarray:
+    """old.migration(new)'s rows for these layers only (the MoE layers: a dense layer's row holds
+    no experts to copy)."""
+    plan = old.migration(new)
+    return plan[np.isin(plan[:, 0], np.asarray(list(layers), dtype=np.int64))]
+
+
+def _slots_like(slots: np.ndarray, slots_per_device: int) -> np.ndarray:
+    """[L, D, S] slots cut or padded with empty slots (-1) to `slots_per_device` a device: a
+    placement with more spare slots compared slot by slot with one with fewer."""
+    have = slots.shape[2]
+    if have >= slots_per_device:
+        return slots[:, :, :slots_per_device]
+    pad = np.full((*slots.shape[:2], slots_per_device - have), -1, dtype=slots.dtype)
+    return np.concatenate([slots, pad], axis=2)
+
 
 def expert_nbytes(experts) -> int:
     """Bytes of one expert of a StackedExperts (w13 [E, 2I, H] + w2 [E, H, I])."""

@@ -62,6 +62,7 @@ class RebalancePlan:
     move_array: np.ndarray  # [M, 5] int64 rows of Move fields
     seconds: float  # wall time of planning (perf_counter), the move array included
     layers_kept: int = 0  # layers left exactly as they were (already balanced within tolerance)
+    bytes_local: int = 0  # the migration's copies within a device (Placement.local_copies), in bytes
     prediction: dict | None = None  # predicted step time and throughput before/after (step_time.py), when known
 
     @property
@@ -74,7 +75,7 @@ class RebalancePlan:
     def summary(self) -> dict:
         return {"balancedness_before": self.balancedness_before.overall,
                 "balancedness_after": self.balancedness_after.overall,
-                "bytes_moved": self.bytes_moved, "moves": len(self.move_array),
+                "bytes_moved": self.bytes_moved, "bytes_local": self.bytes_local, "moves": len(self.move_array),
                 "layers_kept": self.layers_kept, "seconds": self.seconds,
                 **({"predicted": self.prediction} if self.prediction is not None else {})}
 
@@ -152,7 +153,7 @@ def plan_rebalance(loads, topology: Topology | int, redundant_per_device: int,
     b_per, b_all = balancedness(before_loads)
     a_per, a_all = balancedness(after_loads)
     return RebalancePlan(plan, Balance(b_per, b_all), Balance(a_per, a_all), len(moves) * expert_bytes, moves,
-                         time.perf_counter() - t0, kept)
+                         time.perf_counter() - t0, kept, current.local_copies(plan) * expert_bytes)
 
 
 def _repair(W: np.ndarray, cur: np.ndarray, E: int, pin_mask: np.ndarray, target: float):

@@ -106,7 +106,8 @@ class DistributedCluster(ClusterBase):
         self.placement = placement
         moved = int(sum(r["bytes_received"] for r in reports))
         self.bytes_moved_total += moved
-        self.last_migration = {"migration": {"per_rank": reports, "bytes_transferred": moved,
+        self.last_migration = {"bytes_local": int(sum(r["bytes_local"] for r in reports)),
+                               "migration": {"per_rank": reports, "bytes_transferred": moved,
                                              "seconds_max": max(r["seconds"] for r in reports), "measured": True}}
         return moved
 

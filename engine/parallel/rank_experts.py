@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moectl.engine.experts.placement import Placement
+from moectl.engine.experts.placement import Placement, migration_in
 from moectl.engine.experts.replica_routing import RoutingState, assign_replicas
 from moectl.engine.models.moe import SWIGLU, ExpertFFN, MoEBlock, combine, grouped_offsets, grouped_swiglu
 from moectl.engine.models.tracing import NULL_TRACER
@@ -244,23 +244,11 @@ def install(model: nn.Module, placement: Placement, rank: int, world: int, stats
 
 
 def migration_plan(old: Placement, new: Placement, layers: list[int]) -> list[tuple[int, int, int, int, int]]:
-    """Every slot whose expert changes: (layer, dst rank, dst slot, src rank, src slot), the source
-    being the destination rank itself when it already holds the expert, else the lowest rank
-    that does. Every rank derives the same list, in the same order."""
-    moves = []
-    for layer in layers:
-        before, after = old.slots[layer], new.slots[layer]
-        for dst, slot in zip(*np.nonzero(after != before)):
-            expert = int(after[dst, slot])
-            if expert < 0:
-                continue
-            own = np.nonzero(before[dst] == expert)[0]
-            if own.size:
-                moves.append((layer, int(dst), int(slot), int(dst), int(own[0])))
-            else:
-                src, src_slot = np.argwhere(before == expert)[0]
-                moves.append((layer, int(dst), int(slot), int(src), int(src_slot)))
-    return moves
+    """The migration (Placement.migration, the plan every preview counts) for these layers as
+    (layer, dst rank, dst slot, src rank, src slot) rows. Every rank derives the same list, in
+    the same order."""
+    rows = migration_in(old, new, layers)
+    return [(layer, dst, slot, src, src_slot) for layer, _, src, src_slot, dst, slot, _ in rows.tolist()]
 
 
 def migrate(layers: list[RankExperts], new: Placement, rank: int, world: int, group=None) -> dict:
