@@ -150,12 +150,16 @@ class ExpertsPanel(ShowsOnChange, VerticalScroll):
             self.put("#ex-apply-outcome", "")
             return
         predicted = outcome["predicted"]
-        how = "modeled parallel" if outcome["modeled"] else "measured"
+        clock = "modeled" if outcome["modeled"] else "measured"
+        # the prediction on the outcome's basis: its gain applied to the recorded "before" (its own
+        # absolute figures come from the cost model, another basis, shown apart)
+        expected = outcome["before"] * (1 + predicted["gain"])
         self.put(
             "#ex-apply-outcome",
             f"after the apply ({outcome['steps_after']} steps): {outcome['before']:,.0f} -> {outcome['after']:,.0f} "
-            f"tok/s {how} ({outcome['gain']:+.1%}); predicted {predicted['throughput_before']:,.0f} -> "
-            f"{predicted['throughput_after']:,.0f} ({predicted['gain']:+.1%})")
+            f"tok/s {clock} (prompt+output per parallel step; {outcome['gain']:+.1%}); predicted "
+            f"{predicted['gain']:+.1%}, {expected:,.0f} on this basis (the cost model's own: "
+            f"{predicted['throughput_before']:,.0f} -> {predicted['throughput_after']:,.0f})")
 
     def show_preview(self, summary: dict | None, error: str | None = None) -> None:
         result = self.query_one("#ex-preview-result", Static)
@@ -170,7 +174,7 @@ class ExpertsPanel(ShowsOnChange, VerticalScroll):
         if predicted:
             text += (f"\npredicted step {predicted['step_s_before'] * 1e3:.1f} -> {predicted['step_s_after'] * 1e3:.1f} ms, "
                      f"throughput {predicted['throughput_before']:,.0f} -> {predicted['throughput_after']:,.0f} tok/s "
-                     f"({predicted['gain']:+.1%}; {predicted['model']})")
+                     f"(prompt+output per predicted parallel step) ({predicted['gain']:+.1%}; {predicted['model']})")
         result.update(text)
         self.query_one("#ex-apply", Button).disabled = False
 

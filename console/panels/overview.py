@@ -56,7 +56,7 @@ class OverviewPanel(ShowsOnChange, VerticalScroll):
         lat, cache, counts = state.latency(), state.cache(), state.request_counts()
         self.put(
             "#ov-metrics",
-            f"throughput [b]{state.throughput():.0f}[/b] tok/s   "
+            f"throughput [b]{state.throughput():.0f}[/b] tok/s (prompt+output, wall clock)   "
             f"TTFT p50/p99 {fmt_s(lat['ttft']['p50'])} / {fmt_s(lat['ttft']['p99'])}   "
             f"TPOT p50/p99 {fmt_s(lat['tpot']['p50'])} / {fmt_s(lat['tpot']['p99'])}\n"
             f"queue {counts['waiting']}   running {counts['running']}   "

@@ -62,6 +62,7 @@ def test_console_on_ranks_rebalances_and_shows_predicted_and_measured(ckpt):
         await until(pilot, lambda: app.state.apply_outcome() is not None, timeout=60)
         outcome = text_of(app, "#ex-apply-outcome")
         assert "tok/s measured" in outcome and "predicted" in outcome
+        assert "prompt+output per parallel step" in outcome and "on this basis" in outcome  # one basis for both
     on_ranks(ckpt, body)
 
 

@@ -137,6 +137,9 @@ def test_the_console_drives_an_engine_process(ckpt):
         await pilot.press("r")
         await until(pilot, lambda: app.plan is not None, timeout=30)
         await until(pilot, lambda: "predicted balancedness" in text_of(app, "#ex-preview-result"), timeout=5)
+        # every throughput says what it counts and on which clock
+        assert "prompt+output per predicted parallel step" in text_of(app, "#ex-preview-result")
+        assert "tok/s (prompt+output, wall clock)" in text_of(app, "#ov-metrics")
         await pilot.press("A")
         await until(pilot, lambda: app.state.placement is not None and app.state.placement != before, timeout=30)
         # the apply is reported once the copy has run, with its measured bytes and time
