@@ -28,6 +28,7 @@ from moectl.cli.common import (
     handles_errors,
     parse_threads,
 )
+from moectl.engine.core.actions import Action
 
 DEFAULT_RECORD_WORKLOAD = "rate=6,prompt=32-256,output=32-128,duration=86400"
 # The trace file keeps every step; the engine's own in-memory step log (4096 records of ~25 KB
@@ -177,7 +178,7 @@ def _run(driver, recorder, feed, steps, seconds, rebalance_at, capture, as_json:
         def rebalance(stats) -> None:  # on the engine thread, right after the step is recorded
             if stats.step == rebalance_at:
                 plan = engine.experts.preview()
-                engine.experts.apply(plan.placement, kind="rebalance_apply")
+                engine.experts.apply(plan.placement, kind=Action.REBALANCE_APPLY)
         engine.add_listener(on_step=rebalance)
     if capture:
         engine.capture(capture)

@@ -31,6 +31,7 @@ from moectl.console.panels import (
 from moectl.console.sources import ActionRefused, ReplaySource, counterfactual_plan
 from moectl.console.state import ConsoleState
 from moectl.console.widgets import HeatMap
+from moectl.engine.core.actions import Action
 from moectl.themes import HEATMAP_SCALE, STYLES, THEMES
 
 REFRESH_S = 1 / 15  # 15 Hz: at least 10 screen updates a second while records arrive
@@ -243,7 +244,7 @@ class MoectlApp(App):
         if self.replay:
             self._replay_action(kind)
             return
-        if kind == "rebalance_apply":
+        if kind == Action.REBALANCE_APPLY:
             if self.plan is None:
                 self._refused(kind, "preview a rebalance first")
                 return
@@ -266,19 +267,19 @@ class MoectlApp(App):
         self.call_from_thread(self._done, kind, result)
 
     def _done(self, kind: str, result) -> None:
-        if kind == "rebalance_preview":
+        if kind == Action.REBALANCE_PREVIEW:
             self.plan = result
             self._show_preview(result.summary())
-        elif kind == "rebalance_apply":  # answered once the copy has run, with what it measured
+        elif kind == Action.REBALANCE_APPLY:  # answered once the copy has run, with what it measured
             self.plan = None
             result = result if isinstance(result, dict) else {}
             moved, seconds = result.get("bytes_moved"), result.get("seconds")
             copied = (f": {moved:,} bytes copied in {seconds * 1e3:.1f} ms (measured)"
                       if isinstance(moved, int) and isinstance(seconds, (int, float)) else "")
             self.notify(f"rebalance applied between steps{copied}")
-        elif kind == "knobs":
+        elif kind == Action.KNOBS:
             self.notify("knobs take effect at the next step")
-        elif kind == "restart":
+        elif kind == Action.RESTART:
             self.notify("engine restarted")
         else:
             self.notify(f"{kind}: done")
@@ -291,27 +292,27 @@ class MoectlApp(App):
                     f"{summary['bytes_moved']:,} bytes to move; press A to apply", title="rebalance preview")
 
     def _refused(self, kind: str, reason: str) -> None:
-        if kind in ("knobs", "workload"):
+        if kind in (Action.KNOBS, Action.WORKLOAD):
             self.query_one(RequestsPanel).show_error(reason)
-        elif kind in ("edit", "auto_rebalance"):
+        elif kind in (Action.EDIT, Action.AUTO_REBALANCE):
             self.query_one(ExpertsPanel).show_error(reason)
-        elif kind in ("rebalance_preview", "rebalance_apply"):
+        elif kind in (Action.REBALANCE_PREVIEW, Action.REBALANCE_APPLY):
             self.query_one(ExpertsPanel).show_preview(None, reason)
         self.notify(reason, severity="error", title=kind)
 
     def _clear_errors(self, kind: str) -> None:
-        if kind in ("knobs", "workload"):
+        if kind in (Action.KNOBS, Action.WORKLOAD):
             self.query_one(RequestsPanel).show_error(None)
-        elif kind in ("edit", "auto_rebalance"):
+        elif kind in (Action.EDIT, Action.AUTO_REBALANCE):
             self.query_one(ExpertsPanel).show_error(None)
 
     def _replay_action(self, kind: str) -> None:
         """Replay: rebalance is a counterfactual on the recorded routing; nothing else applies."""
         try:
-            if kind == "rebalance_preview":
+            if kind == Action.REBALANCE_PREVIEW:
                 self.plan = counterfactual_plan(self.state)
                 self._show_preview(self.plan.summary(), counterfactual=True)
-            elif kind == "rebalance_apply":
+            elif kind == Action.REBALANCE_APPLY:
                 if self.plan is None:
                     raise ActionRefused("preview a rebalance first")
                 self.state.counterfactual = self.plan.placement
@@ -333,7 +334,7 @@ class MoectlApp(App):
         self.run_action_request("rebalance_preview", {})
 
     def action_rebalance_apply(self) -> None:
-        self.run_action_request("rebalance_apply", {})
+        self.run_action_request(Action.REBALANCE_APPLY, {})
 
     def apply_theme(self, key: str) -> None:
         self.theme_key = key

@@ -20,7 +20,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from moectl.console.sources import RECORD_BUFFER, RemotePlan, Source
-from moectl.engine.core.actions import ActionRefused
+from moectl.engine.core.actions import Action, ActionRefused
 from moectl.server.protocol import (
     Act,
     Alerts,
@@ -121,7 +121,7 @@ class EngineSource(Source):
             return
         if result.error is not None:
             future.set_exception(ActionRefused(result.error))
-        elif kind == "rebalance_preview":
+        elif kind == Action.REBALANCE_PREVIEW:
             future.set_result(RemotePlan(result.value["plan_id"], result.value["summary"]))
         else:
             future.set_result(result.value)
@@ -144,7 +144,7 @@ class EngineSource(Source):
     def act(self, kind: str, **args) -> Future:
         if self._lost is not None:
             raise ActionRefused(f"{kind}: {self._lost}")
-        if kind == "rebalance_apply":
+        if kind == Action.REBALANCE_APPLY:
             plan = args.pop("plan", None)
             if not isinstance(plan, RemotePlan):
                 raise ActionRefused("rebalance_apply: preview a plan first")

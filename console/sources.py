@@ -27,7 +27,7 @@ import aiohttp
 import numpy as np
 
 from moectl.console.state import WINDOW_STEPS
-from moectl.engine.core.actions import ActionRefused
+from moectl.engine.core.actions import ACTIONS, Action, ActionRefused
 from moectl.engine.core.records import RECORD_BUFFER
 from moectl.engine.core.topology import Topology
 from moectl.engine.experts.rebalancer import plan_rebalance
@@ -350,16 +350,15 @@ class AttachSource(Source):
     def act(self, kind: str, **args) -> Future:
         if not self.token:
             raise ActionRefused(f"{kind}: attached read-only; reattach with --token to control the remote engine")
-        routes = {"knobs": "knobs", "rebalance_preview": "rebalance/preview", "rebalance_apply": "rebalance/apply",
-                  "auto_rebalance": "auto_rebalance", "edit": "edit", "capture": "capture"}
-        if kind not in routes:
+        spec = ACTIONS.get(kind)
+        if spec is None or spec.route is None:
             raise ActionRefused(f"{kind}: not available on an attached engine")
-        if kind == "rebalance_apply":
+        if kind == Action.REBALANCE_APPLY:
             plan = args.pop("plan", None)
             if not isinstance(plan, RemotePlan):
                 raise ActionRefused("rebalance_apply: preview a plan first")
             args = {"plan_id": plan.plan_id}
-        return self._call(self._post(kind, routes[kind], args))
+        return self._call(self._post(kind, spec.route, args))
 
     async def _post(self, kind: str, route: str, body: dict):
         async with self._session.post(f"{self.url}/v1/control/{route}", json=body) as resp:
@@ -370,7 +369,7 @@ class AttachSource(Source):
             if resp.status != 200:
                 message = (data.get("error") or {}).get("message") if isinstance(data, dict) else None
                 raise ActionRefused(message or f"{kind}: the server answered HTTP {resp.status}")
-        if kind == "rebalance_preview":
+        if kind == Action.REBALANCE_PREVIEW:
             return RemotePlan(data["plan_id"], data["summary"])
         return data
 

@@ -29,6 +29,7 @@ from pathlib import Path
 
 from aiohttp import web
 
+from moectl.engine.core.actions import Action
 from moectl.profiler.codec import TraceError
 from moectl.server.api_request import ApiError, is_int, param_of, read_json
 from moectl.server.state import ServerState
@@ -89,7 +90,7 @@ class ControlApi:
 
     async def set_knobs(self, request: web.Request) -> web.Response:
         changes = await self._body(request)
-        await self._act("knobs", changes)
+        await self._act(Action.KNOBS, changes)
         # the engine applies the change at its next step; answer with what it will run with
         knobs = self.state.driver.engine.knobs.updated(**changes).as_dict()
         return web.json_response({"knobs": knobs, "changed": changes})
@@ -97,7 +98,7 @@ class ControlApi:
     # -- rebalancing
     async def preview(self, request: web.Request) -> web.Response:
         await self._body(request, ())
-        plan = await self._act("rebalance_preview")
+        plan = await self._act(Action.REBALANCE_PREVIEW)
         plan_id = f"plan-{uuid.uuid4().hex[:12]}"
         self.plans[plan_id] = plan
         while len(self.plans) > MAX_PLANS:
@@ -113,7 +114,7 @@ class ControlApi:
         plan = self.plans.pop(plan_id)  # before awaiting: a second apply of it gets the 400 above
         self.state.metrics.placement_requested(time.monotonic())
         try:
-            applied = await self._act("rebalance_apply", {"plan": plan})  # once the copy has run
+            applied = await self._act(Action.REBALANCE_APPLY, {"plan": plan})  # once the copy has run
         except ApiError:
             self.plans[plan_id] = plan  # refused: it can be applied later
             raise
@@ -127,7 +128,7 @@ class ControlApi:
         every = body.get("every_k_steps", 0)
         if not is_int(every):  # act() would turn 2.5 into 2 silently
             raise ApiError(400, f"every_k_steps: must be an integer, got {every!r}", param="every_k_steps")
-        result = await self._act("auto_rebalance", body)
+        result = await self._act(Action.AUTO_REBALANCE, body)
         return web.json_response(result)
 
     async def edit(self, request: web.Request) -> web.Response:
@@ -136,7 +137,7 @@ class ControlApi:
         if not isinstance(edit, str):
             raise ApiError(400, "edit: must be one of move, swap, replicate, drop_replica, pin, unpin", param="edit")
         self.state.metrics.placement_requested(time.monotonic())
-        result = await self._act("edit", body)
+        result = await self._act(Action.EDIT, body)
         return web.json_response({"edit": edit, "placement": result["placement"].to_dict()})
 
     # -- profiling
@@ -145,7 +146,7 @@ class ControlApi:
         steps = body.get("steps", 1)
         if not is_int(steps):  # act() would turn "3" or 2.5 into an int
             raise ApiError(400, f"steps: must be an integer, got {steps!r}", param="steps")
-        await self._act("capture", {"steps": steps})
+        await self._act(Action.CAPTURE, {"steps": steps})
         return web.json_response({"capture": {"steps": steps}})
 
     async def start_recording(self, request: web.Request) -> web.Response:

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import msgspec
 
-from moectl.engine.core.actions import ActionRefused
+from moectl.engine.core.actions import Action, ActionRefused
 from moectl.engine.core.driver import EngineDriver
 from moectl.engine.tools.demo_workload import DemoLoad, DemoWorkload
 from moectl.profiler.recorder import engine_header
@@ -259,7 +259,7 @@ class EngineHost:
         """An operator action, as EngineDriver.act takes it; "workload" steers the demo workload,
         "rebalance_preview" answers a plan id and summary, "rebalance_apply" takes that id."""
         kind, args = act.kind, dict(act.args)
-        if kind == "workload":
+        if kind == Action.WORKLOAD:
             if self.workload is None:
                 raise ActionRefused("workload: this engine has no demo workload (moectl serve: its requests come "
                                     "through the API)")
@@ -270,7 +270,7 @@ class EngineHost:
                 raise ActionRefused(f"workload: {exc}") from None
             self.load = load
             return self.driver.call(lambda: self.workload.update(load) or {"workload": args}, "workload")
-        if kind == "rebalance_apply":
+        if kind == Action.REBALANCE_APPLY:
             plan = self._plans.get(str(args.pop("plan_id", "")))
             if plan is None:
                 raise ActionRefused("rebalance_apply: preview a plan first (or that preview is gone)")

@@ -23,6 +23,7 @@ import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.process_collector import ProcessCollector
 
+from moectl.engine.core.actions import PLACEMENT_RECORDS, Action
 from moectl.engine.experts.placement import Placement, PlacementError
 
 log = logging.getLogger(__name__)
@@ -32,7 +33,6 @@ BALANCE_WINDOW_STEPS = 64  # steps of routing the balancedness quantiles are com
 BALANCE_QUANTILES = (0.0, 0.5, 1.0)
 MAX_TRACKED_REQUESTS = 65536  # arrival times kept for e2e; the oldest are forgotten beyond this
 FINISH_REASONS = ("stop", "length", "abort", "error")
-PLACEMENT_KINDS = ("placement", "rebalance_apply", "move", "swap", "replicate", "drop_replica", "pin", "unpin")
 
 # vLLM's buckets, with finer ones at the bottom for small models on a CPU
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -190,12 +190,12 @@ class ServerMetrics:
         kind, result = action.get("kind"), action.get("result") or {}
         if kind == "auto_rebalance_plan":  # the automatic apply starts at the next step
             self._placement_start = max(self._placement_start, action["time"])
-        if kind in PLACEMENT_KINDS and isinstance(result.get("placement"), dict):
+        if kind in PLACEMENT_RECORDS and isinstance(result.get("placement"), dict):
             placement = _placement(result["placement"])
             if placement is not None:
                 self._placement = placement
                 self._balance_stale = True
-        if kind == "rebalance_apply":
+        if kind == Action.REBALANCE_APPLY:
             self.rebalances.inc()
             seconds = result.get("seconds")
             if seconds is None and self._placement_start > float("-inf"):

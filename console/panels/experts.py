@@ -10,6 +10,7 @@ from textual_plotext import PlotextPlot
 
 from moectl.console.panels.common import ActionRequested, ShowsOnChange, replot
 from moectl.console.widgets import ColourLegend, HeatMap
+from moectl.engine.core.actions import Action
 
 EDITS = ("move", "replicate", "drop_replica", "pin", "unpin")
 SEGMENT_STYLES = ("bold #4EA8DE", "bold #F4A261", "bold #52B788", "bold #B08BD9", "bold #E5614E", "bold #E9C46A")
@@ -186,9 +187,9 @@ class ExpertsPanel(ShowsOnChange, VerticalScroll):
 
     def on_button_pressed(self, event: Button.Pressed) -> None:
         if event.button.id == "ex-preview":
-            self.post_message(ActionRequested("rebalance_preview"))
+            self.post_message(ActionRequested(Action.REBALANCE_PREVIEW))
         elif event.button.id == "ex-apply":
-            self.post_message(ActionRequested("rebalance_apply"))
+            self.post_message(ActionRequested(Action.REBALANCE_APPLY))
             event.button.disabled = True
         elif event.button.id == "ex-do":
             self._request_edit()
@@ -214,7 +215,7 @@ class ExpertsPanel(ShowsOnChange, VerticalScroll):
         except ValueError as exc:
             self.show_error(str(exc))
             return
-        self.post_message(ActionRequested("auto_rebalance", enabled=enabled,
+        self.post_message(ActionRequested(Action.AUTO_REBALANCE, enabled=enabled,
                                           threshold=threshold if threshold is not None else (0.9 if enabled else None),
                                           every_k_steps=every))
 
@@ -230,7 +231,7 @@ class ExpertsPanel(ShowsOnChange, VerticalScroll):
         except ValueError as exc:
             self.show_error(str(exc))
             return
-        self.post_message(ActionRequested("edit", edit=edit, **args))
+        self.post_message(ActionRequested(Action.EDIT, edit=edit, **args))
 
     def show_error(self, message: str | None) -> None:
         self.query_one("#ex-error", Static).update(f"[red]{message}[/]" if message else "")

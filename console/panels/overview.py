@@ -9,6 +9,7 @@ from textual.widgets import Button, Static
 
 from moectl.console.panels import gpu
 from moectl.console.panels.common import ActionRequested, ShowsOnChange, bars, fmt_bytes, fmt_s
+from moectl.engine.core.actions import Action
 
 
 class OverviewPanel(ShowsOnChange, VerticalScroll):
@@ -128,4 +129,4 @@ class OverviewPanel(ShowsOnChange, VerticalScroll):
 
     def on_button_pressed(self, event: Button.Pressed) -> None:
         if event.button.id == "ov-restart":
-            self.post_message(ActionRequested("restart"))
+            self.post_message(ActionRequested(Action.RESTART))

@@ -10,6 +10,7 @@ from textual_plotext import PlotextPlot
 
 from moectl.console.panels.common import ActionRequested, ShowsOnChange, absent_in_import, fmt_s, replot
 from moectl.console.widgets.line_cache import LineCacheMixin
+from moectl.engine.core.actions import Action
 
 KNOBS = (("max_num_seqs", "max seqs"), ("max_num_batched_tokens", "max batched tokens"),
          ("long_prefill_token_threshold", "prefill chunk"))
@@ -132,13 +133,13 @@ class RequestsPanel(ShowsOnChange, VerticalScroll):
             except ValueError as exc:
                 self.show_error(str(exc))
                 return
-            self.post_message(ActionRequested("knobs", **changes))
+            self.post_message(ActionRequested(Action.KNOBS, **changes))
         elif event.button.id == "rq-workload":
             self._request_workload()
 
     def on_switch_changed(self, event: Switch.Changed) -> None:
         if event.switch.id == "rq-pause":
-            self.post_message(ActionRequested("workload", paused=event.value))
+            self.post_message(ActionRequested(Action.WORKLOAD, paused=event.value))
 
     def _request_workload(self) -> None:
         text = self.query_one("#rq-rate", Input).value.strip()
@@ -147,7 +148,7 @@ class RequestsPanel(ShowsOnChange, VerticalScroll):
         except ValueError:
             self.show_error(f"rate: {text!r} is not a number")
             return
-        self.post_message(ActionRequested("workload", rate=rate,
+        self.post_message(ActionRequested(Action.WORKLOAD, rate=rate,
                                           prompt_len=self.query_one("#rq-prompt", Input).value.strip(),
                                           output_len=self.query_one("#rq-output", Input).value.strip()))
 

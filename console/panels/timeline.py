@@ -10,6 +10,7 @@ from textual.widgets import Button, Input, Label, Static
 
 from moectl.console.panels.common import ShowsOnChange, absent_in_import
 from moectl.console.widgets import Timeline
+from moectl.engine.core.actions import Action
 from moectl.profiler.analysis import step_breakdown
 
 KINDS = ["span", "kernel"]
@@ -106,7 +107,7 @@ class TimelinePanel(ShowsOnChange, Vertical):
             self.frozen = not self.frozen
             event.button.label = "Follow" if self.frozen else "Freeze"
         elif event.button.id == "tl-capture":
-            self.post_message(ActionRequested("capture", steps=2))
+            self.post_message(ActionRequested(Action.CAPTURE, steps=2))
 
     def on_timeline_span_selected(self, event: Timeline.SpanSelected) -> None:
         s = event.span

@@ -26,7 +26,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 
-from moectl.engine.core.actions import ActionRefused
+from moectl.engine.core.actions import ACTIONS, Action, ActionRefused, action
 from moectl.engine.core.config import AutoRebalancePolicy
 from moectl.engine.core.outputs import StepFailed, describe_error
 from moectl.engine.core.records import RECORD_BUFFER
@@ -36,7 +36,6 @@ __all__ = ["RECORD_BUFFER", "ActionRefused", "EngineDriver", "done"]  # ActionRe
 log = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.005  # an idle engine looks for new work this often (a command wakes it at once)
-EXPERT_ACTIONS = ("rebalance_preview", "rebalance_apply", "auto_rebalance", "edit")
 
 
 def done(result) -> Future:
@@ -133,27 +132,28 @@ class EngineDriver:
         """An operator action. Validated now (ActionRefused); carried out between steps."""
         engine = self.engine
         try:
-            if kind == "knobs":
+            kind = action(kind)
+            if kind is Action.WORKLOAD:
+                raise ActionRefused("workload: this engine has no demo workload")
+            if kind is Action.KNOBS:
                 engine.update_knobs(**args)
                 return done({"knobs": args})
-            if kind == "capture":
+            if kind is Action.CAPTURE:
                 return engine.capture(_int_arg(args, "steps", 1))
-            if kind == "restart":
+            if kind is Action.RESTART:
                 return self.restart()
-            if kind not in EXPERT_ACTIONS:
-                raise ActionRefused(f"{kind}: not an action of this engine")
             experts = engine.experts
-            if experts is None:
+            if ACTIONS[kind].needs_devices and experts is None:
                 raise ActionRefused(f"{kind}: this engine runs without devices (start with --devices N)")
-            if kind == "rebalance_preview":
-                return self.call(experts.preview, "rebalance_preview")
-            if kind == "rebalance_apply":
+            if kind is Action.REBALANCE_PREVIEW:
+                return self.call(experts.preview, kind)
+            if kind is Action.REBALANCE_APPLY:
                 plan = args.get("plan")
                 if plan is None:
                     raise ActionRefused("rebalance_apply: preview a plan first")
                 # completes when the copy has run (or failed): its measured bytes and seconds
-                return experts.apply(plan.placement, kind="rebalance_apply")
-            if kind == "auto_rebalance":
+                return experts.apply(plan.placement, kind=kind)
+            if kind is Action.AUTO_REBALANCE:
                 policy = AutoRebalancePolicy(mode="auto" if args.get("enabled") else "manual",
                                              every_k_steps=_int_arg(args, "every_k_steps", 0),
                                              threshold=args.get("threshold"), target=args.get("target"))
@@ -163,7 +163,7 @@ class EngineDriver:
         except ActionRefused:
             raise
         except (ValueError, KeyError) as exc:  # KnobError, PlacementError, ...: one line, named field
-            prefix = "auto rebalance: " if kind == "auto_rebalance" else ""
+            prefix = "auto rebalance: " if kind == Action.AUTO_REBALANCE else ""
             raise ActionRefused(prefix + (str(exc).splitlines()[0] if str(exc) else kind)) from None
 
     def close(self) -> None:

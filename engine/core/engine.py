@@ -202,7 +202,8 @@ class EngineCore:
 
     def record_action(self, kind: str, args: dict, result) -> None:
         """An operator's or the engine's own action, with its time, to the action listeners."""
-        action = {"time": time.monotonic(), "step": self.step_count, "kind": kind, "args": args, "result": result}
+        # str(): an Action is recorded as its plain name (records are plain data)
+        action = {"time": time.monotonic(), "step": self.step_count, "kind": str(kind), "args": args, "result": result}
         self.actions.append(action)
         self.telemetry.publish_action(action)
 

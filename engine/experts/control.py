@@ -15,6 +15,7 @@ import threading
 import time
 from concurrent.futures import Future
 
+from moectl.engine.core.actions import Action, PlacementEdit
 from moectl.engine.core.config import AutoRebalancePolicy
 from moectl.engine.experts.cluster import LocalCluster
 from moectl.engine.experts.memory_ledger import MemoryLedger
@@ -22,7 +23,7 @@ from moectl.engine.experts.placement import Placement
 from moectl.engine.experts.prefetch import CachePrefetcher, CoactivationPredictor, RouterPredictor
 from moectl.engine.experts.rebalancer import RebalancePlan
 
-EDITS = ("move", "swap", "replicate", "drop_replica", "pin", "unpin")
+EDITS = tuple(e.value for e in PlacementEdit)
 # each edit's arguments, all integers (the HBM check of a replica is the cluster's, not the caller's)
 EDIT_ARGS = {"move": ("layer", "expert", "src_device", "dst_device"),
              "swap": ("layer", "expert_a", "device_a", "expert_b", "device_b"),
@@ -176,7 +177,7 @@ class ExpertControl:
             plan = self.cluster.observe(step, routing)
             if plan is not None:
                 self._engine.record_action("auto_rebalance_plan", {}, plan.summary())
-                self.apply(plan.placement, kind="rebalance_apply")
+                self.apply(plan.placement, kind=Action.REBALANCE_APPLY)
         except ValueError as exc:  # never lose a finished step's outputs to a failed plan
             self._engine.record_action("auto_rebalance_failed", {}, {"error": str(exc)})
 

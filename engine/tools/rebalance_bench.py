@@ -28,6 +28,7 @@ import time
 
 import numpy as np
 
+from moectl.engine.core.actions import Action
 from moectl.engine.core.config import EngineConfig, SchedulerKnobs
 from moectl.engine.core.sampling import SamplingParams
 from moectl.engine.core.topology import Topology
@@ -106,7 +107,7 @@ def run_rebalance_bench(model_dir, backend: str = "local", devices: int = 2, req
 
 
 def _apply(engine, placement) -> dict:
-    result = engine.experts.apply(placement, kind="rebalance_apply")
+    result = engine.experts.apply(placement, kind=Action.REBALANCE_APPLY)
     engine.run_commands()  # between steps, as the engine thread would
     return result.result(timeout=60)
 
