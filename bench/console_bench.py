@@ -377,6 +377,35 @@ async def _update_rate(rate: float, seconds: float, warmup_s: float, in_process:
             "tick": _stats_ms([e[2] for e in window]), "workload_rate": rate}
 
 
+# -- 2a. first screen ---------------------------------------------------------------------------------
+
+async def _first_screen() -> dict:
+    """From the engine process being ready (its ready line) to the console's first frame with the
+    engine's records on it (target: 1 s): what `moectl run` does once its engine is up."""
+    from moectl.cli.engine_process import EngineProcess
+    from moectl.console.app import MoectlApp
+    from moectl.console.engine_client import EngineSource
+
+    engine = EngineProcess([*LIVE_OPTIONS, "--workload", "rate=4,prompt=32-256,output=32-128"])
+    try:
+        engine.wait_ready()
+        t0 = time.perf_counter()
+        source = EngineSource(engine.dir, owner=True)
+        app = MoectlApp(source)
+        stamps: list = []
+        _wrap_display(app, stamps)
+        async with app.run_test(size=LIVE_SIZE):
+            await _until(lambda: bool(stamps), 30.0, poll_s=0.001)
+            await _until(lambda: app.state.steps_seen > 0, 30.0, poll_s=0.001)
+            drawn = len(stamps)
+            await _until(lambda: len(stamps) > drawn, 30.0, poll_s=0.001)  # the next frame shows them
+        return {"first_frame_s": round(stamps[0][0] - t0, 3),
+                "first_frame_with_records_s": round(stamps[drawn][0] - t0, 3) if len(stamps) > drawn else None,
+                "target_s": 1.0}
+    finally:
+        engine.stop()
+
+
 # -- 2b. engine throughput with a console attached -------------------------------------------------
 
 def _tokens(records: list[dict]) -> tuple[int, float, float]:
@@ -508,6 +537,8 @@ def run(args) -> dict:
         log(f"live update rate over {args.live_seconds:g} s (engine process, then in-process baseline) ...")
         res["update_rate"] = asyncio.run(_update_rate(4.0, args.live_seconds, 3.0))
         res["update_rate_in_process"] = asyncio.run(_update_rate(4.0, args.live_seconds, 3.0, in_process=True))
+        log("first screen after the engine is ready ...")
+        res["first_screen"] = asyncio.run(_first_screen())
         log(f"keypress latency under load ({args.presses} presses; engine process, then in-process) ...")
         res["keys"] = asyncio.run(_live_keys(args.load_rate, args.presses, args.seed))
         res["keys_in_process"] = asyncio.run(_live_keys(args.load_rate, args.presses, args.seed, in_process=True))
@@ -561,6 +592,10 @@ def report(res: dict) -> None:
         print(f"  ticks {u['ticks_per_s']}/s, records {u['records_per_s']}/s over {u['seconds']} s; "
               f"tick median {u['tick']['median_ms']} ms, max {u['tick']['max_ms']} ms "
               f"(max column: the fewest updates in any one second)")
+    if "first_screen" in res:
+        f = res["first_screen"]
+        print(f"first screen: {f['first_frame_s']} s from the engine's ready line to the console's first frame, "
+              f"{f['first_frame_with_records_s']} s to one drawn with its records (target {f['target_s']} s)")
     if "throughput" in res:
         t = res["throughput"]
         print(f"engine throughput (prompt + output tok/s, engine wall clock, median of {t['rounds']}): "
