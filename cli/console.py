@@ -142,10 +142,20 @@ def run(
             if not check_only:
                 MoectlApp(source, theme=theme).run()
         finally:
-            source.close()
-    finally:
+            source.close()  # the owner's close tells its engine to stop
         if process is not None:
-            process.stop()
+            stopped, process = process, None
+            code = stopped.stop()
+            if code != 0:  # it died under the console: why, now that the terminal is back (and exit 1)
+                tail = stopped.log_tail
+                typer.echo(f"moectl: error: the engine process exited with code {code}"
+                           + ("; its last lines:" if tail else " (it wrote nothing)"), err=True)
+                for line in tail:
+                    typer.echo(f"  {line}", err=True)
+                raise typer.Exit(1)
+    finally:
+        if process is not None:  # interrupted before the console stopped it: no owner's Shutdown came
+            process.terminate()
 
 
 @handles_errors

@@ -23,6 +23,7 @@ from moectl.server.protocol import new_engine_dir
 
 START_TIMEOUT_S = 600.0  # a large checkpoint's load
 STOP_TIMEOUT_S = 5.0
+LOG_TAIL = 10  # lines of the engine's stderr shown when it died under the console
 ERROR_PREFIX = "moectl: error: "
 
 
@@ -47,6 +48,7 @@ class EngineProcess:
                                           str(self.dir), *options], stdin=subprocess.DEVNULL,
                                          stdout=subprocess.PIPE, stderr=log, env=env, start_new_session=True)
         self.pid = self.proc.pid
+        self.log_tail: list[str] = []
 
     def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> dict:
         """The engine's ready line; EngineStartFailed when it exits (or is silent) first."""
@@ -72,10 +74,7 @@ class EngineProcess:
                 return message
 
     def _error_line(self, code: int) -> str:
-        try:
-            lines = self.log_path.read_text(errors="replace").splitlines()
-        except OSError:
-            lines = []
+        lines = self._log_lines()
         for line in reversed(lines):
             if line.startswith(ERROR_PREFIX):
                 return line[len(ERROR_PREFIX):]
@@ -107,4 +106,11 @@ class EngineProcess:
         finally:
             if self.proc.stdout is not None:
                 self.proc.stdout.close()
+            self.log_tail = self._log_lines()[-LOG_TAIL:]  # kept: the directory goes
             shutil.rmtree(self.dir, ignore_errors=True)
+
+    def _log_lines(self) -> list[str]:
+        try:
+            return [line for line in self.log_path.read_text(errors="replace").splitlines() if line.strip()]
+        except OSError:
+            return []

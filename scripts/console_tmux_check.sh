@@ -242,6 +242,23 @@ else
     pass "live: q leaves no engine process behind"
 fi
 
+# -- live, its engine killed -------------------------------------------------------------------
+start live-kill "$MOECTL"
+check "live-kill start" "tok/s" 45
+pane=$(tm display-message -p -t "$SESSION" '#{pane_pid}' 2>/dev/null)
+console_pid=$(ps -o pid= --ppid "$pane" 2>/dev/null | head -1 | tr -d ' ')
+engine_pid=$(ps -o pid= --ppid "$console_pid" 2>/dev/null | head -1 | tr -d ' ')
+kill -9 "$engine_pid" 2>/dev/null
+check "live-kill: the console names the dead engine" "moectl engine (pid $engine_pid) is gone" 2
+send 2  # still usable for inspection
+check "live-kill: still usable" "Routing heat map" 5
+send q
+if status=$(wait_exit 10) && [ "$status" = "1" ]; then
+    pass "live-kill: q exits with status 1 (the engine died under it)"
+else
+    fail "live-kill: q exited with status ${status:-none}, not 1"
+fi
+
 echo "elapsed $(( $(date +%s) - T0 )) s"
 if [ "$FAILED" -eq 0 ]; then
     echo "PASS all console checks"
