@@ -12,9 +12,10 @@ from collections import OrderedDict, deque
 import numpy as np
 
 from moectl.engine.experts.placement import Placement
+from moectl.engine.experts.rebalancer import LOAD_WINDOW_STEPS, LoadWindow
 from moectl.profiler.analysis import utilisation as device_utilisation
 
-WINDOW_STEPS = 64  # the moving window behind the heat map, loads, balancedness and throughput
+WINDOW_STEPS = LOAD_WINDOW_STEPS  # the moving window behind the heat map, loads, balancedness and throughput
 HISTORY_STEPS = 600  # curves over time
 KEEP_FINISHED = 200  # finished requests kept for the table
 KEEP_LATENCIES = 2000
@@ -68,7 +69,7 @@ class ConsoleState:
         self.last_apply: dict | None = None  # the last applied placement's prediction and the window before it
         self.steps_seen = 0
         self._routing_cache = self._top_cache = (None, None)
-        self._routing_sum: np.ndarray | None = None  # the window's routing, kept up to date per record
+        self.loads: LoadWindow | None = None  # the window's routing: the engine's window class, fed per record
         # never back to 0: the caches are keyed on the version, and a reset must not revive them
         self.version = getattr(self, "version", 0) + 1
 
@@ -101,10 +102,8 @@ class ConsoleState:
 
     def _apply_step(self, record: dict) -> None:
         self.latest = record
-        if len(self.window) == self.window.maxlen:
-            self._route(self.window[0], -1)
         self.window.append(record)
-        self._route(record, 1)
+        self._route(record)
         self.steps_seen += 1
         if record.get("knobs"):
             self.knobs = record["knobs"]
@@ -161,29 +160,24 @@ class ConsoleState:
         """The counterfactual placement in replay after a rebalance, else the one in force."""
         return self.counterfactual or self.placement
 
-    def _route(self, record: dict, sign: int) -> None:
-        """Add (or take out) a record's routing from the running window sum: a step costs one
-        [layers, experts] add, not a sum over the whole window."""
-        total = self._routing_sum
-        if total is None:
-            return
-        routing = np.asarray(record["routing"])
-        if routing.shape != total.shape:
-            self._routing_sum = None  # summed afresh when next asked for
-        elif sign > 0:
-            total += routing
-        else:
-            total -= routing
+    def _route(self, record: dict) -> None:
+        """The record's routing into the window (LoadWindow: one add and one subtract a step); a
+        routing of another shape (another engine) starts the window afresh from the records held."""
+        routing = record["routing"]
+        if self.loads is None or self.loads.shape != np.shape(routing):
+            self.loads = LoadWindow.like(routing, WINDOW_STEPS)
+            for held in list(self.window)[:-1]:
+                if np.shape(held["routing"]) == self.loads.shape:
+                    self.loads.add(held["routing"])
+        self.loads.add(routing)
 
     def routing_window(self) -> np.ndarray:
         """Tokens per (layer, expert) over the window; one array per state version."""
         if getattr(self, "_routing_cache", (None,))[0] != (self.version, len(self.window)):
-            if not self.window:
+            if not self.window or self.loads is None:
                 total = np.zeros((self.num_layers, self.num_experts), dtype=np.int64)
             else:
-                if self._routing_sum is None:
-                    self._routing_sum = np.sum([r["routing"] for r in self.window], axis=0, dtype=np.int64)
-                total = self._routing_sum.copy()
+                total = self.loads.totals()
             self._routing_cache = ((self.version, len(self.window)), total)
         return self._routing_cache[1]
 

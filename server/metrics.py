@@ -17,7 +17,7 @@ the driver does not give has none for that GPU.
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict, deque
+from collections import OrderedDict
 
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -25,11 +25,12 @@ from prometheus_client.process_collector import ProcessCollector
 
 from moectl.engine.core.actions import PLACEMENT_RECORDS, Action
 from moectl.engine.experts.placement import Placement, PlacementError
+from moectl.engine.experts.rebalancer import LOAD_WINDOW_STEPS, LoadWindow
 
 log = logging.getLogger(__name__)
 
 PREFIX = "moectl:"
-BALANCE_WINDOW_STEPS = 64  # steps of routing the balancedness quantiles are computed over
+BALANCE_WINDOW_STEPS = LOAD_WINDOW_STEPS  # steps of routing the balancedness quantiles are computed over
 BALANCE_QUANTILES = (0.0, 0.5, 1.0)
 MAX_TRACKED_REQUESTS = 65536  # arrival times kept for e2e; the oldest are forgotten beyond this
 FINISH_REASONS = ("stop", "length", "abort", "error")
@@ -108,8 +109,7 @@ class ServerMetrics:
         self._sparse = np.asarray(model.get("sparse_layers") or [], dtype=bool)
         devices = header.get("devices") or {}
         self._placement = _placement(devices.get("placement"))
-        self._routing: deque = deque(maxlen=BALANCE_WINDOW_STEPS)
-        self._routing_sum: np.ndarray | None = None
+        self._routing: LoadWindow | None = None  # the engine's window class, over the records seen
         self._balance_stale = False
         self._arrivals: OrderedDict[str, float] = OrderedDict()  # request id -> arrival (engine clock)
         self._last_token: dict[str, float] = {}  # request id -> end of the step of its last token
@@ -177,13 +177,9 @@ class ServerMetrics:
         self._cumulative[key] = value
 
     def _add_routing(self, routing: np.ndarray) -> None:
-        if self._routing_sum is None or self._routing_sum.shape != routing.shape:
-            self._routing.clear()
-            self._routing_sum = np.zeros_like(routing)
-        if len(self._routing) == self._routing.maxlen:
-            self._routing_sum -= self._routing[0]
-        self._routing.append(routing)
-        self._routing_sum += routing
+        if self._routing is None or self._routing.shape != routing.shape:  # another engine: afresh
+            self._routing = LoadWindow.like(routing, BALANCE_WINDOW_STEPS)
+        self._routing.add(routing)
         self._balance_stale = True
 
     def observe_action(self, action: dict) -> None:
@@ -231,10 +227,10 @@ class ServerMetrics:
 
     def _update_balancedness(self) -> None:
         self._balance_stale = False
-        if self._placement is None or self._routing_sum is None:
+        if self._placement is None or self._routing is None:
             return
         try:
-            per_layer, _ = self._placement.balancedness(self._routing_sum)
+            per_layer, _ = self._placement.balancedness(self._routing.totals())
         except PlacementError as exc:  # a placement of another shape (an engine restart)
             log.debug("balancedness: %s", exc)
             return

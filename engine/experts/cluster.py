@@ -23,7 +23,7 @@ from moectl.engine.core.topology import Topology, format_size
 from moectl.engine.experts.memory_ledger import MemoryLedger
 from moectl.engine.experts.placed_experts import PlacedExperts, StepDeviceStats
 from moectl.engine.experts.placement import Placement, PlacementError, migration_in
-from moectl.engine.experts.rebalancer import LoadWindow, RebalancePlan, plan_rebalance
+from moectl.engine.experts.rebalancer import LOAD_WINDOW_STEPS, LoadWindow, RebalancePlan, plan_rebalance
 from moectl.engine.experts.replica_routing import RoutingState
 from moectl.engine.experts.step_time import ExpertCostModel, change, parallel_step, predict_step_times
 from moectl.engine.models.decoder import MoEForCausalLM
@@ -143,7 +143,7 @@ class ClusterBase:
 class LocalCluster(ClusterBase):
     def __init__(self, model: MoEForCausalLM, topology: Topology, placement: Placement | None = None,
                  policy: str = "locality", redundant_slots: int = 0, auto: AutoRebalancePolicy | None = None,
-                 window_steps: int = 64, expert_cache_slots: int | None = None, ledger: MemoryLedger | None = None,
+                 window_steps: int = LOAD_WINDOW_STEPS, expert_cache_slots: int | None = None, ledger: MemoryLedger | None = None,
                  knobs=None, torch_devices: list[str] | None = None):
         """expert_cache_slots: tiered expert memory. Experts stay in the host tier and each device
         keeps a cache of this many expert slots (shared by its layers) in HBM, filled by real

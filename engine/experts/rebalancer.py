@@ -625,11 +625,22 @@ def _occurrence(x: np.ndarray) -> np.ndarray:
 # ---- when to rebalance, and over what window ---------------------------------------------
 
 
+LOAD_WINDOW_STEPS = 64  # the one routing window: the planner's, the console's and /metrics' balancedness
+
+
 class LoadWindow:
     """Per-layer, per-expert loads over recent steps: the mean of the last `size` steps, or an
-    exponential moving average with weight `ema` on the newest step when ema is given."""
+    exponential moving average with weight `ema` on the newest step when ema is given; totals()
+    is their sum. The one routing window: the cluster plans from it, and the console and the
+    server's metrics keep one of the same size over the records they receive."""
 
-    def __init__(self, num_layers: int, num_experts: int, size: int = 100, ema: float | None = None):
+    @classmethod
+    def like(cls, routing, size: int = LOAD_WINDOW_STEPS) -> LoadWindow:
+        """A window for step loads of this [layers, experts] shape."""
+        rows, cols = np.shape(routing)
+        return cls(rows, cols, size=size)
+
+    def __init__(self, num_layers: int, num_experts: int, size: int = LOAD_WINDOW_STEPS, ema: float | None = None):
         self.shape = (_count(num_layers, "layers", 1), _count(num_experts, "experts", 1))
         self.size = _count(size, "size", 1)
         if ema is not None and (isinstance(ema, bool) or not isinstance(ema, (int, float)) or not 0 < ema <= 1):
@@ -637,6 +648,7 @@ class LoadWindow:
         self.ema = ema
         self._ring = np.zeros((self.size, *self.shape))
         self._avg = np.zeros(self.shape)
+        self._total = np.zeros(self.shape)  # the ring's sum, kept per step: one add and one subtract
         self.steps = 0
 
     def add(self, step_loads) -> None:
@@ -646,7 +658,9 @@ class LoadWindow:
             raise RebalanceError(f"step loads: shape {list(arr.shape)}, window expects {list(self.shape)}")
         if self.ema is not None:
             self._avg = arr.copy() if self.steps == 0 else self.ema * arr + (1 - self.ema) * self._avg
-        self._ring[self.steps % self.size] = arr
+        slot = self.steps % self.size
+        self._total += arr - self._ring[slot]  # exact: token counts stay far below 2^53
+        self._ring[slot] = arr
         self.steps += 1
 
     def __len__(self) -> int:
@@ -659,6 +673,10 @@ class LoadWindow:
             return self._ring[:n].copy()
         start = self.steps % self.size
         return np.concatenate([self._ring[start:], self._ring[:start]])
+
+    def totals(self) -> np.ndarray:
+        """[L, E] the last n steps' loads summed (int64: token counts); zeros before the first step."""
+        return np.rint(self._total).astype(np.int64)
 
     def loads(self) -> np.ndarray:
         """[L, E]; zeros before the first step."""

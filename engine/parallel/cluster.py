@@ -20,6 +20,7 @@ from moectl.engine.core.topology import Topology, format_size
 from moectl.engine.experts.cluster import ClusterBase
 from moectl.engine.experts.memory_ledger import non_expert_weight_bytes
 from moectl.engine.experts.placement import Placement, PlacementError
+from moectl.engine.experts.rebalancer import LOAD_WINDOW_STEPS
 from moectl.engine.parallel.rank_experts import RankExperts, RankStepStats, migrate, unpack
 
 
@@ -58,7 +59,7 @@ class DistributedCluster(ClusterBase):
 
     def __init__(self, model, topology: Topology, placement: Placement, layers: list[RankExperts],
                  rank_stats: RankStepStats, state, channel, *, policy: str = "locality", auto=None,
-                 window_steps: int = 64, knobs=None, kv_pool_bytes: int = 0):
+                 window_steps: int = LOAD_WINDOW_STEPS, knobs=None, kv_pool_bytes: int = 0):
         self._init_base(model, topology, placement, policy, auto, window_steps)
         self.layers = layers
         self.rank_stats = rank_stats
