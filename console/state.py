@@ -239,11 +239,8 @@ class ConsoleState:
         key = (self.version, len(self.window), id(placement), top)
         if getattr(self, "_top_cache", (None,))[0] == key:
             return self._top_cache[1]
-        routing = self.routing_window().astype(np.float64)
         slots = placement.slots  # [layers, devices, slots_per_device], -1 = empty
-        copies = np.maximum(placement.replica_counts(), 1)
-        share = np.where(slots >= 0, (routing / copies)[np.arange(slots.shape[0])[:, None, None],
-                                                          np.maximum(slots, 0)], 0.0)
+        share = placement.slot_loads(self.routing_window())  # the one replica rule
         per_device = share.transpose(1, 0, 2).reshape(slots.shape[1], -1)  # [devices, layers * slots]
         order = np.argsort(-per_device, axis=1)[:, :top]
         s = slots.shape[2]

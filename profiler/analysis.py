@@ -85,25 +85,14 @@ def _check_shape(routing: np.ndarray, placement: Placement) -> None:
 
 
 def _device_loads(placement: Placement, routing: np.ndarray) -> np.ndarray:
-    """[..., L, E] tokens -> [..., L, D] device loads under the replica rule (module doc)."""
+    """[..., L, E] tokens -> [..., L, D] device loads under the replica rule (Placement.slot_loads)."""
     _check_shape(routing, placement)
-    share = routing / placement.replica_counts()
-    share = np.concatenate([share, np.zeros(share.shape[:-1] + (1,))], axis=-1)  # index -1: empty slot
-    layer = np.arange(placement.num_layers)[:, None, None]
-    return share[..., layer, placement.slots].sum(-1)
-
-
-def _copies_on(placement: Placement, device: int) -> np.ndarray:
-    """[L, E] replicas of each expert that `device` holds."""
-    L, E = placement.num_layers, placement.num_experts
-    out = np.zeros((L, E + 1))
-    np.add.at(out, (np.arange(L)[:, None], placement.slots[:, device, :] + 1), 1)
-    return out[:, 1:]
+    return placement.slot_loads(routing).sum(-1)
 
 
 def _expert_shares_on(placement: Placement, routing: np.ndarray, device: int, top: int) -> list[dict]:
     """The (layer, expert) pairs that bring `device` most of its tokens under `routing` [L, E]."""
-    carried = routing * _copies_on(placement, device) / placement.replica_counts()
+    carried = routing * placement.replica_shares()[:, :, device]
     total = carried.sum()
     flat = carried.ravel()
     order = np.lexsort((np.arange(flat.size), -flat))[:top]  # heaviest first, ties by (layer, expert)

@@ -361,17 +361,39 @@ class Placement:
 
     # ---- analysis -------------------------------------------------------------------------
 
-    def device_loads(self, loads) -> np.ndarray:
-        """[L, E] expert loads -> [L, D] device loads, each expert's load split evenly over its replicas."""
-        arr = as_loads(loads)
-        if arr.shape != (self.num_layers, self.num_experts):
+    def slot_loads(self, loads) -> np.ndarray:
+        """[..., L, E] expert loads -> [..., L, D, S], each slot's load under the one replica rule:
+        an expert's load split evenly over its replicas (what the engine's least-loaded and
+        round-robin policies do on average); an empty slot carries none. Every device-load figure
+        (planning, trace analysis, step-time prediction, the console) derives from it."""
+        arr = np.asarray(loads, dtype=np.float64)
+        if arr.shape[-2:] != (self.num_layers, self.num_experts):
             raise PlacementError(f"loads: shape {list(arr.shape)} does not match the placement "
                                  f"[{self.num_layers}, {self.num_experts}]")
         per_replica = arr / self._counts
         # a zero column appended at index E turns empty slots (-1) into zero load
-        per_replica = np.concatenate([per_replica, np.zeros((self.num_layers, 1))], axis=1)
+        per_replica = np.concatenate([per_replica, np.zeros(arr.shape[:-1] + (1,))], axis=-1)
         l = np.arange(self.num_layers)[:, None, None]
-        return per_replica[l, self._slots].sum(axis=2)
+        return per_replica[..., l, self._slots]
+
+    def device_loads(self, loads) -> np.ndarray:
+        """[L, E] expert loads -> [L, D] device loads (slot_loads summed over each device's slots)."""
+        return self.slot_loads(as_loads(loads)).sum(axis=-1)
+
+    def replica_shares(self) -> np.ndarray:
+        """[L, E, D]: the share of each expert's load each device computes (slot_loads of a unit
+        load, gathered by expert), for figures that need the rule as a matrix."""
+        if "shares" not in self._cache:
+            L, D, S = self._slots.shape
+            E = self.num_experts
+            shares = np.zeros((L, E + 1, D))
+            l, d = np.broadcast_to(np.arange(L)[:, None, None], (L, D, S)), np.broadcast_to(
+                np.arange(D)[None, :, None], (L, D, S))
+            np.add.at(shares, (l, np.where(self._slots < 0, E, self._slots), d), self.slot_loads(np.ones((L, E))))
+            shares = shares[:, :E]
+            shares.setflags(write=False)
+            self._cache["shares"] = shares
+        return self._cache["shares"]
 
     def balancedness(self, loads) -> tuple[np.ndarray, float]:
         return balancedness(self.device_loads(loads))

@@ -105,25 +105,10 @@ def parallel_step(wall_s: float, busy_layer: np.ndarray, link_s: float, measured
             "modeled": not measured_parallel}
 
 
-def _replica_shares(placement: Placement) -> np.ndarray:
-    """[L, E, D]: the share of an expert's tokens each device computes, split evenly over its
-    replicas (what the least-loaded and round-robin policies do on average)."""
-    slots = placement.slots  # [L, D, S]
-    L, D, _ = slots.shape
-    E = placement.num_experts
-    held = np.zeros((L, E + 1, D))
-    l_idx = np.arange(L)[:, None, None]
-    d_idx = np.arange(D)[None, :, None]
-    np.add.at(held, (np.broadcast_to(l_idx, slots.shape), np.where(slots < 0, E, slots),
-                     np.broadcast_to(d_idx, slots.shape)), 1.0)
-    held = held[:, :E]
-    return held / np.maximum(held.sum(2, keepdims=True), 1.0)
-
-
 def device_work(placement: Placement, step_loads: np.ndarray, moe_layers: list[int]) -> tuple[np.ndarray, np.ndarray]:
     """(rows, active experts) per [step, device, layer] that `placement` gives these per-step
     [S, L, E] routing counts, over the MoE layers only."""
-    share = _replica_shares(placement)[moe_layers]  # [M, E, D]
+    share = placement.replica_shares()[moe_layers]  # [M, E, D]: the one replica rule
     loads = np.asarray(step_loads, dtype=np.float64)[:, moe_layers]  # [S, M, E]
     rows = np.einsum("sme,med->sdm", loads, share)
     active = np.einsum("sme,med->sdm", (loads > 0).astype(np.float64), (share > 0).astype(np.float64))
