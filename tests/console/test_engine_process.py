@@ -229,3 +229,49 @@ def test_the_console_process_never_imports_torch():
             "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))[:3]\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
     assert done.returncode == 0, done.stderr
+
+
+def test_knobs_edits_auto_and_a_capture_from_the_console_reach_the_engine_process(ckpt):
+    """The Requests, Experts and Timeline panels' controls on an engine process: each shows up in
+    the engine's own records (its knobs, its placement, its auto policy, a deep capture)."""
+    engine = start_engine(ckpt)
+    source = EngineSource(engine.dir, owner=True)
+
+    async def body(app, pilot):
+        def recorded(kind: str) -> list[dict]:
+            return [a for a in app.state.actions if a["kind"] == kind]
+
+        await until(pilot, lambda: app.state.steps_seen > 3, timeout=60)
+        await pilot.press("5")
+        await until(pilot, lambda: app.query_one("#rq-max_num_seqs").value != "")
+        app.query_one("#rq-max_num_seqs").value = "0"
+        app.query_one("#rq-apply").press()
+        await until(pilot, lambda: "max_num_seqs" in text_of(app, "#rq-error"), timeout=10)
+        app.query_one("#rq-max_num_seqs").value = "8"
+        app.query_one("#rq-apply").press()
+        await until(pilot, lambda: (app.state.latest or {}).get("knobs", {}).get("max_num_seqs") == 8, timeout=30)
+        await pilot.press("2")
+        await pilot.pause(0.2)
+        app.query_one("#ex-edit").value = "pin"
+        app.query_one("#ex-layer").value = "0"
+        app.query_one("#ex-expert").value = "99"
+        app.query_one("#ex-do").press()
+        await until(pilot, lambda: "expert" in text_of(app, "#ex-error"), timeout=10)  # refused by the engine
+        app.query_one("#ex-expert").value = "1"
+        app.query_one("#ex-do").press()
+        await until(pilot, lambda: app.state.placement is not None and app.state.placement.is_pinned(0, 1), timeout=30)
+        app.query_one("#ex-threshold").value = "0.85"
+        app.query_one("#ex-auto").value = True
+        await until(pilot, lambda: any(a["args"].get("mode") == "auto" and a["args"].get("threshold") == 0.85
+                                       for a in recorded("auto_rebalance")), timeout=30)
+        await pilot.press("3")
+        await until(pilot, lambda: "KV blocks" in text_of(app, "#mem-tiers"), timeout=10)
+        await pilot.press("4")
+        await until(pilot, lambda: app.query_one("#tl-timeline").span_count > 0, timeout=10)
+        app.query_one("#tl-capture").press()
+        await until(pilot, lambda: any(r.get("kernels") for r in app.state.window), timeout=60)
+    try:
+        run_app(MoectlApp(source), body)
+    finally:
+        source.close()
+        engine.stop()
