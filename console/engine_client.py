@@ -145,10 +145,7 @@ class EngineSource(Source):
         if self._lost is not None:
             raise ActionRefused(f"{kind}: {self._lost}")
         if kind == Action.REBALANCE_APPLY:
-            plan = args.pop("plan", None)
-            if not isinstance(plan, RemotePlan):
-                raise ActionRefused("rebalance_apply: preview a plan first")
-            args = {"plan_id": plan.plan_id}
+            args = RemotePlan.apply_args(args)
         future: Future = Future()
         act_id = next(self._ids)
         self._pending[act_id] = (kind, future)

@@ -10,10 +10,8 @@ import-linter contract lists the modules that process imports).
 from __future__ import annotations
 
 from concurrent.futures import Future
-from dataclasses import replace
 
 from moectl.console.sources import Source
-from moectl.engine.core.actions import ActionRefused
 from moectl.engine.core.driver import EngineDriver
 from moectl.engine.tools.demo_workload import DemoLoad, DemoWorkload
 from moectl.profiler.recorder import engine_header
@@ -57,17 +55,11 @@ class LiveSource(Source):
         workload's own are handled here."""
         if kind != "workload":
             return self.driver.act(kind, **args)
-        try:
-            load = replace(self._load, **args)
-            load.spec(0, 1)  # validates rate and lengths now
-        except (TypeError, ValueError) as exc:
-            raise ActionRefused(f"workload: {exc}") from None
-        self._load = load
-        return self.driver.call(lambda: self.workload.update(load) or {"workload": args}, "workload")
+        return self.workload.steer(self.driver, **args)
 
     @property
     def load(self) -> DemoLoad:
-        return self._load
+        return self.workload.load
 
     def close(self) -> None:
         try:

@@ -254,6 +254,14 @@ class RemotePlan:
     def summary(self) -> dict:
         return self._summary
 
+    @staticmethod
+    def apply_args(args: dict) -> dict:
+        """An apply's arguments for the engine that holds the plan: the previewed plan's id."""
+        plan = args.get("plan")
+        if not isinstance(plan, RemotePlan):
+            raise ActionRefused("rebalance_apply: preview a plan first")
+        return {"plan_id": plan.plan_id}
+
 
 class AttachSource(Source):
     """A remote `moectl serve`: records from its /v1/telemetry websocket, actions through its
@@ -354,10 +362,7 @@ class AttachSource(Source):
         if spec is None or spec.route is None:
             raise ActionRefused(f"{kind}: not available on an attached engine")
         if kind == Action.REBALANCE_APPLY:
-            plan = args.pop("plan", None)
-            if not isinstance(plan, RemotePlan):
-                raise ActionRefused("rebalance_apply: preview a plan first")
-            args = {"plan_id": plan.plan_id}
+            args = RemotePlan.apply_args(args)
         return self._call(self._post(kind, spec.route, args))
 
     async def _post(self, kind: str, route: str, body: dict):

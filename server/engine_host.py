@@ -263,13 +263,9 @@ class EngineHost:
             if self.workload is None:
                 raise ActionRefused("workload: this engine has no demo workload (moectl serve: its requests come "
                                     "through the API)")
-            try:
-                load = replace(self.load, **args)
-                load.spec(0, 1)  # validates rate and lengths now
-            except (TypeError, ValueError) as exc:
-                raise ActionRefused(f"workload: {exc}") from None
-            self.load = load
-            return self.driver.call(lambda: self.workload.update(load) or {"workload": args}, "workload")
+            future = self.workload.steer(self.driver, **args)
+            self.load = replace(self.load, **args)  # what Status reports: checked by steer
+            return future
         if kind == Action.REBALANCE_APPLY:
             plan = self._plans.get(str(args.pop("plan_id", "")))
             if plan is None:

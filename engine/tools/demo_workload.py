@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from moectl.engine.core.actions import ActionRefused
 from moectl.engine.tools.workload import WorkloadSpec, make_workload
 
 
@@ -47,6 +48,16 @@ class DemoWorkload:
         self.seed = 0
         self.queue: deque = deque()
         self.t0 = time.monotonic()
+
+    def steer(self, driver, **changes):
+        """The operator's "workload" action: the changed load, checked now (ActionRefused names
+        the field), in force from the engine thread's next turn. Returns the driver's Future."""
+        try:
+            load = replace(self.load, **changes)
+            load.spec(0, 1)  # validates rate and lengths now
+        except (TypeError, ValueError) as exc:
+            raise ActionRefused(f"workload: {exc}") from None
+        return driver.call(lambda: self.update(load) or {"workload": changes}, "workload")
 
     def update(self, load: DemoLoad) -> None:
         load.spec(0, 1)  # validates (ValueError names the field)
