@@ -275,3 +275,30 @@ def test_knobs_edits_auto_and_a_capture_from_the_console_reach_the_engine_proces
     finally:
         source.close()
         engine.stop()
+
+
+def test_heat_map_selection_themes_and_help_on_an_engine_process(ckpt):
+    engine = start_engine(ckpt)
+    source = EngineSource(engine.dir, owner=True)
+
+    async def body(app, pilot):
+        assert app.theme == "moectl-light"
+        await pilot.press("2")
+        await until(pilot, lambda: app.state.steps_seen > 3, timeout=60)
+        app.query_one("#ex-heatmap").focus()
+        await pilot.press("right", "down")
+        await until(pilot, lambda: text_of(app, "#ex-cell").startswith("L1/E1:"), timeout=10)
+        cell = text_of(app, "#ex-cell")
+        assert "tokens" in cell and "on d" in cell and "layer 1" in text_of(app, "#ex-placement-title")
+        await pilot.press("t")
+        assert app.theme == "moectl-high-contrast" and app.query_one("#ex-heatmap").scale_name == "grey"
+        await pilot.press("question_mark")
+        await pilot.pause(0.1)
+        assert app.screen.__class__.__name__ == "HelpScreen"
+        await pilot.press("escape")
+        assert app.screen.__class__.__name__ != "HelpScreen"
+    try:
+        run_app(MoectlApp(source, theme="light"), body)
+    finally:
+        source.close()
+        engine.stop()
