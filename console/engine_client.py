@@ -109,6 +109,8 @@ class EngineSource(Source):
                     break
         except (OSError, ProtocolError) as exc:
             reason = str(exc) or type(exc).__name__
+        except Exception as exc:  # noqa: BLE001 - a message this client cannot use: said, not a dead thread
+            reason = f"{type(exc).__name__}: {exc}".splitlines()[0]
         self._lost = f"{self.engine_name} is gone: {reason}"
         for kind, future in list(self._pending.values()):
             if not future.done():

@@ -369,6 +369,9 @@ class _Client:
         except ActionRefused as exc:
             self.offer(encode(Result(id=act.id, error=str(exc))))
             return
+        except Exception as exc:  # noqa: BLE001 - arguments no check foresaw: this action fails, nothing else
+            self.offer(encode(Result(id=act.id, error=f"{act.kind}: {type(exc).__name__}: {exc}".splitlines()[0])))
+            return
 
         def answer(done: Future) -> None:
             try:

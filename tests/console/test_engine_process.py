@@ -302,3 +302,31 @@ def test_heat_map_selection_themes_and_help_on_an_engine_process(ckpt):
     finally:
         source.close()
         engine.stop()
+
+
+def test_bad_actions_from_the_owner_fail_alone_and_the_engine_serves_on(ckpt):
+    engine = start_engine(ckpt)
+    try:
+        sock = protocol.connect(engine.dir)
+        with sock:
+            sock.sendall(protocol.encode(protocol.Hello(token=protocol.read_token(engine.dir), owner=True)))
+            assert isinstance(protocol.read_message(sock), protocol.Welcome)
+            bad = [("self_destruct", {}), ("knobs", {"max_num_seqs": [1, 2]}), ("workload", {"rate": "fast"}),
+                   ("edit", {"edit": "pin", "layer": "zero", "expert": 1}), ("rebalance_apply", {"plan_id": 7}),
+                   ("capture", {"steps": None})]
+            for i, (kind, args) in enumerate(bad):
+                sock.sendall(protocol.encode(protocol.Act(id=i, kind=kind, args=args)))
+            answers = {}
+            while len(answers) < len(bad):
+                message = protocol.read_message(sock)
+                if isinstance(message, protocol.Result):
+                    answers[message.id] = message
+            assert all(a.error and "\n" not in a.error and a.value is None for a in answers.values()), answers
+            assert engine.alive()
+            sock.sendall(protocol.encode(protocol.Act(id=99, kind="knobs", args={"max_num_seqs": 8})))
+            while not (isinstance(message := protocol.read_message(sock), protocol.Result) and message.id == 99):
+                pass
+            assert message.error is None and message.value == {"knobs": {"max_num_seqs": 8}}
+    finally:
+        engine.stop()
+    assert not engine.alive()  # the owner's connection closed: the engine went with it
