@@ -199,7 +199,7 @@ def engine_host(
     except BaseException:
         engines.close()
         raise
-    signal.signal(signal.SIGTERM, lambda *_: host.stop("SIGTERM"))
+    signal.signal(signal.SIGTERM, lambda *_: host.on_signal("SIGTERM"))
     typer.echo(json.dumps({"ready": str(Path(engine_dir) / SOCKET_NAME), "pid": os.getpid()}))
     sys.stdout.flush()
     try:

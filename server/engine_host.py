@@ -58,6 +58,7 @@ ALERT_EVERY_S = 2.0  # alerts are recomputed this often while a client is attach
 CLIENT_QUEUE = 256  # messages waiting per client before its oldest are dropped
 HELLO_TIMEOUT_S = 5.0
 MAX_PLANS = 16  # previews kept for an apply (newest)
+SIGNAL_POLL_S = 0.1  # how soon wait() acts on a SIGTERM
 
 
 class EngineHost:
@@ -90,6 +91,7 @@ class EngineHost:
         self._alerts_steps = 0  # steps seen when the alerts were last computed
         self._steps_seen = 0
         self.stop_reason: str | None = None
+        self.signalled: str | None = None  # set by on_signal, from a signal handler
         self._stopped = threading.Event()
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         path = self.engine_dir / protocol.SOCKET_NAME
@@ -103,9 +105,16 @@ class EngineHost:
 
     # -- lifetime
     def wait(self) -> str:
-        """Blocks until the engine is told to stop; returns why."""
-        self._stopped.wait()
+        """Blocks until the engine is told to stop; returns why. Polls for a signal's request: a
+        signal handler runs on this thread, maybe while it holds a lock, so it takes none."""
+        while not self._stopped.wait(SIGNAL_POLL_S):
+            if self.signalled is not None:
+                self.stop(self.signalled)
         return self.stop_reason or "stopped"
+
+    def on_signal(self, reason: str) -> None:
+        """For a signal handler: only records the request (wait() acts on it)."""
+        self.signalled = reason
 
     def stop(self, reason: str) -> None:
         with self._lock:

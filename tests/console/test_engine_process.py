@@ -330,3 +330,21 @@ def test_bad_actions_from_the_owner_fail_alone_and_the_engine_serves_on(ckpt):
     finally:
         engine.stop()
     assert not engine.alive()  # the owner's connection closed: the engine went with it
+
+
+def test_a_burst_of_sigterms_stops_the_engine_process(ckpt):
+    """The SIGTERM handler once took the host's lock: a second SIGTERM (the parent-death signal on
+    top of another) arrived while the first held it, and the engine hung forever."""
+    engine = start_engine(ckpt)
+    source = EngineSource(engine.dir, owner=True)
+    try:
+        for _ in range(5):
+            os.kill(engine.pid, signal.SIGTERM)
+        assert wait_gone(engine.pid, 30) is not None, "the engine hung on its SIGTERMs"
+        deadline = time.monotonic() + 10
+        while source.error is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert source.error is not None and "SIGTERM" in source.error
+    finally:
+        source.close()
+        engine.stop()
