@@ -132,9 +132,8 @@ class MoectlApp(App):
         self.set_interval(REFRESH_S, self.tick)
         self.tick()
         # the widgets, styles and imports live as long as the app: out of the collector's sight,
-        # a full collection no longer walks them (it paused a tab switch for up to 200 ms; key to
-        # frame p95 went from 143-208 ms to 53-56 ms, bench/console_bench.py). Garbage first, so
-        # none of it is frozen with them.
+        # a full collection no longer walks them (it paused tab switches for up to 200 ms: see
+        # bench/README.md, console responsiveness). Garbage first, so none of it is frozen.
         gc.collect()
         gc.freeze()
 
@@ -159,7 +158,7 @@ class MoectlApp(App):
                 self.notify(message, severity="error")
                 self._last_source_error = message
             return
-        if self._engine_computes_alerts:
+        if self._alerts_from_engine:
             self._engine_alerts()
         error = self.source.error
         if error is not None and error != self._shown_error:  # said at once, whichever tab is shown
@@ -170,7 +169,7 @@ class MoectlApp(App):
             return  # nothing new: leave the UI thread to the keyboard
         # after a seek at once: the replay opens on a full window, so the alerts computed then would
         # otherwise stay on screen for ALERT_EVERY_S after the operator seeks elsewhere
-        if self._engine_computes_alerts:
+        if self._alerts_from_engine:
             self.refresh_panels()
             return
         due = time.monotonic() - self._alerts_at > ALERT_EVERY_S and not self._alerts_running
@@ -182,9 +181,9 @@ class MoectlApp(App):
         self.refresh_panels()
 
     @property
-    def _engine_computes_alerts(self) -> bool:
-        """The engine process computes the alerts for every client (EngineSource)."""
-        return getattr(self.source, "computes_alerts", True) is False
+    def _alerts_from_engine(self) -> bool:
+        """The engine process computes the alerts for every client (EngineSource.engine_alerts)."""
+        return getattr(self.source, "engine_alerts", False)
 
     def _engine_alerts(self) -> None:
         version = self.source.alerts_version

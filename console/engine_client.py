@@ -46,7 +46,7 @@ class EngineSource(Source):
     stops when this source closes (or this process dies)."""
 
     mode = "live"
-    computes_alerts = False  # the engine does: `alerts` and `alerts_version` follow its Alerts
+    engine_alerts = True  # the engine computes the alerts: `alerts` and `alerts_version` follow its Alerts
 
     def __init__(self, engine_dir: Path, *, owner: bool = False, timeout_s: float = WELCOME_TIMEOUT_S):
         self.engine_dir = Path(engine_dir)

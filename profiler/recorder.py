@@ -33,9 +33,9 @@ def engine_header(engine) -> dict:
         "knobs": engine.knobs.as_dict(),
         "devices": engine.experts.header() if engine.experts is not None else None,
     }
-    from moectl.engine.planning.memory_plan import plan_text_for_header
+    from moectl.engine.planning.memory_plan import plan_for_header
 
-    header["memory_plan"] = plan_text_for_header(header)  # computed with the engine: consoles only draw it
+    header["memory_plan"] = plan_for_header(header)  # computed with the engine: consoles only draw it
     return header
 
 

@@ -24,7 +24,7 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import Future
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 
 import msgspec
@@ -73,7 +73,6 @@ class EngineHost:
         self.engine_dir = Path(engine_dir)
         self._token = token
         self._on_close = on_close
-        self.load = load
         self.workload = DemoWorkload(load) if load is not None else None
         self._owns_driver = driver is None
         self._inbox: deque = deque(maxlen=RECENT_ACTIONS * 16)  # (steps, actions) published by a driver's reader
@@ -249,7 +248,7 @@ class EngineHost:
         if not window:
             return None
         experts = self.driver.engine.experts
-        devices = self.header().get("devices") or {}
+        devices = experts.header() if experts is not None else {}  # not header(): no memory plan every 2 s
         try:
             found = alerts(window, experts.placement if experts is not None else None,
                            experts.topology if experts is not None else None, devices.get("expert_bytes"),
@@ -261,7 +260,8 @@ class EngineHost:
         return self._alerts
 
     def _current_status(self) -> Status:
-        return Status(error=self.driver.error, load=asdict(self.load) if self.load is not None else None)
+        # the load in force: steer() changes it on the engine thread, and the next pump reports it
+        return Status(error=self.driver.error, load=asdict(self.workload.load) if self.workload else None)
 
     # -- actions
     def act(self, act: Act) -> Future:
@@ -272,9 +272,7 @@ class EngineHost:
             if self.workload is None:
                 raise ActionRefused("workload: this engine has no demo workload (moectl serve: its requests come "
                                     "through the API)")
-            future = self.workload.steer(self.driver, **args)
-            self.load = replace(self.load, **args)  # what Status reports: checked by steer
-            return future
+            return self.workload.steer(self.driver, **args)
         if kind == Action.REBALANCE_APPLY:
             plan = self._plans.get(str(args.pop("plan_id", "")))
             if plan is None:

@@ -151,8 +151,8 @@ class MemoryPanel(ShowsOnChange, VerticalScroll):
         """The plan the engine computed (its header's memory_plan); a trace recorded before the
         engine put it there is planned here from the model's config.json (replay only)."""
         plan = state.header.get("memory_plan")
-        if plan is not None:
-            return plan
-        from moectl.engine.planning.memory_plan import plan_text_for_header
+        if not isinstance(plan, dict):
+            from moectl.engine.planning.memory_plan import plan_for_header
 
-        return plan_text_for_header(state.header)
+            plan = plan_for_header(state.header)
+        return plan["table"] if "table" in plan else f"[dim]not available: {plan.get('absent')}[/]"

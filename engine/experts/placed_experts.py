@@ -114,9 +114,9 @@ class PlacedExperts(nn.Module):
         self.placement = placement
         self.load(placement)
 
-    def load(self, placement: Placement) -> int:
-        """Make the slots hold `placement`'s layer: copies only the slots whose expert changes.
-        Returns the bytes copied (real copies)."""
+    def load(self, placement: Placement) -> None:
+        """Make the slots hold `placement`'s layer: copies only the slots whose expert changes
+        (the migration's rows for this layer; the cluster counts their bytes)."""
         wanted = placement.slots[self.layer_idx].reshape(-1)
         changed = np.nonzero(wanted != self.slot_expert)[0]
         with torch.no_grad():
@@ -137,9 +137,6 @@ class PlacedExperts(nn.Module):
         # the routing table lives where the tokens are (the experts may be meta: left on disk)
         device = self.logical.w13.device if self.logical.w13.device.type != "meta" else self.stats.device
         self.slot_of = torch.from_numpy(table).to(device)
-        if self.tiered:
-            return 0  # nothing moves between HBMs: caches refill from the host tier on demand
-        return int(sum(1 for s in changed if wanted[s] >= 0)) * self.expert_bytes
 
     def dispatch(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, counts_t: torch.Tensor):
         stats = self.stats

@@ -441,9 +441,7 @@ class Placement:
     def local_copies(self, other: Placement) -> int:
         """The migration's copies within a device (an expert the device holds, into another of
         its slots): no link carries them, but they are copies all the same."""
-        self._check_same_shape(other)
-        changed = (other.slots != _slots_like(self._slots, other.slots_per_device)) & (other.slots >= 0)
-        return int(changed.sum()) - int(self._arrivals(other)[0].size)
+        return int((self.migration(other)[:, 6] == 0).sum())
 
     def _check_same_shape(self, other: Placement) -> None:
         if not isinstance(other, Placement):

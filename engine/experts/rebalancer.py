@@ -149,11 +149,13 @@ def plan_rebalance(loads, topology: Topology | int, redundant_per_device: int,
         plan.check_hbm(expert_bytes, hbm_budget_bytes)
     except PlacementError as exc:
         raise RebalanceError(str(exc)) from None
-    moves = current.move_array(plan, dpn if hierarchical else None)
+    migration = current.migration(plan, dpn if hierarchical else None)  # once: the moves and the local copies
+    over_link = migration[:, 6] == 1
+    moves = migration[over_link][:, [0, 1, 2, 4, 5]]
     b_per, b_all = balancedness(before_loads)
     a_per, a_all = balancedness(after_loads)
     return RebalancePlan(plan, Balance(b_per, b_all), Balance(a_per, a_all), len(moves) * expert_bytes, moves,
-                         time.perf_counter() - t0, kept, current.local_copies(plan) * expert_bytes)
+                         time.perf_counter() - t0, kept, int((~over_link).sum()) * expert_bytes)
 
 
 def _repair(W: np.ndarray, cur: np.ndarray, E: int, pin_mask: np.ndarray, target: float):

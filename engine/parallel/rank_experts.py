@@ -260,11 +260,12 @@ def migrate(layers: list[RankExperts], new: Placement, rank: int, world: int, gr
     numel = layers[0].expert_numel
     dtype, device = layers[0].w13.dtype, layers[0].w13.device
     sent = received = local_moves = 0
+    plan = migration_plan(old, new, [m.layer_idx for m in layers])  # once, then layer by layer
     for m in layers:
         outgoing = [[] for _ in range(world)]  # per destination: src slots, in plan order
         incoming = [[] for _ in range(world)]  # per source: dst slots
         local = []
-        moves = migration_plan(old, new, [m.layer_idx])
+        moves = [move for move in plan if move[0] == m.layer_idx]
         for _, dst, slot, src, src_slot in moves:
             if dst == rank and src == rank:
                 local.append((slot, src_slot))

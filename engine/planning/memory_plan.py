@@ -889,13 +889,14 @@ def fit_suggestions(config, topology: Topology, **options) -> list[dict]:
     return out
 
 
-def plan_text_for_header(header: dict) -> str:
-    """The Memory panel's plan table (console markup) for an engine as its trace header
-    (profiler/recorder.py engine_header) describes it: the engine computes it, consoles draw it."""
+def plan_for_header(header: dict) -> dict:
+    """The per-device memory plan of an engine as its trace header (profiler/recorder.py
+    engine_header) describes it: {"table": text} or {"absent": why}. The engine computes it,
+    consoles draw it."""
     model = (header.get("model") or {}).get("path")
     topo = (header.get("devices") or {}).get("topology")
     if not model or not (Path(model) / "config.json").is_file() or not topo:
-        return "[dim]not available: needs the model's config.json and a device topology[/]"
+        return {"absent": "needs the model's config.json and a device topology"}
     config = header.get("engine_config") or {}
     knobs = header.get("knobs") or {}
     try:
@@ -904,5 +905,5 @@ def plan_text_for_header(header: dict) -> str:
                            max_batched_tokens=knobs.get("max_num_batched_tokens"),
                            block_size=int(config.get("block_size", 16)), attn_impl="eager")
     except (PlanError, ValueError) as exc:
-        return f"[dim]not available: {exc}[/]"
-    return plan.format_table()
+        return {"absent": str(exc)}
+    return {"table": plan.format_table()}
