@@ -12,20 +12,31 @@
    a 64 x 64 traffic matrix / HBM by category for 64 devices, and spans on 129 lanes (engine,
    64 devices, 64 links: ~11,800 spans per step, every layer's attention and router, its experts
    on every device, its dispatch and combine on every link). The app replays it headless at
-   250 x 70 (`App.run_test`), seeked to the middle, paused. For each tab, a frame is:
+   250 x 70 (`App.run_test`), seeked to the middle, paused (the app's own timer paused too: it
+   would only redraw the transport line). For each tab:
 
-     tick   source.step_forward(); app.tick(): one new record read from the trace and decoded,
-            ConsoleState.apply, the visible panel's show(state) (what playback does per record)
-     render every widget on the screen marked dirty (Widget.refresh(): the whole screen repaints,
-            as after a resize or a theme switch), then Textual's own path for a frame,
-            Screen._refresh_layout (layout + compositor render of every dirty line), with
-            App._display wrapped so the compositor update is also turned into the terminal byte
-            string (LayoutUpdate.render_segments), the step a real terminal pays and headless
-            mode skips
+     frame  what one new record costs the UI thread, as playback and the live console pay it:
+            source.step_forward(); app.tick() (the record read and decoded, ConsoleState.apply,
+            the visible panel's show(state)), then Textual's own path to the terminal for what
+            that dirtied (messages, idle, the screen's update timer, layout, the compositor's
+            render of the dirty lines, with App._display wrapped so the update is also turned
+            into the terminal byte string, the step a real terminal pays and headless mode
+            skips). Measured as the UI thread's CPU time (time.thread_time) from the tick until
+            the screen has been quiet for 40 ms, so the waits in between do not count.
+       tick   the first part of it alone.
+     full repaint
+            every widget on the screen refreshed and repainted at once (a resize, a theme
+            switch): Widget.refresh() on each, each put in the screen's dirty set, then
+            Screen._refresh_layout, synchronously, wall clock.
+     Textual floor
+            the same full repaint of an app with one full-screen Line API widget drawing as
+            many colour runs (segments) as the tab's composed screen holds, each line a new
+            Strip: what Textual itself costs for a screen like it on this machine, with no
+            data and no layout. full repaint / floor says how much the console adds.
 
-   measured synchronously on the UI thread, median and max over --frames frames per tab. No
-   alerts worker runs during a frame: the first computation is waited for (its time is reported
-   on its own: app.compute_alerts runs in a thread every 2 s and shares the GIL with the UI).
+   median and max over --frames frames per tab. No alerts worker runs during a frame: the first
+   computation is waited for (its time is reported on its own: app.compute_alerts runs in a
+   thread every 2 s and shares the GIL with the UI).
 
 2. Update rate (target: >= 10 updates per second). The live console on the sample model, its
    engine in a process of its own as `moectl run` starts it (4 emulated devices, the default
@@ -259,6 +270,22 @@ async def _until(condition, timeout_s: float, poll_s: float = 0.01) -> bool:
 
 # -- 1. frame time -------------------------------------------------------------------------------
 
+async def _settle(app, displays: list, quiet_s: float = 0.04, timeout_s: float = 1.0) -> None:
+    """Until Textual has painted what is pending: a frame after `displays` had its current length,
+    then `quiet_s` without another (or `timeout_s`: nothing was dirty)."""
+    n0 = len(displays)
+    end = time.perf_counter() + timeout_s
+    while time.perf_counter() < end:
+        await asyncio.sleep(0.005)
+        if len(displays) > n0 and time.perf_counter() - displays[-1][0] >= quiet_s:
+            return
+
+
+def _screen_runs(app) -> int:
+    """Colour runs (segments) on the composed screen: what the terminal is sent on a full repaint."""
+    return sum(len(strip) for strip in app.screen._compositor.render_strips())
+
+
 async def _frames(path: Path, frames: int, size: tuple[int, int], tabs: tuple[str, ...]) -> dict:
     from textual.widgets import TabbedContent
 
@@ -268,8 +295,9 @@ async def _frames(path: Path, frames: int, size: tuple[int, int], tabs: tuple[st
     source = ReplaySource(path)
     app = MoectlApp(source)
     out: dict = {"size": list(size), "tabs": {}}
+    displays: list = []
     async with app.run_test(size=size) as pilot:
-        _wrap_display(app)
+        _wrap_display(app, displays)
         await pilot.pause()
         start = source.first_step + (source.last_step - source.first_step) // 3
         t0 = time.perf_counter()
@@ -280,30 +308,91 @@ async def _frames(path: Path, frames: int, size: tuple[int, int], tabs: tuple[st
         done = await _until(lambda: not app._alerts_running, 300.0)
         out["alerts_s"] = round(time.perf_counter() - t0, 2) if done else None
         out["alerts"] = len(app.state.alerts)
+        # the app's own 15 Hz tick stays out of the measured frames (paused replay: it only redraws the
+        # transport line); the frames below call app.tick themselves
+        for timer in list(app._timers):
+            timer.pause()
         screen = app.screen
         for tab in tabs:
             app.action_tab(tab)
             await pilot.pause(0.2)
             assert app.query_one(TabbedContent).active == tab
-            ticks, renders, totals = [], [], []
+            ticks, updates, fulls = [], [], []
             for i in range(frames + 2):
                 app._alerts_at = time.monotonic()  # no alerts worker starts inside a measured frame
-                t0 = time.perf_counter()
+                await _settle(app, displays, timeout_s=0.2)
+                c0 = time.thread_time()
                 source.step_forward()
                 app.tick()
-                t1 = time.perf_counter()
-                for widget in screen.walk_children(with_self=True):
+                c1 = time.thread_time()
+                await _settle(app, displays)  # Textual's own path: messages, idle, the screen's update timer
+                c2 = time.thread_time()
+                widgets = list(screen.walk_children(with_self=True))
+                t0 = time.perf_counter()
+                for widget in widgets:
                     widget.refresh()
+                screen._dirty_widgets.update(widgets)
                 screen._refresh_layout()
-                t2 = time.perf_counter()
+                t1 = time.perf_counter()
                 if i >= 2:  # two warm-up frames (first layout of the tab, caches)
-                    ticks.append(t1 - t0)
-                    renders.append(t2 - t1)
-                    totals.append(t2 - t0)
-                await asyncio.sleep(0.02)  # let the app handle what the frame posted (resize, ...)
-            out["tabs"][tab] = {"frame": _stats_ms(totals), "tick": _stats_ms(ticks), "render": _stats_ms(renders)}
+                    ticks.append(c1 - c0)
+                    updates.append(c2 - c0)
+                    fulls.append(t1 - t0)
+            runs = _screen_runs(app)
+            out["tabs"][tab] = {"frame": _stats_ms(updates), "tick": _stats_ms(ticks), "full_repaint": _stats_ms(fulls),
+                                "screen_runs": runs}
         out["position"] = source.position
     return out
+
+
+async def _textual_floor(size: tuple[int, int], runs: int, frames: int = 30) -> dict:
+    """Textual's own cost of a full repaint with `runs` colour runs: one full-screen Line API widget,
+    every line a new Strip of equal runs (no data, no layout beyond one widget), the same
+    measure as the tabs' full repaint. What this machine and Textual allow for a screen like it."""
+    from rich.segment import Segment
+    from rich.style import Style
+    from textual.app import App
+    from textual.geometry import Size
+    from textual.scroll_view import ScrollView
+    from textual.strip import Strip
+
+    width, height = size
+    per_line = max(1, min(width, -(-runs // height)))
+    cell = width // per_line
+    styles = [Style(bgcolor=f"#{(37 * k) % 256:02x}{(91 * k) % 256:02x}{(53 * k) % 256:02x}") for k in range(16)]
+
+    class Runs(ScrollView):
+        generation = 0
+
+        def render_line(self, y: int) -> Strip:
+            g = self.generation
+            segments = [Segment(" " * cell, styles[(y + k + g) % 16]) for k in range(per_line)]
+            return Strip(segments, cell * per_line).adjust_cell_length(self.size.width)
+
+    class Floor(App):
+        def compose(self):
+            yield Runs()
+
+    app = Floor()
+    samples = []
+    async with app.run_test(size=size) as pilot:
+        _wrap_display(app)
+        await pilot.pause()
+        widget = app.query_one(Runs)
+        widget.virtual_size = Size(0, height)
+        for i in range(frames + 2):
+            widget.generation += 1
+            widgets = list(app.screen.walk_children(with_self=True))
+            t0 = time.perf_counter()
+            for w in widgets:
+                w.refresh()
+            app.screen._dirty_widgets.update(widgets)
+            app.screen._refresh_layout()
+            if i >= 2:
+                samples.append(time.perf_counter() - t0)
+            await asyncio.sleep(0.01)
+        runs_drawn = _screen_runs(app)
+    return {"runs": runs_drawn, **_stats_ms(samples)}
 
 
 # -- 2. update rate ------------------------------------------------------------------------------
@@ -530,6 +619,9 @@ def run(args) -> dict:
         res["trace"] = write_synthetic_trace(path, args.steps, args.seed)
         log(f"frames at {BIG_SIZE[0]}x{BIG_SIZE[1]} ...")
         res["frames"] = asyncio.run(_frames(path, args.frames, BIG_SIZE, tuple(args.tabs)))
+        log("Textual's floor for each tab's screen ...")
+        for tab in res["frames"]["tabs"].values():
+            tab["textual_floor"] = asyncio.run(_textual_floor(BIG_SIZE, tab["screen_runs"], args.frames))
         if args.big_presses:
             log(f"keypress latency on the big layout ({args.big_presses} presses) ...")
             res["big_keys"] = asyncio.run(_big_keys(path, args.big_presses, args.seed))
@@ -580,9 +672,14 @@ def report(res: dict) -> None:
               f"{target:>8.0f}{unit:>2} {r_med:>14.2f} {r_max:>11}")
 
     for tab, s in fr["tabs"].items():
+        floor = s["textual_floor"]
         row(f"frame {tab} {fr['size'][0]}x{fr['size'][1]}", s["frame"]["median_ms"], s["frame"]["max_ms"], FRAME_TARGET_MS)
         row("  of which tick (record + panel)", s["tick"]["median_ms"], s["tick"]["max_ms"], FRAME_TARGET_MS)
-        row("  of which render (layout+paint)", s["render"]["median_ms"], s["render"]["max_ms"], FRAME_TARGET_MS)
+        row("  full repaint (resize, theme)", s["full_repaint"]["median_ms"], s["full_repaint"]["max_ms"],
+            FRAME_TARGET_MS)
+        row(f"  Textual floor, {floor['runs']:,} runs", floor["median_ms"], floor["max_ms"], FRAME_TARGET_MS)
+        print(f"  {s['screen_runs']:,} colour runs on screen; full repaint / Textual floor: "
+              f"{s['full_repaint']['median_ms'] / floor['median_ms']:.2f}")
     for name, label in (("update_rate", "engine process"), ("update_rate_in_process", "in-process baseline")):
         if name not in res:
             continue

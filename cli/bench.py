@@ -8,11 +8,14 @@ import typer
 
 from moectl.cli.common import (
     BACKEND_OPT,
+    DEFAULT_DEVICES,
+    DEVICES_OPT,
     DTYPE_OPT,
     HOST_MEM_OPT,
     JSON_OPT,
     MODEL_OPT,
     NPROC_OPT,
+    REDUNDANT_OPT,
     BadInput,
     check_nproc,
     check_seed,
@@ -23,6 +26,7 @@ from moectl.cli.common import (
     parse_cli_size,
     parse_threads,
     progress,
+    redundant_slots,
 )
 
 # the options each suite reads: one given to a suite that would ignore it is refused, naming both
@@ -70,11 +74,9 @@ def bench(
                                                                    "torch's own)."),
     backend: str = BACKEND_OPT,
     nproc: int | None = NPROC_OPT,
-    devices: int = typer.Option(2, "--devices", "-d", help="rebalance, soak: devices (emulated on the local "
-                                                              "backend; soak: 0 for none)."),
+    devices: int | None = DEVICES_OPT,
     rounds: int = typer.Option(2, "--rounds", help="rebalance: rounds of (naive, planned) phases."),
-    redundant: int = typer.Option(0, "--redundant", help="rebalance: spare slots per device for replicas (0: "
-                                                         "re-hash the experts over the devices)."),
+    redundant: int | None = REDUNDANT_OPT,
     seed: int = typer.Option(0, "--seed"),
     host_mem: str | None = HOST_MEM_OPT,
     contended: bool = typer.Option(False, "--contended", help="compare-hf: also run it with a busy process holding "
@@ -148,15 +150,14 @@ def bench(
             raise BadInput("--rounds: must be in 1-20")
         if not 1 <= requests <= 4096:
             raise BadInput("--requests: must be in 1-4096")
-        if nproc is not None and given(ctx, "devices") and devices != nproc:
+        if nproc is not None and devices is not None and devices != nproc:
             raise BadInput(f"--devices {devices}, --nproc {nproc}: the distributed backend runs one process per "
                            "device; give one of them")
-        count = nproc if nproc is not None else devices
+        count = nproc if nproc is not None else (devices or DEFAULT_DEVICES)
         if not 1 <= count <= 64:
             raise BadInput(f"--{'nproc' if nproc is not None else 'devices'}: must be in 1-64, got {count}")
-        if not 0 <= redundant <= 64:
-            raise BadInput("--redundant: must be in 0-64")
-        result = run_rebalance_bench(path, backend=backend, devices=count, rounds=rounds, redundant=redundant,
+        result = run_rebalance_bench(path, backend=backend, devices=count, rounds=rounds,
+                                     redundant=redundant_slots(redundant),
                                      requests=48 if requests == 64 else requests, dtype=dtype, threads=threads, log=log)
     elif name == "limits":
         from moectl.engine.tools import machine_limits
@@ -169,6 +170,7 @@ def bench(
         if backend != "local":
             raise BadInput(f"--backend: the soak suite runs on local, got {backend!r}")
         count = 10_000 if requests == 64 else requests
+        devices = DEFAULT_DEVICES if devices is None else devices  # 0: the experts on no devices
         try:
             check_options(count, None, 50, devices, 0)
         except ValueError as exc:

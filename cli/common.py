@@ -46,10 +46,18 @@ NPROC_OPT = typer.Option(None, "--nproc", help="distributed: processes, one per 
 THREADS_OPT = typer.Option("auto", "--threads", help="torch intra-op threads: N, or auto (the cores other processes "
                                                     "leave free, re-measured every second; `bench --contended` "
                                                     "measures why).")
-DEFAULT_DEVICES = 4  # run, serve, record, web: enough emulated devices for imbalance to show
+# The device options, declared once for every command that takes them (run, serve, record, web,
+# generate, bench, plan): one default each, documented here and nowhere else.
+DEFAULT_DEVICES = 4  # enough emulated devices for imbalance to show
+DEFAULT_REDUNDANT = 1  # a spare slot per device: room for a replica of a hot expert
+MAX_REDUNDANT = 64
 DEVICES_OPT = typer.Option(None, "--devices", "-d", show_default=False,
                            help=f"Devices for the experts (emulated on the local backend) [default: {DEFAULT_DEVICES}; "
-                                "with --nproc, one per process].")
+                                "with --nproc, one per process; a command that reads a trace: the trace's].")
+REDUNDANT_OPT = typer.Option(None, "--redundant", show_default=False,
+                             help=f"Spare expert slots per device, room for replicas of hot experts (0: a rebalance "
+                                  f"only moves experts) [default: {DEFAULT_REDUNDANT}; a command that reads a trace "
+                                  "with a placement: that placement's].")
 PLACEMENT_OPT = typer.Option(None, "--placement", help="Initial expert placement: the placement file `plan rebalance "
                                                        "--json` writes (any backend); one planned for another "
                                                        "model is refused.")
@@ -155,6 +163,15 @@ def parse_cli_size(value: str, option: str) -> int:
     return size
 
 
+def redundant_slots(redundant: int | None, default: int = DEFAULT_REDUNDANT) -> int:
+    """--redundant: the given count (checked), else `default`."""
+    if redundant is None:
+        return default
+    if not 0 <= redundant <= MAX_REDUNDANT:
+        raise BadInput(f"--redundant: must be in 0-{MAX_REDUNDANT}, got {redundant}")
+    return redundant
+
+
 def check_seed(seed: int | None, option: str = "--seed") -> int | None:
     """--seed within the range torch's generators take."""
     if seed is not None and not 0 <= seed <= MAX_SEED:
@@ -242,11 +259,11 @@ def _check_ranks(model: Path | None, ranks: int, flag: str) -> None:
 
 def engine_config(model: Path | None, *, devices: int | None = None, hbm: str = "80GiB", backend: str = "local",
                   expert_cache: int | None = None, device: str = "cpu", nproc: int | None = None,
-                  placement: Path | None = None, host_mem: str | None = None, default_devices: int | None = None,
+                  placement: Path | None = None, host_mem: str | None = None, redundant: int | None = None,
                   **options) -> EngineConfig:
-    """The EngineConfig the device options describe. devices None (not given): default_devices,
-    which --nproc replaces, and None there is one device, no placement.
-    options: any other EngineConfig field (dtype, redundant_slots, num_threads, ...)."""
+    """The EngineConfig the device options describe. devices None (not given): DEFAULT_DEVICES,
+    which --nproc replaces; redundant None: DEFAULT_REDUNDANT.
+    options: any other EngineConfig field (dtype, num_threads, ...)."""
     if backend not in BACKENDS:
         raise BadInput(f"--backend: must be one of {', '.join(BACKENDS)}, got {backend!r}")
     check_nproc(nproc, backend)
@@ -256,7 +273,8 @@ def engine_config(model: Path | None, *, devices: int | None = None, hbm: str = 
     if devices is not None and devices < 1:
         raise BadInput(f"--devices: must be >= 1, got {devices}")
     devices_given = devices is not None
-    devices = devices if devices_given else default_devices
+    devices = devices if devices_given else DEFAULT_DEVICES
+    options["redundant_slots"] = redundant_slots(redundant)
     count_flag = "--devices"
     if backend == "distributed":
         if expert_cache is not None:
@@ -265,29 +283,23 @@ def engine_config(model: Path | None, *, devices: int | None = None, hbm: str = 
             raise BadInput(f"--devices {devices}, --nproc {nproc}: the distributed backend runs one process per "
                            "device; give one of them")
         count_flag = "--nproc" if nproc is not None else count_flag
-        devices = nproc if nproc is not None else (devices or 2)
-    if devices is not None and devices > MAX_DEVICES:
+        devices = nproc if nproc is not None else devices
+    if devices > MAX_DEVICES:
         raise BadInput(f"{count_flag}: must be in 1-{MAX_DEVICES}, got {devices}")
     if backend == "distributed":
         _check_ranks(model, devices, count_flag)
-    if expert_cache is not None and devices is None:
-        raise BadInput("--expert-cache: needs --devices")
     if host_mem is not None:
         if backend == "distributed":
             raise BadInput("--host-mem: not on the distributed backend (each rank loads its own experts)")
         options["host_mem"] = parse_cli_size(host_mem, "--host-mem")
     if placement is not None:
-        if devices is None:
-            raise BadInput("--placement: needs --devices")
         options["placement"] = read_placement(placement, model_dir(model), devices)
-    topology = None
-    if devices is not None:
-        topology = Topology(num_devices=devices, hbm_bytes=hbm_bytes)
+    topology = Topology(num_devices=devices, hbm_bytes=hbm_bytes)
     if backend == "multi-gpu":
         import torch
 
         have = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if devices is None or devices > have:
+        if devices > have:
             raise BadInput(f"--backend multi-gpu: needs --devices N with N <= the {have} CUDA devices here")
         options["expert_devices"] = tuple(f"cuda:{d}" for d in range(devices))
         device = "cuda:0"

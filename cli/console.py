@@ -10,7 +10,6 @@ import typer
 
 from moectl.cli.common import (
     BACKEND_OPT,
-    DEFAULT_DEVICES,
     DEVICES_OPT,
     DTYPE_OPT,
     EXPERT_CACHE_OPT,
@@ -19,6 +18,7 @@ from moectl.cli.common import (
     MODEL_OPT,
     NPROC_OPT,
     PLACEMENT_OPT,
+    REDUNDANT_OPT,
     THEME_OPT,
     THREADS_OPT,
     BadInput,
@@ -33,7 +33,6 @@ from moectl.themes import check_theme
 
 DEMO_WORKLOAD = "rate=4,prompt=32-256,output=32-128"
 # the live console's own options (`run`, and `web` which hands them on to it)
-LIVE_REDUNDANT_OPT = typer.Option(1, "--redundant", help="Redundant expert slots per device (room for replicas).")
 DEMO_WORKLOAD_OPT = typer.Option(DEMO_WORKLOAD, "--workload", help="The demo workload: rate=R,prompt=LO-HI,"
                                                                   "output=LO-HI (editable live).")
 
@@ -50,17 +49,17 @@ def demo_load(workload: str):
         raise BadInput(message if message.startswith("--workload") else f"--workload: {message}") from None
 
 
-def live_engine_config(model: Path | None, devices: int | None, hbm: str, redundant: int, expert_cache: int | None,
+def live_engine_config(model: Path | None, devices: int | None, hbm: str, redundant: int | None, expert_cache: int | None,
                        dtype: str | None, threads: int | str, backend: str = "local", nproc: int | None = None,
                        placement: Path | None = None, host_mem: str | None = None):
     """The live engine's EngineConfig from run's options (checked: BadInput names the flag)."""
     return engine_config(model, devices=devices, hbm=hbm, expert_cache=expert_cache, host_mem=host_mem, dtype=dtype,
-                         redundant_slots=redundant, num_threads=parse_threads(threads), backend=backend, nproc=nproc,
-                         placement=placement, default_devices=DEFAULT_DEVICES,
+                         redundant=redundant, num_threads=parse_threads(threads), backend=backend, nproc=nproc,
+                         placement=placement,
                          reserved_cores=1)  # a core for the console's process
 
 
-def live_source(model: Path | None, devices: int | None, hbm: str, redundant: int, expert_cache: int | None,
+def live_source(model: Path | None, devices: int | None, hbm: str, redundant: int | None, expert_cache: int | None,
                 workload: str, dtype: str | None, threads: int | str, backend: str = "local", nproc: int | None = None,
                 placement: Path | None = None, host_mem: str | None = None):
     """The engine on a thread of this process (console/live_source.py): the baseline that
@@ -94,7 +93,7 @@ def run(
     model: Path | None = MODEL_OPT,
     devices: int | None = DEVICES_OPT,
     hbm: str = HBM_OPT,
-    redundant: int = LIVE_REDUNDANT_OPT,
+    redundant: int | None = REDUNDANT_OPT,
     backend: str = BACKEND_OPT,
     nproc: int | None = NPROC_OPT,
     placement: Path | None = PLACEMENT_OPT,
@@ -165,7 +164,7 @@ def engine_host(
     model: Path | None = MODEL_OPT,
     devices: int | None = DEVICES_OPT,
     hbm: str = HBM_OPT,
-    redundant: int = LIVE_REDUNDANT_OPT,
+    redundant: int | None = REDUNDANT_OPT,
     backend: str = BACKEND_OPT,
     nproc: int | None = NPROC_OPT,
     placement: Path | None = PLACEMENT_OPT,
@@ -174,6 +173,9 @@ def engine_host(
     workload: str = DEMO_WORKLOAD_OPT,
     dtype: str | None = DTYPE_OPT,
     threads: str = THREADS_OPT,
+    inject_fault: int | None = typer.Option(None, "--inject-fault", hidden=True,
+                                            help="Testing: the first engine's forward fails from this step on, as a "
+                                                 "device fault would; a restart builds one without it."),
 ):
     """The engine process of `run` and `web` (server/engine_host.py): not for direct use."""
     import json
@@ -195,7 +197,12 @@ def engine_host(
     token = read_token(engine_dir)
     engines = Engines(config, backend)
     try:
-        host = EngineHost(engine_dir, token, make_engine=engines.make_engine, load=load, on_close=engines.close)
+        make_engine = engines.make_engine
+        if inject_fault is not None:
+            from moectl.engine.tools.fault_injection import first_engine_faulty
+
+            make_engine = first_engine_faulty(make_engine, inject_fault)
+        host = EngineHost(engine_dir, token, make_engine=make_engine, load=load, on_close=engines.close)
     except BaseException:
         engines.close()
         raise

@@ -13,6 +13,7 @@ import typer
 
 from moectl.cli.common import (
     BACKEND_OPT,
+    DEVICES_OPT,
     DTYPE_OPT,
     EXPERT_CACHE_OPT,
     HBM_OPT,
@@ -21,11 +22,14 @@ from moectl.cli.common import (
     MODEL_OPT,
     NPROC_OPT,
     PLACEMENT_OPT,
+    REDUNDANT_OPT,
     THREADS_OPT,
     BadInput,
     check_seed,
     engine_config,
+    given,
     handles_errors,
+    option_flag,
     parse_ids,
     parse_threads,
 )
@@ -34,6 +38,7 @@ from moectl.engine.core.topology import format_size
 
 @handles_errors
 def generate(
+    ctx: typer.Context,
     prompts: list[str] | None = typer.Argument(None, help="Prompt text(s); one completion each."),
     prompt_ids: list[str] | None = typer.Option(None, "--prompt-ids",
                                                 help="Token ids '1,2,3' (repeatable) for checkpoints without a "
@@ -50,16 +55,17 @@ def generate(
     threads: str = THREADS_OPT,
     kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype", help="auto or int8."),
     device: str = typer.Option("cpu", help="Torch device, e.g. cpu or cuda:0."),
-    devices: int | None = typer.Option(None, "--devices", "-d",
-                                       help="Emulated devices for the experts (local backend; default: one, "
-                                            "no placement)."),
+    devices: int | None = DEVICES_OPT,
     hbm: str = HBM_OPT,
     expert_cache: int | None = EXPERT_CACHE_OPT,
     host_mem: str | None = HOST_MEM_OPT,
     backend: str = BACKEND_OPT,
     nproc: int | None = NPROC_OPT,
-    redundant: int = typer.Option(0, "--redundant", help="Redundant expert slots per device (room for replicas)."),
+    redundant: int | None = REDUNDANT_OPT,
     placement: Path | None = PLACEMENT_OPT,
+    engine: Path | None = typer.Option(None, "--engine", help="Send the prompts to a running engine (the directory "
+                                                             "`moectl serve` prints, or a console's: its header shows "
+                                                             "it) instead of starting one; its consoles show them."),
     device_stats: bool = typer.Option(False, "--device-stats",
                                       help="With --devices: print each device's tokens, measured busy time, "
                                            "modeled link time and expert-cache hits over the run (to stderr)."),
@@ -77,9 +83,12 @@ def generate(
     check_seed(seed)
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                             seed=seed, stop=tuple(stop or ()), ignore_eos=ignore_eos)
+    if engine is not None:
+        _generate_on(ctx, engine, inputs, params, as_json)
+        return
     config = engine_config(model, devices=devices, hbm=hbm, backend=backend, expert_cache=expert_cache, host_mem=host_mem,
                            device=device, dtype=dtype, kv_cache_dtype=kv_cache_dtype, nproc=nproc,
-                           redundant_slots=redundant, placement=placement, num_threads=parse_threads(threads))
+                           redundant=redundant, placement=placement, num_threads=parse_threads(threads))
     engines = Engines(config, backend)
     try:
         engine = engines.make_engine()
@@ -97,6 +106,46 @@ def generate(
             prompt_text = engine.decode(out.prompt_ids) if engine.tokenizer else str(out.prompt_ids)
             typer.echo(prompt_text + (out.text if engine.tokenizer else " -> " + str(out.token_ids)))
             typer.echo("")
+
+
+# what configures an engine this command would start: meaningless with --engine
+ENGINE_OPTIONS = ("model", "dtype", "threads", "kv_cache_dtype", "device", "devices", "hbm", "expert_cache", "host_mem",
+                  "backend", "nproc", "redundant", "placement", "device_stats")
+
+
+def _generate_on(ctx: typer.Context | None, engine_dir: Path, inputs: list, params, as_json: bool) -> None:
+    """The prompts on a running engine, over its client protocol (server/protocol.py Generate):
+    they run beside what it serves, and every console attached to it shows them."""
+    from dataclasses import asdict
+
+    from moectl.console.engine_client import EngineSource
+    from moectl.engine.core.actions import ActionRefused
+
+    for name in ENGINE_OPTIONS:
+        if ctx is not None and given(ctx, name):
+            raise BadInput(f"{option_flag(ctx, name)}: configures an engine; --engine sends to one already running")
+    try:
+        source = EngineSource(engine_dir, client="generate")
+    except ActionRefused as exc:
+        raise BadInput(f"--engine: {exc}") from None
+    try:
+        fields = {k: v for k, v in asdict(params).items() if v != getattr(type(params)(), k)}
+        handles = [source.generate(prompt, **fields) for prompt in inputs]
+        results = [handle.result() for handle in handles]
+    finally:
+        source.close()
+    failed = [r for r in results if r["finish_reason"] == "error"]
+    for r in results:
+        if as_json:
+            typer.echo(json.dumps({"request_id": r["request_id"], "token_ids": r["token_ids"], "text": r["text"],
+                                   "finish_reason": r["finish_reason"], "error": r["error"]}))
+        elif r["finish_reason"] != "error":
+            typer.echo(r["text"] if r["text"] else str(r["token_ids"]))
+            typer.echo("")
+    if failed:  # refused (bad input: 2) or failed in the engine (1), as a local run would exit
+        error = failed[0]["error"] or "the request failed"
+        typer.echo(f"moectl: error: {error}", err=True)
+        raise typer.Exit(2 if error.startswith("refused:") else 1)
 
 
 def _checked_text(n: int, text: str) -> str:

@@ -8,20 +8,24 @@ from pathlib import Path
 import typer
 
 from moectl.cli.common import (
+    DEFAULT_DEVICES,
+    DEFAULT_REDUNDANT,
+    DEVICES_OPT,
     HBM_OPT,
     JSON_OPT,
+    REDUNDANT_OPT,
     BadInput,
     check_output_file,
     handles_errors,
     model_dir,
     open_trace,
     parse_cli_size,
+    redundant_slots,
 )
 from moectl.engine.core.topology import MAX_DEVICES
 from moectl.engine.experts.placement import MAX_EXPERTS
 
 plan_app = typer.Typer(no_args_is_help=True, help="Offline planning: expert rebalancing and device memory.")
-DEVICES_OPT = typer.Option(8, "--devices", "-d", help="Number of devices (1-256).")
 # --synthetic's sizes: past any MoE model (DeepSeek-V3: 61 x 256, Kimi K2: 61 x 384), and small enough that
 # the [layers, experts] loads and the [layers, devices, slots] plan fit in memory
 MAX_LAYERS = 1024
@@ -38,7 +42,7 @@ def _check_range(option: str, value: int | None, lo: int, hi: int | None = None)
 @handles_errors
 def plan_memory_cmd(
     model: Path = typer.Option(..., "--model", "-m", help="config.json, or a directory holding one (no weights needed)."),
-    devices: int = DEVICES_OPT,
+    devices: int | None = DEVICES_OPT,
     hbm: str = HBM_OPT,
     tp: int = typer.Option(1, "--tp", help="Tensor-parallel size for attention (<= 8)."),
     ep: int | None = typer.Option(None, "--ep", help="Expert-parallel size (default: all devices)."),
@@ -58,7 +62,8 @@ def plan_memory_cmd(
     from moectl.engine.planning.memory_plan import fit_suggestions, plan_memory
     from moectl.engine.planning.offload_plan import plan_offload
 
-    topo = Topology(num_devices=devices, hbm_bytes=parse_cli_size(hbm, "--hbm"))
+    _check_range("--devices", devices, 1, MAX_DEVICES)
+    topo = Topology(num_devices=devices or DEFAULT_DEVICES, hbm_bytes=parse_cli_size(hbm, "--hbm"))
     kw = dict(tp=tp, ep=ep, context=context, batch=batch, dtype=dtype, kv_dtype=kv_dtype)
     plan = plan_memory(model, topo, **kw)
     tiers = plan_offload(plan, parse_cli_size(host_mem, "--host-mem")) if offload else None
@@ -90,12 +95,9 @@ def plan_rebalance_cmd(
     experts: int | None = typer.Option(None, "--experts",
                                        help="Routed experts per layer of --synthetic (default: --model's, else 384)."),
     skew: float = typer.Option(1.0, "--skew", help="Zipf exponent of the synthetic loads."),
-    devices: int | None = typer.Option(None, "--devices", "-d",
-                                          help="Number of devices (default: the trace's, else 8)."),
+    devices: int | None = DEVICES_OPT,
     devices_per_node: int = typer.Option(8, "--devices-per-node"),
-    redundant: int | None = typer.Option(None, "--redundant",
-                                         help="Redundant expert slots per device (default: those of the trace's "
-                                              "recorded placement, else 1)."),
+    redundant: int | None = REDUNDANT_OPT,
     expert_bytes: str | None = typer.Option(None, "--expert-bytes",
                                                help="Bytes of one expert, for bytes_moved (default: the trace's "
                                                     "model, else a DeepSeek-V3 FP8 expert, 42 MiB)."),
@@ -125,7 +127,6 @@ def plan_rebalance_cmd(
     _check_range("--experts", experts, 1, MAX_EXPERTS)
     _check_range("--devices", devices, 1, MAX_DEVICES)  # 0 must not fall back to the default
     _check_range("--devices-per-node", devices_per_node, 1)
-    _check_range("--redundant", redundant, 0)
     if (export is None) != (output is None):
         raise BadInput("--export and --output: give both (the engine, and the file to write)")
     if export is not None:
@@ -183,9 +184,10 @@ def plan_rebalance_cmd(
             devices = trace_devices
         else:
             current = None  # another device count: no recorded placement to compare against
-    if redundant is None:  # as many slots as the source had: fewer would lower the balance it reached
-        redundant = current.slots_per_device - -(-current.num_experts // current.num_devices) if current else 1
-    result = run_plan_rebalance(loads, devices or 8, redundant, devices_per_node=devices_per_node,
+    # as many spare slots as the source had: fewer would lower the balance it reached
+    redundant = redundant_slots(redundant, current.slots_per_device - -(-current.num_experts // current.num_devices)
+                                if current else DEFAULT_REDUNDANT)
+    result = run_plan_rebalance(loads, devices or DEFAULT_DEVICES, redundant, devices_per_node=devices_per_node,
                                 expert_bytes=size if expert_bytes is None else parse_cli_size(expert_bytes, "--expert-bytes"),
                                 current=current, target=target)
     if export is not None:  # the engines fill every slot: so does the plan they get (and its figures)

@@ -12,7 +12,6 @@ import typer
 
 from moectl.cli.common import (
     BACKEND_OPT,
-    DEFAULT_DEVICES,
     DEVICES_OPT,
     DTYPE_OPT,
     EXPERT_CACHE_OPT,
@@ -22,6 +21,7 @@ from moectl.cli.common import (
     MODEL_OPT,
     NPROC_OPT,
     PLACEMENT_OPT,
+    REDUNDANT_OPT,
     THREADS_OPT,
     BadInput,
     engine_config,
@@ -51,7 +51,7 @@ def record(
     placement: Path | None = PLACEMENT_OPT,
     expert_cache: int | None = EXPERT_CACHE_OPT,
     host_mem: str | None = HOST_MEM_OPT,
-    redundant: int = typer.Option(0, "--redundant", help="Redundant expert slots per device."),
+    redundant: int | None = REDUNDANT_OPT,
     workload: str = typer.Option(DEFAULT_RECORD_WORKLOAD, "--workload",
                                  help="key=value list (rate, prompt, output, requests, duration, seed) or a "
                                       ".jsonl file; arrivals in real time."),
@@ -73,9 +73,9 @@ def record(
 
     _check_options(trace, steps, seconds, overwrite, capture, rebalance_at, kv_blocks)
     spec = WorkloadSpec.from_option(workload)
-    config = engine_config(model, devices=devices, default_devices=DEFAULT_DEVICES,
+    config = engine_config(model, devices=devices,
                            hbm=hbm, expert_cache=expert_cache, host_mem=host_mem, dtype=dtype,
-                           redundant_slots=redundant, num_kv_blocks=kv_blocks, backend=backend, nproc=nproc,
+                           redundant=redundant, num_kv_blocks=kv_blocks, backend=backend, nproc=nproc,
                            placement=placement, num_threads=parse_threads(threads))
     engines = Engines(config, backend)
     try:

@@ -8,7 +8,6 @@ import typer
 
 from moectl.cli.common import (
     BACKEND_OPT,
-    DEFAULT_DEVICES,
     DEVICES_OPT,
     DTYPE_OPT,
     EXPERT_CACHE_OPT,
@@ -17,6 +16,7 @@ from moectl.cli.common import (
     MODEL_OPT,
     NPROC_OPT,
     PLACEMENT_OPT,
+    REDUNDANT_OPT,
     THREADS_OPT,
     BadInput,
     check_nproc,
@@ -35,7 +35,7 @@ def serve(
     model: Path | None = MODEL_OPT,
     devices: int | None = DEVICES_OPT,
     hbm: str = HBM_OPT,
-    redundant: int = typer.Option(1, "--redundant"),
+    redundant: int | None = REDUNDANT_OPT,
     backend: str = BACKEND_OPT,
     nproc: int | None = NPROC_OPT,
     placement: Path | None = PLACEMENT_OPT,
@@ -56,9 +56,9 @@ def serve(
 
     check_bind(host, token)  # before loading anything: a public bind without a token is refused
     # the option checks come before the port is taken; neither loads the model
-    config = engine_config(model, devices=devices, default_devices=DEFAULT_DEVICES,
+    config = engine_config(model, devices=devices,
                            hbm=hbm, expert_cache=expert_cache, host_mem=host_mem, dtype=dtype,
-                           redundant_slots=redundant, num_threads=parse_threads(threads), backend=backend, nproc=nproc,
+                           redundant=redundant, num_threads=parse_threads(threads), backend=backend, nproc=nproc,
                            placement=placement)
     try:
         sock = listen(host, port)  # and a port in use is said at once, not after the model loads

@@ -27,6 +27,7 @@ from moectl.cli.common import (
     MODEL_OPT,
     NPROC_OPT,
     PLACEMENT_OPT,
+    REDUNDANT_OPT,
     THEME_OPT,
     THREADS_OPT,
     BadInput,
@@ -35,7 +36,7 @@ from moectl.cli.common import (
     handles_errors,
     option_flag,
 )
-from moectl.cli.console import DEMO_WORKLOAD_OPT, ENGINE_OPTIONS, LIVE_REDUNDANT_OPT
+from moectl.cli.console import DEMO_WORKLOAD_OPT, ENGINE_OPTIONS
 from moectl.themes import check_theme
 
 
@@ -56,7 +57,7 @@ def web(
     model: Path | None = MODEL_OPT,
     devices: int | None = DEVICES_OPT,
     hbm: str = HBM_OPT,
-    redundant: int = LIVE_REDUNDANT_OPT,
+    redundant: int | None = REDUNDANT_OPT,
     backend: str = BACKEND_OPT,
     nproc: int | None = NPROC_OPT,
     placement: Path | None = PLACEMENT_OPT,

@@ -104,7 +104,8 @@ class MoectlApp(App):
         self._alerts_running = False
         self._alerts_asked = 0  # alert computations started: only the latest one's answer is shown
         self._shown_version, self._shown_error = -1, None
-        self.sub_title = f"{source.mode} · {self.state.model_name}"
+        engine_dir = getattr(source, "engine_dir", None)  # where other consoles and `generate --engine` attach
+        self.sub_title = f"{source.mode} · {self.state.model_name}" + (f" · engine {engine_dir}" if engine_dir else "")
 
     def compose(self) -> ComposeResult:
         yield Header()

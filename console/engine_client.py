@@ -2,7 +2,8 @@
 
 EngineSource connects to an engine's directory (its Unix socket and token), takes the catch-up,
 then a reader thread files every record as it arrives, so the console's tick only drains
-deques; actions go out as Act messages and come back as Results, each on its own Future. When
+deques; actions go out as Act messages and come back as Results, each on its own Future;
+requests go out as Generate messages and their Outputs come back on a RequestHandle. When
 the engine goes (killed, crashed, stopped) the connection's end says so at once: `error` names
 the engine and the console stays up for inspection.
 
@@ -12,6 +13,7 @@ Torch-free: this is what a console process imports instead of an engine.
 from __future__ import annotations
 
 import itertools
+import queue
 import socket
 import threading
 from collections import deque
@@ -25,7 +27,10 @@ from moectl.server.protocol import (
     Act,
     Alerts,
     Bye,
+    Cancel,
+    Generate,
     Hello,
+    Output,
     ProtocolError,
     Records,
     Result,
@@ -41,6 +46,44 @@ from moectl.server.protocol import (
 WELCOME_TIMEOUT_S = 30.0  # a busy engine answers between steps
 
 
+class RequestHandle:
+    """A request sent to the engine (EngineSource.generate): its Output messages as they come."""
+
+    def __init__(self, source: EngineSource, request: int):
+        self._source, self._id = source, request
+        self._outputs: queue.Queue[Output] = queue.Queue()
+        self.request_id: str | None = None  # the engine's id for it, from its first Output
+
+    def _put(self, output: Output) -> None:
+        self.request_id = output.request_id or self.request_id
+        self._outputs.put(output)
+
+    def outputs(self, timeout_s: float | None = None):
+        """Each Output until the finished one (TimeoutError if none comes within timeout_s)."""
+        while True:
+            try:
+                output = self._outputs.get(timeout=timeout_s)
+            except queue.Empty:
+                raise TimeoutError(f"request {self._id}: no output within {timeout_s} s") from None
+            yield output
+            if output.finished:
+                return
+
+    def result(self, timeout_s: float | None = None) -> dict:
+        """The whole request once finished: its token ids, text, finish reason and error."""
+        tokens: list[int] = []
+        text = ""
+        last = None
+        for last in self.outputs(timeout_s):
+            tokens += last.new_token_ids
+            text = last.text if last.replace else text + last.text
+        return {"request_id": last.request_id, "token_ids": tokens, "text": text, "finish_reason": last.finish_reason,
+                "error": last.error, "prompt_tokens": last.prompt_tokens}
+
+    def cancel(self) -> None:
+        self._source._send(Cancel(id=self._id))
+
+
 class EngineSource(Source):
     """An engine process's records and actions. owner: this console started the engine, which
     stops when this source closes (or this process dies)."""
@@ -48,12 +91,14 @@ class EngineSource(Source):
     mode = "live"
     engine_alerts = True  # the engine computes the alerts: `alerts` and `alerts_version` follow its Alerts
 
-    def __init__(self, engine_dir: Path, *, owner: bool = False, timeout_s: float = WELCOME_TIMEOUT_S):
+    def __init__(self, engine_dir: Path, *, owner: bool = False, timeout_s: float = WELCOME_TIMEOUT_S,
+                 client: str = "console"):
         self.engine_dir = Path(engine_dir)
         self.owner = owner
         self._records: deque = deque(maxlen=RECORD_BUFFER)
         self._actions: deque = deque(maxlen=RECORD_BUFFER)
         self._pending: dict[int, tuple[str, Future]] = {}
+        self._requests: dict[int, RequestHandle] = {}
         self._ids = itertools.count(1)
         self._send_lock = threading.Lock()
         self._lost: str | None = None
@@ -65,7 +110,7 @@ class EngineSource(Source):
             raise ActionRefused(f"engine: {exc}") from None
         try:
             self._sock.settimeout(timeout_s)
-            self._sock.sendall(encode(Hello(token=token, owner=owner)))
+            self._sock.sendall(encode(Hello(token=token, owner=owner, client=client)))
             welcome = read_message(self._sock)
             self._sock.settimeout(None)
         except (OSError, ProtocolError) as exc:
@@ -104,6 +149,12 @@ class EngineSource(Source):
                     self.alerts_version += 1
                 elif isinstance(message, Result):
                     self._answer(message)
+                elif isinstance(message, Output):
+                    handle = self._requests.get(message.id)
+                    if handle is not None:
+                        if message.finished:
+                            self._requests.pop(message.id, None)
+                        handle._put(message)
                 elif isinstance(message, Bye):
                     reason = message.reason
                     break
@@ -116,6 +167,10 @@ class EngineSource(Source):
             if not future.done():
                 future.set_exception(ActionRefused(f"{kind}: {self._lost}"))
         self._pending.clear()
+        for request, handle in list(self._requests.items()):
+            handle._put(Output(id=request, request_id=handle.request_id or "", finished=True, finish_reason="error",
+                               error=self._lost))
+        self._requests.clear()
 
     def _answer(self, result: Result) -> None:
         kind, future = self._pending.pop(result.id, (None, None))
@@ -157,6 +212,20 @@ class EngineSource(Source):
             self._pending.pop(act_id, None)
             raise ActionRefused(f"{kind}: not sent ({exc})") from None
         return future
+
+    def generate(self, prompt: str | list[int], **params) -> RequestHandle:
+        """Sends a request (text or token ids; SamplingParams' fields) to the engine; its outputs
+        arrive on the returned handle. A refused one finishes at once with its error."""
+        if self._lost is not None:
+            raise ActionRefused(f"generate: {self._lost}")
+        request = next(self._ids)
+        handle = self._requests[request] = RequestHandle(self, request)
+        try:
+            self._send(Generate(id=request, prompt=prompt, params=params))
+        except (OSError, ProtocolError, TypeError) as exc:
+            self._requests.pop(request, None)
+            raise ActionRefused(f"generate: not sent ({exc})") from None
+        return handle
 
     def _send(self, message) -> None:
         with self._send_lock:

@@ -207,10 +207,22 @@ class ConsoleState:
         tokens = sum(r["batch"]["prefill_tokens"] + r["batch"]["decode_tokens"] for r in self.window)
         return tokens / span if span > 0 else 0.0
 
+    def engine_window(self) -> dict | None:
+        """The engine's own load-window figures in the newest record (its devices' "window"), for
+        the placement in force; None for a counterfactual (a replay's what-if, the console's to
+        estimate) or a trace recorded before the engine sent them."""
+        if self.counterfactual is not None or self.latest is None:
+            return None
+        return (self.latest.get("devices") or {}).get("window")
+
     def device_loads(self, placement: Placement | None = None) -> np.ndarray:
-        """Expert rows per device over the window. Measured (the devices' recorded rows) unless a
-        placement is given or a counterfactual is shown; then estimated: the routing mapped
-        through the placement, replicas sharing their expert's load evenly (`loads_estimated`)."""
+        """Expert rows per device over the window. Measured (the engine's window figures, else the
+        devices' recorded rows) unless a placement is given or a counterfactual is shown; then
+        estimated: the routing mapped through the placement, replicas sharing their expert's
+        load evenly (`loads_estimated`)."""
+        window = self.engine_window() if placement is None else None
+        if window is not None:
+            return np.asarray(window["device_tokens"], dtype=np.float64)
         if placement is None and self.counterfactual is None:
             measured = [r["devices"]["tokens"] for r in self.window if r.get("devices")]
             if measured:
@@ -226,6 +238,9 @@ class ConsoleState:
 
     def balancedness(self, placement: Placement | None = None) -> dict:
         """mean / max device load over the window, overall and per layer (1.0 when idle)."""
+        window = self.engine_window() if placement is None else None
+        if window is not None:
+            return {"overall": float(window["balancedness"]), "per_layer": list(window["balancedness_per_layer"])}
         placement = placement or self.placement_shown
         if placement is None or not self.window:
             return {"overall": 1.0, "per_layer": [1.0] * self.num_layers}
@@ -255,6 +270,9 @@ class ConsoleState:
     def utilisation(self) -> list[float]:
         """Each device's measured busy time over the devices' parallel step time (modeled on
         emulated devices, measured on ranks), over the window."""
+        window = self.engine_window()
+        if window is not None:
+            return list(window["utilisation"])
         per_device = device_utilisation(self.window)["per_device"]
         return per_device or [0.0] * self.num_devices
 

@@ -272,6 +272,24 @@ def _union_length(starts: np.ndarray, ends: np.ndarray) -> float:
     return float((np.maximum.reduceat(e, first) - s[first]).sum())
 
 
+def _union_length_by_group(group: np.ndarray, starts: np.ndarray, ends: np.ndarray, span: float) -> dict[int, float]:
+    """_union_length for each group at once: {group: length}, for intervals within [0, span].
+    Each group is shifted past the previous one's span so one sorted pass merges them all."""
+    if starts.size == 0:
+        return {}
+    groups, index = np.unique(group, return_inverse=True)
+    shift = index * (span + 1.0)
+    s, e = starts + shift, ends + shift
+    order = np.argsort(s, kind="stable")
+    s, e, index = s[order], e[order], index[order]
+    begins = np.ones(s.size, dtype=bool)
+    begins[1:] = s[1:] > np.maximum.accumulate(e)[:-1]
+    first = np.flatnonzero(begins)
+    lengths = np.maximum.reduceat(e, first) - s[first]
+    totals = np.bincount(index[first], weights=lengths, minlength=len(groups))
+    return {int(g): float(t) for g, t in zip(groups.tolist(), totals)}
+
+
 def _step_categories(rec: dict) -> tuple[dict, float, dict]:
     """One step's measured seconds by category, modeled seconds, and measured busy seconds per
     device lane.
@@ -301,10 +319,7 @@ def _step_categories(rec: dict) -> tuple[dict, float, dict]:
     device_of = lane_device[lane]
     on_device = (device_of >= 0) & ~modeled
 
-    device_busy = {}
-    for d in sorted(set(device_of[on_device].tolist())):
-        pick = on_device & (device_of == d)
-        device_busy[d] = _union_length(start[pick], end[pick])
+    device_busy = _union_length_by_group(device_of[on_device], start[on_device], end[on_device], wall)
     modeled_s = _union_length(start[modeled], end[modeled])
 
     name_code = np.array([-1 if _category(n) is None else CATEGORIES.index(_category(n)) for n in names] or [-1])

@@ -16,6 +16,7 @@ that started it dies (PR_SET_PDEATHSIG).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import signal
@@ -38,7 +39,10 @@ from moectl.server.protocol import (
     Act,
     Alerts,
     Bye,
+    Cancel,
+    Generate,
     Hello,
+    Output,
     ProtocolError,
     Records,
     Result,
@@ -177,7 +181,7 @@ class EngineHost:
             welcome = Welcome(engine=self.name, pid=os.getpid(), header=self.header(), steps=list(self._recent_steps),
                               actions=list(self._recent_actions), status=msgspec.structs.asdict(self._status),
                               alerts=self._alerts.alerts if self._alerts is not None else None)
-            client = _Client(self, sock, hello.owner, encode(welcome))
+            client = _Client(self, sock, hello.owner, encode(welcome), kind=_client_kind(hello.client))
             self._clients.add(client)
         client.start()
 
@@ -300,6 +304,51 @@ class EngineHost:
         return answer
 
 
+    # -- requests
+    def generate(self, client: _Client, message: Generate) -> None:
+        """A client's request into the engine; its outputs go to that client only (Output)."""
+        from moectl.engine.core.sampling import SamplingParams
+
+        request_id = f"{client.name}-{message.id}"
+        try:
+            params = SamplingParams(**message.params)
+            stream = self.driver.engine.add_request(message.prompt, params, request_id=request_id, stream=True)
+        except (TypeError, ValueError) as exc:  # a field SamplingParams lacks, or a bad value
+            text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            client.offer(encode(Output(id=message.id, request_id=request_id, finished=True,
+                                       finish_reason="error", error=f"refused: {text}")))
+            return
+        client.requests[message.id] = request_id
+        sent = [""]  # the text this client has so far
+
+        def sink(out) -> None:  # engine thread: encode and queue, never block
+            try:
+                previous = sent[0]
+                replace = not out.text.startswith(previous)
+                delta = out.text if replace else out.text[len(previous):]
+                sent[0] = out.text
+                client.offer(encode(Output(id=message.id, request_id=request_id, new_token_ids=list(out.new_token_ids),
+                                           text=delta, replace=replace, finished=out.finished,
+                                           finish_reason=out.finish_reason, error=out.error,
+                                           prompt_tokens=len(out.prompt_ids), output_tokens=len(out.token_ids))))
+                if out.finished:
+                    client.requests.pop(message.id, None)
+            except Exception:  # noqa: BLE001 - a client's output must never raise into the step loop
+                log.exception("engine host: an output not sent")
+        stream.set_sink(sink)
+
+    def cancel(self, client: _Client, message: Cancel) -> None:
+        request_id = client.requests.pop(message.id, None)
+        if request_id is not None:
+            self.driver.engine.abort(request_id)
+
+    def abort_requests(self, client: _Client) -> None:
+        """A client that went away: its unfinished requests stop (nobody reads them)."""
+        for request_id in list(client.requests.values()):
+            self.driver.engine.abort(request_id)
+        client.requests.clear()
+
+
 def _plain(value):
     """An action's result as the protocol carries it (placements as their dict)."""
     if isinstance(value, dict):
@@ -311,8 +360,12 @@ def _plain(value):
 
 
 class _Client:
-    def __init__(self, host: EngineHost, sock: socket.socket, owner: bool, welcome: bytes):
+    _seq = itertools.count(1)
+
+    def __init__(self, host: EngineHost, sock: socket.socket, owner: bool, welcome: bytes, kind: str = "console"):
         self.host, self.sock, self.owner = host, sock, owner
+        self.name = f"{kind}{next(self._seq)}"  # its requests' ids: "<name>-<its id>"
+        self.requests: dict[int, str] = {}  # its unfinished requests: its id -> the engine's request id
         self._queue: deque[bytes] = deque([welcome])
         self._ready = threading.Condition()
         self._closed = False
@@ -362,12 +415,17 @@ class _Client:
                         self.host.stop("its console asked it to stop")
                 elif isinstance(message, Act):
                     self._act(message)
+                elif isinstance(message, Generate):
+                    self.host.generate(self, message)
+                elif isinstance(message, Cancel):
+                    self.host.cancel(self, message)
                 else:
                     raise ProtocolError(f"a client does not send {type(message).__name__}")
         except (OSError, ProtocolError) as exc:
             log.info("engine host: client dropped (%s)", exc)
         finally:
             self.finish(0.0)
+            self.host.abort_requests(self)
             self.host.gone(self)
 
     def _act(self, act: Act) -> None:
@@ -401,6 +459,12 @@ class _Client:
         except OSError:
             pass
         self.sock.close()
+
+
+def _client_kind(client: str) -> str:
+    """A client's self-description, kept to a short word for its request ids."""
+    word = "".join(ch for ch in str(client) if ch.isalnum())[:16]
+    return word or "client"
 
 
 def die_with_parent() -> None:

@@ -23,14 +23,13 @@ import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.process_collector import ProcessCollector
 
-from moectl.engine.core.actions import PLACEMENT_RECORDS, Action
-from moectl.engine.experts.placement import Placement, PlacementError
-from moectl.engine.experts.rebalancer import LOAD_WINDOW_STEPS, LoadWindow
+from moectl.engine.core.actions import Action
+from moectl.engine.experts.rebalancer import LOAD_WINDOW_STEPS
 
 log = logging.getLogger(__name__)
 
 PREFIX = "moectl:"
-BALANCE_WINDOW_STEPS = LOAD_WINDOW_STEPS  # steps of routing the balancedness quantiles are computed over
+BALANCE_WINDOW_STEPS = LOAD_WINDOW_STEPS  # the engine's load window, whose per-layer balancedness records carry
 BALANCE_QUANTILES = (0.0, 0.5, 1.0)
 MAX_TRACKED_REQUESTS = 65536  # arrival times kept for e2e; the oldest are forgotten beyond this
 FINISH_REASONS = ("stop", "length", "abort", "error")
@@ -107,9 +106,7 @@ class ServerMetrics:
 
         model = header.get("model") or {}
         self._sparse = np.asarray(model.get("sparse_layers") or [], dtype=bool)
-        devices = header.get("devices") or {}
-        self._placement = _placement(devices.get("placement"))
-        self._routing: LoadWindow | None = None  # the engine's window class, over the records seen
+        self._per_layer: np.ndarray | None = None  # the newest record's per-layer balancedness (engine's window)
         self._balance_stale = False
         self._arrivals: OrderedDict[str, float] = OrderedDict()  # request id -> arrival (engine clock)
         self._last_token: dict[str, float] = {}  # request id -> end of the step of its last token
@@ -136,9 +133,10 @@ class ServerMetrics:
         for per_device in devices.get("expert_cache") or ():  # per step, not cumulative
             self.cache_hits.inc(per_device.get("hits", 0))
             self.cache_misses.inc(per_device.get("misses", 0))
-        routing = rec.get("routing")
-        if routing is not None:
-            self._add_routing(np.asarray(routing, dtype=np.float64))
+        window = devices.get("window")
+        if window is not None:  # the engine's own load-window figures: drawn, never recomputed here
+            self._per_layer = np.asarray(window["balancedness_per_layer"], dtype=np.float64)
+            self._balance_stale = True
         self._placement_start = max(self._placement_start, t_end)
         self._gpu_sample = rec.get("gpu")
 
@@ -176,21 +174,10 @@ class ServerMetrics:
         counter.inc(value - last if value >= last else value)  # a restarted engine counts from 0
         self._cumulative[key] = value
 
-    def _add_routing(self, routing: np.ndarray) -> None:
-        if self._routing is None or self._routing.shape != routing.shape:  # another engine: afresh
-            self._routing = LoadWindow.like(routing, BALANCE_WINDOW_STEPS)
-        self._routing.add(routing)
-        self._balance_stale = True
-
     def observe_action(self, action: dict) -> None:
         kind, result = action.get("kind"), action.get("result") or {}
         if kind == "auto_rebalance_plan":  # the automatic apply starts at the next step
             self._placement_start = max(self._placement_start, action["time"])
-        if kind in PLACEMENT_RECORDS and isinstance(result.get("placement"), dict):
-            placement = _placement(result["placement"])
-            if placement is not None:
-                self._placement = placement
-                self._balance_stale = True
         if kind == Action.REBALANCE_APPLY:
             self.rebalances.inc()
             seconds = result.get("seconds")
@@ -227,23 +214,10 @@ class ServerMetrics:
 
     def _update_balancedness(self) -> None:
         self._balance_stale = False
-        if self._placement is None or self._routing is None:
-            return
-        try:
-            per_layer, _ = self._placement.balancedness(self._routing.totals())
-        except PlacementError as exc:  # a placement of another shape (an engine restart)
-            log.debug("balancedness: %s", exc)
+        per_layer = self._per_layer
+        if per_layer is None or not per_layer.size:
             return
         if self._sparse.shape == per_layer.shape and self._sparse.any():
             per_layer = per_layer[self._sparse]  # dense layers have no experts to balance
         for q, value in zip(BALANCE_QUANTILES, np.quantile(per_layer, BALANCE_QUANTILES)):
             self.balancedness.labels(quantile=f"{q:g}").set(float(value))
-
-
-def _placement(raw) -> Placement | None:
-    if not isinstance(raw, dict):
-        return None
-    try:
-        return Placement.from_dict(raw)
-    except (PlacementError, ValueError, KeyError, TypeError):
-        return None

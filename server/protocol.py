@@ -90,6 +90,37 @@ class Result(msgspec.Struct, tag="result"):
     error: str | None = None
 
 
+class Generate(msgspec.Struct, tag="generate"):
+    """Client -> engine: a generation request, text or token ids, with SamplingParams' fields
+    (engine/core/sampling.py) as `params`; its outputs come back as Output messages with this id.
+    It runs beside whatever else the engine serves, and its steps are in every client's records."""
+    id: int
+    prompt: str | list[int]
+    params: dict = msgspec.field(default_factory=dict)
+
+
+class Output(msgspec.Struct, tag="output"):
+    """Engine -> the client that asked: a request's progress. `new_token_ids` since the last
+    Output, `text` the text added since then (`replace`: the whole text so far instead, when the
+    detokenizer revised what it had sent); the last one has `finished` and its `finish_reason`
+    (and `error` if it failed or was refused)."""
+    id: int
+    request_id: str
+    new_token_ids: list[int] = msgspec.field(default_factory=list)
+    text: str = ""
+    replace: bool = False
+    finished: bool = False
+    finish_reason: str | None = None
+    error: str | None = None
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+
+
+class Cancel(msgspec.Struct, tag="cancel"):
+    """Client -> engine: abort the request this client sent with this id."""
+    id: int
+
+
 class Shutdown(msgspec.Struct, tag="shutdown"):
     """Client -> engine: stop (an owner's quit)."""
 
@@ -99,7 +130,7 @@ class Bye(msgspec.Struct, tag="bye"):
     reason: str
 
 
-Message = Hello | Welcome | Records | Status | Alerts | Act | Result | Shutdown | Bye
+Message = Hello | Welcome | Records | Status | Alerts | Act | Result | Generate | Output | Cancel | Shutdown | Bye
 
 
 # -- encoding

@@ -26,11 +26,15 @@ async def until(pilot, condition, timeout: float = 20.0):
 
 
 def text_of(app, selector: str) -> str:
-    """The plain text a Static shows (markup, Text or any Rich renderable such as a Table)."""
+    """The plain text a Static shows (markup, Text or any Rich renderable such as a Table), or a
+    Line API widget's plain_text."""
     from rich.console import Console
     from rich.text import Text
 
-    content = app.query_one(selector).content
+    widget = app.query_one(selector)
+    if hasattr(widget, "plain_text"):  # a Line API widget (Bars) says what it draws
+        return widget.plain_text
+    content = widget.content
     if isinstance(content, str):
         return Text.from_markup(content).plain
     if isinstance(content, Text):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from rich.text import Span, Text
 from textual.message import Message
 
 _UNSET = object()
@@ -23,21 +22,6 @@ class ShowsOnChange:
         self.query_one(selector).update(content() if callable(content) else content)  # type: ignore[attr-defined]
 
 
-def replot(plot, data, draw) -> None:
-    """Redraw a PlotextPlot only when `data` (or the theme) changed: plotext rebuilds the whole
-    plot on every render. `draw(plt)` adds the series; the plot's theme is set first because plotext
-    colours a series when it is added, and textual-plotext sets the theme only when it renders."""
-    key = (data, plot.app.theme)
-    if getattr(plot, "_moectl_plotted", None) == key:
-        return
-    plot._moectl_plotted = key
-    plt = plot.plt
-    plt.clear_data()
-    plt.theme(plot._get_plotext_theme_name(plot.app.theme))
-    draw(plt)
-    plot.refresh()
-
-
 class ActionRequested(Message):
     """A panel asks the app for an operator action (kind as in Source.act, with its arguments)."""
 
@@ -45,34 +29,6 @@ class ActionRequested(Message):
         super().__init__()
         self.kind = kind
         self.args = args
-
-
-def bars(rows: list[tuple[str, float, str]], width: int, *, warn: float = 0.8, crit: float = 0.95,
-         styles: tuple[str, str, str] = ("green", "yellow", "red")) -> Text:
-    """Horizontal bars, one per row: (label, fraction of full scale, text after the bar). The
-    colour crosses thresholds at `warn` and `crit`, and the glyph does too (so colour is not the
-    only signal): full blocks below warn, '▓' at warn, '!' marks at crit."""
-    label_w = max((len(r[0]) for r in rows), default=0)
-    bar_w = max(4, width - label_w - 24)
-    # one string and a list of spans: what Text.append would build, without its per-call cost
-    parts: list[str] = []
-    spans: list[Span] = []
-    at = 0
-    for i, (label, frac, after) in enumerate(rows):
-        frac = min(max(frac, 0.0), 1.0)
-        filled = round(frac * bar_w)
-        style = styles[2] if frac >= crit else styles[1] if frac >= warn else styles[0]
-        glyph = "█" if frac < warn else "▓"
-        head = f"{label:>{label_w}} "
-        tail = f" {after}" + (" !" if frac >= crit else "") + ("\n" if i < len(rows) - 1 else "")
-        at += len(head)
-        if filled:
-            spans.append(Span(at, at + filled, style))
-        if bar_w - filled:
-            spans.append(Span(at + filled, at + bar_w, "dim"))
-        at += bar_w + len(tail)
-        parts += (head, glyph * filled, "·" * (bar_w - filled), tail)
-    return Text("".join(parts), spans=spans)
 
 
 def fmt_s(value, scale: float = 1e3, unit: str = "ms", digits: int = 1) -> str:

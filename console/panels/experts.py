@@ -6,10 +6,10 @@ from __future__ import annotations
 from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.widgets import Button, Input, Label, Select, Static, Switch
-from textual_plotext import PlotextPlot
 
-from moectl.console.panels.common import ActionRequested, ShowsOnChange, replot
+from moectl.console.panels.common import ActionRequested, ShowsOnChange
 from moectl.console.widgets import ColourLegend, HeatMap
+from moectl.console.widgets.chart import Chart
 from moectl.engine.core.actions import Action
 
 EDITS = ("move", "replicate", "drop_replica", "pin", "unpin")
@@ -30,7 +30,7 @@ class ExpertsPanel(ShowsOnChange, VerticalScroll):
                 yield Static(id="ex-stacked")
             with Vertical():
                 yield Static("Balancedness over time", classes="section-title")
-                yield PlotextPlot(id="ex-balance-plot")
+                yield Chart(id="ex-balance-plot")
         yield Static(id="ex-placement-title", classes="section-title")
         yield Static(id="ex-placement")
         yield Static("Rebalance", classes="section-title")
@@ -73,12 +73,7 @@ class ExpertsPanel(ShowsOnChange, VerticalScroll):
         steps = [h["step"] for h in state.history]
         values = [h["balancedness"] for h in state.history]
 
-        def draw(plt) -> None:
-            if steps:
-                plt.plot(steps, values, marker="braille")
-                plt.ylim(0, 1.05)
-
-        replot(self.query_one("#ex-balance-plot", PlotextPlot), (tuple(steps), tuple(values)), draw)
+        self.query_one("#ex-balance-plot", Chart).plot_lines(steps, [("balancedness", values)], y_range=(0.0, 1.05))
         self._show_placement(state)
 
     def _show_cell(self, state) -> None:

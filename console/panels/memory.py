@@ -4,15 +4,14 @@ blocks, expert-cache hit rates, and the memory planner's table for this layout."
 from __future__ import annotations
 
 from rich.console import Group
-from rich.table import Table
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.containers import Vertical, VerticalScroll
 from textual.widgets import Static
-from textual_plotext import PlotextPlot
 
 from moectl.console.panels import gpu
-from moectl.console.panels.common import ShowsOnChange, absent_in_import, fmt_bytes, replot
+from moectl.console.panels.common import ShowsOnChange, absent_in_import, fmt_bytes
+from moectl.console.widgets.chart import Chart
 
 # derived from each step's shapes with the planner's formulas, not read from an allocator
 MODELED_CATEGORIES = ("activations", "comm_buffers")
@@ -22,9 +21,9 @@ class MemoryPanel(ShowsOnChange, VerticalScroll):
     def compose(self) -> ComposeResult:
         yield Static("HBM over time per device (MiB, accounted; activations and buffers modeled)",
                      classes="section-title")
-        yield PlotextPlot(id="mem-plot")
+        yield Chart(id="mem-plot")
         yield Static("HBM over time by category, all devices (MiB)", classes="section-title")
-        yield PlotextPlot(id="mem-cat-plot")
+        yield Chart(id="mem-cat-plot")
         yield Static("HBM by category, now", classes="section-title")
         yield Static(id="mem-categories")
         with Vertical(id="mem-gpu-box"):  # only with a GPU: hidden, it takes no room
@@ -50,23 +49,12 @@ class MemoryPanel(ShowsOnChange, VerticalScroll):
         # else the capacity line flattens the curves
         capacity = state.hbm_bytes / 2**20 if history and state.hbm_bytes and peak > 0.25 * state.hbm_bytes else None
 
-        def draw(plt) -> None:
-            for d, curve in enumerate(curves):
-                plt.plot(steps, curve, label=f"d{d}", marker="braille")
-            if capacity is not None:
-                plt.hline(capacity)
-
-        replot(self.query_one("#mem-plot", PlotextPlot), (tuple(steps), tuple(map(tuple, curves)), capacity), draw)
+        self.query_one("#mem-plot", Chart).plot_lines(steps, [(f"d{d}", curve) for d, curve in enumerate(curves)],
+                                                      hline=capacity)
         latest = history[-1]["categories"] if history else {}
         categories = sorted(latest, key=lambda c: -latest[c])[:6]  # the six largest stay readable
         cat_curves = [[h["categories"].get(c, 0) / 2**20 for h in history] for c in categories]
-
-        def draw_categories(plt) -> None:
-            for category, curve in zip(categories, cat_curves):
-                plt.plot(steps, curve, label=category, marker="braille")
-
-        replot(self.query_one("#mem-cat-plot", PlotextPlot), (tuple(steps), tuple(categories), tuple(map(tuple, cat_curves))),
-               draw_categories)
+        self.query_one("#mem-cat-plot", Chart).plot_lines(steps, list(zip(categories, cat_curves)))
         memory = state.memory()
         self.put("#mem-categories", lambda: self._categories(state),
                  key=(tuple(tuple(m.items()) for m in memory[:16]), state.hbm_bytes))
@@ -82,22 +70,27 @@ class MemoryPanel(ShowsOnChange, VerticalScroll):
         self.put("#mem-plan", self._plan_text)
 
     @staticmethod
-    def _categories(state) -> Table | str:
+    def _categories(state) -> Text | str:
+        """A text grid (a Rich Table measured and laid out its cells on every step: 11 ms a frame
+        at 16 devices, bench/console_bench.py)."""
         memory = state.memory()
         if not memory:
             return "[dim]no per-device accounting (start with --devices N)[/]"
         shown = memory[:16]
-        table = Table(box=None, pad_edge=False, expand=False)
-        table.add_column("category", no_wrap=True)
-        for d in range(len(shown)):
-            table.add_column(f"d{d}", justify="right", no_wrap=True)
         categories = sorted({c for m in shown for c in m}, key=lambda c: -sum(m.get(c, 0) for m in shown))
-        for c in categories:
-            label = f"{c} (modeled)" if c in MODELED_CATEGORIES else c
-            table.add_row(label, *(fmt_bytes(m.get(c, 0)) for m in shown))
-        table.add_row("[b]total[/b]", *(f"[b]{fmt_bytes(sum(m.values()))}[/b]" for m in shown))
-        table.add_row("HBM", *(fmt_bytes(state.hbm_bytes) for _ in shown))
-        return table
+        rows = [(f"{c} (modeled)" if c in MODELED_CATEGORIES else c, [fmt_bytes(m.get(c, 0)) for m in shown])
+                for c in categories]
+        rows.append(("total", [fmt_bytes(sum(m.values())) for m in shown]))
+        rows.append(("HBM", [fmt_bytes(state.hbm_bytes) for _ in shown]))
+        header = ("category", [f"d{d}" for d in range(len(shown))])
+        label_w = max(len(label) for label, _ in [header, *rows])
+        cell_w = max(len(cell) for _, cells in [header, *rows] for cell in cells)
+        text = Text(no_wrap=True, overflow="crop")
+        for label, cells in [header, *rows]:
+            line = label.ljust(label_w) + "".join(" " + cell.rjust(cell_w) for cell in cells) + "\n"
+            text.append(line, style="bold" if label in ("category", "total") else "")
+        text.rstrip()
+        return text
 
     @staticmethod
     def _gpu_notes(state, sample: dict) -> tuple[str, ...]:

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from rich.text import Text
 from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.widgets import Button, Static
 
 from moectl.console.panels import gpu
-from moectl.console.panels.common import ActionRequested, ShowsOnChange, bars, fmt_bytes, fmt_s
+from moectl.console.panels.common import ActionRequested, ShowsOnChange, fmt_bytes, fmt_s
+from moectl.console.widgets.bars import Bars
 from moectl.engine.core.actions import Action
 
 
@@ -22,14 +22,14 @@ class OverviewPanel(ShowsOnChange, VerticalScroll):
         with Horizontal(id="ov-bars"):
             with Vertical():
                 yield Static(id="ov-load-title", classes="section-title")
-                yield Static(id="ov-load")
+                yield Bars(id="ov-load")
             with Vertical():
                 yield Static("HBM per device (accounted; activations and buffers modeled from shapes)",
                              classes="section-title")
-                yield Static(id="ov-hbm")
+                yield Bars(id="ov-hbm")
         with Vertical(id="ov-gpu-box"):  # only with a GPU: hidden, it takes no room
             yield Static(gpu.TITLE + ", memory used", id="ov-gpu-title", classes="section-title")
-            yield Static(id="ov-gpu")
+            yield Bars(id="ov-gpu")
         yield Static("Alerts", classes="section-title")
         yield Static(id="ov-alerts")
 
@@ -64,7 +64,6 @@ class OverviewPanel(ShowsOnChange, VerticalScroll):
             f"KV {cache['kv_used']}/{cache['kv_total']} blocks ({cache['kv_usage']:.0%})   "
             f"prefix hits {cache['prefix_hit_rate']:.0%}   preemptions {cache['preemptions']}   "
             f"balancedness {state.balancedness()['overall']:.2f} (routing over placement)")
-        width = max(self.size.width // 2 - 2, 30)
         loads = state.device_loads()
         self.put(
             "#ov-load-title",
@@ -74,13 +73,12 @@ class OverviewPanel(ShowsOnChange, VerticalScroll):
         util = state.utilisation()
         rows = [(f"d{d}", float(v) / top, f"{v:,.0f} tok  busy {util[d] if d < len(util) else 0:.0%}")
                 for d, v in enumerate(loads)]
-        self.put("#ov-load", lambda: bars(rows, width, warn=2.0, crit=2.0) if rows else "no devices",
-                 key=(tuple(rows), width))
+        self.query_one("#ov-load", Bars).set_rows(rows, warn=2.0, crit=2.0, empty="no devices")
         memory = state.memory()
         hbm = state.hbm_bytes or 1
         rows = [(f"d{d}", sum(m.values()) / hbm, f"{fmt_bytes(sum(m.values()))} / {fmt_bytes(hbm)}")
                 for d, m in enumerate(memory)]
-        self.put("#ov-hbm", lambda: bars(rows, width) if rows else "no accounting yet", key=(tuple(rows), width))
+        self.query_one("#ov-hbm", Bars).set_rows(rows, empty="no accounting yet")
         self._show_gpu(state)
         alerts = state.alerts
         self.put(
@@ -96,13 +94,11 @@ class OverviewPanel(ShowsOnChange, VerticalScroll):
                  f"are absent from its records\nbalancedness {state.balancedness()['overall']:.2f} (routing over "
                  + ("the recorded placement)" if state.recorded_placement is not None else "no placement: absent)"))
         loads = state.device_loads()
-        width = max(self.size.width // 2 - 2, 30)
         top = max(float(loads.max()) if len(loads) else 0.0, 1.0)
         rows = [(f"d{d}", float(v) / top, f"{v:,.0f} tok") for d, v in enumerate(loads)]
         self.put("#ov-load-title", "Expert rows per device over the window, measured by the source engine")
-        self.put("#ov-load", lambda: bars(rows, width, warn=2.0, crit=2.0) if rows else "placement absent",
-                 key=(tuple(rows), width))
-        self.put("#ov-hbm", "absent: the source engine's records hold no memory accounting")
+        self.query_one("#ov-load", Bars).set_rows(rows, warn=2.0, crit=2.0, empty="placement absent")
+        self.query_one("#ov-hbm", Bars).set_rows([], empty="absent: the source engine's records hold no memory accounting")
         self._show_gpu(state)
         self.put("#ov-alerts", "\n".join(f"[b]{a['severity']}[/b] {a['message']}" for a in state.alerts)
                  or "[dim]none[/]")
@@ -112,20 +108,10 @@ class OverviewPanel(ShowsOnChange, VerticalScroll):
         self.query_one("#ov-gpu-box").display = sample is not None
         if sample is None:
             return
-        devices = sample["devices"]
         # a bar only where the driver gave memory figures: an empty bar would read as nothing used
-        rows = [(gpu.label(d), gpu.memory_fraction(d), gpu.summary(d)) for d in devices
-                if gpu.memory_fraction(d) is not None]
-        others = "\n".join(f"{gpu.label(d)} {gpu.summary(d)}" for d in devices if gpu.memory_fraction(d) is None)
-        # bars() leaves 24 columns after the bar; these lines are longer, so the bar gives way
-        width = max(self.size.width - 6 + 24 - max((len(r[2]) for r in rows), default=0), 30)
-
-        def content() -> Text:
-            shown = bars(rows, width) if rows else Text()
-            return shown + Text(("\n" if rows and others else "") + others)
-
+        rows = [(gpu.label(d), gpu.memory_fraction(d), gpu.summary(d)) for d in sample["devices"]]
         self.put("#ov-gpu-title", f"{gpu.TITLE}, memory used  [dim]({gpu.age(sample, state.latest)})[/]")
-        self.put("#ov-gpu", content, key=(tuple(rows), others, width))
+        self.query_one("#ov-gpu", Bars).set_rows(rows)
 
     def on_button_pressed(self, event: Button.Pressed) -> None:
         if event.button.id == "ov-restart":

@@ -6,9 +6,9 @@ from __future__ import annotations
 from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.widgets import Button, DataTable, Input, Label, Select, Static, Switch
-from textual_plotext import PlotextPlot
 
-from moectl.console.panels.common import ActionRequested, ShowsOnChange, absent_in_import, fmt_s, replot
+from moectl.console.panels.common import ActionRequested, ShowsOnChange, absent_in_import, fmt_s
+from moectl.console.widgets.chart import Chart
 from moectl.console.widgets.line_cache import LineCacheMixin
 from moectl.engine.core.actions import Action
 
@@ -20,14 +20,32 @@ SHOWN_ROWS = 200
 class RequestTable(LineCacheMixin, DataTable):
     """The requests table; its finished lines are reused while rows, scroll, cursor and hover stay."""
 
-    version = 0  # bumped by every rebuild: what the rows show
+    version = 0  # bumped by every change: what the rows show
+    COLUMNS = ("request", "state", "prompt", "output", "TTFT", "TPOT", "finish")
 
-    def rebuild(self, rows) -> None:
+    def show_rows(self, rows) -> None:
+        """Show `rows` (tuples in COLUMNS' order, the request id first). While the same requests
+        stay in the same order, only the cells that changed are replaced (a running request's
+        token count each step); a rebuild re-measures every cell of every row, 8 ms a frame at
+        200 rows (bench/console_bench.py)."""
+        shown = getattr(self, "_shown", ())
+        if [r[0] for r in rows] == [r[0] for r in shown]:
+            for old, new in zip(shown, rows):
+                if old == new:
+                    continue
+                for column, (before, after) in enumerate(zip(old, new)):
+                    if before != after:
+                        self.update_cell(new[0], self.COLUMNS[column], after)
+        else:
+            self._rebuild(rows)
+        self._shown = tuple(rows)
+        self.version += 1
+
+    def _rebuild(self, rows) -> None:
         cursor, scroll = self.cursor_row, self.scroll_y
         self.clear()
         for row in rows:
-            self.add_row(*row)
-        self.version += 1
+            self.add_row(*row, key=row[0])
         if self.row_count:  # the operator's place in the table survives the refresh
             self.move_cursor(row=min(cursor, self.row_count - 1), animate=False)
             self.scroll_y = scroll
@@ -48,10 +66,10 @@ class RequestsPanel(ShowsOnChange, VerticalScroll):
         with Horizontal(classes="row"):
             with Vertical():
                 yield Static("TTFT (ms), finished requests", classes="section-title")
-                yield PlotextPlot(id="rq-ttft")
+                yield Chart(id="rq-ttft")
             with Vertical():
                 yield Static("TPOT (ms), finished requests", classes="section-title")
-                yield PlotextPlot(id="rq-tpot")
+                yield Chart(id="rq-tpot")
         yield Static("Batching knobs (applied at the next step)", classes="section-title")
         with Horizontal(classes="controls"):
             for name, label in KNOBS:
@@ -75,7 +93,8 @@ class RequestsPanel(ShowsOnChange, VerticalScroll):
 
     def on_mount(self) -> None:
         table = self.query_one(DataTable)
-        table.add_columns("request", "state", "prompt", "output", "TTFT", "TPOT", "finish")
+        for column in RequestTable.COLUMNS:
+            table.add_column(column, key=column)
         self._filled = False
 
     def fill_forms(self, knobs: dict, load) -> None:
@@ -111,13 +130,11 @@ class RequestsPanel(ShowsOnChange, VerticalScroll):
         rows.sort(key=lambda r: (order[r["state"]], -r["arrived"]))
         cells = tuple((r["id"], r["state"], str(r["prompt_tokens"] or "-"), str(r["output_tokens"] or 0),
                        fmt_s(r["ttft"]), fmt_s(r["tpot"]), r["reason"] or "") for r in rows[:SHOWN_ROWS])
-        if cells != getattr(self, "_cells", None):  # a rebuilt table re-renders every row: only on a change
+        if cells != getattr(self, "_cells", None):
             self._cells = cells
-            self.query_one(RequestTable).rebuild(cells)
+            self.query_one(RequestTable).show_rows(cells)
         for plot_id, values in (("#rq-ttft", state.ttft), ("#rq-tpot", state.tpot)):
-            data = tuple(values)
-            replot(self.query_one(plot_id, PlotextPlot), data,
-                   lambda plt, data=data: plt.hist([v * 1e3 for v in data], bins=20) if data else None)
+            self.query_one(plot_id, Chart).plot_histogram([v * 1e3 for v in values], bins=20, unit="ms")
 
     def on_button_pressed(self, event: Button.Pressed) -> None:
         if event.button.id == "rq-apply":

@@ -38,6 +38,7 @@ from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
 from moectl.console.widgets.line_cache import LineCacheMixin
+from moectl.console.widgets.palette import PALETTE
 
 HEADER_ROWS = 1
 FOOTER_ROWS = 1
@@ -45,8 +46,6 @@ ZOOM_STEP = 2.0
 PAN_FRACTION = 0.25
 MIN_VIEW_S = 1e-9
 
-# Okabe-Ito: distinguishable with the common colour-vision deficiencies
-PALETTE = ("#E69F00", "#56B4E9", "#009E73", "#F0E442", "#0072B2", "#D55E00", "#CC79A7", "#999999")
 MEASURED_GLYPH = "█"
 MODELED_GLYPH = "░"
 _ITALIC = Style(italic=True)
@@ -345,15 +344,17 @@ class Timeline(LineCacheMixin, ScrollView, can_focus=True):
         cols = [start_s[order], dur_s[order], modeled[order], name[order], layer[order], step[order], kind[order],
                 style_ids]
         old = {data.lane: data for data in self._lanes} if self._lane_names == lane_names else {}
+        same = self._lanes_drawing_alike(lane_names, names, bounds, cols)
         self._lane_names = lane_names
         self._lanes = []
         for i in range(len(lane_names)):
             a, b = bounds[i], bounds[i + 1]
             data = _Lane(i, *(c[a:b] for c in cols), names, kinds)
             previous = old.get(i)
-            data.version = previous.version if previous is not None and data.draws_like(previous) else \
-                next(_LANE_VERSIONS)
+            alike = same[i] if same is not None else previous is not None and data.draws_like(previous)
+            data.version = previous.version if previous is not None and alike else next(_LANE_VERSIONS)
             self._lanes.append(data)
+        self._previous_columns = (lane_names, list(names), bounds, cols)
         offsets = [0]
         for data in self._lanes:
             offsets.append(offsets[-1] + len(data))
@@ -373,6 +374,24 @@ class Timeline(LineCacheMixin, ScrollView, can_focus=True):
             self._view = self._extent
         self.virtual_size = Size(0, HEADER_ROWS + len(lane_names) + FOOTER_ROWS)
         self.refresh()
+
+    def _lanes_drawing_alike(self, lane_names, names, bounds, cols) -> np.ndarray | None:
+        """Per lane, whether it draws as it did before this set_columns, in a few numpy calls
+        for all lanes; None where the lanes' span counts changed (then each lane compares)."""
+        previous = getattr(self, "_previous_columns", None)
+        if previous is None or previous[0] != lane_names or previous[1] != list(names) \
+                or not np.array_equal(previous[2], bounds) or not len(cols[0]):
+            return None
+        before, now = previous[3], cols
+        # starts, durs, modeled, name ids, layers: what a lane draws (steps and kinds do not show)
+        equal = np.ones(len(now[0]), dtype=bool)
+        for k in (0, 1, 2, 3, 4):
+            equal &= before[k] == now[k]
+        counts = np.diff(bounds)
+        alike = np.ones(len(counts), dtype=bool)
+        nonempty = counts > 0
+        alike[nonempty] = np.logical_and.reduceat(equal, bounds[:-1][nonempty])
+        return alike
 
     @property
     def lanes(self) -> list[str]:

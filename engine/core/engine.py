@@ -225,7 +225,7 @@ class EngineCore:
                 raise self._fail_step(batch, exc) from exc
             self.failed_steps_in_a_row = 0
             if self.experts is not None:
-                self.experts.after_step(self.step_count, self.step_log[-1].routing)
+                self.experts.after_step(self.step_count)
             native_memory.after_step()  # a periodic malloc_trim: varied batch shapes fragment the C heap
         outputs, self._outputs = self._outputs, []
         return outputs

@@ -66,7 +66,15 @@ Step record (format 1):
                               "prefetch_s"}} (this step's, measured),
                    "tiered_experts": "off"|"on"|"auto"|"disk",
                    "expert_cache": [{"hits", "misses", "prefetched", "prefetch_useful",
-                                     "bytes_copied", "miss_wait_s"}] (tiered only)}
+                                     "bytes_copied", "miss_wait_s"}] (tiered only),
+                   "window": the engine's load window (the last LOAD_WINDOW_STEPS steps, this
+                             one included), what clients draw instead of recomputing:
+                             {"steps": int, "balancedness": float and "balancedness_per_layer":
+                              [float] (mean / max device load of the window's routing over the
+                              placement in force), "device_tokens": [float] and "device_busy_s":
+                              [float] (measured, summed), "utilisation": [float] (busy over the
+                              devices' parallel step time: modeled on emulated devices, measured
+                              on ranks)} (absent in traces recorded before it)}
 
 Action record: {"time": float (engine clock), "step": int (the last finished step),
 "kind": str, "args": dict, "result": dict}. An applied placement's result has "bytes_moved",

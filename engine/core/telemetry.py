@@ -199,15 +199,17 @@ class Telemetry:
                 self.request(seq.request_id, "scheduled", seq.first_scheduled)
         devices = None
         cost, t0 = self.cost.seconds, _clock()
+        routing = engine.runner.probe.counts.clone()
         if engine.experts is not None:
-            devices = engine.experts.step_record(batch.items, contexts, engine.kv_bytes_per_pool(used=True), t_start)
+            devices = engine.experts.step_record(batch.items, contexts, engine.kv_bytes_per_pool(used=True), t_start,
+                                                 routing)
         cost["devices_record"] += _clock() - t0
         b = engine.blocks
         return StepStats(
             step=engine.step_count, t_start=t_start, t_end=time.monotonic(),
             prefill_tokens=batch.num_tokens - decodes, decode_tokens=decodes, num_seqs=len(batch.items),
             request_ids=[s.request_id for s, _ in batch.items], preempted=[s.request_id for s in batch.preempted],
-            kv_blocks_used=b.num_used, routing=engine.runner.probe.counts.clone(), devices=devices,
+            kv_blocks_used=b.num_used, routing=routing, devices=devices,
             spans=spans, kernels=kernels, requests=self.take_request_events(),
             cache={"kv_blocks_used": b.num_used, "kv_blocks_total": b.num_blocks, "prefix_queries": b.prefix_queries,
                    "prefix_hits": b.prefix_hits, "preemptions": engine.scheduler.num_preemptions},

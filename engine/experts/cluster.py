@@ -50,8 +50,11 @@ class ClusterBase:
         self.window = LoadWindow(cfg.num_layers, cfg.num_experts, size=window_steps)
         self.cost = ExpertCostModel()
         self.recent_steps: deque[dict] = deque(maxlen=window_steps)  # step-time splits, beside the window
+        # each step's measured (device tokens, device busy seconds, parallel step seconds), beside the window
+        self.device_window: deque[tuple[np.ndarray, np.ndarray, float]] = deque(maxlen=window_steps)
         self.placement = placement
         self.bytes_moved_total = 0
+        self.recent_step_s = 0.0  # the last step's parallel step time (_time_step)
 
     @property
     def num_devices(self) -> int:
@@ -87,9 +90,32 @@ class ClusterBase:
         plan.prediction = self.predict_change(plan.placement)
         return plan
 
-    def observe(self, step: int, routing: torch.Tensor) -> RebalancePlan | None:
-        """Adds a step's routing to the window; returns a plan when auto mode says to rebalance."""
-        self.window.add(routing.numpy())
+    def observe(self, routing) -> dict:
+        """Adds a step's routing (and its devices' measured work, from end_step) to the load
+        window; returns the window's figures for the step record's "window", which every client
+        draws instead of recomputing: balancedness (the window's routing over the placement in
+        force, overall and per layer), and per device the measured rows, busy seconds and
+        utilisation (busy over the devices' parallel step time: modeled on emulated devices,
+        measured on ranks)."""
+        self.window.add(routing.numpy() if isinstance(routing, torch.Tensor) else routing)
+        s = self.stats
+        self.device_window.append((np.asarray(s.tokens, dtype=np.float64), np.asarray(s.busy_s, dtype=np.float64),
+                                   float(self.recent_step_s)))
+        loads = self.window.loads()
+        if loads.any():
+            per_layer, overall = self.placement.balancedness(loads)
+        else:
+            per_layer, overall = np.ones(self.num_layers), 1.0
+        tokens = np.sum([t for t, _, _ in self.device_window], axis=0)
+        busy = np.sum([b for _, b, _ in self.device_window], axis=0)
+        step_s = sum(w for _, _, w in self.device_window)
+        return {"steps": len(self.window), "balancedness": float(overall),
+                "balancedness_per_layer": [float(x) for x in per_layer], "device_tokens": tokens.tolist(),
+                "device_busy_s": busy.tolist(),
+                "utilisation": (busy / step_s).tolist() if step_s > 0 else [0.0] * len(busy)}
+
+    def auto_plan(self, step: int) -> RebalancePlan | None:
+        """A plan when auto mode says to rebalance (after the step's routing was observed)."""
         if self.auto.should_rebalance(step, self.balancedness()):
             plan = self.preview()
             # an unreachable threshold must not re-plan and re-copy every step for nothing
@@ -106,6 +132,7 @@ class ClusterBase:
         # measured: the ranks' collectives are already inside other_s, so predictions add no link time
         self.recent_steps.append({"other_s": split["other_s"], "link_s": 0.0 if measured_parallel else link_s,
                                   "tokens": tokens})
+        self.recent_step_s = split["step_s"]
         split["utilisation"] = (s.busy_s / split["step_s"]).tolist() if split["step_s"] > 0 else [0.0] * len(s.busy_s)
         # what each device spends waiting for the slowest one at the layers' synchronisation points
         busy = s.busy_layer[:, moe]

@@ -156,11 +156,13 @@ class ExpertControl:
     def begin_step(self, token_device) -> None:
         self.cluster.begin_step(token_device)
 
-    def step_record(self, items, contexts: list[int], kv_bytes_used: list[int], t_start: float) -> dict:
+    def step_record(self, items, contexts: list[int], kv_bytes_used: list[int], t_start: float, routing) -> dict:
         """The step record's "devices": measured work, links (modeled or measured by backend), the
-        parallel step time, and each device's memory."""
+        parallel step time, each device's memory, and the load window's figures with this step's
+        routing in it."""
         cluster = self.cluster
         record = cluster.end_step(time.monotonic() - t_start)
+        record["window"] = cluster.observe(routing)
         work = [{"tokens": 0, "seqs": 0, "context": 0, "recv_rows": int(rows)} for rows in cluster.stats.peak_rows]
         for (seq, n), context in zip(items, contexts):
             w = work[seq.home_device]
@@ -170,11 +172,11 @@ class ExpertControl:
         record.update(cluster.memory(work, kv_bytes_used))
         return record
 
-    def after_step(self, step: int, routing) -> None:
-        """Adds the step's routing to the load window; in auto mode a plan may follow, applied
-        at the start of the next step."""
+    def after_step(self, step: int) -> None:
+        """In auto mode, a plan may follow the step (its routing is in the window since its
+        record was built); it is applied at the start of the next step."""
         try:
-            plan = self.cluster.observe(step, routing)
+            plan = self.cluster.auto_plan(step)
             if plan is not None:
                 self._engine.record_action("auto_rebalance_plan", {}, plan.summary())
                 self.apply(plan.placement, kind=Action.REBALANCE_APPLY)

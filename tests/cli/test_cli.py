@@ -9,6 +9,7 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
+from moectl.cli.common import DEFAULT_DEVICES
 from moectl.cli.main import app
 from tests.checkpoints import tiny_checkpoint
 
@@ -100,4 +101,8 @@ def test_generate_on_devices_prints_measured_and_modeled_apart(ckpt):
     assert "busy ms (measured)" in lines[0] and "link ms (modeled)" in lines[0]
     assert len(lines) == 1 + 4 + 2 and lines[-1].startswith("balancedness")
     assert lines[-2] == "experts: host tier, a 2-expert cache per device"
-    assert run("generate", "--model", ckpt, "x", "--expert-cache", 2).exit_code == 2  # needs --devices
+    # without --devices: the one default every command has (cli/common.py DEFAULT_DEVICES)
+    res = run("generate", "--model", ckpt, "--prompt-ids", "1,2,3", "--max-tokens", 2, "--expert-cache", 2,
+              "--device-stats", "--json")
+    assert res.exit_code == 0, res.output
+    assert len(res.stderr.splitlines()) == 1 + DEFAULT_DEVICES + 2

@@ -82,3 +82,41 @@ def test_out_of_range_loads_and_placements_are_bad_input_not_python_errors(tmp_p
     plan.write_text(json.dumps(placement))
     line = refused("generate", "x", "--devices", "4", "--placement", plan, "--max-tokens", "1")
     assert "num_experts must be an integer in 1-4096" in line and str(plan) in line
+
+
+def _options_by_flag(command, path=()) -> dict[str, list[tuple[str, object]]]:
+    """Every option of every (sub)command, by long flag: [(command path, click parameter)]."""
+    found: dict[str, list] = {}
+    if hasattr(command, "commands"):  # a group (typer may vendor its own click)
+        for name, sub in command.commands.items():
+            for flag, params in _options_by_flag(sub, (*path, name)).items():
+                found.setdefault(flag, []).extend(params)
+        return found
+    for param in command.params:
+        for flag in param.opts:
+            if flag.startswith("--"):
+                found.setdefault(flag, []).append((" ".join(path), param))
+    return found
+
+
+@pytest.mark.parametrize("flag, least", [("--devices", 9), ("--redundant", 7)])
+def test_each_device_option_is_declared_once_with_one_default(flag, least):
+    """--devices and --redundant mean the same on every command: one declaration (help, default)."""
+    import typer
+
+    params = _options_by_flag(typer.main.get_command(app))[flag]
+    assert len(params) >= least, [p for p, _ in params]  # run, serve, record, web, engine-host, generate, bench, plan
+    declared = {(p.help, p.default, p.show_default) for _, p in params}
+    assert len(declared) == 1, {path: (p.help, p.default) for path, p in params}
+
+
+def test_the_default_device_count_is_the_same_everywhere(tmp_path):
+    """plan memory (no engine) and run (an engine) take the same default: the one cli/common.py gives."""
+    import json
+
+    from moectl.cli.common import DEFAULT_DEVICES
+    from moectl.engine import sample_model_dir
+
+    res = runner.invoke(app, ["plan", "memory", "--model", str(sample_model_dir()), "--context", "64", "--json"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["deployment"]["devices"] == DEFAULT_DEVICES

@@ -1,20 +1,19 @@
 """The console through Textual's Pilot: every panel shows the state, and every control acts on
-the engine (live) or on the counterfactual (replay)."""
+the engine (live: an engine process, as `moectl run` starts it) or on the counterfactual (replay)."""
 
 from __future__ import annotations
 
 import pytest
 
+from moectl.cli.engine_process import EngineProcess
 from moectl.console.app import MoectlApp
-from moectl.console.live_source import LiveSource
+from moectl.console.engine_client import EngineSource
 from moectl.console.sources import ReplaySource
-from moectl.engine.core.config import EngineConfig
-from moectl.engine.core.topology import Topology
-from moectl.engine.llm_engine import LLMEngine
-from moectl.engine.tools.demo_workload import DemoLoad
 from tests.checkpoints import tiny_checkpoint
 from tests.paths import TRACES
 from tests.pilot import run_app, text_of, until
+
+WORKLOAD = "rate=40,prompt=8-24,output=8-16"
 
 
 @pytest.fixture(scope="module")
@@ -22,164 +21,122 @@ def ckpt(tmp_path_factory):
     return tiny_checkpoint(tmp_path_factory.mktemp("console"))
 
 
-def live(ckpt, **kw) -> LiveSource:
-    config = EngineConfig(model=str(ckpt), block_size=4, num_kv_blocks=256, topology=Topology(num_devices=4),
-                          redundant_slots=1, num_threads=1, **kw)
-    return LiveSource(lambda: LLMEngine(config), DemoLoad(rate=40.0, prompt_len="8-24", output_len="8-16"))
+def live(ckpt, *options: str) -> EngineSource:
+    """The console's source on an engine process of its own (`moectl engine-host`, what `moectl
+    run` starts); closing it (the app's unmount) stops that engine."""
+    engine = EngineProcess(["--model", str(ckpt), "--workload", WORKLOAD, "--threads", "1", *options])
+    engine.wait_ready(timeout_s=120)
+    source = EngineSource(engine.dir, owner=True)
+    close = source.close
+
+    def close_and_stop() -> None:
+        try:
+            close()
+        finally:
+            engine.stop()
+    source.close = close_and_stop
+    source.process = engine
+    return source
 
 
 def test_overview_shows_serving_figures_and_devices(ckpt):
     async def body(app, pilot):
-        await until(pilot, lambda: app.state.steps_seen > 5 and app.state.throughput() > 0)
+        await until(pilot, lambda: app.state.steps_seen > 5 and app.state.throughput() > 0, timeout=60)
         await until(pilot, lambda: "tok/s" in text_of(app, "#ov-metrics"), timeout=5)
         metrics = text_of(app, "#ov-metrics")
         assert "KV" in metrics and "balancedness" in metrics
         assert text_of(app, "#ov-load").count("d") >= 4  # a bar per device
         assert "HBM" not in text_of(app, "#ov-hbm") or "/" in text_of(app, "#ov-hbm")
         assert "emulated" in text_of(app, "#ov-title")
-    run_app(MoectlApp(live(ckpt)), body)
-
-
-def test_rebalance_preview_then_apply_changes_the_engines_placement(ckpt):
-    source = live(ckpt)
-
-    async def body(app, pilot):
-        before = source.engine.experts.placement
-        await until(pilot, lambda: app.state.steps_seen > 5)
-        await pilot.press("2")
-        await pilot.press("r")
-        await until(pilot, lambda: app.plan is not None)
-        # the panel's text follows the plan on the UI thread: wait for it rather than race it
-        await until(pilot, lambda: "predicted balancedness" in text_of(app, "#ex-preview-result"), timeout=5)
-        await pilot.press("A")
-        await until(pilot, lambda: source.engine.experts.placement != before)
-        await until(pilot, lambda: app.state.placement == source.engine.experts.placement)
-    run_app(MoectlApp(source), body)
+        # the load window's figures are the engine's, drawn as it sent them
+        window = app.state.engine_window()
+        assert window is not None and f"{window['balancedness']:.2f}" in metrics
+        assert "engine" in app.sub_title and str(app.source.engine_dir) in app.sub_title
+    run_app(MoectlApp(live(ckpt, "--devices", "4")), body)
 
 
 def test_knobs_edit_the_scheduler_and_bad_values_change_nothing(ckpt):
-    source = live(ckpt)
+    source = live(ckpt, "--devices", "4")
+
+    def engine_knob(app):
+        return ((app.state.latest or {}).get("knobs") or {}).get("max_num_seqs")
 
     async def body(app, pilot):
+        await until(pilot, lambda: app.state.steps_seen > 3, timeout=60)
+        before = engine_knob(app)
         await pilot.press("5")
         await until(pilot, lambda: app.query_one("#rq-max_num_seqs").value != "")
         app.query_one("#rq-max_num_seqs").value = "0"
         app.query_one("#rq-apply").press()
-        await until(pilot, lambda: "max_num_seqs" in text_of(app, "#rq-error"), timeout=5)
-        assert source.engine.scheduler.knobs.max_num_seqs == 64
+        await until(pilot, lambda: "max_num_seqs" in text_of(app, "#rq-error"), timeout=10)
         app.query_one("#rq-max_num_seqs").value = "abc"
         app.query_one("#rq-apply").press()
         await until(pilot, lambda: "not an integer" in text_of(app, "#rq-error"), timeout=5)
+        steps = app.state.steps_seen
+        await until(pilot, lambda: app.state.steps_seen > steps + 2, timeout=30)
+        assert engine_knob(app) == before  # neither bad value reached the engine
         app.query_one("#rq-max_num_seqs").value = "8"
         app.query_one("#rq-apply").press()
-        await until(pilot, lambda: source.engine.scheduler.knobs.max_num_seqs == 8)
+        await until(pilot, lambda: engine_knob(app) == 8, timeout=30)
         assert text_of(app, "#rq-error").strip() == ""
     run_app(MoectlApp(source), body)
 
 
 def test_workload_controls_pause_and_change_the_rate(ckpt):
-    source = live(ckpt)
+    source = live(ckpt, "--devices", "4")
 
     async def body(app, pilot):
+        await until(pilot, lambda: app.state.steps_seen > 0, timeout=60)
         await pilot.press("5")
         await pilot.pause(0.3)
         app.query_one("#rq-pause").value = True
-        await until(pilot, lambda: source.workload.load.paused)
+        await until(pilot, lambda: source.load.paused, timeout=10)
         app.query_one("#rq-rate").value = "-3"
         app.query_one("#rq-workload").press()
-        await until(pilot, lambda: "rate" in text_of(app, "#rq-error"), timeout=5)
-        assert source.workload.load.rate == 40.0
+        await until(pilot, lambda: "rate" in text_of(app, "#rq-error"), timeout=10)
+        assert source.load.rate == 40.0
         app.query_one("#rq-error").update("")  # so the wait below sees this press's message
         app.query_one("#rq-rate").value = "inf"  # would flood the engine with requests
         app.query_one("#rq-workload").press()
-        await until(pilot, lambda: "rate" in text_of(app, "#rq-error"), timeout=5)
-        assert source.workload.load.rate == 40.0
+        await until(pilot, lambda: "rate" in text_of(app, "#rq-error"), timeout=10)
+        assert source.load.rate == 40.0
         app.query_one("#rq-rate").value = "7.5"
         app.query_one("#rq-workload").press()
-        await until(pilot, lambda: source.workload.load.rate == 7.5)
+        await until(pilot, lambda: source.load.rate == 7.5, timeout=10)
     run_app(MoectlApp(source), body)
-
-
-def test_expert_edits_and_auto_rebalance_reach_the_engine(ckpt):
-    source = live(ckpt)
-
-    async def body(app, pilot):
-        await pilot.press("2")
-        await pilot.pause(0.2)
-        panel = app.query_one("#panel-experts")
-        app.query_one("#ex-edit").value = "pin"
-        app.query_one("#ex-layer").value = "0"
-        app.query_one("#ex-expert").value = "99"
-        app.query_one("#ex-do").press()
-        await until(pilot, lambda: "expert" in text_of(app, "#ex-error"), timeout=5)  # out of range: refused inline
-        app.query_one("#ex-expert").value = "1"
-        app.query_one("#ex-do").press()
-        await until(pilot, lambda: source.engine.experts.placement.is_pinned(0, 1))
-        app.query_one("#ex-threshold").value = "0.85"
-        app.query_one("#ex-auto").value = True
-        await until(pilot, lambda: source.engine.experts.auto.mode == "auto")
-        assert source.engine.experts.auto.threshold == 0.85
-        assert panel is not None
-    run_app(MoectlApp(source), body)
-
-
-def test_heat_map_selection_shows_the_cell_and_its_devices(ckpt):
-    async def body(app, pilot):
-        await pilot.press("2")
-        await until(pilot, lambda: app.state.steps_seen > 3)
-        app.query_one("#ex-heatmap").focus()
-        await pilot.press("right", "down")
-        await until(pilot, lambda: text_of(app, "#ex-cell").startswith("L1/E1:"), timeout=5)
-        cell = text_of(app, "#ex-cell")
-        assert cell.startswith("L1/E1:") and "tokens" in cell and "on d" in cell
-        assert "layer 1" in text_of(app, "#ex-placement-title")
-    run_app(MoectlApp(live(ckpt)), body)
 
 
 def test_memory_and_timeline_panels_show_records(ckpt):
-    source = live(ckpt)
+    source = live(ckpt, "--devices", "4")
 
     async def body(app, pilot):
-        await until(pilot, lambda: app.state.steps_seen > 3)
+        await until(pilot, lambda: app.state.steps_seen > 3, timeout=60)
         await pilot.press("3")
         await until(pilot, lambda: "KV blocks" in text_of(app, "#mem-tiers"), timeout=5)
         assert "kv_blocks" in text_of(app, "#mem-categories") or "total" in text_of(app, "#mem-categories")
+        from moectl.console.widgets import Chart
+
+        await until(pilot, lambda: app.query_one("#mem-plot", Chart).kind == "lines", timeout=10)
         await pilot.press("4")
-        await until(pilot, lambda: app.query_one("#tl-timeline").span_count > 0)
+        await until(pilot, lambda: app.query_one("#tl-timeline").span_count > 0, timeout=10)
         assert "per step (measured)" in text_of(app, "#tl-breakdown")
-        app.query_one("#tl-capture").press()
-        await until(pilot, lambda: any(r.get("kernels") for r in app.state.window))
     run_app(MoectlApp(source), body)
 
 
-def test_themes_switch_live_and_the_help_screen_opens(ckpt):
-    async def body(app, pilot):
-        assert app.theme == "moectl-light"
-        await pilot.press("t")
-        assert app.theme == "moectl-high-contrast" and app.query_one("#ex-heatmap").scale_name == "grey"
-        await pilot.press("question_mark")
-        await pilot.pause(0.1)
-        assert app.screen.__class__.__name__ == "HelpScreen"
-        await pilot.press("escape")
-        assert app.screen.__class__.__name__ != "HelpScreen"
-    run_app(MoectlApp(live(ckpt), theme="light"), body)
-
-
 def test_an_engine_failure_is_shown_and_restart_recovers(ckpt):
-    source = live(ckpt)
-
-    def broken_step():
-        raise RuntimeError("simulated device fault")
+    """An engine process whose forward fails (an injected device fault) gives up after its failed
+    steps; the console names the cause, and its restart button builds a fresh engine there."""
+    source = live(ckpt, "--devices", "4", "--inject-fault", "4")
 
     async def body(app, pilot):
-        await until(pilot, lambda: app.state.steps_seen > 2)
-        source.engine.step = broken_step
-        await until(pilot, lambda: source.error is not None)
-        await until(pilot, lambda: "simulated device fault" in text_of(app, "#ov-error"), timeout=5)
+        await until(pilot, lambda: source.error is not None, timeout=90)
+        await until(pilot, lambda: "injected fault" in text_of(app, "#ov-error"), timeout=10)
+        assert app.is_running and "engine failed" in text_of(app, "#ov-error")
         app.query_one("#ov-restart").press()
-        await until(pilot, lambda: source.error is None)
+        await until(pilot, lambda: source.error is None, timeout=90)
         steps = app.state.steps_seen
-        await until(pilot, lambda: app.state.steps_seen > steps + 2)
+        await until(pilot, lambda: app.state.steps_seen > steps + 2, timeout=60)
+        assert "hidden" in app.query_one("#ov-error-box").classes
     run_app(MoectlApp(source), body)
 
 
@@ -339,21 +296,32 @@ def test_a_damaged_step_is_skipped_not_fatal(tmp_path):
 
 
 def test_running_requests_count_their_tokens_from_the_step_records(ckpt):
-    """The state counts a running request's output tokens step by step, and the count it ends
-    with is the engine's own."""
-    from moectl.console.state import ConsoleState
-    from moectl.engine.core.sampling import SamplingParams
+    """The state counts a running request's output tokens step by step from an engine process's
+    records, and the count it ends with is the engine's own (the request sent over the protocol,
+    with the demo workload paused so that it runs alone)."""
+    import time
 
-    config = EngineConfig(model=str(ckpt), block_size=4, num_kv_blocks=128, topology=Topology(num_devices=2))
-    eng = LLMEngine(config)
-    state = ConsoleState({"model": {"name": "tiny", "num_layers": 2, "num_experts": 8}}, "live")
-    rid = eng.add_request([5, 6, 7], SamplingParams(max_tokens=6, ignore_eos=True))
-    counts = []
-    while eng.has_unfinished():
-        eng.step()
-        state.apply([eng.step_log[-1].as_record()])
-        counts.append(state.requests[rid]["output_tokens"])
-    assert counts == [1, 2, 3, 4, 5, 6] and state.requests[rid]["state"] == "finished"
+    from moectl.console.state import ConsoleState
+
+    source = live(ckpt, "--devices", "2")
+    try:
+        source.act("workload", paused=True).result(timeout=30)
+        state = ConsoleState(source.header, "live")
+        handle = source.generate([5, 6, 7], max_tokens=6, ignore_eos=True)
+        result = handle.result(timeout_s=60)
+        rid = result["request_id"]
+        counts: list[int] = []
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and (rid not in state.requests or state.requests[rid]["state"] != "finished"):
+            for record in source.poll()[0]:
+                state.apply([record])
+                if rid in record["batch"]["request_ids"]:  # a step that computed it
+                    counts.append(state.requests[rid]["output_tokens"])
+            time.sleep(0.02)
+        assert counts == [1, 2, 3, 4, 5, 6] and state.requests[rid]["state"] == "finished"
+        assert state.requests[rid]["output_tokens"] == len(result["token_ids"])
+    finally:
+        source.close()
 
 
 def test_memory_panel_shows_three_tiers_with_the_disk_tier(tmp_path):
@@ -364,12 +332,13 @@ def test_memory_panel_shows_three_tiers_with_the_disk_tier(tmp_path):
 
     ckpt = tiny_checkpoint(tmp_path / "m")
     host_mem = 2 * one_expert_bytes(ModelConfig.from_dir(ckpt))
-    source = live(ckpt, host_mem=host_mem, expert_cache_slots=3)  # one layer's experts: refills every step
+    # one layer's experts: refills every step
+    source = live(ckpt, "--devices", "4", "--host-mem", str(host_mem), "--expert-cache", "3")
 
     async def body(app, pilot):
-        await until(pilot, lambda: app.state.steps_seen > 5)
+        await until(pilot, lambda: app.state.steps_seen > 5, timeout=60)
         await pilot.press("3")
-        await until(pilot, lambda: "disk tier" in text_of(app, "#mem-tiers"), timeout=5)
+        await until(pilot, lambda: "disk tier" in text_of(app, "#mem-tiers"), timeout=10)
         tiers = text_of(app, "#mem-tiers")
         assert "host tier: experts" in tiers and "HBM tier: expert cache hit rate" in tiers
         await until(pilot, lambda: app.state.tier_traffic()["disk"]["reads"] > 0, timeout=10)

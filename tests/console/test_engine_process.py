@@ -4,6 +4,7 @@ loads torch, and the process table is checked after a kill -9 of either side and
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -347,4 +348,80 @@ def test_a_burst_of_sigterms_stops_the_engine_process(ckpt):
         assert source.error is not None and "SIGTERM" in source.error
     finally:
         source.close()
+        engine.stop()
+
+
+# -- requests over the protocol
+
+def test_requests_travel_over_the_protocol_beside_the_record_stream(ckpt, single_thread):
+    """A client's Generate runs in the engine process and streams back to that client only; its
+    tokens are what the same engine configuration generates in this process; every client sees
+    its steps in the records; a refused one, a cancelled one and a client that leaves end cleanly."""
+    from moectl.engine.core.config import EngineConfig
+    from moectl.engine.core.sampling import SamplingParams
+    from moectl.engine.core.topology import Topology
+    from moectl.engine.llm_engine import LLMEngine
+
+    prompt = [5, 9, 14, 3, 7]
+    local = LLMEngine(EngineConfig(model=str(ckpt), topology=Topology(num_devices=4), redundant_slots=1,
+                                   num_threads=1))
+    expected = local.generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True))[0].token_ids
+    engine = start_engine(ckpt)
+    try:
+        sender = EngineSource(engine.dir, client="script")
+        watcher = EngineSource(engine.dir)
+        handle = sender.generate(prompt, max_tokens=12, ignore_eos=True)
+        outputs = list(handle.outputs(timeout_s=60))
+        assert [t for o in outputs for t in o.new_token_ids] == expected
+        assert outputs[-1].finished and outputs[-1].finish_reason == "length" and len(outputs) > 1  # streamed
+        request_id = handle.request_id
+        assert request_id.startswith("script")
+        seen = []
+        assert until_true(lambda: seen.extend(watcher.poll()[0]) or any(
+            request_id in r["batch"]["request_ids"] for r in seen), timeout_s=10)
+        refused = sender.generate(prompt, max_tokens=12, temperature=-1).result(10)
+        assert refused["finish_reason"] == "error" and refused["error"].startswith("refused: temperature")
+        long = sender.generate(prompt, max_tokens=200, ignore_eos=True)
+        next(long.outputs(timeout_s=60))
+        long.cancel()
+        assert long.result(30)["finish_reason"] == "abort"
+        leaving = sender.generate(prompt, max_tokens=200, ignore_eos=True)
+        next(leaving.outputs(timeout_s=60))
+        leaving_id = leaving.request_id
+        sender.close()  # its unfinished request is aborted, not left running for nobody
+        assert until_true(lambda: seen.extend(watcher.poll()[0]) or any(
+            e["id"] == leaving_id and e["event"] == "finished" and e.get("reason") == "abort"
+            for r in seen for e in r.get("requests") or ()), timeout_s=10)
+        watcher.close()
+    finally:
+        engine.stop()
+
+
+def until_true(condition, timeout_s: float) -> bool:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return bool(condition())
+
+
+def test_generate_engine_sends_prompts_to_a_running_engine(ckpt):
+    """`moectl generate --engine DIR`: the prompts run in that engine; options that would configure
+    an engine are refused; a refused request exits 2 with its one line."""
+    engine = start_engine(ckpt)
+    try:
+        def cli(*args):
+            return subprocess.run([sys.executable, "-m", "moectl.cli", "generate", "--engine", str(engine.dir), *args],
+                                  capture_output=True, text=True, timeout=120)
+
+        ok = cli("--prompt-ids", "5,9,14", "--max-tokens", "4", "--ignore-eos", "--json")
+        assert ok.returncode == 0, ok.stderr
+        row = json.loads(ok.stdout)
+        assert len(row["token_ids"]) == 4 and row["finish_reason"] == "length"
+        bad = cli("--prompt-ids", "5,9,14", "--temperature", "-1")
+        assert bad.returncode == 2 and bad.stderr.startswith("moectl: error: temperature")
+        other = cli("--prompt-ids", "5", "--devices", "2")
+        assert other.returncode == 2 and "--devices: configures an engine" in other.stderr
+    finally:
         engine.stop()

@@ -1,6 +1,6 @@
-"""One routing window (engine/experts/rebalancer.py LoadWindow, LOAD_WINDOW_STEPS): what the
-engine plans from is what the console draws and what /metrics reports, over the same steps.
-There were three windows, each with its own bookkeeping."""
+"""One routing window (engine/experts/rebalancer.py LoadWindow, LOAD_WINDOW_STEPS), kept by the
+engine: its figures travel in every step record (devices.window), and the console and /metrics
+draw them instead of recomputing. There were three windows, each with its own bookkeeping."""
 
 from __future__ import annotations
 
@@ -37,7 +37,42 @@ def test_the_console_and_the_metrics_window_is_the_engines(tmp_path, single_thre
     metrics = ServerMetrics(header)
     for record in records:
         metrics.observe_step(record)
-    np.testing.assert_array_equal(metrics._routing.totals(), engines_window.totals())
-    # the same balancedness, then, from the same placement
+    # the engine's figures, from its window and the placement in force, as the records carry them
     placement = engine.experts.placement
-    assert state.balancedness()["overall"] == placement.balancedness(engines_window.totals())[1]
+    per_layer, overall = placement.balancedness(engines_window.loads())
+    window = records[-1]["devices"]["window"]
+    assert window["steps"] == LOAD_WINDOW_STEPS and window["balancedness"] == float(overall)
+    assert state.balancedness()["overall"] == float(overall)
+    assert state.balancedness()["per_layer"] == [float(x) for x in per_layer]
+    measured = np.sum([r["devices"]["tokens"] for r in records[-LOAD_WINDOW_STEPS:]], axis=0)
+    np.testing.assert_array_equal(state.device_loads(), measured)
+    sparse = np.asarray(header["model"]["sparse_layers"], dtype=bool)
+    moe = per_layer[sparse] if sparse.any() else per_layer
+    reported = {s.labels["quantile"]: s.value for s in _families(metrics)["moectl:expert_balancedness"].samples}
+    assert reported == {"0": float(np.quantile(moe, 0)), "0.5": float(np.quantile(moe, 0.5)),
+                        "1": float(np.quantile(moe, 1))}
+
+
+def test_a_replay_what_if_is_the_consoles_own_estimate(tmp_path, single_thread):
+    """A counterfactual placement (replay's what-if) is not the engine's: the console estimates it
+    from the routing window, and says so (loads_estimated)."""
+    from moectl.engine.experts.placement import Placement
+
+    config = EngineConfig(model=str(tiny_checkpoint(tmp_path / "ckpt")), topology=Topology(num_devices=4),
+                          redundant_slots=1, num_threads=1)
+    engine = LLMEngine(config)
+    records: list[dict] = []
+    engine.add_listener(on_step=lambda stats: records.append(stats.as_record()))
+    engine.generate(prompts(3), SamplingParams(max_tokens=8, ignore_eos=True))
+    state = ConsoleState(engine_header(engine), "replay")
+    state.apply(records)
+    other = Placement.contiguous(state.num_layers, state.num_experts, 4, 1).replicate(1, 0, 3)
+    state.counterfactual = other
+    assert state.engine_window() is None and state.loads_estimated
+    assert state.balancedness()["overall"] == float(other.balancedness(state.routing_window())[1])
+
+
+def _families(metrics):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {f.name: f for f in text_string_to_metric_families(metrics.render(None).decode())}

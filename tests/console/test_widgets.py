@@ -478,3 +478,153 @@ def test_scrub_bar_click_drag_markers_keys():
             assert legend.cell_length == 101 and legend.text.startswith("0 tok")
 
     asyncio.run(body())
+
+
+# ------------------------------------------------------------------------------- Chart
+
+
+class ChartApp(App):
+    def compose(self) -> ComposeResult:
+        from moectl.console.widgets import Chart
+
+        yield Chart(id="chart")
+
+
+def _chart_lines(draw, size=(60, 12)) -> list[Strip]:
+    """The chart's rendered rows after draw(chart) (plot_lines / plot_histogram)."""
+    from moectl.console.widgets import Chart
+
+    async def go():
+        app = ChartApp()
+        async with app.run_test(size=size) as pilot:
+            chart = app.query_one(Chart)
+            draw(chart)
+            await pilot.pause()
+            return [chart.render_line(y) for y in range(chart.size.height)]
+
+    return asyncio.run(go())
+
+
+def _dots(strip: Strip) -> list[int]:
+    """Columns of a plot row holding braille dots."""
+    return [x for x, ch in enumerate(strip.text) if 0x2801 <= ord(ch) <= 0x28FF]
+
+
+def test_chart_draws_a_rising_line_from_bottom_left_to_top_right_with_its_legend_and_axes():
+    rows = _chart_lines(lambda c: c.plot_lines(range(10, 20), [("d0", [float(v) for v in range(10)])]))
+    assert "d0" in rows[0].text  # the legend names the series
+    plot = rows[1:-1]
+    assert plot[0].text.split("│")[0].strip() == "9" and plot[-1].text.split("│")[0].strip() == "0"  # y labels
+    first = next(r for r, strip in enumerate(plot) if _dots(strip))
+    last = max(r for r, strip in enumerate(plot) if _dots(strip))
+    assert (first, last) == (0, len(plot) - 1)  # spans the whole height
+    assert min(_dots(plot[0])) > max(_dots(plot[-1]))  # the top row's dots lie right of the bottom row's
+    assert all(_dots(strip) for strip in plot)  # connected: no empty row between the ends
+    axis = rows[-1].text
+    assert "10" in axis and "19" in axis  # x range
+
+
+def test_chart_series_keep_their_colours_and_a_reference_line_is_drawn():
+    from moectl.console.widgets.palette import PALETTE
+
+    rows = _chart_lines(lambda c: c.plot_lines([0, 1, 2], [("low", [0.0, 0.0, 0.0]), ("high", [10.0, 10.0, 10.0])],
+                                               hline=5.0))
+    colours = {segment.style.color.name.upper() for strip in rows[1:-1] for segment in strip
+               if segment.style is not None and segment.style.color is not None and _dots(Strip([segment]))}
+    assert {PALETTE[0].upper(), PALETTE[1].upper()} <= {c.upper() for c in colours}
+    middle = [r for r, strip in enumerate(rows[1:-1]) if len(_dots(strip)) > 40]
+    assert len(middle) == 3  # low, high and the reference line each fill a row
+    assert "5" in rows[0].text  # the reference line's value in the legend
+
+
+def test_chart_histogram_bars_follow_the_counts_and_empty_data_says_so():
+    values = [1.0] * 30 + [9.0] * 10
+    rows = _chart_lines(lambda c: c.plot_histogram(values, bins=2, unit="ms"))
+    assert "40 values" in rows[0].text and "ms" in rows[0].text
+    plot = [strip.text.split("│", 1)[1] for strip in rows[1:-1]]
+    height = lambda col: sum(line[col] != " " for line in plot)  # noqa: E731
+    assert height(1) == len(plot)  # the 30-count bin is full height
+    assert 0 < height(len(plot[0]) - 2) < len(plot) / 2  # the 10-count one a third of it
+    rows = _chart_lines(lambda c: c.plot_histogram([]))
+    assert "no data" in rows[0].text
+
+
+def test_chart_skips_a_redraw_when_the_data_is_the_same():
+    from moectl.console.widgets import Chart
+
+    async def go():
+        app = ChartApp()
+        async with app.run_test(size=(60, 12)) as pilot:
+            chart = app.query_one(Chart)
+            chart.plot_lines([1, 2], [("a", [1.0, 2.0])])
+            await pilot.pause()
+            version = chart._version
+            chart.plot_lines([1, 2], [("a", [1.0, 2.0])])
+            same = chart._version
+            chart.plot_lines([1, 2], [("a", [1.0, 3.0])])
+            return version, same, chart._version
+
+    version, same, changed = asyncio.run(go())
+    assert same == version and changed != version
+
+
+# -------------------------------------------------------------------------------- Bars
+
+
+class BarsApp(App):
+    def compose(self) -> ComposeResult:
+        from moectl.console.widgets.bars import Bars
+
+        yield Bars(id="bars")
+
+
+def test_bars_fill_by_fraction_mark_thresholds_and_leave_absent_figures_without_a_bar():
+    from moectl.console.widgets.bars import Bars
+
+    async def go():
+        app = BarsApp()
+        async with app.run_test(size=(60, 10)) as pilot:
+            bars = app.query_one(Bars)
+            bars.set_rows([("d0", 0.5, "half"), ("d1", 0.9, "warm"), ("d10", 1.0, "full"), ("gpu", None, "no memory")])
+            await pilot.pause()
+            lines = [bars.render_line(y).text for y in range(4)]
+            layout_before = bars.size.height
+            bars.set_rows([("d0", 0.1, "x")])
+            await pilot.pause()
+            after = bars.size.height
+            bars.set_rows([], empty="no devices")
+            await pilot.pause()
+            return lines, layout_before, after, bars.plain_text, bars.render_line(0).text
+
+    lines, height4, height1, plain, empty_line = asyncio.run(go())
+    half, warm, full, absent = lines
+    assert half.startswith(" d0 ") and warm.startswith(" d1 ") and full.startswith("d10 ")  # labels right-aligned
+    bar = lambda line: line[4:].split(" ")[0]  # noqa: E731
+    assert abs(bar(half).count("█") * 2 - len(bar(half))) <= 1 and "▓" not in half  # half full, below warn
+    assert "▓" in warm and "!" not in warm  # from warn: another glyph
+    assert full.rstrip().endswith("full !")  # from crit: a mark
+    assert absent.strip() == "gpu no memory" and "·" not in absent  # no bar at all
+    assert (height4, height1) == (4, 1)  # its height is its row count
+    assert plain == "no devices" and empty_line.startswith("no devices")
+
+
+def test_timeline_keeps_the_version_of_each_lane_that_draws_the_same_after_new_columns():
+    """set_columns compares all lanes in one pass: a lane whose spans did not change keeps its
+    version (its rendered line is reused), one whose spans moved gets a new one."""
+    timeline = Timeline()
+    lane = np.array([0, 0, 1, 1, 2])
+    starts = np.array([0.0, 0.5, 0.0, 0.4, 0.2])
+    durs = np.array([0.2, 0.2, 0.3, 0.3, 0.1])
+    kwargs = dict(name=np.array([0, 1, 0, 1, 0]), names=["a", "b"], dur_s=durs)
+    timeline.set_columns(["x", "y", "z"], lane=lane, start_s=starts, **kwargs)
+    before = [data.version for data in timeline._lanes]
+    moved = starts.copy()
+    moved[3] = 0.45  # lane 1's second span
+    timeline.set_columns(["x", "y", "z"], lane=lane, start_s=moved, step=np.full(5, 7), **kwargs)
+    after = [data.version for data in timeline._lanes]
+    assert after[0] == before[0] and after[2] == before[2]  # a new step number alone does not redraw
+    assert after[1] != before[1]
+    timeline.set_columns(["x", "y", "z"], lane=lane[:4], start_s=moved[:4], dur_s=durs[:4],
+                         name=np.array([0, 1, 0, 1]), names=["a", "b"])  # lane 2 emptied: counts differ
+    assert [data.version for data in timeline._lanes][:2] == after[:2]
+    assert timeline._lanes[2].version != after[2]

@@ -308,3 +308,18 @@ def test_an_empty_step_range_names_the_flags_and_the_traces_steps():
         assert "--from-step 90000: the trace has steps 0-" in result.output or \
             "--from-step 90000: the trace has steps 1-" in result.output, result.output
         assert "None" not in result.output
+
+
+def test_union_length_by_group_equals_the_union_of_each_group_alone():
+    from moectl.profiler.analysis import _union_length, _union_length_by_group
+
+    rng = np.random.default_rng(0)
+    for _ in range(100):
+        n = int(rng.integers(1, 60))
+        group = rng.integers(0, 5, n)
+        starts = rng.uniform(0, 1, n)
+        ends = np.minimum(starts + rng.uniform(0, 0.3, n), 1.0)
+        got = _union_length_by_group(group, starts, ends, 1.0)
+        assert set(got) == set(group.tolist())
+        for g, length in got.items():
+            assert length == pytest.approx(_union_length(starts[group == g], ends[group == g]), abs=1e-12)

@@ -565,10 +565,14 @@ def test_metrics_from_synthetic_records():
     m = ServerMetrics(header)
 
     def step(t_end, ids, events, hits=0, misses=0, routing=((0, 0, 0, 0), (4, 0, 0, 0))):
+        routing = np.array(routing, dtype=np.int32)
+        per_layer, overall = placement.balancedness(routing)  # what the engine's window sends
         return {"step": 1, "t_start": t_end - 0.01, "t_end": t_end, "batch": {"request_ids": ids, "preempted": []},
                 "requests": events, "cache": {"prefix_queries": 10, "prefix_hits": 4, "preemptions": 0},
-                "devices": {"expert_cache": [{"hits": hits, "misses": misses}] * 2},
-                "routing": np.array(routing, dtype=np.int32)}
+                "devices": {"expert_cache": [{"hits": hits, "misses": misses}] * 2,
+                            "window": {"balancedness": float(overall),
+                                       "balancedness_per_layer": per_layer.tolist()}},
+                "routing": routing}
 
     m.observe_step(step(1.0, ["a"], [{"id": "a", "event": "arrived", "t": 0.5},
                                      {"id": "a", "event": "first_token", "t": 0.9}], hits=3, misses=1))
