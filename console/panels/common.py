@@ -1,7 +1,9 @@
-"""Pieces the panels share: the action message, bar rendering, number formatting."""
+"""Pieces the panels share: updating a Static only on change, the action message, number formatting."""
 
 from __future__ import annotations
 
+from rich.cells import cell_len
+from rich.text import Text
 from textual.message import Message
 
 _UNSET = object()
@@ -13,13 +15,36 @@ class ShowsOnChange:
 
     def put(self, selector: str, content, key=_UNSET) -> None:
         """Show `content` (or what calling it returns, built only when needed) in the Static
-        `selector`, unless `key` (default: the content itself) is what that Static shows already."""
+        `selector`, unless `key` (default: the content itself) is what that Static shows already.
+        New text of the same number of lines, none wider than the Static, keeps its size: it is
+        repainted without a layout of the screen (a layout cost more than the paint)."""
         key = content if key is _UNSET else key
         shown = self.__dict__.setdefault("_shown_keys", {})
         if shown.get(selector, _UNSET) == key:
             return
         shown[selector] = key
-        self.query_one(selector).update(content() if callable(content) else content)  # type: ignore[attr-defined]
+        static = self.query_one(selector)
+        content = content() if callable(content) else content
+        shape = _text_shape(content, static.content_region.width)  # type: ignore[attr-defined]
+        shapes = self.__dict__.setdefault("_shown_shapes", {})
+        same = shape is not None and shapes.get(selector) == shape
+        shapes[selector] = shape
+        static.update(content, layout=not same)  # type: ignore[attr-defined]
+
+
+def _text_shape(content, width: int) -> tuple[int, int] | None:
+    """(lines, width) of text that cannot wrap at `width` (every line fits: markup only makes the
+    shown line shorter than its source), else None (a table, or text that may wrap)."""
+    if isinstance(content, Text):
+        plain = content.plain
+    elif isinstance(content, str):
+        plain = content
+    else:
+        return None
+    lines = plain.split("\n")
+    if width <= 0 or max(cell_len(line) for line in lines) > width:
+        return None
+    return (len(lines), width)
 
 
 class ActionRequested(Message):

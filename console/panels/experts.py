@@ -9,6 +9,7 @@ from textual.widgets import Button, Input, Label, Select, Static, Switch
 
 from moectl.console.panels.common import ActionRequested, ShowsOnChange
 from moectl.console.widgets import ColourLegend, HeatMap
+from moectl.console.widgets.bars import StackedBars
 from moectl.console.widgets.chart import Chart
 from moectl.engine.core.actions import Action
 
@@ -27,7 +28,7 @@ class ExpertsPanel(ShowsOnChange, VerticalScroll):
             with Vertical():
                 yield Static("Expert load per device, top experts stacked (routing over placement)",
                              classes="section-title")
-                yield Static(id="ex-stacked")
+                yield StackedBars(SEGMENT_STYLES, SEGMENT_GLYPHS, id="ex-stacked")
             with Vertical():
                 yield Static("Balancedness over time", classes="section-title")
                 yield Chart(id="ex-balance-plot")
@@ -92,31 +93,15 @@ class ExpertsPanel(ShowsOnChange, VerticalScroll):
             f"({len(where)} replica{'s' if len(where) != 1 else ''}){pinned}")
 
     def _show_stacked(self, state) -> None:
-        from rich.text import Text
-
         loads = state.device_loads(state.placement_shown)  # the stack is routing over placement: so is the total
         top = max(float(loads.max()) if len(loads) else 0.0, 1.0)
         tops = state.top_experts_per_device(len(SEGMENT_STYLES)) if state.placement_shown is not None else []
-        tails = [f" {loads[d]:,.0f}  " + " ".join(f"L{la}/E{e}" for la, e, _ in (tops[d][:2] if tops else []))
-                 for d in range(len(loads))]
-        column = self.query_one("#ex-stacked").size.width or self.size.width // 2
-        width = max(column - 5 - max((len(t) for t in tails), default=0), 8)  # bars never wrap
-        pieces = []  # per device: (segment lengths, dotted rest, tail)
+        rows = []
         for d in range(len(loads)):
-            lengths = [round(tokens / top * width) for _, _, tokens in (tops[d] if tops else ())]
-            pieces.append((tuple(lengths), round(float(loads[d]) / top * width) - sum(lengths), tails[d]))
-
-        def stacked() -> Text:
-            out = Text()
-            for d, (lengths, rest, tail) in enumerate(pieces):
-                out.append(f"d{d:<3} ")
-                for i, n in enumerate(lengths):
-                    out.append(SEGMENT_GLYPHS[i] * n, style=SEGMENT_STYLES[i])
-                out.append("·" * max(rest, 0), style="dim")
-                out.append(tail + ("\n" if d < len(pieces) - 1 else ""))
-            return out
-
-        self.put("#ex-stacked", stacked if pieces else "no devices", key=tuple(pieces))
+            pieces = tuple(tokens / top for _, _, tokens in (tops[d] if tops else ()))
+            tail = f" {loads[d]:,.0f}  " + " ".join(f"L{la}/E{e}" for la, e, _ in (tops[d][:2] if tops else []))
+            rows.append((f"d{d}", pieces, float(loads[d]) / top, tail))
+        self.query_one("#ex-stacked", StackedBars).set_rows(rows, empty="no devices")
 
     def _show_placement(self, state) -> None:
         placement = state.placement_shown

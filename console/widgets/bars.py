@@ -124,3 +124,93 @@ class Bars(LineCacheMixin, Widget):
             segments.append(Segment(text[at + filled:at + bar_w], base + _style("dim")))
         segments.append(Segment(text[at + bar_w:], base))
         return Strip(segments).adjust_cell_length(width, base)
+
+
+StackedRow = tuple[str, tuple[float, ...], float, str]
+
+
+class StackedBars(LineCacheMixin, Widget):
+    """One stacked bar per row: (label, the pieces' fractions of full scale, the row's total
+    fraction, text after the bar). Piece i has its own style and glyph, so the stack reads without
+    colour; what the total holds beyond the pieces is dotted. Drawn like Bars: a row when it is
+    on screen and changed, a layout only when the number of rows changes."""
+
+    COMPONENT_CLASSES = {"stacked--empty"}
+    LINE_CACHE_STYLES = tuple(sorted(COMPONENT_CLASSES))
+
+    DEFAULT_CSS = """
+    StackedBars {
+        height: auto;
+        width: 1fr;
+    }
+    StackedBars > .stacked--empty {
+        color: $text-muted;
+    }
+    """
+
+    def __init__(self, styles: Sequence[str], glyphs: str, *, name: str | None = None, id: str | None = None,
+                 classes: str | None = None) -> None:
+        super().__init__(name=name, id=id, classes=classes)
+        if len(glyphs) < len(styles):
+            raise ValueError("StackedBars: a glyph for every style")
+        self._piece_styles, self._glyphs = tuple(styles), glyphs
+        self._rows: tuple[StackedRow, ...] = ()
+        self._empty = ""
+
+    def set_rows(self, rows: Sequence[StackedRow], *, empty: str = "") -> None:
+        rows = tuple((str(label), tuple(float(p) for p in pieces[:len(self._piece_styles)]), float(total), str(after))
+                     for label, pieces, total, after in rows)
+        if (rows, empty) == (self._rows, self._empty):
+            return
+        relayout = max(len(rows), 1) != max(len(self._rows), 1)
+        self._rows, self._empty = rows, empty
+        self.refresh(layout=relayout)
+
+    @property
+    def plain_text(self) -> str:
+        if not self._rows:
+            return self._empty
+        return "\n".join("".join(text for text, _ in self._pieces(row, self.size.width or 80)) for row in self._rows)
+
+    def get_content_height(self, container, viewport, width: int) -> int:
+        return max(len(self._rows), 1)
+
+    def line_key(self, y: int):
+        row = self._rows[y] if y < len(self._rows) else None
+        return (row, self._empty if not self._rows else None, self.size.width, self._label_width())
+
+    def _label_width(self) -> int:
+        return max((len(r[0]) for r in self._rows), default=0)
+
+    def _pieces(self, row: StackedRow, width: int) -> list[tuple[str, str | None]]:
+        """(text, style name or None) runs of one row: label, pieces, dotted rest, padding, text after."""
+        label, pieces, total, after = row
+        label_w = self._label_width()
+        after_w = max((len(r[3]) for r in self._rows), default=0)
+        bar_w = max(8, width - label_w - 1 - after_w)  # bars never wrap
+        runs: list[tuple[str, str | None]] = [(f"{label:<{label_w}} ", None)]
+        used = 0
+        for i, frac in enumerate(pieces):
+            n = max(0, min(bar_w - used, round(min(max(frac, 0.0), 1.0) * bar_w)))
+            if n:
+                runs.append((self._glyphs[i] * n, self._piece_styles[i]))
+                used += n
+        rest = max(0, min(bar_w - used, round(min(max(total, 0.0), 1.0) * bar_w) - used))
+        if rest:
+            runs.append(("·" * rest, "dim"))
+        runs.append((" " * (bar_w - used - rest) + after, None))
+        return runs
+
+    def render_line(self, y: int) -> Strip:
+        width = self.size.width
+        base = self.visual_style.rich_style
+        if not self._rows:
+            if y == 0 and self._empty:
+                style = self.get_component_rich_style("stacked--empty")
+                return Strip([Segment(self._empty, style)]).adjust_cell_length(width, base)
+            return Strip.blank(width, base)
+        if y >= len(self._rows):
+            return Strip.blank(width, base)
+        segments = [Segment(text, base if style is None else base + _style(style))
+                    for text, style in self._pieces(self._rows[y], width)]
+        return Strip(segments).adjust_cell_length(width, base)

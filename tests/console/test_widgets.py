@@ -628,3 +628,26 @@ def test_timeline_keeps_the_version_of_each_lane_that_draws_the_same_after_new_c
                          name=np.array([0, 1, 0, 1]), names=["a", "b"])  # lane 2 emptied: counts differ
     assert [data.version for data in timeline._lanes][:2] == after[:2]
     assert timeline._lanes[2].version != after[2]
+
+
+def test_stacked_bars_draw_each_piece_with_its_glyph_then_the_rest_dotted():
+    from moectl.console.widgets.bars import StackedBars
+
+    class StackedApp(App):
+        def compose(self) -> ComposeResult:
+            yield StackedBars(("red", "blue"), "█▓", id="stacked")
+
+    async def go():
+        app = StackedApp()
+        async with app.run_test(size=(60, 6)) as pilot:
+            bars = app.query_one(StackedBars)
+            bars.set_rows([("d0", (0.25, 0.25), 0.75, " 300"), ("d1", (1.0,), 1.0, " 400")])
+            await pilot.pause()
+            return [bars.render_line(y).text for y in range(2)], bars.plain_text
+
+    (first, second), plain = asyncio.run(go())
+    bar = first[3:].split(" ")[0]
+    assert bar.count("█") == bar.count("▓") > 0 and bar.index("▓") > bar.rindex("█")  # pieces in order
+    assert abs(bar.count("·") - bar.count("█")) <= 1  # the rest of the 0.75 total, dotted
+    assert first.rstrip().endswith("300") and second.rstrip().endswith("400")
+    assert "·" not in second and plain.splitlines()[0].startswith("d0")
