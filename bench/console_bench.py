@@ -402,6 +402,11 @@ async def _textual_floor(size: tuple[int, int], runs: int, frames: int = 30) -> 
 # -- 2. update rate ------------------------------------------------------------------------------
 
 LIVE_OPTIONS = ["--devices", "4", "--redundant", "1", "--threads", "1"]
+LIVE_MODEL: str | None = None  # --model: a checkpoint or a shipped model's name (default: sample)
+
+
+def _live_options() -> list[str]:
+    return [*LIVE_OPTIONS, *(["--model", LIVE_MODEL] if LIVE_MODEL else [])]
 
 
 class _OwnedEngine:
@@ -415,12 +420,12 @@ class _OwnedEngine:
         if in_process:
             from moectl.cli.console import live_source
 
-            self.source = live_source(None, 4, "80GiB", 1, None, workload, None, 1)
+            self.source = live_source(LIVE_MODEL, 4, "80GiB", 1, None, workload, None, 1)
             return
         from moectl.cli.engine_process import EngineProcess
         from moectl.console.engine_client import EngineSource
 
-        self.process = EngineProcess([*LIVE_OPTIONS, "--workload", workload])
+        self.process = EngineProcess([*_live_options(), "--workload", workload])
         self.process.wait_ready()
         self.source = EngineSource(self.process.dir, owner=True)
         closed = self.source.close
@@ -479,7 +484,7 @@ async def _first_screen() -> dict:
     from moectl.console.app import MoectlApp
     from moectl.console.engine_client import EngineSource
 
-    engine = EngineProcess([*LIVE_OPTIONS, "--workload", "rate=4,prompt=32-256,output=32-128"])
+    engine = EngineProcess([*_live_options(), "--workload", "rate=4,prompt=32-256,output=32-128"])
     try:
         engine.wait_ready()
         t0 = time.perf_counter()
@@ -723,7 +728,7 @@ def report(res: dict) -> None:
 
 
 def main(argv=None) -> int:
-    global DEVICES, FRAME_TARGET_MS
+    global DEVICES, FRAME_TARGET_MS, LIVE_MODEL
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=160, help="steps in the synthetic trace (default 160)")
     ap.add_argument("--big-devices", type=int, default=DEVICES, choices=(64, 256),
@@ -736,12 +741,15 @@ def main(argv=None) -> int:
     ap.add_argument("--big-presses", type=int, default=10,
                     help="presses on the big synthetic layout (0: skip; default 10)")
     ap.add_argument("--load-rate", type=float, default=50.0, help="demo workload rate while pressing keys")
+    ap.add_argument("--model", default=None, help="the live measures' model: a checkpoint or a shipped model's name "
+                                                  "(default: sample)")
     ap.add_argument("--rounds", type=int, default=3, help="throughput rounds, alone and with a console (default 3)")
     ap.add_argument("--skip-live", action="store_true", help="frame times only")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     DEVICES = args.big_devices  # read by the synthetic trace's writers and the report
+    LIVE_MODEL = args.model
     FRAME_TARGET_MS = 16.0 if DEVICES <= 64 else 33.0  # issue 21: 60 fps at 64 devices, 30 at 256
     res = run(args)
     if args.json:

@@ -18,7 +18,7 @@ try:  # newer typer vendors click
 except ImportError:
     from click.core import ParameterSource
 
-from moectl.engine import sample_model_dir
+from moectl.engine import resolve_model
 from moectl.engine.core.config import EngineConfig
 from moectl.engine.core.topology import MAX_DEVICES, Topology, parse_size
 
@@ -28,8 +28,9 @@ MAX_SEED = 2**63 - 1  # torch.manual_seed's and the engine's range
 # threads beyond a few per core only contend, and an absurd count crashes torch's thread pool (exit 139)
 MAX_THREADS = 4 * (os.cpu_count() or 1)
 
-MODEL_OPT = typer.Option(None, "--model", "-m", help="Hugging Face-format checkpoint directory "
-                                                     "(default: the embedded sample model).")
+MODEL_OPT = typer.Option(None, "--model", "-m", help="A Hugging Face-format checkpoint directory, or a shipped "
+                                                     "model's name: sample (the default) or sample-dsv3 (`moectl "
+                                                     "model list`).")
 JSON_OPT = typer.Option(False, "--json", help="Print machine-readable JSON (progress goes to stderr).")
 HBM_OPT = typer.Option("80GiB", "--hbm", help="HBM per device, e.g. 80GiB, 141GiB.")
 DTYPE_OPT = typer.Option(None, "--dtype", help="fp32, bf16 or fp16 (default: the checkpoint's dtype).")
@@ -82,7 +83,9 @@ def forwarded_options(ctx: typer.Context | None, names) -> list[str]:
         if ctx is None or not given(ctx, name):
             continue
         value = ctx.params[name]
-        args += [option_flag(ctx, name), str(Path(value).resolve()) if isinstance(value, Path) else str(value)]
+        if isinstance(value, Path) and value.exists():  # a model's name (sample-dsv3) stays a name
+            value = value.resolve()
+        args += [option_flag(ctx, name), str(value)]
     return args
 
 
@@ -130,8 +133,12 @@ def handles_errors(fn):
 
 
 def model_dir(model: Path | None, config_file: bool = False) -> Path:
-    """--model's checkpoint directory (config_file: a bare config.json file will do too)."""
-    path = Path(model) if model is not None else sample_model_dir()
+    """--model's checkpoint directory: a path, or a shipped model's name (config_file: a bare
+    config.json file will do too)."""
+    try:
+        path = resolve_model(model)
+    except ValueError as exc:
+        raise BadInput(str(exc)) from None
     if config_file and path.is_file():
         return path
     if not path.is_dir():

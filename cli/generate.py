@@ -67,12 +67,13 @@ def generate(
                                                              "`moectl serve` prints, or a console's: its header shows "
                                                              "it) instead of starting one; its consoles show them."),
     device_stats: bool = typer.Option(False, "--device-stats",
-                                      help="With --devices: print each device's tokens, measured busy time, "
+                                      help="Print each device's tokens, measured busy time, "
                                            "modeled link time and expert-cache hits over the run (to stderr)."),
     as_json: bool = JSON_OPT,
 ):
-    """Generate completions with the embedded engine (continuous batching over all prompts).
-    With --devices N the experts are placed on N emulated devices; the tokens are the same."""
+    """Generate completions with the embedded engine (continuous batching over all prompts), its
+    experts on --devices emulated devices (the tokens are the same on any count); or, with
+    --engine DIR, on a running engine."""
     from moectl.engine.core.sampling import SamplingParams
     from moectl.engine.parallel.backends import Engines
 
@@ -108,6 +109,8 @@ def generate(
             typer.echo("")
 
 
+OUTPUT_TIMEOUT_S = 600.0  # --engine: the longest wait for a request's next output before giving up
+
 # what configures an engine this command would start: meaningless with --engine
 ENGINE_OPTIONS = ("model", "dtype", "threads", "kv_cache_dtype", "device", "devices", "hbm", "expert_cache", "host_mem",
                   "backend", "nproc", "redundant", "placement", "device_stats")
@@ -125,13 +128,15 @@ def _generate_on(ctx: typer.Context | None, engine_dir: Path, inputs: list, para
         if ctx is not None and given(ctx, name):
             raise BadInput(f"{option_flag(ctx, name)}: configures an engine; --engine sends to one already running")
     try:
-        source = EngineSource(engine_dir, client="generate")
+        source = EngineSource(engine_dir, client="generate", records=False)
     except ActionRefused as exc:
         raise BadInput(f"--engine: {exc}") from None
     try:
         fields = {k: v for k, v in asdict(params).items() if v != getattr(type(params)(), k)}
         handles = [source.generate(prompt, **fields) for prompt in inputs]
-        results = [handle.result() for handle in handles]
+        results = [handle.result(timeout_s=OUTPUT_TIMEOUT_S) for handle in handles]
+    except TimeoutError as exc:
+        raise RuntimeError(f"--engine: {exc} (the engine is busy or stuck)") from None
     finally:
         source.close()
     failed = [r for r in results if r["finish_reason"] == "error"]

@@ -16,8 +16,8 @@ from moectl.cli.common import (
     handles_errors,
     model_dir,
     progress,
-    sample_model_dir,
 )
+from moectl.engine import SAMPLE_MODELS, sample_model_dir
 
 model_app = typer.Typer(no_args_is_help=True, help="Inspect or train models.")
 
@@ -40,6 +40,34 @@ def model_info(model: Path | None = MODEL_OPT, as_json: bool = JSON_OPT):
             "vocab_size": cfg.vocab_size, "max_position_embeddings": cfg.max_position_embeddings,
             "dtype": str(cfg.dtype).removeprefix("torch."), "tokenizer": (folder / "tokenizer.json").is_file()}
     _print_facts(info, as_json, width=32)
+
+
+@model_app.command("list")
+@handles_errors
+def model_list(as_json: bool = JSON_OPT):
+    """The shipped models, by the name every command's --model takes: what each is, its size
+    and parameters (from its config.json), and where it lies."""
+    from moectl.engine.models.config import ModelConfig
+
+    rows = []
+    for name, (_folder, about) in SAMPLE_MODELS.items():
+        path = sample_model_dir(name)
+        row = {"name": name, "default": name == "sample", "about": about, "path": str(path.resolve())}
+        if (path / "config.json").is_file():
+            cfg = ModelConfig.from_dir(path)
+            row.update(architecture=cfg.hf_architecture, **cfg.param_counts(),
+                       bytes_on_disk=sum(f.stat().st_size for f in path.iterdir() if f.is_file()))
+        else:
+            row["missing"] = "not in this installation"
+        rows.append(row)
+    if as_json:
+        typer.echo(json.dumps(rows))
+        return
+    for row in rows:
+        mark = " (default)" if row["default"] else ""
+        size = (f"{row['architecture']}, {row['params_total'] / 1e6:.1f}M params ({row['params_active'] / 1e6:.1f}M "
+                f"active), {row['bytes_on_disk'] / 2**20:.1f} MiB" if "missing" not in row else row["missing"])
+        typer.echo(f"{row['name']}{mark}: {row['about']}\n    {size}\n    {row['path']}")
 
 
 def _print_facts(info: dict, as_json: bool, width: int) -> None:
@@ -95,7 +123,11 @@ def model_train(
     seq_len: int = typer.Option(256, "--seq-len", help="Tokens per training window."),
     batch_size: int = typer.Option(16, "--batch-size"),
     lr: float = typer.Option(3e-3, "--lr", help="Peak learning rate."),
-    aux_coef: float = typer.Option(0.003, "--aux-coef", help="Weight of the load-balancing loss."),
+    arch: str = typer.Option("mixtral", "--arch", help="mixtral (the sample model) or deepseek_v3 (sample-dsv3: "
+                                                       "MLA, grouped sigmoid routing with DeepSeek-V3's bias "
+                                                       "balancing, a shared expert, a dense first layer)."),
+    aux_coef: float | None = typer.Option(None, "--aux-coef", help="Weight of the load-balancing loss [default: "
+                                                                   "0.003 for mixtral, 0.0001 for deepseek_v3]."),
     seed: int = typer.Option(0, "--seed"),
     time_budget: float | None = typer.Option(None, "--time-budget",
                                              help="Seconds; the schedule is fitted to it and the run saved when "
@@ -104,14 +136,21 @@ def model_train(
     as_json: bool = JSON_OPT,
 ):
     """Re-train the sample model (tokenizer, model, model card) from the Python stdlib's source."""
-    from moectl.engine.tools.train import check_train_options, train_sample_model
+    from moectl.engine.tools.train import ARCHS, check_train_options, train_sample_model
+
+    if arch not in ARCHS:
+        raise BadInput(f"--arch: must be one of {', '.join(ARCHS)}, got {arch!r}")
+    if aux_coef is None:
+        aux_coef = ARCHS[arch][1]
+    if not 0 <= aux_coef < 1:
+        raise BadInput(f"--aux-coef: must be in [0, 1), got {aux_coef}")
 
     check_train_options(steps=steps, seq_len=seq_len, batch_size=batch_size, lr=lr, time_budget_s=time_budget,
                         eval_every=eval_every)
     check_seed(seed)
     _check_train_out(out, replace_sample)
     stats = train_sample_model(out, steps=steps, seq_len=seq_len, batch_size=batch_size, lr=lr, aux_coef=aux_coef,
-                               seed=seed, time_budget_s=time_budget, eval_every=eval_every,
+                               seed=seed, time_budget_s=time_budget, eval_every=eval_every, arch=arch,
                                log=progress(as_json))
     emit_json(stats, as_json)
 
@@ -120,8 +159,9 @@ def _check_train_out(out: Path, replace_sample: bool) -> None:
     """--out: a directory (new or existing), and never the shipped sample model by accident."""
     if out.exists() and not out.is_dir():
         raise BadInput(f"--out: {out} exists and is not a directory")
-    shipped = sample_model_dir().resolve()
     target = out.resolve()
-    if (target == shipped or shipped in target.parents) and not replace_sample:
-        raise BadInput(f"--out: {out} is the shipped sample model's folder; add --replace-sample-model to "
-                       f"overwrite it, or give another directory")
+    for name in SAMPLE_MODELS:
+        shipped = sample_model_dir(name).resolve()
+        if (target == shipped or shipped in target.parents) and not replace_sample:
+            raise BadInput(f"--out: {out} is the shipped sample model {name}'s folder; add --replace-sample-model "
+                           f"to overwrite it, or give another directory")

@@ -41,7 +41,8 @@ def _check_range(option: str, value: int | None, lo: int, hi: int | None = None)
 @plan_app.command("memory")
 @handles_errors
 def plan_memory_cmd(
-    model: Path = typer.Option(..., "--model", "-m", help="config.json, or a directory holding one (no weights needed)."),
+    model: Path = typer.Option(..., "--model", "-m", help="config.json, a directory holding one (no weights needed), "
+                                                          "or a shipped model's name."),
     devices: int | None = DEVICES_OPT,
     hbm: str = HBM_OPT,
     tp: int = typer.Option(1, "--tp", help="Tensor-parallel size for attention (<= 8)."),
@@ -65,6 +66,7 @@ def plan_memory_cmd(
     _check_range("--devices", devices, 1, MAX_DEVICES)
     topo = Topology(num_devices=devices or DEFAULT_DEVICES, hbm_bytes=parse_cli_size(hbm, "--hbm"))
     kw = dict(tp=tp, ep=ep, context=context, batch=batch, dtype=dtype, kv_dtype=kv_dtype)
+    model = model_dir(model, config_file=True)
     plan = plan_memory(model, topo, **kw)
     tiers = plan_offload(plan, parse_cli_size(host_mem, "--host-mem")) if offload else None
     suggestions = [] if plan.fits or (tiers is not None and tiers.fits) else fit_suggestions(model, topo, **kw)

@@ -72,16 +72,17 @@ class RequestHandle:
     def result(self, timeout_s: float | None = None) -> dict:
         """The whole request once finished: its token ids, text, finish reason and error."""
         tokens: list[int] = []
-        text = ""
         last = None
         for last in self.outputs(timeout_s):
             tokens += last.new_token_ids
-            text = last.text if last.replace else text + last.text
-        return {"request_id": last.request_id, "token_ids": tokens, "text": text, "finish_reason": last.finish_reason,
+        return {"request_id": last.request_id, "token_ids": tokens, "text": last.text, "finish_reason": last.finish_reason,
                 "error": last.error, "prompt_tokens": last.prompt_tokens}
 
     def cancel(self) -> None:
-        self._source._send(Cancel(id=self._id))
+        try:
+            self._source._send(Cancel(id=self._id))
+        except (OSError, ProtocolError) as exc:
+            raise ActionRefused(f"cancel: not sent ({exc})") from None
 
 
 class EngineSource(Source):
@@ -92,13 +93,16 @@ class EngineSource(Source):
     engine_alerts = True  # the engine computes the alerts: `alerts` and `alerts_version` follow its Alerts
 
     def __init__(self, engine_dir: Path, *, owner: bool = False, timeout_s: float = WELCOME_TIMEOUT_S,
-                 client: str = "console"):
+                 client: str = "console", records: bool = True):
+        """records: False for requests and actions only (the engine sends no record stream)."""
         self.engine_dir = Path(engine_dir)
         self.owner = owner
         self._records: deque = deque(maxlen=RECORD_BUFFER)
         self._actions: deque = deque(maxlen=RECORD_BUFFER)
         self._pending: dict[int, tuple[str, Future]] = {}
         self._requests: dict[int, RequestHandle] = {}
+        self._requests_lock = threading.Lock()  # the reader's end of the connection and generate() alike
+        self.unclaimed_outputs = 0
         self._ids = itertools.count(1)
         self._send_lock = threading.Lock()
         self._lost: str | None = None
@@ -110,7 +114,7 @@ class EngineSource(Source):
             raise ActionRefused(f"engine: {exc}") from None
         try:
             self._sock.settimeout(timeout_s)
-            self._sock.sendall(encode(Hello(token=token, owner=owner, client=client)))
+            self._sock.sendall(encode(Hello(token=token, owner=owner, client=client, records=records)))
             welcome = read_message(self._sock)
             self._sock.settimeout(None)
         except (OSError, ProtocolError) as exc:
@@ -151,7 +155,9 @@ class EngineSource(Source):
                     self._answer(message)
                 elif isinstance(message, Output):
                     handle = self._requests.get(message.id)
-                    if handle is not None:
+                    if handle is None:
+                        self.unclaimed_outputs += 1  # another client's, or a cancelled one's: none should come
+                    else:
                         if message.finished:
                             self._requests.pop(message.id, None)
                         handle._put(message)
@@ -162,15 +168,16 @@ class EngineSource(Source):
             reason = str(exc) or type(exc).__name__
         except Exception as exc:  # noqa: BLE001 - a message this client cannot use: said, not a dead thread
             reason = f"{type(exc).__name__}: {exc}".splitlines()[0]
-        self._lost = f"{self.engine_name} is gone: {reason}"
+        with self._requests_lock:
+            self._lost = f"{self.engine_name} is gone: {reason}"
+            handles, self._requests = dict(self._requests), {}
+        for request, handle in handles.items():
+            handle._put(Output(id=request, request_id=handle.request_id or "", finished=True, finish_reason="error",
+                               error=self._lost))
         for kind, future in list(self._pending.values()):
             if not future.done():
                 future.set_exception(ActionRefused(f"{kind}: {self._lost}"))
         self._pending.clear()
-        for request, handle in list(self._requests.items()):
-            handle._put(Output(id=request, request_id=handle.request_id or "", finished=True, finish_reason="error",
-                               error=self._lost))
-        self._requests.clear()
 
     def _answer(self, result: Result) -> None:
         kind, future = self._pending.pop(result.id, (None, None))
@@ -216,10 +223,12 @@ class EngineSource(Source):
     def generate(self, prompt: str | list[int], **params) -> RequestHandle:
         """Sends a request (text or token ids; SamplingParams' fields) to the engine; its outputs
         arrive on the returned handle. A refused one finishes at once with its error."""
-        if self._lost is not None:
-            raise ActionRefused(f"generate: {self._lost}")
         request = next(self._ids)
-        handle = self._requests[request] = RequestHandle(self, request)
+        handle = RequestHandle(self, request)
+        with self._requests_lock:  # a connection that ends now fails this handle too
+            if self._lost is not None:
+                raise ActionRefused(f"generate: {self._lost}")
+            self._requests[request] = handle
         try:
             self._send(Generate(id=request, prompt=prompt, params=params))
         except (OSError, ProtocolError, TypeError) as exc:

@@ -49,7 +49,8 @@ SLOPE_MIN_SECONDS = 5.0
 
 # span name keywords -> wall-clock category (engine lane); first match wins
 _CATEGORY_KEYWORDS = (("attention", "attention"), ("router", "moe"), ("dispatch", "moe"),
-                      ("combine", "moe"), ("experts", "moe"), ("moe", "moe"), ("sampler", "sampler"))
+                      ("combine", "moe"), ("experts", "moe"), ("shared expert", "moe"), ("moe", "moe"),
+                      ("sampler", "sampler"))
 CATEGORIES = ("attention", "moe", "sampler", "other")
 
 

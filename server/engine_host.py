@@ -127,7 +127,7 @@ class EngineHost:
             clients = list(self._clients)
         frame = encode(Bye(reason))
         for client in clients:
-            client.offer(frame)
+            client.answer(frame)
         self._stopped.set()
 
     def close(self) -> None:
@@ -178,10 +178,13 @@ class EngineHost:
             sock.close()
             return
         with self._lock:  # the catch-up and the client's place in the fan-out, at one instant
-            welcome = Welcome(engine=self.name, pid=os.getpid(), header=self.header(), steps=list(self._recent_steps),
-                              actions=list(self._recent_actions), status=msgspec.structs.asdict(self._status),
-                              alerts=self._alerts.alerts if self._alerts is not None else None)
-            client = _Client(self, sock, hello.owner, encode(welcome), kind=_client_kind(hello.client))
+            stream = hello.records
+            welcome = Welcome(engine=self.name, pid=os.getpid(), header=self.header(),
+                              steps=list(self._recent_steps) if stream else [],
+                              actions=list(self._recent_actions) if stream else [],
+                              status=msgspec.structs.asdict(self._status),
+                              alerts=self._alerts.alerts if self._alerts is not None and stream else None)
+            client = _Client(self, sock, hello.owner, encode(welcome), kind=_client_kind(hello.client), records=stream)
             self._clients.add(client)
         client.start()
 
@@ -313,24 +316,20 @@ class EngineHost:
         try:
             params = SamplingParams(**message.params)
             stream = self.driver.engine.add_request(message.prompt, params, request_id=request_id, stream=True)
-        except (TypeError, ValueError) as exc:  # a field SamplingParams lacks, or a bad value
+        except Exception as exc:  # noqa: BLE001 - a bad field or value (ValueError, TypeError) or anything else
             text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            client.offer(encode(Output(id=message.id, request_id=request_id, finished=True,
-                                       finish_reason="error", error=f"refused: {text}")))
+            refused = isinstance(exc, (TypeError, ValueError))
+            client.answer(encode(Output(id=message.id, request_id=request_id, finished=True, finish_reason="error",
+                                        error=f"refused: {text}" if refused else f"{type(exc).__name__}: {text}")))
             return
         client.requests[message.id] = request_id
-        sent = [""]  # the text this client has so far
 
-        def sink(out) -> None:  # engine thread: encode and queue, never block
+        def sink(out) -> None:  # engine thread: encode and queue, never block, never raise
             try:
-                previous = sent[0]
-                replace = not out.text.startswith(previous)
-                delta = out.text if replace else out.text[len(previous):]
-                sent[0] = out.text
-                client.offer(encode(Output(id=message.id, request_id=request_id, new_token_ids=list(out.new_token_ids),
-                                           text=delta, replace=replace, finished=out.finished,
-                                           finish_reason=out.finish_reason, error=out.error,
-                                           prompt_tokens=len(out.prompt_ids), output_tokens=len(out.token_ids))))
+                client.answer(encode(Output(id=message.id, request_id=request_id, new_token_ids=list(out.new_token_ids),
+                                            text=out.text if out.finished else "", finished=out.finished,
+                                            finish_reason=out.finish_reason, error=out.error,
+                                            prompt_tokens=len(out.prompt_ids), output_tokens=len(out.token_ids))))
                 if out.finished:
                     client.requests.pop(message.id, None)
             except Exception:  # noqa: BLE001 - a client's output must never raise into the step loop
@@ -362,10 +361,14 @@ def _plain(value):
 class _Client:
     _seq = itertools.count(1)
 
-    def __init__(self, host: EngineHost, sock: socket.socket, owner: bool, welcome: bytes, kind: str = "console"):
+    def __init__(self, host: EngineHost, sock: socket.socket, owner: bool, welcome: bytes, kind: str = "console",
+                 records: bool = True):
         self.host, self.sock, self.owner = host, sock, owner
+        self.records = records  # False: a client of requests and actions only, sent no record stream
         self.name = f"{kind}{next(self._seq)}"  # its requests' ids: "<name>-<its id>"
         self.requests: dict[int, str] = {}  # its unfinished requests: its id -> the engine's request id
+        # answers (Result, Output, Bye) are never dropped: a lost one would leave its asker waiting
+        self._answers: deque[bytes] = deque()
         self._queue: deque[bytes] = deque([welcome])
         self._ready = threading.Condition()
         self._closed = False
@@ -378,7 +381,18 @@ class _Client:
         self._reader.start()
         self._sender.start()
 
+    def answer(self, frame: bytes) -> None:
+        """A frame the client is waiting for (Result, Output, Bye): queued ahead of the stream,
+        never dropped."""
+        with self._ready:
+            self._answers.append(frame)
+            self._ready.notify()
+
     def offer(self, frame: bytes) -> None:
+        """A frame of the record stream (Records, Status, Alerts): the oldest are dropped, and
+        counted, when a slow client lets CLIENT_QUEUE of them pile up."""
+        if not self.records:
+            return
         with self._ready:
             if len(self._queue) >= CLIENT_QUEUE:
                 self._queue.popleft()
@@ -390,11 +404,14 @@ class _Client:
         sent_dropped = 0
         while True:
             with self._ready:
-                while not self._queue and not self._closed:
+                while not self._queue and not self._answers and not self._closed:
                     self._ready.wait()
-                if not self._queue:
+                if self._answers:
+                    frame = self._answers.popleft()
+                elif self._queue:
+                    frame = self._queue.popleft()
+                else:
                     return
-                frame = self._queue.popleft()
                 dropped = self.dropped
             try:
                 if dropped != sent_dropped:  # says how much it lost before what follows
@@ -432,10 +449,10 @@ class _Client:
         try:
             future = self.host.act(act)
         except ActionRefused as exc:
-            self.offer(encode(Result(id=act.id, error=str(exc))))
+            self.answer(encode(Result(id=act.id, error=str(exc))))
             return
         except Exception as exc:  # noqa: BLE001 - arguments no check foresaw: this action fails, nothing else
-            self.offer(encode(Result(id=act.id, error=f"{act.kind}: {type(exc).__name__}: {exc}".splitlines()[0])))
+            self.answer(encode(Result(id=act.id, error=f"{act.kind}: {type(exc).__name__}: {exc}".splitlines()[0])))
             return
 
         def answer(done: Future) -> None:
@@ -444,7 +461,7 @@ class _Client:
             except Exception as exc:  # noqa: BLE001 - the action's failure, in one line
                 text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
                 frame = encode(Result(id=act.id, error=text))
-            self.offer(frame)
+            self.answer(frame)
         future.add_done_callback(answer)
 
     def finish(self, timeout_s: float) -> None:

@@ -36,10 +36,12 @@ class ProtocolError(ValueError):
 # -- messages (tag: the "type" field on the wire)
 
 class Hello(msgspec.Struct, tag="hello"):
-    """Client -> engine, first: the run's token; owner: the engine exits when this client goes."""
+    """Client -> engine, first: the run's token; owner: the engine exits when this client goes;
+    records: False for a client of requests and actions only (no record stream, no catch-up)."""
     token: str
     client: str = "console"
     owner: bool = False
+    records: bool = True
 
 
 class Welcome(msgspec.Struct, tag="welcome"):
@@ -100,15 +102,14 @@ class Generate(msgspec.Struct, tag="generate"):
 
 
 class Output(msgspec.Struct, tag="output"):
-    """Engine -> the client that asked: a request's progress. `new_token_ids` since the last
-    Output, `text` the text added since then (`replace`: the whole text so far instead, when the
-    detokenizer revised what it had sent); the last one has `finished` and its `finish_reason`
-    (and `error` if it failed or was refused)."""
+    """Engine -> the client that asked: a request's progress, never dropped for a slow client.
+    `new_token_ids` since the last Output; the last one has `finished`, its `finish_reason`, the
+    request's whole `text` (the engine detokenises a request once, at its end), and `error` if it
+    failed or was refused."""
     id: int
     request_id: str
     new_token_ids: list[int] = msgspec.field(default_factory=list)
     text: str = ""
-    replace: bool = False
     finished: bool = False
     finish_reason: str | None = None
     error: str | None = None

@@ -65,9 +65,13 @@ class OverviewPanel(ShowsOnChange, VerticalScroll):
             f"prefix hits {cache['prefix_hit_rate']:.0%}   preemptions {cache['preemptions']}   "
             f"balancedness {state.balancedness()['overall']:.2f} (routing over placement)")
         loads = state.device_loads()
+        window = state.engine_window()
+        span = "over the window"
+        if window is not None and window.get("device_steps", window["steps"]) < window["steps"]:
+            span = f"over the {window['device_steps']} steps since the placement changed"
         self.put(
             "#ov-load-title",
-            "Expert rows per device over the window, "
+            f"Expert rows per device {span}, "
             + ("estimated from routing and placement" if state.loads_estimated else "measured"))
         top = max(float(loads.max()) if len(loads) else 0.0, 1.0)
         util = state.utilisation()

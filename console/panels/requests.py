@@ -35,7 +35,7 @@ class RequestTable(LineCacheMixin, DataTable):
                     continue
                 for column, (before, after) in enumerate(zip(old, new)):
                     if before != after:
-                        self.update_cell(new[0], self.COLUMNS[column], after)
+                        self.update_cell(new[0], self.COLUMNS[column], after, update_width=True)
         else:
             self._rebuild(rows)
         self._shown = tuple(rows)

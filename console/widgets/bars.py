@@ -38,7 +38,7 @@ def _style(name: str) -> Style:
 class Bars(LineCacheMixin, Widget):
     """Labelled horizontal bars, one row each; its height is its number of rows."""
 
-    COMPONENT_CLASSES = {"bars--label", "bars--empty"}
+    COMPONENT_CLASSES = {"bars--empty"}
     LINE_CACHE_STYLES = tuple(sorted(COMPONENT_CLASSES))
 
     DEFAULT_CSS = """
@@ -177,7 +177,8 @@ class StackedBars(LineCacheMixin, Widget):
 
     def line_key(self, y: int):
         row = self._rows[y] if y < len(self._rows) else None
-        return (row, self._empty if not self._rows else None, self.size.width, self._label_width())
+        after_w = max((len(r[3]) for r in self._rows), default=0)  # every bar's width depends on it
+        return (row, self._empty if not self._rows else None, self.size.width, self._label_width(), after_w)
 
     def _label_width(self) -> int:
         return max((len(r[0]) for r in self._rows), default=0)

@@ -71,10 +71,12 @@ Step record (format 1):
                              one included), what clients draw instead of recomputing:
                              {"steps": int, "balancedness": float and "balancedness_per_layer":
                               [float] (mean / max device load of the window's routing over the
-                              placement in force), "device_tokens": [float] and "device_busy_s":
-                              [float] (measured, summed), "utilisation": [float] (busy over the
-                              devices' parallel step time: modeled on emulated devices, measured
-                              on ranks)} (absent in traces recorded before it)}
+                              placement in force), "device_steps": int, "device_tokens": [float]
+                              and "device_busy_s": [float] (measured, summed over the last
+                              device_steps steps: those since the placement last changed, at most
+                              the window), "utilisation": [float] (busy over the devices' parallel
+                              step time: modeled on emulated devices, measured on ranks)} (absent
+                              in traces recorded before it)}
 
 Action record: {"time": float (engine clock), "step": int (the last finished step),
 "kind": str, "args": dict, "result": dict}. An applied placement's result has "bytes_moved",

@@ -101,22 +101,25 @@ class ClusterBase:
         s = self.stats
         self.device_window.append((np.asarray(s.tokens, dtype=np.float64), np.asarray(s.busy_s, dtype=np.float64),
                                    float(self.recent_step_s)))
-        loads = self.window.loads()
-        if loads.any():
-            per_layer, overall = self.placement.balancedness(loads)
+        totals = self.window.totals()  # balancedness is scale-free: the sum serves as well as the mean
+        if totals.any():
+            per_layer, overall = self.placement.balancedness(totals)
         else:
             per_layer, overall = np.ones(self.num_layers), 1.0
+        self.window_balancedness = float(overall)  # auto mode's trigger reads it (auto_plan)
         tokens = np.sum([t for t, _, _ in self.device_window], axis=0)
         busy = np.sum([b for _, b, _ in self.device_window], axis=0)
         step_s = sum(w for _, _, w in self.device_window)
+        # the devices' measured figures cover the steps since the placement last changed (at most
+        # the window): what they measured under another placement is not this one's
         return {"steps": len(self.window), "balancedness": float(overall),
-                "balancedness_per_layer": [float(x) for x in per_layer], "device_tokens": tokens.tolist(),
-                "device_busy_s": busy.tolist(),
+                "balancedness_per_layer": [float(x) for x in per_layer], "device_steps": len(self.device_window),
+                "device_tokens": tokens.tolist(), "device_busy_s": busy.tolist(),
                 "utilisation": (busy / step_s).tolist() if step_s > 0 else [0.0] * len(busy)}
 
     def auto_plan(self, step: int) -> RebalancePlan | None:
         """A plan when auto mode says to rebalance (after the step's routing was observed)."""
-        if self.auto.should_rebalance(step, self.balancedness()):
+        if self.auto.should_rebalance(step, getattr(self, "window_balancedness", None) or self.balancedness()):
             plan = self.preview()
             # an unreachable threshold must not re-plan and re-copy every step for nothing
             return plan if plan.bytes_moved > 0 else None

@@ -188,6 +188,7 @@ class ExpertControl:
         t0 = time.perf_counter()
         try:
             moved = self.cluster.apply(placement)
+            self.cluster.device_window.clear()  # the devices' figures under the old placement are not the new one's
         finally:
             with self._lock:
                 if self._pending is placement:

@@ -251,26 +251,32 @@ class MoEBlock(nn.Module):
         """x: [N, H] flat tokens. tracer: spans for the router and the expert work."""
         mark = tracer.mark()
         logits, weights, ids = self.route(x)
+        counts_t = torch.bincount(ids.flatten(), minlength=self.num_experts)
         if self.training:
             self.last_aux_loss = self.aux_loss(logits, ids)
-        counts_t = torch.bincount(ids.flatten(), minlength=self.num_experts)
+            self.last_counts = counts_t.detach()  # the correction bias's update (engine/tools/train.py)
         tracer.close(mark, "router", 0, self.layer_idx)
         if probe is not None:
             probe.on_routing(self.layer_idx, counts_t, ids)
         mark = tracer.mark()
-        out = self._experts_and_shared(x, weights, ids, counts_t)
-        tracer.close(mark, "experts", 0, self.layer_idx)
-        return out
-
-    def _experts_and_shared(self, x, weights, ids, counts_t) -> torch.Tensor:
         out = self.experts.dispatch(x, weights, ids, counts_t)
-        if self.shared_w13 is not None:
+        tracer.close(mark, "experts", 0, self.layer_idx)
+        if self.shared_w13 is not None:  # its own span: the routed experts' share of a step is measured apart
+            mark = tracer.mark()
             shared = swiglu(x, self.shared_w13, self.shared_w2)
             out = out + (shared if self.shared_gate is None else torch.sigmoid(F.linear(x, self.shared_gate)) * shared)
+            tracer.close(mark, "shared expert", 0, self.layer_idx)
         return out
 
     def aux_loss(self, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Switch/Mixtral load-balancing loss: E * sum_e(fraction routed to e * mean prob of e)."""
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        """Switch/Mixtral load-balancing loss: E * sum_e(fraction routed to e * mean prob of e).
+        DeepSeek-V3's router: its complementary balance loss over the batch, E/K * sum_e(f_e * P_e)
+        with P_e the mean of the sigmoid scores normalised per token (its bias does the balancing;
+        this term only keeps any one batch from collapsing, with a tiny weight)."""
         routed = F.one_hot(ids, self.num_experts).float().sum(1).mean(0)
+        if self.grouped_sigmoid is not None:
+            scores = torch.sigmoid(logits.float())
+            affinity = scores / scores.sum(dim=-1, keepdim=True)
+            return self.num_experts / self.top_k * torch.sum(routed * affinity.mean(0))
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         return self.num_experts * torch.sum(routed * probs.mean(0))

@@ -1,21 +1,25 @@
 """`moectl bench --suite rebalance`: the seeds' story as a benchmark.
 
 A workload whose routing the model itself concentrates on a few experts (prompts from one
-domain: blocks of Python imports, which the sample model routes mostly to the experts the naive
-contiguous placement puts on device 0) runs on the naive placement; the engine's own preview
-then plans a rebalance, which is applied live, between steps.
+domain: blocks of Python imports) runs on the naive contiguous placement; the engine's own
+preview then plans a rebalance, which is applied live, between steps.
 
-Every phase runs the *same* requests in the same order, closed loop, with the prefix cache
-off, so the engine schedules the same batches step for step whatever the placement (routing
-does not depend on placement): the phases differ only in where the experts are. Phases
-alternate A B A B (naive, planned) after a warm-up on the naive placement that calibrates the
-cost model, so a drift of the machine's speed falls on both sides.
+The plan is made on warm-up requests and measured on other requests drawn from the same
+workload (another seed): what a rebalance planned on recent traffic does to the traffic that
+follows. Every measured phase runs those same requests in the same order, closed loop, with the
+prefix cache off, so the engine schedules the same batches step for step whatever the placement
+(routing does not depend on placement): `same_batches` compares every step's batch (prefill
+tokens, decode tokens, sequences) between phases. Phases run in rounds of one naive and one
+planned phase, the order alternating (A B, B A, ...), so a drift of the machine's speed falls on
+both sides; each round's gain is its planned over its naive throughput, and `gain_ci95` is the
+95% interval of their mean (Student's t over the rounds).
 
 * distributed: the ranks really run at once; a phase's throughput is tokens (prefill + decode)
-  over its measured wall time.
+  over its measured wall time: `gain_is` "measured", and the gain is also `measured_gain`.
 * local (emulated devices): the devices run one after another, so wall time cannot change with
   balance; a phase's throughput is over the *modeled* parallel step time of its steps (from
-  each device's measured expert time), reported as modeled, beside the measured serial figure.
+  each device's measured expert time): `gain_is` "modeled", and the gain is also
+  `modeled_gain`, never called measured. The serial (measured) throughputs are reported beside.
 
 `predicted_gain` is what the preview predicted before the apply (the calibrated cost model over
 the warm-up's recent steps); `predicted_gain_phase` is the same model over all the warm-up's
@@ -112,22 +116,28 @@ def _apply(engine, placement) -> dict:
     return result.result(timeout=60)
 
 
+def workload(num_requests: int, seed: int) -> list[tuple[str, SamplingParams]]:
+    """One draw of the bench's workload: import blocks, outputs of staggered lengths (8-40
+    tokens, so requests do not finish in waves)."""
+    rng = np.random.default_rng(seed + 1)
+    return [(p, SamplingParams(max_tokens=int(rng.integers(8, 41)), ignore_eos=True))
+            for p in domain_prompts(num_requests, seed)]
+
+
 def _run(engine, backend, devices, num_requests, rounds, concurrency, log) -> dict:
-    rng = np.random.default_rng(1)
-    # staggered lengths, so requests do not finish in waves
-    work = [(p, SamplingParams(max_tokens=int(rng.integers(8, 41)), ignore_eos=True))
-            for p in domain_prompts(num_requests)]
+    warm, work = workload(num_requests, 0), workload(num_requests, 1)
     naive = engine.experts.placement
     log(f"rebalance bench: {backend}, {devices} devices, {num_requests} requests ({concurrency} in flight) per "
-        f"phase, the same batches in every phase")
-    warmup = _phase(engine, work, concurrency)  # calibrates the cost model on the naive placement
+        f"phase; the plan from warm-up requests, the phases on others from the same workload")
+    warmup = _phase(engine, warm, concurrency)  # calibrates the cost model on the naive placement
     plan = engine.experts.preview()
     predicted = plan.prediction or {}
     phase_prediction = predict_from_records(warmup["records"], naive, plan.placement) or {}
     phases: dict[str, list[dict]] = {"before": [], "after": []}
     migrations = []
     for r in range(rounds):
-        for name, placement in (("before", naive), ("after", plan.placement)):
+        order = (("before", naive), ("after", plan.placement))
+        for name, placement in order if r % 2 == 0 else order[::-1]:
             if engine.experts.placement != placement:
                 migrations.append(_apply(engine, placement))
             s = _phase(engine, work, concurrency)
@@ -138,6 +148,26 @@ def _run(engine, backend, devices, num_requests, rounds, concurrency, log) -> di
     return _result(backend, devices, plan, predicted, phase_prediction, phases, migrations, log)
 
 
+# two-sided 95% Student's t for 1..30 degrees of freedom
+_T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+        2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+
+
+def interval95(values: list[float]) -> tuple[float, float] | None:
+    """The 95% interval of the mean of `values` (Student's t); None for fewer than 2."""
+    n = len(values)
+    if n < 2:
+        return None
+    mean, sd = float(np.mean(values)), float(np.std(values, ddof=1))
+    half = _T95[min(n - 1, len(_T95)) - 1] * sd / np.sqrt(n)
+    return mean - half, mean + half
+
+
+def batch_shapes(records: list[dict]) -> list[tuple[int, int, int]]:
+    """Each step's batch: (prefill tokens, decode tokens, sequences)."""
+    return [(r["batch"]["prefill_tokens"], r["batch"]["decode_tokens"], r["batch"]["num_seqs"]) for r in records]
+
+
 def _mean(phases: list[dict], key: str) -> float:
     return float(np.mean([p[key] for p in phases]))
 
@@ -146,7 +176,11 @@ def _result(backend, devices, plan, predicted, phase_prediction, phases, migrati
     modeled = phases["before"][0]["step_time_modeled"]
     key = "throughput_parallel" if modeled else "throughput_measured"
     before, after = _mean(phases["before"], key), _mean(phases["after"], key)
-    gain = after / before - 1
+    round_gains = [a[key] / b[key] - 1 for b, a in zip(phases["before"], phases["after"])]
+    gain = float(np.mean(round_gains))
+    ci = interval95(round_gains)
+    kind = "modeled" if modeled else "measured"
+    shapes = [batch_shapes(p["records"]) for p in phases["before"] + phases["after"]]
     step_before, step_after = _mean(phases["before"], "step_s_mean"), _mean(phases["after"], "step_s_mean")
 
     def error(predicted_value, measured_value):
@@ -157,8 +191,9 @@ def _result(backend, devices, plan, predicted, phase_prediction, phases, migrati
     moved = [m.get("migration") or {"bytes_transferred": m["bytes_moved"], "seconds_max": m["seconds"]}
              for m in migrations]
     result = {
-        "backend": backend, "devices": devices, "gain_is": "modeled" if modeled else "measured",
-        "throughput_before": before, "throughput_after": after, "measured_gain": gain,
+        "backend": backend, "devices": devices, "gain_is": kind, "throughput_is": kind,
+        "throughput_before": before, "throughput_after": after, "gain": gain, f"{kind}_gain": gain,
+        "rounds": len(round_gains), "gain_rounds": round_gains, "gain_ci95": list(ci) if ci else None,
         "predicted_gain": predicted_gain, "prediction_error": error(predicted_gain, gain) if gain else None,
         "predicted_gain_phase": phase_prediction.get("gain"),
         "min_util_before": float(np.mean([min(p["utilisation"]) for p in phases["before"]])),
@@ -170,6 +205,7 @@ def _result(backend, devices, plan, predicted, phase_prediction, phases, migrati
         "step_model_error_before": error(phase_prediction.get("step_s_before"), step_before),
         "step_model_error_after": error(phase_prediction.get("step_s_after"), step_after),
         "same_steps": len({p["steps"] for p in phases["before"] + phases["after"]}) == 1,
+        "same_batches": all(shape == shapes[0] for shape in shapes),
         "balancedness_before": plan.balancedness_before.overall, "balancedness_after": plan.balancedness_after.overall,
         "serial_throughput_before": _mean(phases["before"], "throughput_measured"),
         "serial_throughput_after": _mean(phases["after"], "throughput_measured"),
@@ -178,14 +214,15 @@ def _result(backend, devices, plan, predicted, phase_prediction, phases, migrati
         "calibration": predicted.get("calibration"),
         "phases": {k: [{f: v for f, v in p.items() if f != "records"} for p in ps] for k, ps in phases.items()},
     }
-    log(f"throughput {before:.1f} -> {after:.1f} tok/s ({result['gain_is']}): gain {gain:+.1%}; predicted "
+    interval = f" (95% interval {ci[0]:+.1%} to {ci[1]:+.1%}, {len(round_gains)} rounds)" if ci else ""
+    log(f"throughput {before:.1f} -> {after:.1f} tok/s ({kind}): {kind} gain {gain:+.1%}{interval}; predicted "
         + (f"{predicted_gain:+.1%} by the preview" if predicted_gain is not None else "(no prediction)")
         + (f", {result['predicted_gain_phase']:+.1%} over the warm-up" if result["predicted_gain_phase"] is not None
            else ""))
     log(f"least-used device's utilisation before {result['min_util_before']:.0%} (target < 60%); step-time model "
         f"error {(result['step_model_error_before'] or 0):.1%} on the naive placement, "
-        f"{(result['step_model_error_after'] or 0):.1%} on the planned one; same steps in every phase: "
-        f"{result['same_steps']}")
+        f"{(result['step_model_error_after'] or 0):.1%} on the planned one; the same batches in every phase: "
+        f"{result['same_batches']}")
     if result["telemetry_share"] is not None:
         log(f"per-rank telemetry gather: {result['telemetry_share']:.2%} of the measured step time")
     return result

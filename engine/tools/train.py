@@ -70,6 +70,83 @@ def mixtral_config(vocab_size: int, eos_id: int, aux_coef: float, dtype: str, **
     }
 
 
+# The second sample model: the seeds' class (DeepSeek-V3, Kimi-K2) scaled down. MLA with a q
+# LoRA, a dense first layer, then MoE layers of 32 routed experts (top-8, sigmoid scores in 4
+# groups of which 2 stay eligible, DeepSeek-V3's selection-only correction bias) and a shared
+# expert. Sized so that the routed experts are most of a decode step (their share of the matmul
+# FLOPs and of the measured step: bench/expert_share_bench.py) within 48 MB in bf16.
+DSV3_SAMPLE = {
+    "hidden_size": 256,
+    "num_hidden_layers": 4,
+    "first_k_dense_replace": 1,
+    "moe_layer_freq": 1,
+    "intermediate_size": 512,  # the dense first layer's MLP
+    "moe_intermediate_size": 256,  # per routed expert, and the shared expert's
+    "n_routed_experts": 32,
+    "num_experts_per_tok": 8,
+    "n_shared_experts": 1,
+    "n_group": 4,
+    "topk_group": 2,
+    "routed_scaling_factor": 2.5,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "q_lora_rank": 128,
+    "kv_lora_rank": 64,
+    "qk_nope_head_dim": 32,
+    "qk_rope_head_dim": 16,
+    "v_head_dim": 32,
+    "max_position_embeddings": 2048,
+    "rope_theta": 10000.0,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+}
+BIAS_UPDATE_SPEED = 1e-3  # DeepSeek-V3's gamma for most of its training
+
+
+def deepseek_v3_config(vocab_size: int, eos_id: int, aux_coef: float, dtype: str, **overrides) -> dict:
+    """A complete HF DeepseekV3ForCausalLM config.json, DSV3_SAMPLE sizes unless overridden."""
+    sizes = {**DSV3_SAMPLE, **overrides}
+    return {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "vocab_size": vocab_size,
+        **sizes,
+        "hidden_act": "silu",
+        "initializer_range": 0.02,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid",
+        "norm_topk_prob": True,
+        "aux_loss_alpha": aux_coef,
+        "seq_aux": True,
+        "rope_scaling": None,
+        "use_cache": True,
+        "bos_token_id": eos_id,
+        "eos_token_id": eos_id,
+        "pad_token_id": None,
+        "dtype": dtype,
+    }
+
+
+# the architectures `moectl model train --arch` builds: (config builder, default aux-loss weight)
+ARCHS = {"mixtral": (mixtral_config, 0.003), "deepseek_v3": (deepseek_v3_config, 1e-4)}
+
+
+def update_correction_bias(model: MoEForCausalLM, speed: float) -> None:
+    """DeepSeek-V3's auxiliary-loss-free balancing, after each optimizer step: every MoE layer's
+    selection-only bias rises by `speed` for the experts that took fewer than the mean number of
+    tokens in the step just trained on, and falls by it for those that took more."""
+    with torch.no_grad():
+        for layer in model.layers:
+            mlp = layer.mlp
+            counts = getattr(mlp, "last_counts", None)
+            if counts is None or getattr(mlp, "grouped_sigmoid", None) is None:
+                continue
+            load = counts.to(torch.float32)
+            mlp.e_score_correction_bias += speed * torch.sign(load.mean() - load)
+
+
 # -- tokenizer
 
 def train_tokenizer(vocab_size: int, max_corpus_chars: int | None = None):
@@ -290,6 +367,8 @@ def train_sample_model(
     threads: int | None = 2,
     save_dtype: str = "bfloat16",
     model_overrides: dict | None = None,
+    arch: str = "mixtral",
+    bias_update_speed: float = BIAS_UPDATE_SPEED,
     max_corpus_chars: int | None = None,
     eval_every: int = 0,
     log_every: int = 25,
@@ -323,7 +402,8 @@ def train_sample_model(
         f"val {len(val_ids):,} ({time.time() - started:.0f}s)")
 
     eos = tok.token_to_id(EOS_TOKEN)
-    raw = mixtral_config(tok.get_vocab_size(), eos, aux_coef, save_dtype, **(model_overrides or {}))
+    build_config = ARCHS[arch][0]
+    raw = build_config(tok.get_vocab_size(), eos, aux_coef, save_dtype, **(model_overrides or {}))
     cfg = ModelConfig.from_hf(raw, dtype="float32")  # train in fp32, save in save_dtype
     model = MoEForCausalLM(cfg)
     model.init_weights(std=init_std, seed=seed)
@@ -348,6 +428,8 @@ def train_sample_model(
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if cfg.router == "grouped_sigmoid":
+            update_correction_bias(model, bias_update_speed)
         step += 1
         recent_ce = (recent_ce + [ce.item()])[-50:]
         if step % log_every == 0 or schedule.finished(step):
@@ -425,6 +507,34 @@ def _val_history_note(stats: dict) -> str:
     return f" (during training: {points})" if points else ""
 
 
+def _architecture_line(c: dict) -> str:
+    if c["model_type"] == "deepseek_v3":
+        return (f"{c['num_hidden_layers']} layers ({c['first_k_dense_replace']} dense, then MoE), hidden "
+                f"{c['hidden_size']}; MLA attention: {c['num_attention_heads']} heads, q LoRA rank {c['q_lora_rank']}, "
+                f"KV LoRA rank {c['kv_lora_rank']}, qk head {c['qk_nope_head_dim']} + {c['qk_rope_head_dim']} rope, "
+                f"v head {c['v_head_dim']}; {c['n_routed_experts']} routed experts per MoE layer, top-"
+                f"{c['num_experts_per_tok']} by sigmoid score in {c['n_group']} groups (top-{c['topk_group']} groups "
+                f"eligible), weights normalised and scaled by {c['routed_scaling_factor']:g}, "
+                f"{c['n_shared_experts']} shared expert; expert FFN {c['moe_intermediate_size']}, dense FFN "
+                f"{c['intermediate_size']}; vocab {c['vocab_size']}, "
+                f"{'tied' if c['tie_word_embeddings'] else 'untied'} embeddings, RoPE theta {c['rope_theta']:g}")
+    return (f"{c['num_hidden_layers']} layers, hidden {c['hidden_size']}, {c['num_attention_heads']} heads "
+            f"({c['num_key_value_heads']} KV, head dim {c['head_dim']}), {c['num_local_experts']} experts per layer, "
+            f"top-{c['num_experts_per_tok']}, expert FFN {c['intermediate_size']}, vocab {c['vocab_size']}, "
+            f"{'tied' if c['tie_word_embeddings'] else 'untied'} embeddings, RoPE theta {c['rope_theta']:g}")
+
+
+def _balancing_note(c: dict, r: dict) -> str:
+    if c["model_type"] == "deepseek_v3":
+        return (f"Next-token cross-entropy plus `aux_coef` x DeepSeek-V3's complementary balance loss (over\n"
+                f"the batch, mean over layers); after every optimizer step each MoE layer's selection-only\n"
+                f"correction bias (`e_score_correction_bias`) moves by `bias_update_speed` ({r['bias_update_speed']:g})\n"
+                f"up for the experts that took fewer tokens than the mean in that step and down for those that\n"
+                f"took more: DeepSeek-V3's auxiliary-loss-free balancing")
+    return ("Next-token cross-entropy plus `aux_coef` x the Switch/Mixtral load-balancing loss (mean over\n"
+            "layers)")
+
+
 def model_card(stats: dict) -> str:
     r, c, p = stats["recipe"], stats["config"], stats["params"]
     env, routing = stats["environment"], stats["routing"]
@@ -432,20 +542,22 @@ def model_card(stats: dict) -> str:
         f"| {l['layer']} | {l['max_over_mean']:.2f} | {l['min_over_mean']:.2f} | {l['unused_experts']} "
         f"| {', '.join(map(str, l['hottest_experts']))} |" for l in routing["layers"])
     recipe_rows = "\n".join(f"| `{k}` | `{v}` |" for k, v in r.items())
-    arch = (f"{c['num_hidden_layers']} layers, hidden {c['hidden_size']}, {c['num_attention_heads']} heads "
-            f"({c['num_key_value_heads']} KV, head dim {c['head_dim']}), {c['num_local_experts']} experts per layer, "
-            f"top-{c['num_experts_per_tok']}, expert FFN {c['intermediate_size']}, vocab {c['vocab_size']}, "
-            f"{'tied' if c['tie_word_embeddings'] else 'untied'} embeddings, RoPE theta {c['rope_theta']:g}")
+    arch = _architecture_line(c)
     data = stats["corpus"]
-    return f"""# moectl sample model
+    deepseek = c["model_type"] == "deepseek_v3"
+    name, folder = ("sample-dsv3", "engine/sample_model_dsv3") if deepseek else ("sample", "engine/sample_model")
+    kind = ("DeepSeek-V3-architecture (`DeepseekV3ForCausalLM`), the seeds' class scaled down,"
+            if deepseek else "Mixtral-architecture (`MixtralForCausalLM`)")
+    arch_flag = " --arch deepseek_v3" if deepseek else ""
+    return f"""# moectl sample model `{name}`
 
-A tiny Mixtral-architecture (`MixtralForCausalLM`) mixture-of-experts model trained from
+A tiny {kind} mixture-of-experts model trained from
 scratch on the Python standard library's source, so moectl can demo and test its engine,
-profiler and console on any machine without a download. It writes Python-looking code; it is
-not useful for anything else.
+profiler and console on any machine without a download (`--model {name}`). It writes
+Python-looking code; it is not useful for anything else.
 
 Rebuild it with
-`moectl model train --out engine/sample_model --replace-sample-model --steps {stats['planned_steps']} --seed {r['seed']}`
+`moectl model train{arch_flag} --out {folder} --replace-sample-model --steps {stats['planned_steps']} --seed {r['seed']}`
 (the recipe is `engine/tools/train.py`; every other setting below that shapes the model is its default). Without a time
 budget a run is fixed by the seed for a given Python version (the corpus is this Python's
 stdlib) and torch build.{_rebuild_note(stats)}
@@ -472,8 +584,7 @@ Tokenizer: byte-level BPE trained on the train split (`tokenizers`), {c['vocab_s
 
 ## Training
 
-Next-token cross-entropy plus `aux_coef` x the Switch/Mixtral load-balancing loss (mean over
-layers), AdamW (betas 0.9/0.95, no decay on norms), linear warmup then cosine decay to
+{_balancing_note(c, r)}, AdamW (betas 0.9/0.95, no decay on norms), linear warmup then cosine decay to
 `min_lr_ratio` x lr, gradient clipping, fp32 on CPU, random windows drawn from a generator
 seeded with `seed`.
 

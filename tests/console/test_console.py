@@ -25,8 +25,12 @@ def live(ckpt, *options: str) -> EngineSource:
     """The console's source on an engine process of its own (`moectl engine-host`, what `moectl
     run` starts); closing it (the app's unmount) stops that engine."""
     engine = EngineProcess(["--model", str(ckpt), "--workload", WORKLOAD, "--threads", "1", *options])
-    engine.wait_ready(timeout_s=120)
-    source = EngineSource(engine.dir, owner=True)
+    try:
+        engine.wait_ready(timeout_s=120)
+        source = EngineSource(engine.dir, owner=True)
+    except BaseException:
+        engine.stop()
+        raise
     close = source.close
 
     def close_and_stop() -> None:

@@ -2,7 +2,7 @@
 `moectl run --backend distributed --nproc 2` starts it: the same panels and controls as on
 emulated devices, a live rebalance that migrates experts between the rank processes, the
 preview's predicted time beside the measured outcome, and a rank killed (or hung) mid-run, named
-on screen, then the engine restarted from the console."""
+on screen, with restart refused (ranks serve one engine) and the console still up."""
 
 from __future__ import annotations
 
@@ -44,6 +44,7 @@ def on_ranks(ckpt, body) -> None:
     source = live(ckpt, "--backend", "distributed", "--nproc", "2", "--redundant", "1")
     engine_pid = source.process.pid
     ranks = rank_processes(engine_pid)
+    assert len(ranks) == 1, ranks  # rank 1's process (rank 0 is the engine process itself)
 
     async def run(app, pilot):
         await until(pilot, lambda: app.state.steps_seen > 3, timeout=90)

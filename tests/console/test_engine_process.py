@@ -381,6 +381,8 @@ def test_requests_travel_over_the_protocol_beside_the_record_stream(ckpt, single
             request_id in r["batch"]["request_ids"] for r in seen), timeout_s=10)
         refused = sender.generate(prompt, max_tokens=12, temperature=-1).result(10)
         assert refused["finish_reason"] == "error" and refused["error"].startswith("refused: temperature")
+        # the outputs went to the sender only: a client that asked nothing got none
+        assert watcher.unclaimed_outputs == 0 and sender.unclaimed_outputs == 0
         long = sender.generate(prompt, max_tokens=200, ignore_eos=True)
         next(long.outputs(timeout_s=60))
         long.cancel()
@@ -419,8 +421,12 @@ def test_generate_engine_sends_prompts_to_a_running_engine(ckpt):
         assert ok.returncode == 0, ok.stderr
         row = json.loads(ok.stdout)
         assert len(row["token_ids"]) == 4 and row["finish_reason"] == "length"
-        bad = cli("--prompt-ids", "5,9,14", "--temperature", "-1")
+        bad = cli("--prompt-ids", "5,9,14", "--temperature", "-1")  # refused here, before anything is sent
         assert bad.returncode == 2 and bad.stderr.startswith("moectl: error: temperature")
+        # refused there: only the engine knows its context length
+        remote = cli("--prompt-ids", "5,9,14", "--max-tokens", "1000000")
+        assert remote.returncode == 2, remote.stderr
+        assert remote.stderr.startswith("moectl: error: refused: prompt:") and len(remote.stderr.splitlines()) == 1
         other = cli("--prompt-ids", "5", "--devices", "2")
         assert other.returncode == 2 and "--devices: configures an engine" in other.stderr
     finally:
