@@ -28,6 +28,7 @@ def test_wheel_installs_one_namespace_with_its_data(wheel):
     names = zipfile.ZipFile(wheel).namelist()
     assert {n.split("/")[0] for n in names} == {"moectl", wheel.name.split("-py3")[0] + ".dist-info"}
     for shipped in ("moectl/engine/sample_model/model.safetensors", "moectl/engine/sample_model/tokenizer.json",
+                    "moectl/engine/sample_model_dsv3/model.safetensors", "moectl/engine/sample_model_dsv3/config.json",
                     "moectl/engine/sample_model/config.json", "moectl/themes/moectl.tcss"):
         assert shipped in names
     entry = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
