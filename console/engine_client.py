@@ -213,11 +213,7 @@ class EngineSource(Source):
         future: Future = Future()
         act_id = next(self._ids)
         self._pending[act_id] = (kind, future)
-        try:
-            self._send(Act(id=act_id, kind=kind, args=args))
-        except (OSError, ProtocolError, TypeError) as exc:
-            self._pending.pop(act_id, None)
-            raise ActionRefused(f"{kind}: not sent ({exc})") from None
+        self._send_or_refuse(kind, Act(id=act_id, kind=kind, args=args), self._pending, act_id)
         return future
 
     def generate(self, prompt: str | list[int], **params) -> RequestHandle:
@@ -229,12 +225,16 @@ class EngineSource(Source):
             if self._lost is not None:
                 raise ActionRefused(f"generate: {self._lost}")
             self._requests[request] = handle
-        try:
-            self._send(Generate(id=request, prompt=prompt, params=params))
-        except (OSError, ProtocolError, TypeError) as exc:
-            self._requests.pop(request, None)
-            raise ActionRefused(f"generate: not sent ({exc})") from None
+        self._send_or_refuse("generate", Generate(id=request, prompt=prompt, params=params), self._requests, request)
         return handle
+
+    def _send_or_refuse(self, kind: str, message, waiting: dict, key: int) -> None:
+        """Send `message`; if it cannot go, forget what waits for its answer and refuse, in one line."""
+        try:
+            self._send(message)
+        except (OSError, ProtocolError, TypeError) as exc:
+            waiting.pop(key, None)
+            raise ActionRefused(f"{kind}: not sent ({exc})") from None
 
     def _send(self, message) -> None:
         with self._send_lock:

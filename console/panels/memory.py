@@ -71,8 +71,7 @@ class MemoryPanel(ShowsOnChange, VerticalScroll):
 
     @staticmethod
     def _categories(state) -> Text | str:
-        """A text grid (a Rich Table measured and laid out its cells on every step: 11 ms a frame
-        at 16 devices, bench/console_bench.py)."""
+        """A text grid: a Rich Table measured and laid out every cell on every step."""
         memory = state.memory()
         if not memory:
             return "[dim]no per-device accounting (start with --devices N)[/]"

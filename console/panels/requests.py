@@ -26,8 +26,7 @@ class RequestTable(LineCacheMixin, DataTable):
     def show_rows(self, rows) -> None:
         """Show `rows` (tuples in COLUMNS' order, the request id first). While the same requests
         stay in the same order, only the cells that changed are replaced (a running request's
-        token count each step); a rebuild re-measures every cell of every row, 8 ms a frame at
-        200 rows (bench/console_bench.py)."""
+        token count each step); a rebuild re-measures every cell of every row."""
         shown = getattr(self, "_shown", ())
         if [r[0] for r in rows] == [r[0] for r in shown]:
             for old, new in zip(shown, rows):
