@@ -7,7 +7,7 @@ fills). Panels only read this object; nothing here touches the engine.
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 
 import numpy as np
 
@@ -17,6 +17,7 @@ from moectl.profiler.analysis import utilisation as device_utilisation
 
 WINDOW_STEPS = LOAD_WINDOW_STEPS  # the moving window behind the heat map, loads, balancedness and throughput
 HISTORY_STEPS = 600  # curves over time
+OUTCOME_STEPS = 1024  # steps on either side of an apply that its outcome may compare
 KEEP_FINISHED = 200  # finished requests kept for the table
 KEEP_LATENCIES = 2000
 
@@ -66,7 +67,8 @@ class ConsoleState:
         self.tpot: deque[float] = deque(maxlen=KEEP_LATENCIES)
         self.actions: list[dict] = []
         self.placement = self.recorded_placement
-        self.last_apply: dict | None = None  # the last applied placement's prediction and the window before it
+        self.last_apply: dict | None = None  # the last applied placement's prediction and the step times around it
+        self.step_times: deque[tuple] = deque(maxlen=OUTCOME_STEPS)  # (batch shape, step_s, modeled)
         self.steps_seen = 0
         self._routing_cache = self._top_cache = (None, None)
         self.loads: LoadWindow | None = None  # the window's routing: the engine's window class, fed per record
@@ -97,12 +99,18 @@ class ConsoleState:
             self.preview = dict(result)
         if result.get("placement") is not None and "bytes_moved" in result:  # an applied placement
             # the measured outcome is compared with its prediction once steps arrive after it
-            self.last_apply = ({"time": action["time"], "predicted": result["predicted"], "before": list(self.window)}
-                               if result.get("predicted") else None)
+            self.last_apply = ({"time": action["time"], "predicted": result["predicted"],
+                                "before": list(self.step_times), "after": []} if result.get("predicted") else None)
 
     def _apply_step(self, record: dict) -> None:
         self.latest = record
         self.window.append(record)
+        timing = step_timing(record)
+        if timing is not None:
+            self.step_times.append(timing)
+            last = self.last_apply
+            if last is not None and record["t_start"] >= last["time"] and len(last["after"]) < OUTCOME_STEPS:
+                last["after"].append(timing)
         self._route(record)
         self.steps_seen += 1
         if record.get("knobs"):
@@ -182,21 +190,22 @@ class ConsoleState:
         return self._routing_cache[1]
 
     def apply_outcome(self, min_steps: int = 8) -> dict | None:
-        """The last apply's prediction beside what the steps on either side of it measured: tokens
-        per second of the devices' parallel step (modeled on emulated devices, measured on ranks)."""
+        """The last apply's prediction beside what the steps on either side of it ran: tokens per
+        second of the devices' parallel step (modeled on emulated devices, measured on ranks) over
+        the batch shapes both sides ran (`same_shape_throughput`), so a change of traffic across
+        the apply is not read as the placement's doing. Before `min_steps` steps match, only
+        how many have ("matched", with "outcome" None)."""
         last = self.last_apply
         if last is None:
             return None
-        after = [r for r in self.window if r["t_start"] >= last["time"]]
-        before = [r for r in last["before"] if r["t_start"] < last["time"]]
-        if len(after) < min_steps or not before:
-            return None
-        b, modeled = parallel_throughput(before)
-        a, _ = parallel_throughput(after)
-        if not b or not a:
-            return None
-        return {"before": b, "after": a, "gain": a / b - 1, "modeled": modeled, "steps_after": len(after),
-                "predicted": last["predicted"]}
+        matched = same_shape_throughput(last["before"], last["after"])
+        steps = matched["steps"] if matched else 0
+        base = {"predicted": last["predicted"], "steps_after": len(last["after"]), "matched": steps,
+                "min_steps": min_steps}
+        if matched is None or steps < min_steps:
+            return {**base, "outcome": None}
+        return {**base, "outcome": {**matched, "gain": matched["after"] / matched["before"] - 1,
+                                    "gain_experts_only": matched["after_experts_only"] / matched["before"] - 1}}
 
     def throughput(self) -> float:
         """Tokens (prefill + decode) per second over the window."""
@@ -320,10 +329,40 @@ class ConsoleState:
         return list(((self.latest or {}).get("devices") or {}).get("memory") or [])
 
 
-def parallel_throughput(records: list[dict]) -> tuple[float, bool]:
-    """(tokens / the devices' parallel step time summed, whether that time is modeled)."""
-    timed = [r for r in records if (r.get("devices") or {}).get("step_time")]
-    seconds = sum(r["devices"]["step_time"]["step_s"] for r in timed)
-    tokens = sum(r["batch"]["prefill_tokens"] + r["batch"]["decode_tokens"] for r in timed)
-    modeled = bool(timed and timed[0]["devices"]["step_time"].get("modeled"))
-    return (tokens / seconds if seconds > 0 else 0.0), modeled
+def step_timing(record: dict) -> tuple[tuple[int, int], float, bool, float] | None:
+    """(batch shape: prompt and decode tokens, the devices' parallel step seconds, whether they
+    are modeled, the busiest devices' expert seconds in it) of a step record; None without a
+    step time."""
+    step_time = (record.get("devices") or {}).get("step_time")
+    if not step_time or step_time["step_s"] <= 0:
+        return None
+    batch = record["batch"]
+    return ((batch["prefill_tokens"], batch["decode_tokens"]), float(step_time["step_s"]),
+            bool(step_time.get("modeled")), float(step_time.get("expert_critical_s", 0.0)))
+
+
+def same_shape_throughput(before: list[tuple], after: list[tuple]) -> dict | None:
+    """Tokens per second of the devices' parallel step on either side (`step_timing` tuples),
+    over the batch shapes both sides ran: each shared shape counts min(n_before, n_after) steps
+    at each side's mean step time for it, so both figures are over the same tokens. Also the
+    same with only the experts' critical path taken from after ("after_experts_only"): the rest
+    of the step held at its time before, so a drift of the machine's speed in attention or
+    scheduling across the apply is not counted. None when no shape is shared."""
+    def by_shape(timings):
+        shapes: dict[tuple[int, int], list[tuple[float, float]]] = {}
+        for shape, step_s, _, critical_s in timings:
+            shapes.setdefault(shape, []).append((step_s, critical_s))
+        return {shape: np.mean(values, axis=0) for shape, values in shapes.items()}
+
+    b, a = by_shape(before), by_shape(after)
+    counts_b, counts_a = Counter(t[0] for t in before), Counter(t[0] for t in after)
+    shared = [(shape, min(counts_b[shape], counts_a[shape])) for shape in b.keys() & a.keys() if sum(shape)]
+    if not shared:
+        return None
+    tokens = sum(sum(shape) * n for shape, n in shared)
+    seconds_before = sum(float(b[shape][0]) * n for shape, n in shared)
+    seconds_after = sum(float(a[shape][0]) * n for shape, n in shared)
+    critical_change = sum(float(a[shape][1] - b[shape][1]) * n for shape, n in shared)
+    return {"before": tokens / seconds_before, "after": tokens / seconds_after,
+            "after_experts_only": tokens / (seconds_before + critical_change), "modeled": before[0][2],
+            "steps": sum(n for _, n in shared), "shapes": len(shared)}

@@ -1,7 +1,8 @@
-"""sample_traces/distributed_rebalance.trace: recorded on 2 real rank processes (torch.distributed,
-gloo) with an operator rebalance mid-run. It opens with the trace reader, holds measured (not
-modeled) link and step times from both ranks and the migration the rebalance did, and replays in
-the console."""
+"""The sample traces recorded on 2 real rank processes (torch.distributed, gloo) with an operator
+rebalance mid-run: distributed_rebalance.trace (the sample model) and dsv3_ranks_rebalance.trace
+(sample-dsv3, the seeds' class). Each opens with the trace reader, holds measured (not modeled)
+link and step times from both ranks and the migration the rebalance did, and replays in the
+console."""
 
 from __future__ import annotations
 
@@ -15,20 +16,20 @@ from moectl.profiler.trace_store import TraceReader
 from tests.paths import TRACES
 from tests.pilot import run_app, text_of, until
 
-TRACE = TRACES / "distributed_rebalance.trace"
+MODEL_OF = {"distributed_rebalance.trace": "sample_model", "dsv3_ranks_rebalance.trace": "sample_model_dsv3"}
 
 
-@pytest.fixture(scope="module")
-def trace() -> tuple[dict, list[dict], list[dict]]:
-    with TraceReader(TRACE) as reader:
+@pytest.fixture(scope="module", params=sorted(MODEL_OF))
+def trace(request) -> tuple[dict, list[dict], list[dict], str]:
+    with TraceReader(TRACES / request.param) as reader:
         assert reader.complete and reader.dropped == 0
-        return reader.header, list(reader.steps()), list(reader.actions())
+        return reader.header, list(reader.steps()), list(reader.actions()), request.param
 
 
 def test_trace_is_small_complete_and_from_two_distributed_ranks(trace):
-    header, steps, _ = trace
-    assert TRACE.stat().st_size <= 5 << 20
-    assert header["model"]["name"] == "sample_model"
+    header, steps, _, name = trace
+    assert (TRACES / name).stat().st_size <= 5 << 20
+    assert header["model"]["name"] == MODEL_OF[name]
     devices = header["devices"]
     assert devices["backend"] == "distributed" and devices["topology"]["num_devices"] == 2
     assert devices["link_time"] == "measured" and devices["step_time"] == "measured"
@@ -44,7 +45,7 @@ def test_trace_is_small_complete_and_from_two_distributed_ranks(trace):
 
 
 def test_rebalance_migrated_experts_between_ranks_and_raised_balancedness(trace):
-    header, steps, actions = trace
+    header, steps, actions, _ = trace
     kinds = [a["kind"] for a in actions]
     assert "rebalance_preview" in kinds and "rebalance_apply" in kinds
     applied = next(a for a in actions if a["kind"] == "rebalance_apply")
@@ -62,9 +63,9 @@ def test_rebalance_migrated_experts_between_ranks_and_raised_balancedness(trace)
 
 
 def test_replay_in_the_console_shows_both_ranks_and_steps_through_the_rebalance(trace):
-    _, _, actions = trace
+    _, _, actions, name = trace
     at = next(a for a in actions if a["kind"] == "rebalance_apply")["step"]
-    source = ReplaySource(TRACE)
+    source = ReplaySource(TRACES / name)
 
     async def body(app, pilot):
         source.seek_step(at - 5)

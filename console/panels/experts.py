@@ -126,19 +126,27 @@ class ExpertsPanel(ShowsOnChange, VerticalScroll):
         self.put("#ex-placement", "\n".join(lines))
 
     def _show_outcome(self, state) -> None:
-        outcome = state.apply_outcome()
-        if outcome is None:
+        result = state.apply_outcome()
+        if result is None:
             self.put("#ex-apply-outcome", "")
             return
-        predicted = outcome["predicted"]
+        predicted, outcome = result["predicted"], result["outcome"]
+        if outcome is None:
+            self.put("#ex-apply-outcome",
+                     f"after the apply: predicted {predicted['gain']:+.1%}; the outcome waits for steps of the batch "
+                     f"shapes run before it ({result['matched']} of {result['min_steps']} matched in "
+                     f"{result['steps_after']} steps)")
+            return
         clock = "modeled" if outcome["modeled"] else "measured"
         # the prediction on the outcome's basis: its gain applied to the recorded "before" (its own
         # absolute figures come from the cost model, another basis, shown apart)
         expected = outcome["before"] * (1 + predicted["gain"])
         self.put(
             "#ex-apply-outcome",
-            f"after the apply ({outcome['steps_after']} steps): {outcome['before']:,.0f} -> {outcome['after']:,.0f} "
-            f"tok/s {clock} (prompt+output per parallel step; {outcome['gain']:+.1%}); predicted "
+            f"after the apply: {outcome['before']:,.0f} -> {outcome['after']:,.0f} tok/s {clock} "
+            f"({outcome['gain']:+.1%}; prompt+output per parallel step, on the {outcome['shapes']} batch shapes "
+            f"both sides ran, {outcome['steps']} steps each); the experts' critical path alone "
+            f"{outcome['gain_experts_only']:+.1%} (the rest of the step held at its time before); predicted "
             f"{predicted['gain']:+.1%}, {expected:,.0f} on this basis (the cost model's own: "
             f"{predicted['throughput_before']:,.0f} -> {predicted['throughput_after']:,.0f})")
 

@@ -44,7 +44,7 @@ Step record (format 1):
                    "tokens": [int] (expert rows each device computed),
                    "busy_s": [float] (measured),
                    "link_s": [float] (modeled from bytes on emulated devices; measured on ranks:
-                             the payload all_to_alls and the all_gather), "link_s_modeled": bool,
+                             the outputs' all_reduce), "link_s_modeled": bool,
                    "link_wait_s": [float] (distributed: measured time in the tiny collectives, i.e.
                                   waiting for the other ranks),
                    "step_time": {"step_s": the devices' parallel step, "modeled": bool (emulated:
@@ -56,7 +56,9 @@ Step record (format 1):
                                  "relative_error"} (calibrated from the measured busy times)},
                    "telemetry_s": float (distributed: rank 0's time in the per-step gather),
                    "process": [{"rss_bytes", "cuda"}] (distributed: each rank's, measured),
-                   "traffic_bytes": int64 [D, D] (dispatch bytes src x dst; combine is the transpose),
+                   "traffic_bytes": int64 [D, D] (emulated: the modeled all-to-all's dispatch bytes src x dst,
+                                    its combine the transpose; distributed: the expert output
+                                    bytes src computed that the combine delivers to dst),
                    "memory": [{category: bytes}] per device, HBM tier (categories: *_weights,
                              expert_weights | expert_cache, kv_blocks, activations, comm_buffers),
                    "memory_capacity": {"hbm": int, "kv_blocks": [int]},

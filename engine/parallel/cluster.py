@@ -129,14 +129,15 @@ class DistributedCluster(ClusterBase):
 
     def end_step(self, wall_s: float) -> dict:
         s, f = self.stats, self.stats.figures
-        traffic = (f["send_rows"] * self.bytes_per_row).astype(np.int64)  # src x dst, dispatch (combine: transpose)
-        link_s = f["dispatch_s"] + f["combine_s"]
+        # src x dst: the expert output rows src computed, which the combine delivers to dst
+        traffic = (f["send_rows"] * self.bytes_per_row).astype(np.int64)
+        link_s = f["combine_s"]
         record = {
             "backend": self.backend,
             "tokens": s.tokens.tolist(),
             "busy_s": s.busy_s.tolist(),  # measured on each rank
             "traffic_bytes": traffic,
-            "link_s": link_s.tolist(),  # measured: the payload all_to_alls and the all_gather, per rank
+            "link_s": link_s.tolist(),  # measured: the outputs' all_reduce, per rank
             "link_wait_s": f["wait_s"].tolist(),  # measured: time in the tiny collectives (waiting for peers)
             "link_s_modeled": False,
             "step_time": self._time_step(wall_s, float(link_s.max()), len(s.token_device), measured_parallel=True),

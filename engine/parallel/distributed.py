@@ -6,7 +6,8 @@ gloo on CPU, NCCL on GPU) or by torchrun (`torchrun --nproc-per-node N -m moectl
 
 Layout over W ranks: attention is tensor parallel within groups of `tp` consecutive ranks
 (tp divides W; when tp < W the W / tp groups compute the same attention), experts are spread
-over all W ranks (expert parallel, all_to_all dispatch and combine); see engine/parallel.py.
+over all W ranks (expert parallel: each rank runs its experts on the tokens routed to them and
+one all_reduce combines the outputs); see rank_experts.py.
 
 Rank 0 runs the real LLMEngine (scheduler, block manager, sampler, telemetry). Its ModelRunner
 prepares each step's tensors as usual; just before the forward they are broadcast to every

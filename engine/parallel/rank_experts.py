@@ -2,16 +2,20 @@
 
 Each rank holds `slots_per_device` expert slots per MoE layer: the experts that placement row
 gives it (a contiguous split is just one placement). Every rank computes the same hidden states
-between layers, so in `dispatch` rank r takes token shard r, picks a replica for each (token,
-choice) with the placement's routing policy, sends the rows to the ranks owning those slots
-with all_to_all, runs its own slots on what it receives, sends the results back and combines
-them exactly as `moe.combine` does; an all_gather gives every rank the whole layer output.
+between layers (attention is tensor parallel or replicated), so no token has to travel to an
+expert: in `dispatch` every rank picks the same replica for each (token, choice) with the
+placement's routing policy, runs its own slots on the rows they own, and one all_reduce of
+every (token, choice) output (each row filled by exactly one rank, zero elsewhere) gives every
+rank all of them; the weighted sum then runs as `moe.combine` does, so the tokens are the ones
+one process computes, bit for bit. This is the exchange for this layout (vLLM's expert
+parallelism without data-parallel attention does the same); the all_to_all dispatch and combine
+of the seeds' clusters pay off when each rank holds other tokens (data-parallel attention),
+which the emulated backend models.
 
-Every collective is timed on this rank (`RankStepStats`): the expert compute (busy), the tiny
-count exchange and a one-value all_reduce before the results go back (the time spent *waiting*
-for slower ranks: a collective moving a few bytes is all wait), and the payload all_to_alls and
-the all_gather (the *transfer*). At the end of a step the figures travel to rank 0 in one
-fixed-size tensor (`pack` / `unpack`).
+Every collective is timed on this rank (`RankStepStats`): the expert compute (busy), a
+one-value all_reduce before the outputs are summed (the time spent *waiting* for slower ranks:
+a collective moving four bytes is all wait), and the outputs' all_reduce (the *transfer*). At
+the end of a step the figures travel to rank 0 in one fixed-size tensor (`pack` / `unpack`).
 
 `migrate` changes the placement between steps with real transfers: every rank derives the same
 plan from the old and new placements (which rank sends which expert to which) and, layer by
@@ -32,11 +36,11 @@ from torch import nn
 
 from moectl.engine.experts.placement import Placement, migration_in
 from moectl.engine.experts.replica_routing import RoutingState, assign_replicas
-from moectl.engine.models.moe import SWIGLU, ExpertFFN, MoEBlock, combine, grouped_offsets, grouped_swiglu
+from moectl.engine.models.moe import SWIGLU, ExpertFFN, MoEBlock, grouped_offsets, grouped_swiglu
 from moectl.engine.models.tracing import NULL_TRACER
 
 MEMORY_SAMPLE_S = 0.5  # RSS is read at most this often (psutil costs tens of microseconds)
-_SCALARS = ("wait_s", "dispatch_s", "combine_s", "rss_bytes", "cuda_allocated", "cuda_reserved",
+_SCALARS = ("wait_s", "combine_s", "rss_bytes", "cuda_allocated", "cuda_reserved",
             "cuda_max_allocated")
 
 
@@ -61,8 +65,8 @@ class RankStepStats:
         self.busy = np.zeros(L)
         self.rows = np.zeros(L)
         self.active = np.zeros(L)
-        self.send_rows = np.zeros(self.world)  # dispatch rows this rank sent to each rank
-        self.wait_s = self.dispatch_s = self.combine_s = 0.0
+        self.send_rows = np.zeros(self.world)  # expert output rows this rank contributed to each other rank
+        self.wait_s = self.combine_s = 0.0
 
     @staticmethod
     def size(num_layers: int, world: int) -> int:
@@ -78,7 +82,7 @@ class RankStepStats:
         return self._memory
 
     def pack(self) -> torch.Tensor:
-        scalars = [self.wait_s, self.dispatch_s, self.combine_s, *self._sample_memory()]
+        scalars = [self.wait_s, self.combine_s, *self._sample_memory()]
         return torch.from_numpy(np.concatenate([self.busy, self.rows, self.active, self.send_rows,
                                                 np.asarray(scalars, dtype=np.float64)]))
 
@@ -142,63 +146,51 @@ class RankExperts(nn.Module):
     def dispatch(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, counts_t: torch.Tensor):
         n, hidden = x.shape
         W, S, rank, group, stats = self.world, self.slots, self.rank, self.group, self.stats
-        tb = _split_bounds(n, W)
-        a, b = tb[rank], tb[rank + 1]
-        xs, ws, ids_s = x[a:b], weights[a:b], ids[a:b]
         top_k = ids.shape[1]
-        # (1) a replica for every (token, choice) of this shard; rows sorted by global slot are
-        #     contiguous per destination rank
-        ids_cpu = ids_s.cpu()
-        home = torch.full((b - a,), rank, dtype=torch.int64)
-        dest = assign_replicas(self.placement, self.layer_idx, ids_cpu, home, self.policy, self.routing_state,
-                                              check=False)
-        slots = self.slot_of[ids_cpu, dest].flatten().to(x.device)
-        order = torch.argsort(slots, stable=True)
-        send = xs.index_select(0, order // top_k)
-        counts = torch.bincount(slots, minlength=W * S)
-        # (2) per-slot counts to each slot's rank: a few bytes, so its time is waiting for the others
-        recv_counts = torch.empty_like(counts)
-        device_lane, link_lane = 1 + rank, 1 + W + rank
-        _, wait = self._timed(lambda: dist.all_to_all_single(recv_counts, counts, group=group), "wait for ranks",
-                              link_lane)
-        send_rows = counts.view(W, S).sum(1).tolist()
-        recv_counts = recv_counts.view(W, S)
-        recv_rows = recv_counts.sum(1).tolist()
-        recv = send.new_empty((sum(recv_rows), hidden))
-        _, transfer = self._timed(lambda: dist.all_to_all_single(recv, send, recv_rows, send_rows, group=group),
-                                  "all_to_all dispatch", link_lane)
-        # (3) this rank's slots on the rows it received, grouped by slot
-        local_ids = torch.repeat_interleave(torch.arange(S, device=x.device).repeat(W), recv_counts.flatten())
-        local_order = torch.argsort(local_ids, stable=True)
-        local_counts = recv_counts.sum(0)
+        # (1) a replica for every (token, choice), the same on every rank: each rank routes the
+        #     whole batch (it holds every token), so no rank needs to be told the choice
+        ids_cpu = ids.cpu()
+        dest = assign_replicas(self.placement, self.layer_idx, ids_cpu, self._home(n), self.policy,
+                               self.routing_state, check=False).flatten()
+        slots = self.slot_of[ids_cpu.flatten(), dest]
+        rows_per_rank = torch.bincount(dest, minlength=W)
+        # (2) this rank's slots on its (token, choice) rows, grouped by slot
+        mine = torch.nonzero(dest == rank).squeeze(1)
+        local_slot = slots[mine] - rank * S
+        by_slot = torch.argsort(local_slot, stable=True)
+        positions = mine[by_slot].to(x.device)
+        local_counts = torch.bincount(local_slot, minlength=S)
         counts_list = local_counts.tolist()
-        offsets = grouped_offsets(local_counts, local_order.numel(), self.w13, self.w2, self.ffn)
-        out_sorted, busy = self._timed(lambda: grouped_swiglu(recv.index_select(0, local_order), counts_list,
+        offsets = grouped_offsets(local_counts.to(x.device), positions.numel(), self.w13, self.w2, self.ffn)
+        device_lane, link_lane = 1 + rank, 1 + W + rank
+        out_sorted, busy = self._timed(lambda: grouped_swiglu(x.index_select(0, positions // top_k), counts_list,
                                                               self.w13, self.w2, offsets, self.ffn),
                                        "experts", device_lane)
-        out_recv = torch.empty_like(out_sorted).index_copy_(0, local_order, out_sorted)
-        # (4) wait for the slowest rank's experts (a one-value all_reduce), then send results back
+        # (3) every (token, choice) output in one buffer, this rank's rows filled and the rest
+        #     zero; summed over the ranks, each row is its one rank's output exactly (x + 0 = x)
+        outputs = x.new_zeros((n * top_k, hidden)).index_copy_(0, positions, out_sorted)
+        # (4) wait for the slowest rank's experts (a one-value all_reduce: its time is all wait),
+        #     then the sum, which every rank receives whole
         flag = torch.zeros(1, device=x.device)
-        _, wait_back = self._timed(lambda: dist.all_reduce(flag, group=group), "wait for ranks", link_lane)
-        back = send.new_empty((sum(send_rows), hidden))
-        _, back_s = self._timed(lambda: dist.all_to_all_single(back, out_recv, send_rows, recv_rows, group=group),
-                                "all_to_all combine", link_lane)
-        # (5) the weighted sum in moe.combine's order; (6) every rank gets every shard (padded)
-        width = max(tb[i + 1] - tb[i] for i in range(W))
-        padded = x.new_zeros((width, hidden))
-        if b > a:
-            padded[:b - a] = combine(back, order, ws, x.dtype)
-        parts = [torch.empty_like(padded) for _ in range(W)]
-        _, gather_s = self._timed(lambda: dist.all_gather(parts, padded, group=group), "all_gather", link_lane)
+        _, wait = self._timed(lambda: dist.all_reduce(flag, group=group), "wait for ranks", link_lane)
+        _, transfer = self._timed(lambda: dist.all_reduce(outputs, group=group), "all_reduce combine", link_lane)
+        # (5) the weighted sum in moe.combine's order: the same bits as one process
         layer = self.layer_idx
         stats.busy[layer] += busy
-        stats.rows[layer] += sum(counts_list)
+        stats.rows[layer] += positions.numel()
         stats.active[layer] += sum(1 for c in counts_list if c)
-        stats.send_rows += np.asarray(send_rows, dtype=np.float64)
-        stats.wait_s += wait + wait_back
-        stats.dispatch_s += transfer
-        stats.combine_s += back_s + gather_s
-        return torch.cat([p[:tb[i + 1] - tb[i]] for i, p in enumerate(parts)])
+        sent = np.full(W, float(rows_per_rank[rank]))
+        sent[rank] = 0.0
+        stats.send_rows += sent
+        stats.wait_s += wait
+        stats.combine_s += transfer
+        return (outputs.view(n, top_k, hidden) * weights.unsqueeze(-1)).sum(1).to(x.dtype)
+
+    def _home(self, n: int) -> torch.Tensor:
+        """Each token's home rank, which the locality policy prefers: the batch in W contiguous
+        shards (the workers know tokens, not the sequences that the emulated backend homes)."""
+        bounds = _split_bounds(n, self.world)
+        return torch.repeat_interleave(torch.arange(self.world), torch.tensor(np.diff(bounds)))
 
     # -- moving experts between ranks
     @property

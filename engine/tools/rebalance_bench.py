@@ -14,6 +14,9 @@ planned phase, the order alternating (A B, B A, ...), so a drift of the machine'
 both sides; each round's gain is its planned over its naive throughput, and `gain_ci95` is the
 95% interval of their mean (Student's t over the rounds).
 
+One unmeasured pass of those requests runs before everything, so neither the plan nor round 1
+measures the machine settling.
+
 * distributed: the ranks really run at once; a phase's throughput is tokens (prefill + decode)
   over its measured wall time: `gain_is` "measured", and the gain is also `measured_gain`.
 * local (emulated devices): the devices run one after another, so wall time cannot change with
@@ -55,7 +58,7 @@ def domain_prompts(count: int, seed: int = 0) -> list[str]:
     return out
 
 
-def _phase(engine, requests: list[tuple[str, SamplingParams]], concurrency: int) -> dict:
+def measure_phase(engine, requests: list[tuple[str, SamplingParams]], concurrency: int) -> dict:
     """The requests, closed loop with `concurrency` in flight, to the end."""
     first_step = engine.step_count
     pending = list(requests)
@@ -129,7 +132,11 @@ def _run(engine, backend, devices, num_requests, rounds, concurrency, log) -> di
     naive = engine.experts.placement
     log(f"rebalance bench: {backend}, {devices} devices, {num_requests} requests ({concurrency} in flight) per "
         f"phase; the plan from warm-up requests, the phases on others from the same workload")
-    warmup = _phase(engine, warm, concurrency)  # calibrates the cost model on the naive placement
+    # one unmeasured pass of the measured requests first: on the ranks the first two passes ran
+    # 20-30% slower than every later one (allocators and caches settling), which would fall on
+    # the plan's window and on round 1's first phase alone
+    measure_phase(engine, work, concurrency)
+    warmup = measure_phase(engine, warm, concurrency)  # calibrates the cost model on the naive placement
     plan = engine.experts.preview()
     predicted = plan.prediction or {}
     phase_prediction = predict_from_records(warmup["records"], naive, plan.placement) or {}
@@ -140,7 +147,7 @@ def _run(engine, backend, devices, num_requests, rounds, concurrency, log) -> di
         for name, placement in order if r % 2 == 0 else order[::-1]:
             if engine.experts.placement != placement:
                 migrations.append(_apply(engine, placement))
-            s = _phase(engine, work, concurrency)
+            s = measure_phase(engine, work, concurrency)
             phases[name].append(s)
             log(f"  round {r + 1} {name:6s}: {s['steps']} steps, {s['throughput_measured']:7.1f} tok/s measured, "
                 f"{s['throughput_parallel']:7.1f} tok/s {'modeled parallel' if s['step_time_modeled'] else 'measured'}, "

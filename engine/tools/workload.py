@@ -213,12 +213,14 @@ class WorkloadSpec:
 
     @classmethod
     def from_option(cls, text: str) -> WorkloadSpec:
-        """The CLI's --workload: a JSONL path, or 'key=value,...' with keys requests, rate, duration,
-        prompt, output, seed, source (e.g. 'rate=4,prompt=32-512,output=16-256,requests=64')."""
+        """The CLI's --workload: a JSONL path (all its requests at once), or 'key=value,...' with keys
+        requests, rate, duration, prompt, output, seed, source, temperature and file (a JSONL path
+        whose prompts arrive at `rate`), e.g. 'rate=4,prompt=32-512,output=16-256,requests=64'."""
         if text.endswith(".jsonl") or Path(text).is_file():
             return cls(num_requests=None, source="jsonl", jsonl_path=text)
         keys = {"requests": "num_requests", "rate": "rate", "duration": "duration_s", "prompt": "prompt_len",
-                "output": "output_len", "seed": "seed", "source": "source", "temperature": "temperature"}
+                "output": "output_len", "seed": "seed", "source": "source", "temperature": "temperature",
+                "file": "jsonl_path"}
         kw: dict[str, Any] = {}
         for part in filter(None, (p.strip() for p in text.split(","))):
             key, sep, value = part.partition("=")
@@ -234,6 +236,10 @@ class WorkloadSpec:
                     kw[name] = value
             except ValueError:
                 raise ValueError(f"--workload: {key}={value!r} is not a number") from None
+        if "jsonl_path" in kw:
+            kw.setdefault("source", "jsonl")
+            if "num_requests" not in kw and "duration_s" not in kw:
+                kw["num_requests"] = None  # every line of the file once
         return cls(**kw)
 
     @property

@@ -74,7 +74,7 @@ def test_console_on_ranks_rebalances_and_shows_predicted_and_measured(ckpt):
         assert app.state.placement != before
         migration = [a for a in app.state.actions if a["kind"] == "rebalance_apply"][-1]["result"]["migration"]
         assert migration["measured"] and len(migration["per_rank"]) == 2
-        await until(pilot, lambda: app.state.apply_outcome() is not None, timeout=60)
+        await until(pilot, lambda: (app.state.apply_outcome() or {}).get("outcome") is not None, timeout=60)
         outcome = text_of(app, "#ex-apply-outcome")
         assert "tok/s measured" in outcome and "predicted" in outcome
         assert "prompt+output per parallel step" in outcome and "on this basis" in outcome  # one basis for both

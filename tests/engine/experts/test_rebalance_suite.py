@@ -41,3 +41,23 @@ def test_interval95_and_batch_shapes():
     assert lo < 0.13 < hi and hi - lo == pytest.approx(2 * 3.182 * np.std([0.10, 0.12, 0.14, 0.16], ddof=1) / 2)
     records = [{"batch": {"prefill_tokens": 5, "decode_tokens": 2, "num_seqs": 3}}]
     assert batch_shapes(records) == [(5, 2, 3)]
+
+
+def test_step_breakdown_estimates_what_even_expert_time_saves():
+    from bench.step_breakdown import breakdown
+    from tests.records import make_spans
+
+    def record(busy, critical, step_s):
+        spans = make_spans([("engine", "attention", 0.0, 0.004, False, 0),
+                            ("device 0", "experts", 0.004, busy[0], False, 1)])
+        step_time = {"step_s": step_s, "modeled": False, "expert_critical_s": critical}
+        return {"spans": spans, "t_start": 0.0, "t_end": step_s, "devices": {"busy_s": busy, "step_time": step_time}}
+
+    # two steps of 10 ms: the busiest rank's experts 3 and 4 ms, the mean rank's 2 and 3 ms
+    out = breakdown([record([0.003, 0.001], 0.003, 0.010), record([0.004, 0.002], 0.004, 0.010)])
+    assert out["balance_saves_share"] == pytest.approx(0.1)  # (1 + 1) ms of 20 ms
+    assert out["gain_estimate"] == pytest.approx(0.1 / 0.9)
+    assert out["expert_critical_share"] == pytest.approx(0.35)
+    assert out["utilisation"] == pytest.approx([0.35, 0.15])
+    assert out["spans"]["engine: attention"] == pytest.approx(0.008)
+    assert list(out["spans"])[0] == "engine: attention"  # largest first

@@ -274,3 +274,14 @@ def test_run_workload_reports_in_the_order_given(engine):
     assert [r["prompt_tokens"] for r in res.requests] == [4, 2]
     assert [r["output_tokens"] for r in res.requests] == [3, 1]
     assert [r["arrival_s"] for r in res.requests] == [0.05, 0.0]
+
+
+def test_workload_option_takes_a_file_at_a_rate(tmp_path):
+    path = _write(tmp_path, [json.dumps({"prompt_ids": [5, 6, 7]}), json.dumps({"prompt_ids": [8]})])
+    spec = WorkloadSpec.from_option(f"file={path},rate=4,seed=2")
+    assert (spec.source, spec.rate, spec.seed, spec.num_requests) == ("jsonl", 4.0, 2, None)
+    items = make_workload(spec, vocab_size=VOCAB)
+    assert [it.prompt_ids for it in items] == [[5, 6, 7], [8]] and items[-1].arrival_s > 0  # every line, spread
+    assert len(make_workload(WorkloadSpec.from_option(f"file={path},requests=5,rate=4"), vocab_size=VOCAB)) == 5
+    with pytest.raises(ValueError, match="^jsonl_path: .* does not exist"):
+        make_workload(WorkloadSpec.from_option(f"file={tmp_path / 'nope.jsonl'},rate=4"), vocab_size=VOCAB)
