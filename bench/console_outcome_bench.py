@@ -67,13 +67,17 @@ async def one_round(model: str, workload: str | None, steps_before: int, steps_a
     if outcome is None:
         return {"predicted_gain": predicted["gain"], "shown_gain": None, "error": None}
     def error(shown):
-        return abs(predicted["gain"] - shown) / abs(shown) if shown else None
+        return abs(predicted["gain"] - shown) / abs(shown) if shown else None  # None: no figure, or 0
 
     return {"predicted_gain": predicted["gain"], "shown_gain": outcome["gain"],
             "shown_gain_experts_only": outcome["gain_experts_only"],
             "shown_is": "modeled" if outcome["modeled"] else "measured", "matched_steps": outcome["steps"],
             "shapes": outcome["shapes"], "throughput_before": outcome["before"], "throughput_after": outcome["after"],
             "error": error(outcome["gain"]), "error_experts_only": error(outcome["gain_experts_only"])}
+
+
+def _pct(value: float | None, spec: str = ".0%") -> str:
+    return "n/a" if value is None else format(value, spec)
 
 
 def main() -> None:
@@ -92,8 +96,8 @@ def main() -> None:
         if not args.json:
             shown = "no shared batch shapes" if result["shown_gain"] is None else (
                 f"shown {result['shown_gain']:+.1%} {result['shown_is']} ({result['matched_steps']} steps of "
-                f"{result['shapes']} shapes each side; error {result['error']:.0%}), the experts' critical path "
-                f"alone {result['shown_gain_experts_only']:+.1%} (error {result['error_experts_only']:.0%})")
+                f"{result['shapes']} shapes each side; error {_pct(result['error'])}), the experts' critical path "
+                f"alone {_pct(result['shown_gain_experts_only'], '+.1%')} (error {_pct(result['error_experts_only'])})")
             print(f"round {r + 1}: predicted {result['predicted_gain']:+.1%}, {shown}", flush=True)
     summary = {"model": args.model, "workload": args.workload, "rounds": rounds}
     for key in ("error", "error_experts_only"):
@@ -102,9 +106,9 @@ def main() -> None:
         summary[f"{key}_within_20pct"] = sum(e <= 0.2 for e in errors)
     if args.json:
         print(json.dumps(summary, indent=1))
-    elif summary["median_error"] is not None:
-        print(f"median error {summary['median_error']:.0%} against the whole step (within 20% in "
-              f"{summary['error_within_20pct']} of {len(rounds)} rounds), {summary['median_error_experts_only']:.0%} "
+    else:
+        print(f"median error {_pct(summary['median_error'])} against the whole step (within 20% in "
+              f"{summary['error_within_20pct']} of {len(rounds)} rounds), {_pct(summary['median_error_experts_only'])} "
               f"against the experts' critical path ({summary['error_experts_only_within_20pct']})")
 
 

@@ -73,13 +73,14 @@ def main() -> None:
                           redundant_slots=0, enable_prefix_caching=False,
                           knobs=SchedulerKnobs(max_num_seqs=args.concurrency, max_num_batched_tokens=1024))
     engines = Engines(config, args.backend)
-    engine = engines.make_engine()
     try:
-        requests = workload(args.requests, 1)
-        measure_phase(engine, requests, args.concurrency)  # the suite's settling pass
-        phase = measure_phase(engine, requests, args.concurrency)
+        engine = engines.make_engine()
+        try:
+            measure_phase(engine, workload(args.requests, 2), args.concurrency)  # the suite's settling pass
+            phase = measure_phase(engine, workload(args.requests, 1), args.concurrency)
+        finally:
+            engine.fail_all("abort")
     finally:
-        engine.fail_all("abort")
         engines.close()
     result = {"model": args.model, "backend": args.backend, "devices": devices,
               "throughput": phase["throughput_measured"], **breakdown(phase["records"])}

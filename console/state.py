@@ -68,7 +68,10 @@ class ConsoleState:
         self.actions: list[dict] = []
         self.placement = self.recorded_placement
         self.last_apply: dict | None = None  # the last applied placement's prediction and the step times around it
-        self.step_times: deque[tuple] = deque(maxlen=OUTCOME_STEPS)  # (batch shape, step_s, modeled)
+        # step_timing() of the recent steps, for the next apply's outcome
+        self.step_times: deque[tuple] = deque(maxlen=OUTCOME_STEPS)
+        self._placed_at = float("-inf")  # when the placement in force was applied
+        self._outcome_cache: tuple = (None, None)
         self.steps_seen = 0
         self._routing_cache = self._top_cache = (None, None)
         self.loads: LoadWindow | None = None  # the window's routing: the engine's window class, fed per record
@@ -99,8 +102,14 @@ class ConsoleState:
             self.preview = dict(result)
         if result.get("placement") is not None and "bytes_moved" in result:  # an applied placement
             # the measured outcome is compared with its prediction once steps arrive after it
-            self.last_apply = ({"time": action["time"], "predicted": result["predicted"],
-                                "before": list(self.step_times), "after": []} if result.get("predicted") else None)
+            # "before": the steps under the placement this apply replaced, started before it (a
+            # step that started after the apply but arrived first belongs to "after")
+            at = action["time"]
+            before = [t for t in self.step_times if self._placed_at <= t[4] < at]
+            after = [t for t in self.step_times if t[4] >= at]
+            self.last_apply = ({"time": at, "predicted": result["predicted"], "before": before, "after": after}
+                               if result.get("predicted") else None)
+            self._placed_at = at
 
     def _apply_step(self, record: dict) -> None:
         self.latest = record
@@ -194,18 +203,25 @@ class ConsoleState:
         second of the devices' parallel step (modeled on emulated devices, measured on ranks) over
         the batch shapes both sides ran (`same_shape_throughput`), so a change of traffic across
         the apply is not read as the placement's doing. Before `min_steps` steps match, only
-        how many have ("matched", with "outcome" None)."""
+        how many have ("matched", with "outcome" None). None without an apply, or when no step
+        before it is in view (a replay seeked past it)."""
         last = self.last_apply
-        if last is None:
+        if last is None or not last["before"]:
             return None
+        key = (id(last), len(last["after"]), min_steps)
+        if self._outcome_cache[0] == key:
+            return self._outcome_cache[1]
         matched = same_shape_throughput(last["before"], last["after"])
         steps = matched["steps"] if matched else 0
-        base = {"predicted": last["predicted"], "steps_after": len(last["after"]), "matched": steps,
-                "min_steps": min_steps}
-        if matched is None or steps < min_steps:
-            return {**base, "outcome": None}
-        return {**base, "outcome": {**matched, "gain": matched["after"] / matched["before"] - 1,
-                                    "gain_experts_only": matched["after_experts_only"] / matched["before"] - 1}}
+        result = {"predicted": last["predicted"], "steps_after": len(last["after"]), "matched": steps,
+                  "min_steps": min_steps, "outcome": None}
+        if matched is not None and steps >= min_steps:
+            experts_only = matched["after_experts_only"]
+            result["outcome"] = {**matched, "gain": matched["after"] / matched["before"] - 1,
+                                 "gain_experts_only": None if experts_only is None
+                                 else experts_only / matched["before"] - 1}
+        self._outcome_cache = (key, result)
+        return result
 
     def throughput(self) -> float:
         """Tokens (prefill + decode) per second over the window."""
@@ -329,16 +345,17 @@ class ConsoleState:
         return list(((self.latest or {}).get("devices") or {}).get("memory") or [])
 
 
-def step_timing(record: dict) -> tuple[tuple[int, int], float, bool, float] | None:
+def step_timing(record: dict) -> tuple | None:
     """(batch shape: prompt and decode tokens, the devices' parallel step seconds, whether they
-    are modeled, the busiest devices' expert seconds in it) of a step record; None without a
-    step time."""
+    are modeled, the busiest devices' expert seconds in it (None in records without it), the
+    step's start) of a step record; None without a step time."""
     step_time = (record.get("devices") or {}).get("step_time")
     if not step_time or step_time["step_s"] <= 0:
         return None
     batch = record["batch"]
+    critical = step_time.get("expert_critical_s")
     return ((batch["prefill_tokens"], batch["decode_tokens"]), float(step_time["step_s"]),
-            bool(step_time.get("modeled")), float(step_time.get("expert_critical_s", 0.0)))
+            bool(step_time.get("modeled")), None if critical is None else float(critical), record["t_start"])
 
 
 def same_shape_throughput(before: list[tuple], after: list[tuple]) -> dict | None:
@@ -347,11 +364,12 @@ def same_shape_throughput(before: list[tuple], after: list[tuple]) -> dict | Non
     at each side's mean step time for it, so both figures are over the same tokens. Also the
     same with only the experts' critical path taken from after ("after_experts_only"): the rest
     of the step held at its time before, so a drift of the machine's speed in attention or
-    scheduling across the apply is not counted. None when no shape is shared."""
+    scheduling across the apply is not counted (None when the records lack the critical path).
+    None when no shape is shared."""
     def by_shape(timings):
         shapes: dict[tuple[int, int], list[tuple[float, float]]] = {}
-        for shape, step_s, _, critical_s in timings:
-            shapes.setdefault(shape, []).append((step_s, critical_s))
+        for shape, step_s, _, critical_s, _ in timings:
+            shapes.setdefault(shape, []).append((step_s, critical_s or 0.0))
         return {shape: np.mean(values, axis=0) for shape, values in shapes.items()}
 
     b, a = by_shape(before), by_shape(after)
@@ -363,6 +381,8 @@ def same_shape_throughput(before: list[tuple], after: list[tuple]) -> dict | Non
     seconds_before = sum(float(b[shape][0]) * n for shape, n in shared)
     seconds_after = sum(float(a[shape][0]) * n for shape, n in shared)
     critical_change = sum(float(a[shape][1] - b[shape][1]) * n for shape, n in shared)
+    has_critical = all(t[3] is not None for t in (*before, *after))
     return {"before": tokens / seconds_before, "after": tokens / seconds_after,
-            "after_experts_only": tokens / (seconds_before + critical_change), "modeled": before[0][2],
+            "after_experts_only": tokens / (seconds_before + critical_change) if has_critical else None,
+            "modeled": before[0][2],
             "steps": sum(n for _, n in shared), "shapes": len(shared)}

@@ -138,15 +138,18 @@ class ExpertsPanel(ShowsOnChange, VerticalScroll):
                      f"{result['steps_after']} steps)")
             return
         clock = "modeled" if outcome["modeled"] else "measured"
+        shapes = "1 batch shape" if outcome["shapes"] == 1 else f"{outcome['shapes']} batch shapes"
+        experts_only = ("" if outcome["gain_experts_only"] is None else
+                        f"; the experts' critical path alone {outcome['gain_experts_only']:+.1%} (the rest of the "
+                        f"step held at its time before)")
         # the prediction on the outcome's basis: its gain applied to the recorded "before" (its own
         # absolute figures come from the cost model, another basis, shown apart)
         expected = outcome["before"] * (1 + predicted["gain"])
         self.put(
             "#ex-apply-outcome",
             f"after the apply: {outcome['before']:,.0f} -> {outcome['after']:,.0f} tok/s {clock} "
-            f"({outcome['gain']:+.1%}; prompt+output per parallel step, on the {outcome['shapes']} batch shapes "
-            f"both sides ran, {outcome['steps']} steps each); the experts' critical path alone "
-            f"{outcome['gain_experts_only']:+.1%} (the rest of the step held at its time before); predicted "
+            f"({outcome['gain']:+.1%}; prompt+output per parallel step, on the {shapes} both sides ran, "
+            f"{outcome['steps']} steps each){experts_only}; predicted "
             f"{predicted['gain']:+.1%}, {expected:,.0f} on this basis (the cost model's own: "
             f"{predicted['throughput_before']:,.0f} -> {predicted['throughput_after']:,.0f})")
 

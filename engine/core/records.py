@@ -35,8 +35,9 @@ Step record (format 1):
                    "layer": int16[n] (-1: not a layer's), "start_s": float64[n] (from t_start),
                    "dur_s": float64[n], "modeled": bool[n]}
                   lanes: "engine" (attention, router, combine, sampler, ...), "device d" (that
-                  device's expert work, measured), "link d" (its all-to-all, modeled on the local
-                  backend: modeled[i] is True)
+                  device's expert work, measured), "link d" (its collectives: the all-to-all,
+                  modeled on the local backend (modeled[i] is True); on ranks the measured wait
+                  and the outputs' all_reduce)
   kernels         only in steps of a deep capture: torch.profiler events on the same clock,
                   {"lanes": [str], "names": [str], "lane", "name", "start_s", "dur_s"} like spans
   devices         None without devices, else the cluster's record:

@@ -6,15 +6,18 @@ between layers (attention is tensor parallel or replicated), so no token has to 
 expert: in `dispatch` every rank picks the same replica for each (token, choice) with the
 placement's routing policy, runs its own slots on the rows they own, and one all_reduce of
 every (token, choice) output (each row filled by exactly one rank, zero elsewhere) gives every
-rank all of them; the weighted sum then runs as `moe.combine` does, so the tokens are the ones
-one process computes, bit for bit. This is the exchange for this layout (vLLM's expert
-parallelism without data-parallel attention does the same); the all_to_all dispatch and combine
-of the seeds' clusters pay off when each rank holds other tokens (data-parallel attention),
-which the emulated backend models.
+rank all of them; the weighted sum then runs as `moe.combine` does, so the combine adds nothing
+to the difference from one process (the tokens are one process's on the CPU:
+tests/engine/parallel/test_distributed.py). vLLM's expert parallelism without data-parallel
+attention also all-reduces, but the weighted [tokens, hidden] sum: top_k times fewer bytes, and
+another order of additions; this one pays those bytes for the exact combine. The all_to_all
+dispatch and combine of the seeds' clusters pay off when each rank holds other tokens
+(data-parallel attention), which the emulated backend models.
 
 Every collective is timed on this rank (`RankStepStats`): the expert compute (busy), a
-one-value all_reduce before the outputs are summed (the time spent *waiting* for slower ranks:
-a collective moving four bytes is all wait), and the outputs' all_reduce (the *transfer*). At
+two-value all_reduce before the outputs are summed (the time spent *waiting* for slower ranks:
+a collective moving 16 bytes is all wait; its values check that every rank routed alike), and
+the outputs' all_reduce (the *transfer*). At
 the end of a step the figures travel to rank 0 in one fixed-size tensor (`pack` / `unpack`).
 
 `migrate` changes the placement between steps with real transfers: every rank derives the same
@@ -27,6 +30,7 @@ locally. Its bytes and seconds are measured on every rank.
 from __future__ import annotations
 
 import time
+import zlib
 
 import numpy as np
 import psutil
@@ -112,6 +116,7 @@ class RankExperts(nn.Module):
         self.w2 = nn.Parameter(w2, requires_grad=False)
         self.rank, self.world, self.group = rank, world, group
         self.stats, self.policy, self.routing_state = stats, policy, routing_state
+        self._homes: dict[int, torch.Tensor] = {}  # batch size -> each token's home rank
         self.set_placement(placement)
 
     def set_placement(self, placement: Placement) -> None:
@@ -169,10 +174,16 @@ class RankExperts(nn.Module):
         # (3) every (token, choice) output in one buffer, this rank's rows filled and the rest
         #     zero; summed over the ranks, each row is its one rank's output exactly (x + 0 = x)
         outputs = x.new_zeros((n * top_k, hidden)).index_copy_(0, positions, out_sorted)
-        # (4) wait for the slowest rank's experts (a one-value all_reduce: its time is all wait),
-        #     then the sum, which every rank receives whole
-        flag = torch.zeros(1, device=x.device)
-        _, wait = self._timed(lambda: dist.all_reduce(flag, group=group), "wait for ranks", link_lane)
+        # (4) wait for the slowest rank's experts (a two-value all_reduce: its time is all wait),
+        #     which also checks that every rank chose the same replicas (a row no rank or two
+        #     ranks computed would be dropped or doubled silently), then the sum
+        check = zlib.crc32(dest.numpy().tobytes())
+        flag = torch.tensor([check, -check], dtype=torch.int64, device=x.device)
+        _, wait = self._timed(lambda: dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group), "wait for ranks",
+                              link_lane)
+        if flag.tolist() != [check, -check]:
+            raise RuntimeError(f"distributed: the ranks chose different experts' replicas in layer {self.layer_idx} "
+                               f"(their hidden states differ)")
         _, transfer = self._timed(lambda: dist.all_reduce(outputs, group=group), "all_reduce combine", link_lane)
         # (5) the weighted sum in moe.combine's order: the same bits as one process
         layer = self.layer_idx
@@ -189,8 +200,11 @@ class RankExperts(nn.Module):
     def _home(self, n: int) -> torch.Tensor:
         """Each token's home rank, which the locality policy prefers: the batch in W contiguous
         shards (the workers know tokens, not the sequences that the emulated backend homes)."""
-        bounds = _split_bounds(n, self.world)
-        return torch.repeat_interleave(torch.arange(self.world), torch.tensor(np.diff(bounds)))
+        home = self._homes.get(n)
+        if home is None:
+            bounds = _split_bounds(n, self.world)
+            home = self._homes[n] = torch.repeat_interleave(torch.arange(self.world), torch.tensor(np.diff(bounds)))
+        return home
 
     # -- moving experts between ranks
     @property

@@ -14,8 +14,8 @@ planned phase, the order alternating (A B, B A, ...), so a drift of the machine'
 both sides; each round's gain is its planned over its naive throughput, and `gain_ci95` is the
 95% interval of their mean (Student's t over the rounds).
 
-One unmeasured pass of those requests runs before everything, so neither the plan nor round 1
-measures the machine settling.
+One unmeasured pass of a third draw of the workload runs before everything, so the plan's window
+does not measure the machine settling.
 
 * distributed: the ranks really run at once; a phase's throughput is tokens (prefill + decode)
   over its measured wall time: `gain_is` "measured", and the gain is also `measured_gain`.
@@ -92,7 +92,7 @@ def _summary(wall: float, records: list[dict]) -> dict:
             "records": records}
 
 
-def run_rebalance_bench(model_dir, backend: str = "local", devices: int = 2, requests: int = 48, rounds: int = 2,
+def run_rebalance_bench(model_dir, backend: str = "local", devices: int = 2, requests: int = 48, rounds: int = 10,
                         concurrency: int = 16, redundant: int = 0, dtype=None, threads: int | None = None,
                         log=print) -> dict:
     """redundant: spare expert slots per device for replicas of hot experts; 0 re-hashes the
@@ -132,10 +132,10 @@ def _run(engine, backend, devices, num_requests, rounds, concurrency, log) -> di
     naive = engine.experts.placement
     log(f"rebalance bench: {backend}, {devices} devices, {num_requests} requests ({concurrency} in flight) per "
         f"phase; the plan from warm-up requests, the phases on others from the same workload")
-    # one unmeasured pass of the measured requests first: on the ranks the first two passes ran
-    # 20-30% slower than every later one (allocators and caches settling), which would fall on
-    # the plan's window and on round 1's first phase alone
-    measure_phase(engine, work, concurrency)
+    # one unmeasured pass of other requests of the workload first: on the ranks the first pass
+    # ran 20-30% slower than later ones (allocators and caches settling), which would fall on
+    # the plan's window alone
+    measure_phase(engine, workload(num_requests, 2), concurrency)
     warmup = measure_phase(engine, warm, concurrency)  # calibrates the cost model on the naive placement
     plan = engine.experts.preview()
     predicted = plan.prediction or {}

@@ -216,7 +216,7 @@ class WorkloadSpec:
         """The CLI's --workload: a JSONL path (all its requests at once), or 'key=value,...' with keys
         requests, rate, duration, prompt, output, seed, source, temperature and file (a JSONL path
         whose prompts arrive at `rate`), e.g. 'rate=4,prompt=32-512,output=16-256,requests=64'."""
-        if text.endswith(".jsonl") or Path(text).is_file():
+        if Path(text).is_file() or ("=" not in text and text.endswith(".jsonl")):  # key=value lists have "="
             return cls(num_requests=None, source="jsonl", jsonl_path=text)
         keys = {"requests": "num_requests", "rate": "rate", "duration": "duration_s", "prompt": "prompt_len",
                 "output": "output_len", "seed": "seed", "source": "source", "temperature": "temperature",

@@ -78,3 +78,19 @@ def test_the_experts_only_outcome_holds_the_rest_of_the_step_at_its_time_before(
     matched = same_shape_throughput(before, after)
     assert matched["after"] / matched["before"] - 1 == pytest.approx(0.010 / 0.011 - 1)
     assert matched["after_experts_only"] / matched["before"] - 1 == pytest.approx(0.010 / 0.009 - 1)
+
+
+def test_no_steps_before_the_apply_in_view_shows_nothing_and_old_records_no_experts_only():
+    header = {"model": {"num_layers": 2, "num_experts": 4}, "devices": {"topology": {"num_devices": 2}}}
+    apply = {"kind": "rebalance_apply", "time": 1000.0, "step": 100,
+             "result": {"placement": BALANCED.to_dict(), "bytes_moved": 1, "predicted": {"gain": 0.1}}}
+    state = ConsoleState(header, "live")
+    state.apply([], [apply])  # a replay seeked past the apply: its steps before are out of view
+    assert state.apply_outcome() is None
+    old = timed_record(1, 0, 8, 0.010)
+    del old["devices"]["step_time"]["expert_critical_s"]  # a trace from before the critical path was recorded
+    assert step_timing(old)[3] is None
+    later = timed_record(2, 0, 8, 0.009)
+    del later["devices"]["step_time"]["expert_critical_s"]
+    matched = same_shape_throughput([step_timing(old)], [step_timing(later)])
+    assert matched["after_experts_only"] is None and matched["after"] > matched["before"]

@@ -282,6 +282,6 @@ def test_workload_option_takes_a_file_at_a_rate(tmp_path):
     assert (spec.source, spec.rate, spec.seed, spec.num_requests) == ("jsonl", 4.0, 2, None)
     items = make_workload(spec, vocab_size=VOCAB)
     assert [it.prompt_ids for it in items] == [[5, 6, 7], [8]] and items[-1].arrival_s > 0  # every line, spread
-    assert len(make_workload(WorkloadSpec.from_option(f"file={path},requests=5,rate=4"), vocab_size=VOCAB)) == 5
+    assert len(make_workload(WorkloadSpec.from_option(f"requests=5,rate=4,file={path}"), vocab_size=VOCAB)) == 5
     with pytest.raises(ValueError, match="^jsonl_path: .* does not exist"):
         make_workload(WorkloadSpec.from_option(f"file={tmp_path / 'nope.jsonl'},rate=4"), vocab_size=VOCAB)

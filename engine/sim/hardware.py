@@ -1,0 +1,173 @@
+"""Hardware profiles: one JSON file per device type (profiles/NAME.json), each figure with the
+source it was taken from, read into a validated `HardwareProfile`.
+
+A figure is {"value": number, "source": text}; null where no source gives it (the simulator then
+refuses what needs it, naming the figure, rather than guess). Efficiency figures are achieved
+fractions of a peak, from public kernel benchmarks; a source that begins "assumed" borrows another
+device's, and the profile lists those in `assumed`. Constants belong to a profile and are never
+fitted per prediction.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+FIGURES = ("hbm_bytes", "hbm_gbps", "gpus_per_node", "intra_node_gbps", "inter_node_gbps")
+
+
+class ProfileError(ValueError):
+    """A hardware profile that cannot be read or lacks a figure; the message names it."""
+
+
+def profile_names() -> list[str]:
+    return sorted(p.name[:-5] for p in resources.files("moectl.engine.sim").joinpath("profiles").iterdir()
+                  if p.name.endswith(".json"))
+
+
+@dataclass(frozen=True)
+class Curve:
+    """An efficiency by a size (rows per expert, bytes, ...): linear in log2(size) between the
+    points, flat beyond the ends."""
+    points: tuple[tuple[float, float], ...]
+
+    def __post_init__(self):
+        if not self.points or any(x <= 0 or not 0 < y <= 1 for x, y in self.points):
+            raise ProfileError(f"efficiency points: need (size > 0, fraction in (0, 1]) pairs, got {self.points!r}")
+        if [x for x, _ in self.points] != sorted({x for x, _ in self.points}):
+            raise ProfileError(f"efficiency points: sizes must increase, got {[x for x, _ in self.points]}")
+
+    def at(self, size: float) -> float:
+        xs = [math.log2(x) for x, _ in self.points]
+        ys = [y for _, y in self.points]
+        s = math.log2(max(size, 1e-12))
+        if s <= xs[0]:
+            return ys[0]
+        for (x0, y0), (x1, y1) in zip(zip(xs, ys), zip(xs[1:], ys[1:])):
+            if s <= x1:
+                return y0 + (y1 - y0) * (s - x0) / (x1 - x0)
+        return ys[-1]
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    key: str
+    name: str
+    bf16_tflops: float
+    fp8_tflops: float | None
+    hbm_bytes: int
+    hbm_gbps: float | None
+    gpus_per_node: int
+    intra_node_gbps: float | None
+    inter_node_gbps: float | None
+    grouped_gemm: Curve  # achieved fraction of the GEMM dtype's peak, by rows per expert
+    memory_bound_gemm: float  # achieved fraction of HBM bandwidth streaming weights at few rows
+    attention_bandwidth: float  # decode attention's achieved fraction of HBM bandwidth
+    attention_compute: float  # ... and of the BF16 peak, when compute-bound
+    a2a_intra_node: float  # all-to-all's achieved fraction of the intra-node link
+    a2a_inter_node: float  # ... and of the inter-node NIC
+    a2a_latency_us: float  # per all-to-all, beyond its bytes over the bandwidth
+    notes: str = ""
+    sources: dict[str, str] = field(default_factory=dict)
+    assumed: tuple[str, ...] = ()  # figures borrowed from another device
+
+    def peak_tflops(self, dtype: str) -> float:
+        """The GEMM peak for `dtype` (fp8 falls back to bf16 on devices without FP8)."""
+        if dtype == "fp8" and self.fp8_tflops:
+            return self.fp8_tflops
+        return self.bf16_tflops
+
+    def need(self, figure: str) -> float:
+        """A figure the prediction needs; ProfileError naming it when the profile has none."""
+        value = getattr(self, figure)
+        if value is None:
+            raise ProfileError(f"hardware {self.key}: {figure} has no sourced figure in its profile; give one in a "
+                               f"copy of it (--hardware FILE)")
+        return value
+
+
+def load_profile(name_or_path: str | Path) -> HardwareProfile:
+    """A shipped profile by name (`profile_names()`) or a JSON file of the same form."""
+    text = str(name_or_path)
+    if text.lower() in profile_names():
+        key = text.lower()
+        raw_text = resources.files("moectl.engine.sim").joinpath("profiles", f"{key}.json").read_text()
+    else:
+        path = Path(text)
+        if not path.is_file():
+            raise ProfileError(f"--hardware: {text!r} is neither a shipped profile ({', '.join(profile_names())}) "
+                               f"nor a file")
+        key = path.stem
+        try:
+            raw_text = path.read_text()
+        except OSError as exc:
+            raise ProfileError(f"--hardware: cannot read {path} ({exc.strerror})") from None
+    try:
+        raw = json.loads(raw_text)
+    except ValueError as exc:
+        raise ProfileError(f"hardware {key}: not valid JSON ({exc})") from None
+    if not isinstance(raw, dict):
+        raise ProfileError(f"hardware {key}: top level must be an object")
+    return _parse(key, raw)
+
+
+def _parse(key: str, raw: dict) -> HardwareProfile:
+    sources: dict[str, str] = {}
+
+    def figure(path: str, optional: bool = False, integer: bool = False):
+        node = raw
+        for part in path.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        if node is None:
+            if optional:
+                return None
+            raise ProfileError(f"hardware {key}: {path} is missing")
+        if not isinstance(node, dict) or "value" not in node or not str(node.get("source") or "").strip():
+            raise ProfileError(f"hardware {key}: {path} must be {{\"value\": number, \"source\": text}}")
+        value = node["value"]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0 \
+                or (integer and int(value) != value):
+            raise ProfileError(f"hardware {key}: {path} must be a positive {'integer' if integer else 'number'}, "
+                               f"got {value!r}")
+        sources[path] = node["source"]
+        return int(value) if integer else float(value)
+
+    def efficiency(name: str) -> dict:
+        node = (raw.get("efficiency") or {}).get(name)
+        if not isinstance(node, dict) or not str(node.get("source") or "").strip():
+            raise ProfileError(f"hardware {key}: efficiency.{name} is missing or has no source")
+        sources[f"efficiency.{name}"] = node["source"]
+        return node
+
+    def fraction(node: dict, name: str, field_name: str) -> float:
+        value = node.get(field_name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+            raise ProfileError(f"hardware {key}: efficiency.{name}.{field_name} must be a fraction in (0, 1], "
+                               f"got {value!r}")
+        return float(value)
+
+    gemm = efficiency("grouped_gemm")
+    try:
+        curve = Curve(tuple((float(x), float(y)) for x, y in gemm.get("points") or ()))
+    except (TypeError, ValueError) as exc:
+        raise ProfileError(f"hardware {key}: efficiency.grouped_gemm.points: {exc}") from None
+    bound, attention, a2a = efficiency("memory_bound_gemm"), efficiency("attention_decode"), efficiency("all_to_all")
+    latency = a2a.get("latency_us")
+    if isinstance(latency, bool) or not isinstance(latency, (int, float)) or latency < 0:
+        raise ProfileError(f"hardware {key}: efficiency.all_to_all.latency_us must be a number >= 0, got {latency!r}")
+    profile = HardwareProfile(
+        key=key, name=str(raw.get("name") or key), notes=str(raw.get("notes") or ""),
+        bf16_tflops=figure("peak_tflops.bf16"), fp8_tflops=figure("peak_tflops.fp8", optional=True),
+        hbm_bytes=figure("hbm_bytes", integer=True), hbm_gbps=figure("hbm_gbps", optional=True),
+        gpus_per_node=figure("gpus_per_node", integer=True),
+        intra_node_gbps=figure("intra_node_gbps", optional=True), inter_node_gbps=figure("inter_node_gbps", optional=True),
+        grouped_gemm=curve, memory_bound_gemm=fraction(bound, "memory_bound_gemm", "value"),
+        attention_bandwidth=fraction(attention, "attention_decode", "bandwidth"),
+        attention_compute=fraction(attention, "attention_decode", "compute"),
+        a2a_intra_node=fraction(a2a, "all_to_all", "intra_node"), a2a_inter_node=fraction(a2a, "all_to_all", "inter_node"),
+        a2a_latency_us=float(latency), sources=sources,
+        assumed=tuple(sorted(k for k, v in sources.items() if v.lstrip().lower().startswith("assumed"))))
+    return profile

@@ -1,0 +1,217 @@
+"""One simulated step of an MoE model on a cluster described by a hardware profile: every figure
+is modeled (simulated), none measured.
+
+The layout is the seeds' (and DeepSeek's and SGLang's large-scale deployments'): attention data
+parallel (each device its own batch; or tensor parallel over `tp` devices, whose group then holds
+`tp` devices' tokens), routed experts expert-parallel over all devices under a placement, the
+tokens' rows sent to their experts' devices and back by all-to-all (dispatch, combine), shared
+experts and dense layers on every device for its own tokens.
+
+Each part's time is a roofline with the profile's achieved efficiencies: a GEMM takes the longer
+of its multiply-accumulates at (peak x grouped-GEMM efficiency at its rows per expert) and its
+weights streamed at (HBM bandwidth x memory-bound efficiency); attention the longer of its core
+work at the BF16 peak and its KV reads at HBM bandwidth, each at the attention kernel's
+efficiencies; an all-to-all its busiest link's bytes at the link's achieved bandwidth plus a
+latency. Expert rows per device come from the routing shares and the placement (replicas share
+an expert's rows evenly). Every device syncs at dispatch and combine, so a layer's expert time
+is its slowest device's; that is where balance shows.
+
+Two-batch overlap splits the batch in two and hides one half's all-to-all behind the other's
+compute: a layer then takes max(2c, 2m) + min(c, m) for halves of compute c and communication m.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from moectl.engine.experts.placement import Placement
+from moectl.engine.sim.hardware import HardwareProfile
+from moectl.engine.sim.model_shape import SimModel
+
+MAX_SIM_DEVICES = 1024
+PHASES = ("prefill", "decode")
+OVERLAPS = ("none", "two-batch")
+PARTS = ("attention", "router", "dispatch", "expert_gemm", "combine", "shared_dense", "lm_head", "idle")
+
+
+@dataclass
+class SimSpec:
+    model: SimModel
+    hardware: HardwareProfile
+    devices: int
+    routing: np.ndarray  # [MoE layers, experts]: each expert's share of a layer's (token, choice) pairs
+    phase: str = "decode"
+    tokens_per_device: int = 128  # decode: sequences (one token each); prefill: prompt tokens
+    context: int = 4096  # decode: KV length; prefill: prompt length
+    tp: int = 1  # attention tensor parallel (1: data-parallel attention)
+    placement: Placement | None = None  # over all devices; default contiguous
+    overlap: str = "none"
+    notes: list[str] = field(default_factory=list)
+
+    def __post_init__(self):
+        m = self.model.shape
+        if isinstance(self.devices, bool) or not isinstance(self.devices, int) \
+                or not 1 <= self.devices <= MAX_SIM_DEVICES:
+            raise ValueError(f"--devices: must be an integer in [1, {MAX_SIM_DEVICES}], got {self.devices!r}")
+        if self.phase not in PHASES:
+            raise ValueError(f"--phase: {self.phase!r} is not one of {', '.join(PHASES)}")
+        if self.overlap not in OVERLAPS:
+            raise ValueError(f"--overlap: {self.overlap!r} is not one of {', '.join(OVERLAPS)}")
+        if not isinstance(self.tp, int) or self.tp < 1 or self.devices % self.tp or m.num_heads % self.tp:
+            raise ValueError(f"--tp: {self.tp!r} must divide both the {self.devices} devices and the model's "
+                             f"{m.num_heads} heads")
+        if not isinstance(self.tokens_per_device, int) or self.tokens_per_device < 1:
+            raise ValueError(f"--batch: must be a positive integer per device, got {self.tokens_per_device!r}")
+        if not isinstance(self.context, int) or not 1 <= self.context <= m.max_position_embeddings:
+            raise ValueError(f"--context: must be in [1, {m.max_position_embeddings}] (the model's "
+                             f"max_position_embeddings), got {self.context!r}")
+        if self.routing.shape != (m.num_sparse, m.num_experts):
+            raise ValueError(f"routing: expected [{m.num_sparse}, {m.num_experts}] shares, got {list(self.routing.shape)}")
+        if self.placement is None:
+            self.placement = Placement.contiguous(m.num_sparse, m.num_experts, self.devices)
+        if (self.placement.num_devices, self.placement.num_layers, self.placement.num_experts) != \
+                (self.devices, m.num_sparse, m.num_experts):
+            raise ValueError(f"--placement: is for {self.placement.num_devices} devices x {self.placement.num_layers} "
+                             f"layers x {self.placement.num_experts} experts, not {self.devices} x {m.num_sparse} x "
+                             f"{m.num_experts}")
+
+
+class Roofline:
+    """Part times on one device of `hw` for `model`, in seconds."""
+
+    def __init__(self, model: SimModel, hw: HardwareProfile):
+        self.model, self.hw = model, hw
+        self.peak = hw.peak_tflops(model.gemm_dtype) * 1e12
+        self.bf16 = hw.bf16_tflops * 1e12
+        self.hbm = hw.need("hbm_gbps") * 1e9
+
+    def gemm(self, rows: float, macs_per_row: float, weight_bytes: float) -> float:
+        if rows <= 0:
+            return 0.0
+        compute = 2 * rows * macs_per_row / (self.peak * self.hw.grouped_gemm.at(rows))
+        stream = weight_bytes / (self.hbm * self.hw.memory_bound_gemm)
+        return max(compute, stream)
+
+    def attention_core(self, tokens: float, macs_per_token: float, kv_bytes: float) -> float:
+        compute = 2 * tokens * macs_per_token / (self.bf16 * self.hw.attention_compute)
+        return max(compute, kv_bytes / (self.hbm * self.hw.attention_bandwidth))
+
+    def link(self, intra_bytes: float, inter_bytes: float) -> float:
+        """One all-to-all on the device whose links carry these bytes (both directions at once)."""
+        if intra_bytes <= 0 and inter_bytes <= 0:
+            return 0.0
+        t_intra = intra_bytes / (self.hw.need("intra_node_gbps") * 1e9 * self.hw.a2a_intra_node) if intra_bytes else 0
+        t_inter = inter_bytes / (self.hw.need("inter_node_gbps") * 1e9 * self.hw.a2a_inter_node) if inter_bytes else 0
+        return max(t_intra, t_inter) + self.hw.a2a_latency_us * 1e-6
+
+
+@dataclass
+class LayerTimes:
+    """One batch size's per-part seconds: the parts every layer shares, and per MoE layer its
+    slowest device's expert GEMMs and all-to-alls."""
+    attention: float
+    router: float
+    shared: float
+    dense: float
+    lm_head: float
+    expert: list[float]  # per MoE layer, the slowest device
+    dispatch: list[float]
+    combine: list[float]
+    device_expert: np.ndarray  # [devices] expert seconds over the MoE layers
+    rows: np.ndarray  # [MoE layers, devices] expert rows
+
+    @property
+    def moe_compute(self) -> list[float]:
+        return [self.attention + self.router + e + self.shared for e in self.expert]
+
+    @property
+    def moe_comm(self) -> list[float]:
+        return [a + b for a, b in zip(self.dispatch, self.combine)]
+
+
+def layer_times(spec: SimSpec, tokens_per_device: int) -> LayerTimes:
+    m, hw, D, tp = spec.model, spec.hardware, spec.devices, spec.tp
+    shape, roof = m.shape, Roofline(m, hw)
+    decode = spec.phase == "decode"
+    T = tokens_per_device
+    group_tokens = T * tp  # a TP group's tokens; each of its devices does 1/tp of their heads
+
+    # -- attention (every layer), router, shared and dense: per device, on its own tokens
+    context = spec.context if decode else spec.context / 2  # prefill: causal, half the prompt on average
+    core_macs, kv = m.attention_core(tp, context, decode)
+    sequences = group_tokens if decode else max(1.0, group_tokens / spec.context)
+    attention = roof.gemm(group_tokens, m.attention_projection_macs(tp), m.attention_weight_bytes(tp)) \
+        + roof.attention_core(group_tokens, core_macs, sequences * spec.context * kv / max(context, 1))
+    if tp > 1:  # o_proj's all-reduce within the TP group (ring: 2 (tp - 1) / tp of the data)
+        attention += roof.link(2 * (tp - 1) / tp * group_tokens * shape.hidden_size * 2, 0.0)
+    router = roof.gemm(T, m.router_macs(), m.router_macs() * 4)  # fp32 router weights
+    shared = roof.gemm(T, m.shared_macs(), m.shared_macs() * m.weight_bytes)
+    dense = roof.gemm(T, m.dense_macs(), m.dense_macs() * m.weight_bytes)
+    lm_head = roof.gemm(T if decode else max(1, T // spec.context), m.head_macs(), m.head_macs() * m.weight_bytes)
+
+    # -- MoE layers: rows per device from the routing and the placement, then the all-to-alls
+    node_of = np.arange(D) // hw.gpus_per_node
+    nodes = int(node_of[-1]) + 1
+    same_node = node_of[:, None] == node_of[None, :]
+    pairs = T * D * shape.top_k  # (token, choice) pairs of the step, all devices
+    dispatch_bytes = shape.hidden_size * (1.0 + 4 / 128 if m.gemm_dtype == "fp8" else 2.0)  # fp8 + block scales
+    combine_bytes = shape.hidden_size * 2.0
+    expert, dispatch, combine, rows_all = [], [], [], []
+    device_expert = np.zeros(D)
+    for layer in range(shape.num_sparse):
+        slots = spec.placement.slots[layer]  # [D, S] expert ids, -1 empty
+        replicas = np.bincount(slots[slots >= 0], minlength=shape.num_experts)
+        share = spec.routing[layer] / np.maximum(replicas, 1)  # each replica's share of the layer's pairs
+        rows = np.where(slots >= 0, pairs * share[np.maximum(slots, 0)], 0.0)  # [D, S]
+        seconds = np.array([sum(roof.gemm(r, m.expert_macs(), m.expert_bytes()) for r in dev) for dev in rows])
+        device_expert += seconds
+        expert.append(float(seconds.max()))
+        per_device = rows.sum(1)
+        rows_all.append(per_device)
+        # every device's tokens route alike: d -> d' carries T * top_k * (d''s share of the pairs)
+        to_device = per_device / pairs
+        sent = np.tile(T * shape.top_k * to_device, (D, 1))
+        np.fill_diagonal(sent, 0.0)
+        intra = np.maximum((sent * same_node).sum(1), (sent * same_node).sum(0))
+        # across nodes a token's rows travel once per remote node its choices hit (DeepEP's
+        # node-level dedup), then fan out over the node's own links
+        node_share = np.bincount(node_of, weights=to_device, minlength=nodes)
+        hit = 1 - (1 - node_share) ** shape.top_k
+        inter = T * (hit.sum() - hit[node_of]) if nodes > 1 else np.zeros(D)
+        dispatch.append(max(roof.link(i * dispatch_bytes, x * dispatch_bytes) for i, x in zip(intra, inter)))
+        combine.append(max(roof.link(i * combine_bytes, x * combine_bytes) for i, x in zip(intra, inter)))
+    return LayerTimes(attention, router, shared, dense, lm_head, expert, dispatch, combine, device_expert,
+                      np.array(rows_all).reshape(shape.num_sparse, D))
+
+
+def simulate(spec: SimSpec) -> dict:
+    """The step's time and what it is made of; see the module's docstring for the model."""
+    shape, hw, D, T = spec.model.shape, spec.hardware, spec.devices, spec.tokens_per_device
+    full = layer_times(spec, T)
+    if spec.overlap == "two-batch" and T > 1:
+        half = layer_times(spec, T // 2)
+        moe_layers = [max(2 * c, 2 * mm) + min(c, mm) for c, mm in zip(half.moe_compute, half.moe_comm)]
+    else:
+        moe_layers = [c + mm for c, mm in zip(full.moe_compute, full.moe_comm)]
+    step = sum(moe_layers) + shape.num_dense * (full.attention + full.dense) + full.lm_head
+    busy = shape.num_layers * full.attention + shape.num_sparse * (full.router + full.shared) \
+        + shape.num_dense * full.dense + full.lm_head + full.device_expert
+    parts = {
+        "attention": shape.num_layers * full.attention, "router": shape.num_sparse * full.router,
+        "dispatch": sum(full.dispatch), "expert_gemm": sum(full.expert), "combine": sum(full.combine),
+        "shared_dense": shape.num_sparse * full.shared + shape.num_dense * full.dense, "lm_head": full.lm_head,
+        "idle": max(0.0, step - float(busy.mean())),
+    }
+    unhidden = sum(full.moe_compute) + sum(full.moe_comm) - sum(moe_layers)
+    balancedness = [r.mean() / r.max() for r in full.rows if r.max() > 0]
+    tokens = T * D
+    return {
+        "simulated": True, "phase": spec.phase, "step_ms": step * 1e3,
+        "tokens_per_s": tokens / step, "tokens_per_s_per_device": tokens / step / D,
+        "tokens_per_s_per_node": tokens / step / D * hw.gpus_per_node,
+        "utilisation": (busy / step).tolist(), "balancedness": float(np.mean(balancedness)) if balancedness else 1.0,
+        "breakdown_ms": {k: v * 1e3 for k, v in parts.items()},
+        "overlap_hidden_ms": unhidden * 1e3 if spec.overlap == "two-batch" else 0.0,
+    }
