@@ -9,7 +9,7 @@ import sys
 
 import typer
 
-from moectl.cli import bench, console, generate, record, serve, verify, web
+from moectl.cli import bench, console, generate, record, serve, sim, verify, web
 from moectl.cli.model import model_app
 from moectl.cli.plan import plan_app
 from moectl.cli.trace import trace_app
@@ -28,6 +28,7 @@ app.command()(console.attach)
 app.command("engine-host", hidden=True)(console.engine_host)
 app.command()(serve.serve)
 app.command()(record.record)
+app.command()(sim.sim)
 app.command()(web.web)
 app.add_typer(model_app, name="model")
 app.add_typer(plan_app, name="plan")

@@ -80,9 +80,20 @@ def load_sim_model(config: str | Path, dtype: str | None = None) -> SimModel:
     path = Path(config)
     if path.is_dir():
         path = path / "config.json"
-    shape = load_plan_model(path)
-    raw = json.loads(path.read_text())
+    try:
+        raw = json.loads(path.read_text())
+    except OSError as exc:
+        raise ValueError(f"--model: cannot read {path} ({exc.strerror})") from None
+    except ValueError as exc:
+        raise ValueError(f"--model: {path} is not valid JSON ({exc})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"--model: {path} must hold a JSON object")
     quant = raw.get("quantization_config") or {}
+    # the shapes without the quantization, which the engine (and so the planner's parser) refuses
+    # to load but a simulation only has to price
+    unquantized = {k: v for k, v in raw.items() if k != "quantization_config"}
+    unquantized.setdefault("_name_or_path", path.parent.name if path.name == "config.json" else path.stem)
+    shape = load_plan_model(unquantized)
     method = str(quant.get("quant_method") or "").lower()
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"--dtype: {dtype!r} is not one of {', '.join(DTYPES)}")

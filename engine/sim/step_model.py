@@ -46,7 +46,8 @@ class SimSpec:
     tokens_per_device: int = 128  # decode: sequences (one token each); prefill: prompt tokens
     context: int = 4096  # decode: KV length; prefill: prompt length
     tp: int = 1  # attention tensor parallel (1: data-parallel attention)
-    placement: Placement | None = None  # over all devices; default contiguous
+    ep: int | None = None  # expert-parallel group size (default: all devices); groups run alike
+    placement: Placement | None = None  # over one EP group's devices; default contiguous
     overlap: str = "none"
     notes: list[str] = field(default_factory=list)
 
@@ -67,15 +68,19 @@ class SimSpec:
         if not isinstance(self.context, int) or not 1 <= self.context <= m.max_position_embeddings:
             raise ValueError(f"--context: must be in [1, {m.max_position_embeddings}] (the model's "
                              f"max_position_embeddings), got {self.context!r}")
+        self.ep = self.devices if self.ep is None else self.ep
+        if isinstance(self.ep, bool) or not isinstance(self.ep, int) or self.ep < 1 or self.devices % self.ep \
+                or self.ep % self.tp:
+            raise ValueError(f"--ep: {self.ep!r} must divide the {self.devices} devices and be a multiple of --tp")
         if self.routing.shape != (m.num_sparse, m.num_experts):
             raise ValueError(f"routing: expected [{m.num_sparse}, {m.num_experts}] shares, got {list(self.routing.shape)}")
         if self.placement is None:
-            self.placement = Placement.contiguous(m.num_sparse, m.num_experts, self.devices)
+            self.placement = Placement.contiguous(m.num_sparse, m.num_experts, self.ep)
         if (self.placement.num_devices, self.placement.num_layers, self.placement.num_experts) != \
-                (self.devices, m.num_sparse, m.num_experts):
+                (self.ep, m.num_sparse, m.num_experts):
             raise ValueError(f"--placement: is for {self.placement.num_devices} devices x {self.placement.num_layers} "
-                             f"layers x {self.placement.num_experts} experts, not {self.devices} x {m.num_sparse} x "
-                             f"{m.num_experts}")
+                             f"MoE layers x {self.placement.num_experts} experts, not {self.ep} x {m.num_sparse} x "
+                             f"{m.num_experts} (one expert-parallel group)")
 
 
 class Roofline:
@@ -132,7 +137,8 @@ class LayerTimes:
 
 
 def layer_times(spec: SimSpec, tokens_per_device: int) -> LayerTimes:
-    m, hw, D, tp = spec.model, spec.hardware, spec.devices, spec.tp
+    """Per-part seconds at this batch, for one expert-parallel group (every group runs alike)."""
+    m, hw, D, tp = spec.model, spec.hardware, spec.ep, spec.tp
     shape, roof = m.shape, Roofline(m, hw)
     decode = spec.phase == "decode"
     T = tokens_per_device
@@ -189,6 +195,7 @@ def layer_times(spec: SimSpec, tokens_per_device: int) -> LayerTimes:
 def simulate(spec: SimSpec) -> dict:
     """The step's time and what it is made of; see the module's docstring for the model."""
     shape, hw, D, T = spec.model.shape, spec.hardware, spec.devices, spec.tokens_per_device
+    groups = spec.devices // spec.ep
     full = layer_times(spec, T)
     if spec.overlap == "two-batch" and T > 1:
         half = layer_times(spec, T // 2)
@@ -202,16 +209,37 @@ def simulate(spec: SimSpec) -> dict:
         "attention": shape.num_layers * full.attention, "router": shape.num_sparse * full.router,
         "dispatch": sum(full.dispatch), "expert_gemm": sum(full.expert), "combine": sum(full.combine),
         "shared_dense": shape.num_sparse * full.shared + shape.num_dense * full.dense, "lm_head": full.lm_head,
-        "idle": max(0.0, step - float(busy.mean())),
+        "idle": max(0.0, float(step - busy.mean())),
     }
     unhidden = sum(full.moe_compute) + sum(full.moe_comm) - sum(moe_layers)
     balancedness = [r.mean() / r.max() for r in full.rows if r.max() > 0]
     tokens = T * D
+    step = float(step)
     return {
         "simulated": True, "phase": spec.phase, "step_ms": step * 1e3,
         "tokens_per_s": tokens / step, "tokens_per_s_per_device": tokens / step / D,
         "tokens_per_s_per_node": tokens / step / D * hw.gpus_per_node,
-        "utilisation": (busy / step).tolist(), "balancedness": float(np.mean(balancedness)) if balancedness else 1.0,
-        "breakdown_ms": {k: v * 1e3 for k, v in parts.items()},
-        "overlap_hidden_ms": unhidden * 1e3 if spec.overlap == "two-batch" else 0.0,
+        "devices": D, "nodes": -(-D // hw.gpus_per_node),
+        "utilisation": np.tile(busy / step, groups).tolist(),
+        "balancedness": float(np.mean(balancedness)) if balancedness else 1.0,
+        "breakdown_ms": {k: float(v) * 1e3 for k, v in parts.items()},
+        "overlap_hidden_ms": float(unhidden) * 1e3 if spec.overlap == "two-batch" else 0.0,
     }
+
+
+def memory_per_device(spec: SimSpec) -> dict:
+    """Bytes one device holds: its weights (its share of attention, every shared and dense weight,
+    the embeddings and LM head, its expert slots) and its sequences' KV cache at --context;
+    activations and communication buffers are not counted."""
+    m, shape = spec.model, spec.model.shape
+    slots = spec.placement.slots_per_device
+    weights = shape.num_layers * m.attention_weight_bytes(spec.tp) \
+        + shape.num_sparse * (shape.shared_params() + shape.router_params()) * m.weight_bytes \
+        + shape.num_dense * shape.dense_params() * m.weight_bytes + shape.embedding_params() * m.weight_bytes \
+        + shape.num_sparse * slots * m.expert_bytes()
+    sequences = spec.tokens_per_device if spec.phase == "decode" else max(1, spec.tokens_per_device // spec.context)
+    _, kv_per_key = m.attention_core(spec.tp, 1, True)
+    kv = sequences * spec.context * kv_per_key * shape.num_layers
+    total = weights + kv
+    return {"weights_bytes": int(weights), "kv_bytes": int(kv), "total_bytes": int(total),
+            "hbm_bytes": spec.hardware.hbm_bytes, "fits": bool(total <= spec.hardware.hbm_bytes)}

@@ -1,0 +1,130 @@
+"""`moectl sim`: one simulated step of a model (config.json only) on a cluster described by a
+hardware profile. Every figure it prints is simulated."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from moectl.cli.common import (
+    DEFAULT_DEVICES,
+    DEVICES_OPT,
+    JSON_OPT,
+    REDUNDANT_OPT,
+    BadInput,
+    emit_json,
+    handles_errors,
+    model_dir,
+    open_trace,
+    redundant_slots,
+)
+
+TRACE_HINT = "balanced, zipf:S, or a moectl trace (recorded, or imported with `moectl trace import`)"
+
+
+@handles_errors
+def sim(
+    model: Path = typer.Option(..., "--model", "-m", help="config.json or a directory holding one (no weights), or a "
+                                                          "shipped model's name."),
+    hardware: str = typer.Option(..., "--hardware", help="A shipped hardware profile (h100, h800, h200, a100, "
+                                                         "mi300x, ascend-910b) or a profile JSON file."),
+    devices: int | None = DEVICES_OPT,
+    tp: int = typer.Option(1, "--tp", help="Attention tensor-parallel size (1: data-parallel attention)."),
+    ep: int | None = typer.Option(None, "--ep", help="Expert-parallel group size (default: every device)."),
+    dp_attention: bool = typer.Option(False, "--dp-attention", help="Data-parallel attention (each device its own "
+                                                                    "batch; the default, and refused with --tp > 1)."),
+    phase: str = typer.Option("decode", "--phase", help="prefill | decode."),
+    batch_seqs: int | None = typer.Option(None, "--batch-seqs", help="decode: sequences per device (default 128)."),
+    batch_tokens: int | None = typer.Option(None, "--batch-tokens", help="prefill: prompt tokens per device "
+                                                                         "(default 16384)."),
+    context: int = typer.Option(4096, "--context", help="decode: KV length; prefill: prompt length."),
+    routing: str = typer.Option("balanced", "--routing", help=f"Expert loads: {TRACE_HINT}."),
+    placement: Path | None = typer.Option(None, "--placement", help="A placement file (`plan rebalance --json`) for "
+                                                                     "one expert-parallel group."),
+    redundant: int | None = REDUNDANT_OPT,
+    rebalance: bool = typer.Option(False, "--rebalance", help="Place the experts by an EPLB-style plan on the "
+                                                              "routing, replicas in the spare slots (default: the "
+                                                              "naive contiguous placement, spare slots empty)."),
+    overlap: str = typer.Option("none", "--overlap", help="none | two-batch (one half's all-to-all behind the "
+                                                          "other's compute)."),
+    dtype: str | None = typer.Option(None, "--dtype", help="bf16 | fp8: the GEMMs' and weights' dtype (default: "
+                                                           "the config's quantization_config, else bf16)."),
+    seed: int = typer.Option(0, "--seed", help="zipf: which experts are hot; a scaled trace: their order."),
+    as_json: bool = JSON_OPT,
+):
+    """Predict one step: its time, tokens per second (per device and per node), each device's
+    utilisation, balancedness and a breakdown by part. Simulated from the config's shapes, the
+    hardware profile's sourced figures and the routing: nothing here runs the model."""
+    import numpy as np
+
+    from moectl.engine.experts.placement import Placement
+    from moectl.engine.experts.placement_file import read_placement_file
+    from moectl.engine.experts.rebalancer import plan_rebalance
+    from moectl.engine.sim.hardware import load_profile
+    from moectl.engine.sim.model_shape import load_sim_model
+    from moectl.engine.sim.routing import routing_from
+    from moectl.engine.sim.step_model import SimSpec, memory_per_device, simulate
+
+    if dp_attention and tp > 1:
+        raise BadInput("--dp-attention: data-parallel attention has no tensor parallelism; drop --tp or this flag")
+    if phase == "decode" and batch_tokens is not None:
+        raise BadInput("--batch-tokens: is for --phase prefill; decode takes --batch-seqs")
+    if phase == "prefill" and batch_seqs is not None:
+        raise BadInput("--batch-seqs: is for --phase decode; prefill takes --batch-tokens")
+    if placement is not None and (rebalance or redundant is not None):
+        raise BadInput("--placement: gives the placement, so it cannot go with --rebalance or --redundant")
+    spare = redundant_slots(redundant)
+    devices = DEFAULT_DEVICES if devices is None else devices
+    sim_model = load_sim_model(model_dir(model, config_file=True), dtype)
+    shape = sim_model.shape
+    recorded = None
+    if routing not in ("balanced",) and not routing.startswith("zipf:"):
+        with open_trace(Path(routing)) as reader:
+            steps = [np.asarray(r["routing"], dtype=np.float64) for r in reader.steps()]
+        if not steps:
+            raise BadInput(f"--routing: {routing} has no steps")
+        recorded = np.sum(steps, axis=0)
+    loads, routing_line = routing_from(routing, shape.num_sparse, shape.num_experts, seed, recorded)
+    group = devices if ep is None else ep
+    if placement is not None:
+        try:
+            chosen, _ = read_placement_file(placement)
+        except ValueError as exc:
+            raise BadInput(f"--placement: {placement}: {exc}") from None
+    elif rebalance:
+        chosen = plan_rebalance(loads, group, spare).placement
+    else:
+        chosen = Placement.contiguous(shape.num_sparse, shape.num_experts, group, spare)
+    spec = SimSpec(sim_model, load_profile(hardware), devices, loads, phase=phase,
+                   tokens_per_device=(batch_seqs or 128) if phase == "decode" else (batch_tokens or 16384),
+                   context=context, tp=tp, ep=ep, placement=chosen, overlap=overlap)
+    result = simulate(spec)
+    result.update(model=shape.name, hardware=spec.hardware.key, hardware_name=spec.hardware.name,
+                  gemm_dtype=sim_model.gemm_dtype, tp=tp, ep=spec.ep, tokens_per_device=spec.tokens_per_device,
+                  context=context, overlap=overlap, routing=routing_line, memory=memory_per_device(spec),
+                  assumed=list(spec.hardware.assumed), placement_slots_per_device=spec.placement.slots_per_device)
+    if as_json:
+        emit_json(result, True)
+        return
+    _print(result)
+
+
+def _print(r: dict) -> None:
+    unit = "output" if r["phase"] == "decode" else "prompt"
+    typer.echo(f"SIMULATED: {r['model']} on {r['devices']} x {r['hardware_name']} ({r['nodes']} nodes), {r['phase']}, "
+               f"{r['tokens_per_device']} {'sequences' if r['phase'] == 'decode' else 'tokens'} per device, context "
+               f"{r['context']:,}, tp {r['tp']}, ep {r['ep']}, GEMMs in {r['gemm_dtype']}, overlap {r['overlap']}")
+    typer.echo(f"routing: {r['routing']}")
+    typer.echo(f"step {r['step_ms']:.2f} ms: {r['tokens_per_s']:,.0f} {unit} tok/s, "
+               f"{r['tokens_per_s_per_device']:,.0f} per device, {r['tokens_per_s_per_node']:,.0f} per node")
+    util = r["utilisation"]
+    typer.echo(f"balancedness {r['balancedness']:.3f}; utilisation min {min(util):.0%}, mean "
+               f"{sum(util) / len(util):.0%}, max {max(util):.0%}")
+    typer.echo("breakdown (ms; parts overlap with --overlap two-batch): " + ", ".join(
+        f"{k} {v:.2f}" for k, v in r["breakdown_ms"].items()))
+    mem = r["memory"]
+    typer.echo(f"per device: weights {mem['weights_bytes'] / 1e9:.1f} GB + KV {mem['kv_bytes'] / 1e9:.1f} GB of "
+               f"{mem['hbm_bytes'] / 1e9:.0f} GB HBM" + ("" if mem["fits"] else " -- DOES NOT FIT"))
+    if r["assumed"]:
+        typer.echo(f"assumed (borrowed from another device's benchmarks): {', '.join(r['assumed'])}")

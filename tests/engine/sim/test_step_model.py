@@ -1,0 +1,145 @@
+"""The simulated step (engine/sim/step_model.py) and `moectl sim`: parts add up to the step,
+skew slows it and a rebalance wins it back, the roofline's figures can be worked by hand, the
+published configs all run, and bad input is one line with exit code 2."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from moectl.cli.main import app
+from moectl.engine.experts.rebalancer import plan_rebalance
+from moectl.engine.sim.hardware import load_profile
+from moectl.engine.sim.model_shape import load_sim_model
+from moectl.engine.sim.routing import balanced, routing_from, scaled, zipf
+from moectl.engine.sim.step_model import PARTS, Roofline, SimSpec, simulate
+from tests.paths import DOCS, TRACES
+
+CONFIGS = DOCS / "configs"
+runner = CliRunner()
+
+
+def run_cli(args: list[str]):
+    return runner.invoke(app, args)
+DSV3 = load_sim_model(CONFIGS / "deepseek-v3.json")
+H800 = load_profile("h800")
+
+
+def spec(routing=None, **kw) -> SimSpec:
+    shape = DSV3.shape
+    loads = balanced(shape.num_sparse, shape.num_experts) if routing is None else routing
+    return SimSpec(DSV3, H800, kw.pop("devices", 64), loads, **kw)
+
+
+def test_without_overlap_the_parts_add_up_to_the_step():
+    out = simulate(spec(tokens_per_device=64, context=2048))
+    parts = out["breakdown_ms"]
+    assert set(parts) == set(PARTS)
+    assert sum(v for k, v in parts.items() if k != "idle") == pytest.approx(out["step_ms"])
+    assert out["tokens_per_s"] == pytest.approx(64 * 64 / (out["step_ms"] / 1e3))
+    assert out["tokens_per_s_per_node"] == pytest.approx(out["tokens_per_s_per_device"] * 8)
+    assert len(out["utilisation"]) == 64 and out["balancedness"] == pytest.approx(1.0)
+
+
+def test_skew_slows_the_step_and_a_planned_placement_wins_it_back():
+    shape = DSV3.shape
+    hot = zipf(shape.num_sparse, shape.num_experts, 1.2, seed=3)
+    naive = simulate(spec(hot))
+    even = simulate(spec())
+    planned = simulate(spec(hot, placement=plan_rebalance(hot, 64, 1).placement))
+    assert naive["step_ms"] > even["step_ms"] and naive["balancedness"] < 0.6
+    assert planned["balancedness"] > 0.9 and planned["step_ms"] < 0.8 * naive["step_ms"]
+    assert min(naive["utilisation"]) < min(planned["utilisation"])  # the idle devices of a skewed step
+
+
+def test_two_batch_overlap_hides_communication():
+    plain = simulate(spec(tokens_per_device=256))
+    overlapped = simulate(spec(tokens_per_device=256, overlap="two-batch"))
+    assert overlapped["overlap_hidden_ms"] > 0 and overlapped["step_ms"] < plain["step_ms"]
+
+
+def test_the_roofline_by_hand():
+    roof = Roofline(DSV3, H800)
+    # one row streams the weights: bytes over (HBM x the memory-bound efficiency)
+    assert roof.gemm(1, 1e6, 1e9) == pytest.approx(1e9 / (3350e9 * 0.66))
+    # 8,192 rows of a big GEMM are compute bound: MACs x 2 over (FP8 peak x the curve's 0.61)
+    assert roof.gemm(8192, 7168 * 2048 * 3, 44e6) == pytest.approx(2 * 8192 * 7168 * 2048 * 3 / (1979e12 * 0.61))
+    # an all-to-all inside a node: bytes over (NVLink x 0.96) plus the latency
+    assert roof.link(1.6e9, 0) == pytest.approx(1.6e9 / (160e9 * 0.96) + 5e-6)
+
+
+def test_quantization_config_sets_the_dtypes():
+    assert (DSV3.gemm_dtype, DSV3.weight_bytes, DSV3.expert_weight_bytes) == ("fp8", 1.0, 1.0)
+    oss = load_sim_model(CONFIGS / "gpt-oss-120b.json")
+    assert oss.gemm_dtype == "bf16" and oss.expert_weight_bytes == pytest.approx(4.25 / 8)
+    assert load_sim_model(CONFIGS / "deepseek-v3.json", "bf16").weight_bytes == 2.0
+    with pytest.raises(ValueError, match="--dtype"):
+        load_sim_model(CONFIGS / "mixtral-8x7b.json", "fp4")
+
+
+def test_a_recorded_routing_scaled_to_a_bigger_model_keeps_its_skew():
+    recorded = np.array([[0, 0, 0, 0], [40, 20, 20, 20], [10, 10, 10, 70]], dtype=float)  # a dense layer first
+    out = scaled(recorded, 4, 16, seed=1)
+    assert out.shape == (4, 16) and np.allclose(out.sum(1), 1.0)
+    # the hottest quarter of the experts carries what the hottest expert did (40%, 70%), layers in turn
+    assert [np.sort(row)[-4:].sum() for row in out] == pytest.approx([0.4, 0.7, 0.4, 0.7])
+    same, line = routing_from("trace.trace", 2, 4, recorded=recorded)
+    assert np.allclose(same, recorded[1:] / 100) and line == "recorded in trace.trace"
+
+
+@pytest.mark.parametrize("name", ["deepseek-v3", "kimi-k2", "qwen3-235b-a22b", "gpt-oss-120b", "mixtral-8x7b",
+                                  "k3-3t-1m"])
+def test_every_published_config_runs_as_json(name):
+    res = run_cli(["sim", "--model", str(CONFIGS / f"{name}.json"), "--hardware", "h100", "--devices", "16",
+                   "--routing", "zipf:0.8", "--json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout)
+    assert out["simulated"] is True and out["step_ms"] > 0 and len(out["utilisation"]) == 16
+    for key in ("tokens_per_s", "tokens_per_s_per_device", "tokens_per_s_per_node", "balancedness", "memory"):
+        assert key in out
+    assert set(out["breakdown_ms"]) == set(PARTS)
+
+
+def test_a_trace_routes_the_simulation_and_the_human_output_says_simulated():
+    res = run_cli(["sim", "--model", str(CONFIGS / "deepseek-v3.json"), "--hardware", "h800", "--devices", "32",
+                   "--routing", str(TRACES / "steady_rebalance.trace"), "--rebalance"])
+    assert res.exit_code == 0, res.output
+    assert res.stdout.startswith("SIMULATED: ") and "scaled to 58 x 256" in res.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--devices", "2000"], "--devices: must be an integer in [1, 1024]"),
+    (["--devices", "16", "--redundant", "-1"], "--redundant"),
+    (["--devices", "16", "--tp", "3"], "--tp: 3 must divide"),
+    (["--devices", "16", "--tp", "2", "--dp-attention"], "--dp-attention"),
+    (["--devices", "16", "--phase", "prefill", "--batch-seqs", "4"], "--batch-seqs: is for --phase decode"),
+    (["--devices", "16", "--routing", "zipf:x"], "--routing: 'zipf:x' is not zipf:S"),
+    (["--devices", "16", "--routing", "missing.trace"], "no such trace file"),
+    (["--devices", "16", "--hardware", "b300"], "--hardware: 'b300' is neither a shipped profile"),
+    (["--devices", "16", "--hardware", "ascend-910b"], "hbm_gbps has no sourced figure"),
+    (["--devices", "16", "--context", "99999999"], "--context: must be in"),
+])
+def test_bad_input_is_one_line_and_exit_code_2(args, message):
+    base = ["sim", "--model", str(CONFIGS / "deepseek-v3.json")]
+    if "--hardware" not in args:
+        base += ["--hardware", "h800"]
+    res = run_cli(base + args)
+    assert res.exit_code == 2, res.output
+    assert message in res.stderr and res.stderr.count("\n") == 1 and "Traceback" not in res.stderr
+
+
+def test_the_validation_bench_predicts_every_published_case_from_sourced_inputs():
+    from bench.sim_validation import CASES, run_cases
+
+    rows = run_cases()
+    assert [r["case"] for r in rows] == [c[0] for c in CASES]
+    for row in rows:
+        assert row["source"].strip() and row["published_per_node"] > 0
+        for variant in ("balanced", "recorded_eplb"):
+            got = row[variant]
+            assert got["predicted_per_node"] > 0
+            assert got["error"] == pytest.approx(got["predicted_per_node"] / row["published_per_node"] - 1)
+    assert rows[0]["recorded_eplb"]["balancedness"] < 1.0  # recorded routing is not balanced, even under EPLB
