@@ -13,6 +13,7 @@ from moectl.cli.common import (
     JSON_OPT,
     REDUNDANT_OPT,
     BadInput,
+    check_seed,
     emit_json,
     handles_errors,
     model_dir,
@@ -75,29 +76,37 @@ def sim(
     if placement is not None and (rebalance or redundant is not None):
         raise BadInput("--placement: gives the placement, so it cannot go with --rebalance or --redundant")
     spare = redundant_slots(redundant)
+    check_seed(seed)
     devices = DEFAULT_DEVICES if devices is None else devices
+    if ep is not None and (ep < 1 or devices % ep):
+        raise BadInput(f"--ep: {ep} must divide the {devices} devices")
     sim_model = load_sim_model(model_dir(model, config_file=True), dtype)
     shape = sim_model.shape
     recorded = None
-    if routing not in ("balanced",) and not routing.startswith("zipf:"):
+    if routing != "balanced" and not routing.startswith("zipf:"):
+        if not Path(routing).is_file():
+            raise BadInput(f"--routing: {routing!r} is neither balanced, zipf:S nor a trace file")
         with open_trace(Path(routing)) as reader:
-            steps = [np.asarray(r["routing"], dtype=np.float64) for r in reader.steps()]
-        if not steps:
-            raise BadInput(f"--routing: {routing} has no steps")
-        recorded = np.sum(steps, axis=0)
+            for record in reader.steps():
+                if record.get("routing") is not None:
+                    counts = np.asarray(record["routing"], dtype=np.float64)
+                    recorded = counts if recorded is None else recorded + counts
+        if recorded is None:
+            raise BadInput(f"--routing: {routing} has no steps with routing")
     loads, routing_line = routing_from(routing, shape.num_sparse, shape.num_experts, seed, recorded)
     group = devices if ep is None else ep
     if placement is not None:
         try:
             chosen, _ = read_placement_file(placement)
         except ValueError as exc:
-            raise BadInput(f"--placement: {placement}: {exc}") from None
+            raise BadInput(f"--placement: {placement}: {str(exc).removeprefix('placement: ')}") from None
     elif rebalance:
         chosen = plan_rebalance(loads, group, spare).placement
     else:
         chosen = Placement.contiguous(shape.num_sparse, shape.num_experts, group, spare)
     spec = SimSpec(sim_model, load_profile(hardware), devices, loads, phase=phase,
-                   tokens_per_device=(batch_seqs or 128) if phase == "decode" else (batch_tokens or 16384),
+                   tokens_per_device=(128 if batch_seqs is None else batch_seqs) if phase == "decode"
+                   else (16384 if batch_tokens is None else batch_tokens),
                    context=context, tp=tp, ep=ep, placement=chosen, overlap=overlap)
     result = simulate(spec)
     result.update(model=shape.name, hardware=spec.hardware.key, hardware_name=spec.hardware.name,

@@ -17,7 +17,8 @@ an expert's rows evenly). Every device syncs at dispatch and combine, so a layer
 is its slowest device's; that is where balance shows.
 
 Two-batch overlap splits the batch in two and hides one half's all-to-all behind the other's
-compute: a layer then takes max(2c, 2m) + min(c, m) for halves of compute c and communication m.
+compute, the halves pipelined across layers: a MoE layer takes max(2c, 2m) for one half's compute
+c and communication m, and the pipeline fills once per step (+ min(c, m) of the first layer).
 """
 
 from __future__ import annotations
@@ -64,7 +65,8 @@ class SimSpec:
             raise ValueError(f"--tp: {self.tp!r} must divide both the {self.devices} devices and the model's "
                              f"{m.num_heads} heads")
         if not isinstance(self.tokens_per_device, int) or self.tokens_per_device < 1:
-            raise ValueError(f"--batch: must be a positive integer per device, got {self.tokens_per_device!r}")
+            flag = "--batch-seqs" if self.phase == "decode" else "--batch-tokens"
+            raise ValueError(f"{flag}: must be a positive integer per device, got {self.tokens_per_device!r}")
         if not isinstance(self.context, int) or not 1 <= self.context <= m.max_position_embeddings:
             raise ValueError(f"--context: must be in [1, {m.max_position_embeddings}] (the model's "
                              f"max_position_embeddings), got {self.context!r}")
@@ -72,6 +74,12 @@ class SimSpec:
         if isinstance(self.ep, bool) or not isinstance(self.ep, int) or self.ep < 1 or self.devices % self.ep \
                 or self.ep % self.tp:
             raise ValueError(f"--ep: {self.ep!r} must divide the {self.devices} devices and be a multiple of --tp")
+        per_node = self.hardware.gpus_per_node
+        if self.ep % per_node and per_node % self.ep:
+            raise ValueError(f"--ep: {self.ep} must be a multiple or a divisor of the {per_node} devices per node, so "
+                             f"that every expert-parallel group spans nodes alike")
+        if self.tp > per_node:
+            raise ValueError(f"--tp: {self.tp} exceeds the {per_node} devices of a node")
         if self.routing.shape != (m.num_sparse, m.num_experts):
             raise ValueError(f"routing: expected [{m.num_sparse}, {m.num_experts}] shares, got {list(self.routing.shape)}")
         if self.placement is None:
@@ -88,15 +96,18 @@ class Roofline:
 
     def __init__(self, model: SimModel, hw: HardwareProfile):
         self.model, self.hw = model, hw
-        self.peak = hw.peak_tflops(model.gemm_dtype) * 1e12
+        self.peak = hw.peak_tflops(model.gemm_dtype) * 1e12  # fp8 falls back to bf16 without FP8
         self.bf16 = hw.bf16_tflops * 1e12
         self.hbm = hw.need("hbm_gbps") * 1e9
 
-    def gemm(self, rows: float, macs_per_row: float, weight_bytes: float) -> float:
+    def gemm(self, rows: float, macs_per_row: float, weight_bytes: float, bf16: bool = False) -> float:
+        """rows may be an expectation below 1 (an expert's share of a small batch): its weights
+        are then streamed only when it is hit, with probability 1 - exp(-rows)."""
         if rows <= 0:
             return 0.0
-        compute = 2 * rows * macs_per_row / (self.peak * self.hw.grouped_gemm.at(rows))
-        stream = weight_bytes / (self.hbm * self.hw.memory_bound_gemm)
+        peak = self.bf16 if bf16 else self.peak
+        compute = 2 * rows * macs_per_row / (peak * self.hw.grouped_gemm.at(rows))
+        stream = weight_bytes * -np.expm1(-rows) / (self.hbm * self.hw.memory_bound_gemm)
         return max(compute, stream)
 
     def attention_core(self, tokens: float, macs_per_token: float, kv_bytes: float) -> float:
@@ -144,25 +155,34 @@ def layer_times(spec: SimSpec, tokens_per_device: int) -> LayerTimes:
     T = tokens_per_device
     group_tokens = T * tp  # a TP group's tokens; each of its devices does 1/tp of their heads
 
-    # -- attention (every layer), router, shared and dense: per device, on its own tokens
-    context = spec.context if decode else spec.context / 2  # prefill: causal, half the prompt on average
-    core_macs, kv = m.attention_core(tp, context, decode)
+    # -- attention (every layer: its window where it has one), router, shared and dense: per
+    #    device, on its own tokens; KV is read once per sequence and layer
+    windows = shape.layer_windows or (0,) * shape.num_layers
     sequences = group_tokens if decode else max(1.0, group_tokens / spec.context)
+    _, kv_per_key = m.attention_core(tp, 1, True)
+    attention_core = 0.0
+    for window in windows:
+        keys = min(spec.context, window) if window else spec.context
+        # prefill: causal, each token over half its prompt on average
+        core_macs, _ = m.attention_core(tp, keys if decode else keys / 2, decode)
+        attention_core += roof.attention_core(group_tokens, core_macs, sequences * keys * kv_per_key)
     attention = roof.gemm(group_tokens, m.attention_projection_macs(tp), m.attention_weight_bytes(tp)) \
-        + roof.attention_core(group_tokens, core_macs, sequences * spec.context * kv / max(context, 1))
-    if tp > 1:  # o_proj's all-reduce within the TP group (ring: 2 (tp - 1) / tp of the data)
+        + attention_core / len(windows)  # the layers' mean: every layer adds it once
+    if tp > 1:  # o_proj's all-reduce within the TP group (ring: 2 (tp - 1) / tp of the data), over NVLink
         attention += roof.link(2 * (tp - 1) / tp * group_tokens * shape.hidden_size * 2, 0.0)
-    router = roof.gemm(T, m.router_macs(), m.router_macs() * 4)  # fp32 router weights
+    # the router, embeddings and LM head stay BF16 in fp8 and mxfp4 checkpoints
+    router = roof.gemm(T, m.router_macs(), m.router_macs() * 2, bf16=True)
     shared = roof.gemm(T, m.shared_macs(), m.shared_macs() * m.weight_bytes)
     dense = roof.gemm(T, m.dense_macs(), m.dense_macs() * m.weight_bytes)
-    lm_head = roof.gemm(T if decode else max(1, T // spec.context), m.head_macs(), m.head_macs() * m.weight_bytes)
+    lm_head = roof.gemm(T if decode else sequences / tp, m.head_macs(), m.head_macs() * 2, bf16=True)
 
     # -- MoE layers: rows per device from the routing and the placement, then the all-to-alls
     node_of = np.arange(D) // hw.gpus_per_node
     nodes = int(node_of[-1]) + 1
     same_node = node_of[:, None] == node_of[None, :]
     pairs = T * D * shape.top_k  # (token, choice) pairs of the step, all devices
-    dispatch_bytes = shape.hidden_size * (1.0 + 4 / 128 if m.gemm_dtype == "fp8" else 2.0)  # fp8 + block scales
+    fp8 = m.gemm_dtype == "fp8" and hw.fp8_tflops is not None
+    dispatch_bytes = shape.hidden_size * (1.0 + 4 / 128 if fp8 else 2.0)  # fp8 rows carry block scales
     combine_bytes = shape.hidden_size * 2.0
     expert, dispatch, combine, rows_all = [], [], [], []
     device_expert = np.zeros(D)
@@ -182,10 +202,12 @@ def layer_times(spec: SimSpec, tokens_per_device: int) -> LayerTimes:
         np.fill_diagonal(sent, 0.0)
         intra = np.maximum((sent * same_node).sum(1), (sent * same_node).sum(0))
         # across nodes a token's rows travel once per remote node its choices hit (DeepEP's
-        # node-level dedup), then fan out over the node's own links
+        # node-level dedup); a device's NIC carries the more of what it sends and what it
+        # receives (a hot node's NICs receive from every other node's devices)
         node_share = np.bincount(node_of, weights=to_device, minlength=nodes)
         hit = 1 - (1 - node_share) ** shape.top_k
-        inter = T * (hit.sum() - hit[node_of]) if nodes > 1 else np.zeros(D)
+        inter = np.maximum(T * (hit.sum() - hit[node_of]), T * hit[node_of] * (nodes - 1)) if nodes > 1 \
+            else np.zeros(D)
         dispatch.append(max(roof.link(i * dispatch_bytes, x * dispatch_bytes) for i, x in zip(intra, inter)))
         combine.append(max(roof.link(i * combine_bytes, x * combine_bytes) for i, x in zip(intra, inter)))
     return LayerTimes(attention, router, shared, dense, lm_head, expert, dispatch, combine, device_expert,
@@ -198,8 +220,12 @@ def simulate(spec: SimSpec) -> dict:
     groups = spec.devices // spec.ep
     full = layer_times(spec, T)
     if spec.overlap == "two-batch" and T > 1:
-        half = layer_times(spec, T // 2)
-        moe_layers = [max(2 * c, 2 * mm) + min(c, mm) for c, mm in zip(half.moe_compute, half.moe_comm)]
+        half = layer_times(spec, -(-T // 2))  # the larger half, for both
+        # the halves pipeline across layers: each layer takes the longer of both halves' compute
+        # and both halves' all-to-alls; the pipeline fills once per step
+        moe_layers = [max(2 * c, 2 * mm) for c, mm in zip(half.moe_compute, half.moe_comm)]
+        if moe_layers:
+            moe_layers[0] += min(half.moe_compute[0], half.moe_comm[0])
     else:
         moe_layers = [c + mm for c, mm in zip(full.moe_compute, full.moe_comm)]
     step = sum(moe_layers) + shape.num_dense * (full.attention + full.dense) + full.lm_head
@@ -209,9 +235,10 @@ def simulate(spec: SimSpec) -> dict:
         "attention": shape.num_layers * full.attention, "router": shape.num_sparse * full.router,
         "dispatch": sum(full.dispatch), "expert_gemm": sum(full.expert), "combine": sum(full.combine),
         "shared_dense": shape.num_sparse * full.shared + shape.num_dense * full.dense, "lm_head": full.lm_head,
-        "idle": max(0.0, float(step - busy.mean())),
+        # the mean device's wait for the slowest one's experts at each layer's combine
+        "idle": float(sum(full.expert) - full.device_expert.mean()),
     }
-    unhidden = sum(full.moe_compute) + sum(full.moe_comm) - sum(moe_layers)
+    unhidden = max(0.0, sum(full.moe_compute) + sum(full.moe_comm) - sum(moe_layers))
     balancedness = [r.mean() / r.max() for r in full.rows if r.max() > 0]
     tokens = T * D
     step = float(step)
@@ -234,10 +261,13 @@ def memory_per_device(spec: SimSpec) -> dict:
     m, shape = spec.model, spec.model.shape
     slots = spec.placement.slots_per_device
     weights = shape.num_layers * m.attention_weight_bytes(spec.tp) \
-        + shape.num_sparse * (shape.shared_params() + shape.router_params()) * m.weight_bytes \
-        + shape.num_dense * shape.dense_params() * m.weight_bytes + shape.embedding_params() * m.weight_bytes \
-        + shape.num_sparse * slots * m.expert_bytes()
-    sequences = spec.tokens_per_device if spec.phase == "decode" else max(1, spec.tokens_per_device // spec.context)
+        + shape.num_sparse * (shape.shared_params() * m.weight_bytes + shape.router_params() * 2) \
+        + shape.num_dense * shape.dense_params() * m.weight_bytes + shape.embedding_params() * 2 \
+        + shape.num_sparse * slots * m.expert_bytes()  # embeddings, head and router in BF16
+    # a TP group's devices each hold the KV of all the group's sequences (their share of the heads;
+    # MLA's latent whole)
+    tokens = spec.tokens_per_device * spec.tp
+    sequences = tokens if spec.phase == "decode" else max(1, tokens // spec.context)
     _, kv_per_key = m.attention_core(spec.tp, 1, True)
     kv = sequences * spec.context * kv_per_key * shape.num_layers
     total = weights + kv

@@ -22,7 +22,8 @@ def test_the_seeds_hardware_ships_and_every_figure_has_a_source():
     h100 = load_profile("h100")
     assert (h100.bf16_tflops, h100.fp8_tflops, h100.hbm_gbps) == (989, 1979, 3350)  # dense, not sparse
     assert load_profile("a100").fp8_tflops is None and load_profile("a100").peak_tflops("fp8") == 312
-    assert not load_profile("h800").assumed  # DeepSeek's own hardware: its own benchmarks
+    # DeepSeek's own hardware: its own benchmarks; only the FP8 peak and capacity are the H100's
+    assert load_profile("h800").assumed == ("hbm_bytes", "peak_tflops.fp8")
     assert "efficiency.grouped_gemm" in load_profile("mi300x").assumed
 
 

@@ -39,6 +39,9 @@ def test_without_overlap_the_parts_add_up_to_the_step():
     parts = out["breakdown_ms"]
     assert set(parts) == set(PARTS)
     assert sum(v for k, v in parts.items() if k != "idle") == pytest.approx(out["step_ms"])
+    assert parts["idle"] == pytest.approx(0.0, abs=1e-9)  # balanced: no device waits for another
+    skewed = simulate(spec(zipf(DSV3.shape.num_sparse, DSV3.shape.num_experts, 1.0), tokens_per_device=64))
+    assert skewed["breakdown_ms"]["idle"] > 0  # the mean device waits for the slowest one's experts
     assert out["tokens_per_s"] == pytest.approx(64 * 64 / (out["step_ms"] / 1e3))
     assert out["tokens_per_s_per_node"] == pytest.approx(out["tokens_per_s_per_device"] * 8)
     assert len(out["utilisation"]) == 64 and out["balancedness"] == pytest.approx(1.0)
@@ -63,12 +66,15 @@ def test_two_batch_overlap_hides_communication():
 
 def test_the_roofline_by_hand():
     roof = Roofline(DSV3, H800)
-    # one row streams the weights: bytes over (HBM x the memory-bound efficiency)
-    assert roof.gemm(1, 1e6, 1e9) == pytest.approx(1e9 / (3350e9 * 0.66))
+    # a few rows stream the weights: bytes over (HBM x the memory-bound efficiency)
+    assert roof.gemm(64, 1e3, 1e9) == pytest.approx(1e9 / (3350e9 * 0.66))
+    # an expert expecting 0.5 rows is hit with probability 1 - exp(-0.5): so much of its weights
+    assert roof.gemm(0.5, 1e3, 1e9) == pytest.approx((1 - np.exp(-0.5)) * 1e9 / (3350e9 * 0.66))
     # 8,192 rows of a big GEMM are compute bound: MACs x 2 over (FP8 peak x the curve's 0.61)
     assert roof.gemm(8192, 7168 * 2048 * 3, 44e6) == pytest.approx(2 * 8192 * 7168 * 2048 * 3 / (1979e12 * 0.61))
-    # an all-to-all inside a node: bytes over (NVLink x 0.96) plus the latency
-    assert roof.link(1.6e9, 0) == pytest.approx(1.6e9 / (160e9 * 0.96) + 5e-6)
+    # an all-to-all inside a node: bytes over (NVLink x 0.96); DeepEP's tables leave no latency
+    assert roof.link(1.6e9, 0) == pytest.approx(1.6e9 / (160e9 * 0.96))
+    assert roof.link(0, 5e8) == pytest.approx(5e8 / (50e9 * 0.86))
 
 
 def test_quantization_config_sets_the_dtypes():
@@ -117,7 +123,10 @@ def test_a_trace_routes_the_simulation_and_the_human_output_says_simulated():
     (["--devices", "16", "--tp", "2", "--dp-attention"], "--dp-attention"),
     (["--devices", "16", "--phase", "prefill", "--batch-seqs", "4"], "--batch-seqs: is for --phase decode"),
     (["--devices", "16", "--routing", "zipf:x"], "--routing: 'zipf:x' is not zipf:S"),
-    (["--devices", "16", "--routing", "missing.trace"], "no such trace file"),
+    (["--devices", "16", "--routing", "missing.trace"], "is neither balanced, zipf:S nor a trace file"),
+    (["--devices", "16", "--batch-seqs", "0"], "--batch-seqs: must be a positive integer"),
+    (["--devices", "16", "--ep", "5", "--rebalance"], "--ep: 5 must divide the 16 devices"),
+    (["--devices", "24", "--ep", "6"], "--ep: 6 must be a multiple or a divisor of the 8 devices per node"),
     (["--devices", "16", "--hardware", "b300"], "--hardware: 'b300' is neither a shipped profile"),
     (["--devices", "16", "--hardware", "ascend-910b"], "hbm_gbps has no sourced figure"),
     (["--devices", "16", "--context", "99999999"], "--context: must be in"),
@@ -138,7 +147,7 @@ def test_the_validation_bench_predicts_every_published_case_from_sourced_inputs(
     assert [r["case"] for r in rows] == [c[0] for c in CASES]
     for row in rows:
         assert row["source"].strip() and row["published_per_node"] > 0
-        for variant in ("balanced", "recorded_eplb"):
+        for variant in ("balanced", "balanced_two_batch", "recorded_eplb", "recorded_eplb_two_batch"):
             got = row[variant]
             assert got["predicted_per_node"] > 0
             assert got["error"] == pytest.approx(got["predicted_per_node"] / row["published_per_node"] - 1)
