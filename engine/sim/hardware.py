@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
+import numpy as np
+
 FIGURES = ("hbm_bytes", "hbm_gbps", "gpus_per_node", "intra_node_gbps", "inter_node_gbps")
 
 
@@ -39,6 +41,12 @@ class Curve:
             raise ProfileError(f"efficiency points: need (size > 0, fraction in (0, 1]) pairs, got {self.points!r}")
         if [x for x, _ in self.points] != sorted({x for x, _ in self.points}):
             raise ProfileError(f"efficiency points: sizes must increase, got {[x for x, _ in self.points]}")
+
+    def at_many(self, sizes: np.ndarray) -> np.ndarray:
+        """`at` for an array of sizes (sizes <= 0 give the first point's value)."""
+        xs = np.log2([x for x, _ in self.points])
+        ys = np.array([y for _, y in self.points])
+        return np.interp(np.log2(np.maximum(sizes, 1e-12)), xs, ys)
 
     def at(self, size: float) -> float:
         xs = [math.log2(x) for x, _ in self.points]

@@ -110,6 +110,22 @@ class Roofline:
         stream = weight_bytes * -np.expm1(-rows) / (self.hbm * self.hw.memory_bound_gemm)
         return max(compute, stream)
 
+    def gemms(self, rows: np.ndarray, macs_per_row: float, weight_bytes: float) -> np.ndarray:
+        """`gemm` for an array of row counts (one GEMM each; 0 rows cost nothing)."""
+        safe = np.maximum(rows, 1e-12)
+        compute = 2 * safe * macs_per_row / (self.peak * self.hw.grouped_gemm.at_many(safe))
+        stream = weight_bytes * -np.expm1(-safe) / (self.hbm * self.hw.memory_bound_gemm)
+        return np.where(rows > 0, np.maximum(compute, stream), 0.0)
+
+    def links(self, intra_bytes: np.ndarray, inter_bytes: np.ndarray) -> np.ndarray:
+        """`link` for arrays of per-device bytes."""
+        t_intra = intra_bytes / (self.hw.need("intra_node_gbps") * 1e9 * self.hw.a2a_intra_node) \
+            if intra_bytes.any() else np.zeros_like(intra_bytes)
+        t_inter = inter_bytes / (self.hw.need("inter_node_gbps") * 1e9 * self.hw.a2a_inter_node) \
+            if inter_bytes.any() else np.zeros_like(inter_bytes)
+        busy = (intra_bytes > 0) | (inter_bytes > 0)
+        return np.where(busy, np.maximum(t_intra, t_inter) + self.hw.a2a_latency_us * 1e-6, 0.0)
+
     def attention_core(self, tokens: float, macs_per_token: float, kv_bytes: float) -> float:
         compute = 2 * tokens * macs_per_token / (self.bf16 * self.hw.attention_compute)
         return max(compute, kv_bytes / (self.hbm * self.hw.attention_bandwidth))
@@ -191,7 +207,7 @@ def layer_times(spec: SimSpec, tokens_per_device: int) -> LayerTimes:
         replicas = np.bincount(slots[slots >= 0], minlength=shape.num_experts)
         share = spec.routing[layer] / np.maximum(replicas, 1)  # each replica's share of the layer's pairs
         rows = np.where(slots >= 0, pairs * share[np.maximum(slots, 0)], 0.0)  # [D, S]
-        seconds = np.array([sum(roof.gemm(r, m.expert_macs(), m.expert_bytes()) for r in dev) for dev in rows])
+        seconds = roof.gemms(rows, m.expert_macs(), m.expert_bytes()).sum(1)
         device_expert += seconds
         expert.append(float(seconds.max()))
         per_device = rows.sum(1)
@@ -208,8 +224,8 @@ def layer_times(spec: SimSpec, tokens_per_device: int) -> LayerTimes:
         hit = 1 - (1 - node_share) ** shape.top_k
         inter = np.maximum(T * (hit.sum() - hit[node_of]), T * hit[node_of] * (nodes - 1)) if nodes > 1 \
             else np.zeros(D)
-        dispatch.append(max(roof.link(i * dispatch_bytes, x * dispatch_bytes) for i, x in zip(intra, inter)))
-        combine.append(max(roof.link(i * combine_bytes, x * combine_bytes) for i, x in zip(intra, inter)))
+        dispatch.append(float(roof.links(intra * dispatch_bytes, inter * dispatch_bytes).max()))
+        combine.append(float(roof.links(intra * combine_bytes, inter * combine_bytes).max()))
     return LayerTimes(attention, router, shared, dense, lm_head, expert, dispatch, combine, device_expert,
                       np.array(rows_all).reshape(shape.num_sparse, D))
 

@@ -152,3 +152,12 @@ def test_the_validation_bench_predicts_every_published_case_from_sourced_inputs(
             assert got["predicted_per_node"] > 0
             assert got["error"] == pytest.approx(got["predicted_per_node"] / row["published_per_node"] - 1)
     assert rows[0]["recorded_eplb"]["balancedness"] < 1.0  # recorded routing is not balanced, even under EPLB
+
+
+def test_the_array_roofline_is_the_scalar_one():
+    roof = Roofline(DSV3, H800)
+    rows = np.array([[0.0, 0.3, 7.0], [64.0, 700.0, 9000.0]])
+    many = roof.gemms(rows, 7168 * 2048 * 3, 44e6)
+    assert many == pytest.approx(np.array([[roof.gemm(r, 7168 * 2048 * 3, 44e6) for r in row] for row in rows]))
+    intra, inter = np.array([0.0, 1e6, 0.0, 3e8]), np.array([0.0, 0.0, 2e7, 1e8])
+    assert roof.links(intra, inter) == pytest.approx([roof.link(a, b) for a, b in zip(intra, inter)])
