@@ -44,9 +44,12 @@ def sim(
     placement: Path | None = typer.Option(None, "--placement", help="A placement file (`plan rebalance --json`) for "
                                                                      "one expert-parallel group."),
     redundant: int | None = REDUNDANT_OPT,
-    rebalance: bool = typer.Option(False, "--rebalance", help="Place the experts by an EPLB-style plan on the "
-                                                              "routing, replicas in the spare slots (default: the "
-                                                              "naive contiguous placement, spare slots empty)."),
+    rebalance: bool = typer.Option(False, "--rebalance", help="Plan an EPLB-style placement on the routing "
+                                                              "(replicas in the spare slots) and predict what moving "
+                                                              "to it from the naive contiguous one does: the step "
+                                                              "before and after, the migration's stall, the steps it "
+                                                              "takes to pay off. The step reported is the planned "
+                                                              "one's."),
     overlap: str = typer.Option("none", "--overlap", help="none | two-batch (one half's all-to-all behind the "
                                                           "other's compute)."),
     dtype: str | None = typer.Option(None, "--dtype", help="bf16 | fp8: the GEMMs' and weights' dtype (default: "
@@ -65,7 +68,7 @@ def sim(
     from moectl.engine.sim.hardware import load_profile
     from moectl.engine.sim.model_shape import load_sim_model
     from moectl.engine.sim.routing import routing_from
-    from moectl.engine.sim.step_model import SimSpec, memory_per_device, simulate
+    from moectl.engine.sim.step_model import SimSpec, compare_rebalance, memory_per_device, simulate
 
     if dp_attention and tp > 1:
         raise BadInput("--dp-attention: data-parallel attention has no tensor parallelism; drop --tp or this flag")
@@ -95,20 +98,24 @@ def sim(
             raise BadInput(f"--routing: {routing} has no steps with routing")
     loads, routing_line = routing_from(routing, shape.num_sparse, shape.num_experts, seed, recorded)
     group = devices if ep is None else ep
+    chosen = None
     if placement is not None:
         try:
             chosen, _ = read_placement_file(placement)
         except ValueError as exc:
             raise BadInput(f"--placement: {placement}: {str(exc).removeprefix('placement: ')}") from None
-    elif rebalance:
-        chosen = plan_rebalance(loads, group, spare).placement
-    else:
-        chosen = Placement.contiguous(shape.num_sparse, shape.num_experts, group, spare)
+    naive = Placement.contiguous(shape.num_sparse, shape.num_experts, group, spare)
+    chosen = naive if placement is None else chosen
     spec = SimSpec(sim_model, load_profile(hardware), devices, loads, phase=phase,
                    tokens_per_device=(128 if batch_seqs is None else batch_seqs) if phase == "decode"
                    else (16384 if batch_tokens is None else batch_tokens),
                    context=context, tp=tp, ep=ep, placement=chosen, overlap=overlap)
     result = simulate(spec)
+    if rebalance:  # the naive placement's step, then the planned one's: what the rebalance is predicted to do
+        planned = plan_rebalance(loads, spec.ep, spare).placement
+        comparison = compare_rebalance(spec, planned)
+        spec.placement = planned
+        result = {**simulate(spec), "rebalance": comparison}
     result.update(model=shape.name, hardware=spec.hardware.key, hardware_name=spec.hardware.name,
                   gemm_dtype=sim_model.gemm_dtype, tp=tp, ep=spec.ep, tokens_per_device=spec.tokens_per_device,
                   context=context, overlap=overlap, routing=routing_line, memory=memory_per_device(spec),
@@ -135,5 +142,12 @@ def _print(r: dict) -> None:
     mem = r["memory"]
     typer.echo(f"per device: weights {mem['weights_bytes'] / 1e9:.1f} GB + KV {mem['kv_bytes'] / 1e9:.1f} GB of "
                f"{mem['hbm_bytes'] / 1e9:.0f} GB HBM" + ("" if mem["fits"] else " -- DOES NOT FIT"))
+    if "rebalance" in r:
+        rb, mig = r["rebalance"], r["rebalance"]["migration"]
+        pays = "never" if rb["break_even_steps"] is None else f"after {rb['break_even_steps']:,.1f} steps"
+        typer.echo(f"rebalance from the naive placement: step {rb['step_ms_before']:.2f} -> {rb['step_ms_after']:.2f} ms "
+                   f"({rb['gain']:+.1%}), balancedness {rb['balancedness_before']:.3f} -> {rb['balancedness_after']:.3f}; "
+                   f"migration {mig['experts_moved']:,} experts, {mig['bytes'] / 1e9:.1f} GB, stall {mig['stall_ms']:.1f} "
+                   f"ms; pays for itself {pays}")
     if r["assumed"]:
         typer.echo(f"assumed (borrowed from another device's benchmarks): {', '.join(r['assumed'])}")

@@ -289,3 +289,38 @@ def memory_per_device(spec: SimSpec) -> dict:
     total = weights + kv
     return {"weights_bytes": int(weights), "kv_bytes": int(kv), "total_bytes": int(total),
             "hbm_bytes": spec.hardware.hbm_bytes, "fits": bool(total <= spec.hardware.hbm_bytes)}
+
+
+def migration_stall(spec: SimSpec, old: Placement, new: Placement) -> dict:
+    """What moving from `old` to `new` costs one expert-parallel group, simulated: the expert
+    bytes each device receives over its links (copies within a device are free), the stall being
+    the busiest device's, its NVLink and NIC traffic running at once."""
+    hw, D = spec.hardware, spec.ep
+    rows = old.migration(new, hw.gpus_per_node)  # [layer, expert, src, src_slot, dst, dst_slot, over_link]
+    moved = rows[rows[:, 6] == 1]
+    per_expert = spec.model.expert_bytes()
+    node_of = np.arange(D) // hw.gpus_per_node
+    remote = node_of[moved[:, 2]] != node_of[moved[:, 4]]
+    intra = np.bincount(moved[~remote, 4], minlength=D) * per_expert
+    inter = np.bincount(moved[remote, 4], minlength=D) * per_expert
+    roof = Roofline(spec.model, hw)
+    seconds = roof.links(intra.astype(float), inter.astype(float))
+    return {"experts_moved": int(len(moved)), "bytes": float(len(moved) * per_expert),
+            "stall_ms": float(seconds.max()) * 1e3 if len(seconds) else 0.0}
+
+
+def compare_rebalance(spec: SimSpec, planned: Placement) -> dict:
+    """The step under `spec`'s placement and under `planned`, the predicted gain, the migration's
+    stall, and after how many steps the faster step has paid for it."""
+    before = simulate(spec)
+    after_spec = SimSpec(spec.model, spec.hardware, spec.devices, spec.routing, phase=spec.phase,
+                         tokens_per_device=spec.tokens_per_device, context=spec.context, tp=spec.tp, ep=spec.ep,
+                         placement=planned, overlap=spec.overlap)
+    after = simulate(after_spec)
+    migration = migration_stall(spec, spec.placement, planned)
+    saved_ms = before["step_ms"] - after["step_ms"]
+    return {"step_ms_before": before["step_ms"], "step_ms_after": after["step_ms"],
+            "gain": before["step_ms"] / after["step_ms"] - 1,
+            "balancedness_before": before["balancedness"], "balancedness_after": after["balancedness"],
+            "migration": migration,
+            "break_even_steps": migration["stall_ms"] / saved_ms if saved_ms > 0 else None}

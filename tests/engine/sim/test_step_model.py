@@ -161,3 +161,27 @@ def test_the_array_roofline_is_the_scalar_one():
     assert many == pytest.approx(np.array([[roof.gemm(r, 7168 * 2048 * 3, 44e6) for r in row] for row in rows]))
     intra, inter = np.array([0.0, 1e6, 0.0, 3e8]), np.array([0.0, 0.0, 2e7, 1e8])
     assert roof.links(intra, inter) == pytest.approx([roof.link(a, b) for a, b in zip(intra, inter)])
+
+
+def test_a_simulated_rebalance_says_what_it_wins_what_moving_costs_and_when_it_pays():
+    from moectl.engine.experts.placement import Placement
+    from moectl.engine.sim.step_model import compare_rebalance, migration_stall
+
+    shape = DSV3.shape
+    hot = zipf(shape.num_sparse, shape.num_experts, 1.2, seed=3)
+    naive = spec(hot, placement=Placement.contiguous(shape.num_sparse, shape.num_experts, 64, 1))
+    planned = plan_rebalance(hot, 64, 1).placement
+    out = compare_rebalance(naive, planned)
+    assert out["gain"] > 0.2 and out["balancedness_after"] > out["balancedness_before"]
+    moved = out["migration"]
+    assert moved["experts_moved"] > 0 and moved["bytes"] == pytest.approx(moved["experts_moved"] * DSV3.expert_bytes())
+    assert moved["stall_ms"] > 0
+    saved = out["step_ms_before"] - out["step_ms_after"]
+    assert out["break_even_steps"] == pytest.approx(moved["stall_ms"] / saved)
+    assert migration_stall(naive, planned, planned)["experts_moved"] == 0  # nothing to move
+
+    res = run_cli(["sim", "--model", str(CONFIGS / "deepseek-v3.json"), "--hardware", "h800", "--devices", "64",
+                   "--routing", "zipf:1.2", "--seed", "3", "--rebalance", "--json"])
+    assert res.exit_code == 0, res.output
+    result = json.loads(res.stdout)
+    assert result["rebalance"]["gain"] > 0.2 and result["step_ms"] == pytest.approx(result["rebalance"]["step_ms_after"])
