@@ -56,13 +56,12 @@ ROUTING_TRACE = ROOT / "sample_traces" / "dsv3_ranks_rebalance.trace"
 def recorded_routing(num_layers: int, num_experts: int):
     """sample-dsv3's routing on its recorded trace (the seeds' class: top-8 of 32, one domain),
     scaled to DeepSeek-V3's 58 x 256 by engine/sim/routing.py's stated method."""
-    import numpy as np
-
     from moectl.engine.sim.routing import routing_from
+    from moectl.profiler.trace_queries import trace_routing
     from moectl.profiler.trace_store import TraceReader
 
     with TraceReader(ROUTING_TRACE) as reader:
-        total = sum(np.asarray(r["routing"], dtype=np.float64) for r in reader.steps())
+        total = trace_routing(reader)[0]
     return routing_from(str(ROUTING_TRACE.name), num_layers, num_experts, 0, total)[0]
 
 

@@ -63,20 +63,15 @@ def main() -> None:
     args = parser.parse_args()
 
     from moectl.engine import resolve_model
-    from moectl.engine.core.config import EngineConfig, SchedulerKnobs
-    from moectl.engine.core.topology import Topology
     from moectl.engine.parallel.backends import Engines
-    from moectl.engine.tools.rebalance_bench import measure_phase, workload
+    from moectl.engine.tools.rebalance_bench import measure_phase, settle, suite_config, workload
 
     devices = args.nproc if args.backend == "distributed" else (args.devices or 4)
-    config = EngineConfig(model=str(resolve_model(args.model)), topology=Topology(num_devices=devices),
-                          redundant_slots=0, enable_prefix_caching=False,
-                          knobs=SchedulerKnobs(max_num_seqs=args.concurrency, max_num_batched_tokens=1024))
-    engines = Engines(config, args.backend)
+    engines = Engines(suite_config(resolve_model(args.model), devices, 0, args.concurrency), args.backend)
     try:
         engine = engines.make_engine()
         try:
-            measure_phase(engine, workload(args.requests, 2), args.concurrency)  # the suite's settling pass
+            settle(engine, args.requests, args.concurrency)
             phase = measure_phase(engine, workload(args.requests, 1), args.concurrency)
         finally:
             engine.fail_all("abort")

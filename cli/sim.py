@@ -60,8 +60,6 @@ def sim(
     """Predict one step: its time, tokens per second (per device and per node), each device's
     utilisation, balancedness and a breakdown by part. Simulated from the config's shapes, the
     hardware profile's sourced figures and the routing: nothing here runs the model."""
-    import numpy as np
-
     from moectl.engine.experts.placement import Placement
     from moectl.engine.experts.placement_file import read_placement_file
     from moectl.engine.experts.rebalancer import plan_rebalance
@@ -69,6 +67,7 @@ def sim(
     from moectl.engine.sim.model_shape import load_sim_model
     from moectl.engine.sim.routing import routing_from
     from moectl.engine.sim.step_model import SimSpec, compare_rebalance, memory_per_device, simulate
+    from moectl.profiler.trace_queries import trace_routing
 
     if dp_attention and tp > 1:
         raise BadInput("--dp-attention: data-parallel attention has no tensor parallelism; drop --tp or this flag")
@@ -90,32 +89,26 @@ def sim(
         if not Path(routing).is_file():
             raise BadInput(f"--routing: {routing!r} is neither balanced, zipf:S nor a trace file")
         with open_trace(Path(routing)) as reader:
-            for record in reader.steps():
-                if record.get("routing") is not None:
-                    counts = np.asarray(record["routing"], dtype=np.float64)
-                    recorded = counts if recorded is None else recorded + counts
-        if recorded is None:
-            raise BadInput(f"--routing: {routing} has no steps with routing")
+            recorded = trace_routing(reader)[0]
     loads, routing_line = routing_from(routing, shape.num_sparse, shape.num_experts, seed, recorded)
-    group = devices if ep is None else ep
-    chosen = None
     if placement is not None:
         try:
             chosen, _ = read_placement_file(placement)
         except ValueError as exc:
             raise BadInput(f"--placement: {placement}: {str(exc).removeprefix('placement: ')}") from None
-    naive = Placement.contiguous(shape.num_sparse, shape.num_experts, group, spare)
-    chosen = naive if placement is None else chosen
+    else:
+        chosen = Placement.contiguous(shape.num_sparse, shape.num_experts, devices if ep is None else ep, spare)
     spec = SimSpec(sim_model, load_profile(hardware), devices, loads, phase=phase,
                    tokens_per_device=(128 if batch_seqs is None else batch_seqs) if phase == "decode"
                    else (16384 if batch_tokens is None else batch_tokens),
                    context=context, tp=tp, ep=ep, placement=chosen, overlap=overlap)
-    result = simulate(spec)
-    if rebalance:  # the naive placement's step, then the planned one's: what the rebalance is predicted to do
+    if rebalance:  # from the naive placement to a planned one: what the rebalance is predicted to do
         planned = plan_rebalance(loads, spec.ep, spare).placement
-        comparison = compare_rebalance(spec, planned)
+        comparison, result = compare_rebalance(spec, planned)
+        result["rebalance"] = comparison
         spec.placement = planned
-        result = {**simulate(spec), "rebalance": comparison}
+    else:
+        result = simulate(spec)
     result.update(model=shape.name, hardware=spec.hardware.key, hardware_name=spec.hardware.name,
                   gemm_dtype=sim_model.gemm_dtype, tp=tp, ep=spec.ep, tokens_per_device=spec.tokens_per_device,
                   context=context, overlap=overlap, routing=routing_line, memory=memory_per_device(spec),

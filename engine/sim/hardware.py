@@ -11,14 +11,11 @@ fitted per prediction.
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
 import numpy as np
-
-FIGURES = ("hbm_bytes", "hbm_gbps", "gpus_per_node", "intra_node_gbps", "inter_node_gbps")
 
 
 class ProfileError(ValueError):
@@ -43,21 +40,13 @@ class Curve:
             raise ProfileError(f"efficiency points: sizes must increase, got {[x for x, _ in self.points]}")
 
     def at_many(self, sizes: np.ndarray) -> np.ndarray:
-        """`at` for an array of sizes (sizes <= 0 give the first point's value)."""
+        """The efficiency at each size (sizes <= 0 give the first point's value)."""
         xs = np.log2([x for x, _ in self.points])
         ys = np.array([y for _, y in self.points])
         return np.interp(np.log2(np.maximum(sizes, 1e-12)), xs, ys)
 
     def at(self, size: float) -> float:
-        xs = [math.log2(x) for x, _ in self.points]
-        ys = [y for _, y in self.points]
-        s = math.log2(max(size, 1e-12))
-        if s <= xs[0]:
-            return ys[0]
-        for (x0, y0), (x1, y1) in zip(zip(xs, ys), zip(xs[1:], ys[1:])):
-            if s <= x1:
-                return y0 + (y1 - y0) * (s - x0) / (x1 - x0)
-        return ys[-1]
+        return float(self.at_many(np.asarray(size, dtype=np.float64)))
 
 
 @dataclass(frozen=True)

@@ -68,8 +68,7 @@ def routing_from(spec: str, num_layers: int, num_experts: int, seed: int = 0,
     if recorded is None:
         raise ValueError(f"--routing: {spec!r} is not {ROUTINGS}")
     moe = recorded[recorded.sum(1) > 0]
-    if moe.shape == (num_layers, num_experts):
-        return scaled(recorded, num_layers, num_experts, seed), f"recorded in {spec}"
-    return scaled(recorded, num_layers, num_experts, seed), (
+    line = f"recorded in {spec}" if moe.shape == (num_layers, num_experts) else (
         f"recorded in {spec} ({moe.shape[0]} MoE layers x {moe.shape[1]} experts), scaled to {num_layers} x "
         f"{num_experts} by its share-by-rank curves")
+    return scaled(recorded, num_layers, num_experts, seed), line

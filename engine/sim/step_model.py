@@ -23,7 +23,7 @@ c and communication m, and the pipeline fills once per step (+ min(c, m) of the 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -100,43 +100,38 @@ class Roofline:
         self.bf16 = hw.bf16_tflops * 1e12
         self.hbm = hw.need("hbm_gbps") * 1e9
 
-    def gemm(self, rows: float, macs_per_row: float, weight_bytes: float, bf16: bool = False) -> float:
-        """rows may be an expectation below 1 (an expert's share of a small batch): its weights
-        are then streamed only when it is hit, with probability 1 - exp(-rows)."""
-        if rows <= 0:
-            return 0.0
-        peak = self.bf16 if bf16 else self.peak
-        compute = 2 * rows * macs_per_row / (peak * self.hw.grouped_gemm.at(rows))
-        stream = weight_bytes * -np.expm1(-rows) / (self.hbm * self.hw.memory_bound_gemm)
-        return max(compute, stream)
-
-    def gemms(self, rows: np.ndarray, macs_per_row: float, weight_bytes: float) -> np.ndarray:
-        """`gemm` for an array of row counts (one GEMM each; 0 rows cost nothing)."""
+    def gemms(self, rows, macs_per_row: float, weight_bytes: float, bf16: bool = False) -> np.ndarray:
+        """One GEMM per entry of `rows` (0 rows cost nothing). Rows may be an expectation below 1
+        (an expert's share of a small batch): its weights are then streamed only when it is hit,
+        with probability 1 - exp(-rows)."""
+        rows = np.asarray(rows, dtype=np.float64)
         safe = np.maximum(rows, 1e-12)
-        compute = 2 * safe * macs_per_row / (self.peak * self.hw.grouped_gemm.at_many(safe))
+        peak = self.bf16 if bf16 else self.peak
+        compute = 2 * safe * macs_per_row / (peak * self.hw.grouped_gemm.at_many(safe))
         stream = weight_bytes * -np.expm1(-safe) / (self.hbm * self.hw.memory_bound_gemm)
         return np.where(rows > 0, np.maximum(compute, stream), 0.0)
 
-    def links(self, intra_bytes: np.ndarray, inter_bytes: np.ndarray) -> np.ndarray:
-        """`link` for arrays of per-device bytes."""
-        t_intra = intra_bytes / (self.hw.need("intra_node_gbps") * 1e9 * self.hw.a2a_intra_node) \
-            if intra_bytes.any() else np.zeros_like(intra_bytes)
-        t_inter = inter_bytes / (self.hw.need("inter_node_gbps") * 1e9 * self.hw.a2a_inter_node) \
-            if inter_bytes.any() else np.zeros_like(inter_bytes)
-        busy = (intra_bytes > 0) | (inter_bytes > 0)
+    def gemm(self, rows: float, macs_per_row: float, weight_bytes: float, bf16: bool = False) -> float:
+        return float(self.gemms(rows, macs_per_row, weight_bytes, bf16))
+
+    def links(self, intra_bytes, inter_bytes) -> np.ndarray:
+        """One all-to-all per entry: the seconds of the device whose links carry these bytes
+        (NVLink and NIC at once). A link with no bytes needs no bandwidth figure."""
+        intra = np.asarray(intra_bytes, dtype=np.float64)
+        inter = np.asarray(inter_bytes, dtype=np.float64)
+        t_intra = intra / (self.hw.need("intra_node_gbps") * 1e9 * self.hw.a2a_intra_node) if intra.any() \
+            else np.zeros_like(intra)
+        t_inter = inter / (self.hw.need("inter_node_gbps") * 1e9 * self.hw.a2a_inter_node) if inter.any() \
+            else np.zeros_like(inter)
+        busy = (intra > 0) | (inter > 0)
         return np.where(busy, np.maximum(t_intra, t_inter) + self.hw.a2a_latency_us * 1e-6, 0.0)
+
+    def link(self, intra_bytes: float, inter_bytes: float) -> float:
+        return float(self.links(intra_bytes, inter_bytes))
 
     def attention_core(self, tokens: float, macs_per_token: float, kv_bytes: float) -> float:
         compute = 2 * tokens * macs_per_token / (self.bf16 * self.hw.attention_compute)
         return max(compute, kv_bytes / (self.hbm * self.hw.attention_bandwidth))
-
-    def link(self, intra_bytes: float, inter_bytes: float) -> float:
-        """One all-to-all on the device whose links carry these bytes (both directions at once)."""
-        if intra_bytes <= 0 and inter_bytes <= 0:
-            return 0.0
-        t_intra = intra_bytes / (self.hw.need("intra_node_gbps") * 1e9 * self.hw.a2a_intra_node) if intra_bytes else 0
-        t_inter = inter_bytes / (self.hw.need("inter_node_gbps") * 1e9 * self.hw.a2a_inter_node) if inter_bytes else 0
-        return max(t_intra, t_inter) + self.hw.a2a_latency_us * 1e-6
 
 
 @dataclass
@@ -309,18 +304,15 @@ def migration_stall(spec: SimSpec, old: Placement, new: Placement) -> dict:
             "stall_ms": float(seconds.max()) * 1e3 if len(seconds) else 0.0}
 
 
-def compare_rebalance(spec: SimSpec, planned: Placement) -> dict:
-    """The step under `spec`'s placement and under `planned`, the predicted gain, the migration's
-    stall, and after how many steps the faster step has paid for it."""
-    before = simulate(spec)
-    after_spec = SimSpec(spec.model, spec.hardware, spec.devices, spec.routing, phase=spec.phase,
-                         tokens_per_device=spec.tokens_per_device, context=spec.context, tp=spec.tp, ep=spec.ep,
-                         placement=planned, overlap=spec.overlap)
-    after = simulate(after_spec)
+def compare_rebalance(spec: SimSpec, planned: Placement) -> tuple[dict, dict]:
+    """(the rebalance: the step under `spec`'s placement and under `planned`, the predicted gain,
+    the migration's stall and after how many steps the faster step has paid for it; the planned
+    step's whole `simulate` result)."""
+    before, after = simulate(spec), simulate(replace(spec, placement=planned))
     migration = migration_stall(spec, spec.placement, planned)
     saved_ms = before["step_ms"] - after["step_ms"]
     return {"step_ms_before": before["step_ms"], "step_ms_after": after["step_ms"],
             "gain": before["step_ms"] / after["step_ms"] - 1,
             "balancedness_before": before["balancedness"], "balancedness_after": after["balancedness"],
             "migration": migration,
-            "break_even_steps": migration["stall_ms"] / saved_ms if saved_ms > 0 else None}
+            "break_even_steps": migration["stall_ms"] / saved_ms if saved_ms > 0 else None}, after

@@ -92,14 +92,28 @@ def _summary(wall: float, records: list[dict]) -> dict:
             "records": records}
 
 
+def suite_config(model_dir, devices: int, redundant: int, concurrency: int, dtype=None,
+                 threads: int | None = None) -> EngineConfig:
+    """The suite's engine: `concurrency` sequences at most, the prefix cache off (so every phase
+    schedules the same batches)."""
+    return EngineConfig(model=str(model_dir), dtype=dtype, topology=Topology(num_devices=devices),
+                        redundant_slots=redundant, num_threads=threads, enable_prefix_caching=False,
+                        knobs=SchedulerKnobs(max_num_seqs=concurrency, max_num_batched_tokens=1024))
+
+
+def settle(engine, num_requests: int, concurrency: int) -> None:
+    """One unmeasured pass of a third draw of the workload: on the ranks the first pass ran 20-30%
+    slower than later ones (allocators and caches settling), which would fall on the next
+    measured phase alone."""
+    measure_phase(engine, workload(num_requests, 2), concurrency)
+
+
 def run_rebalance_bench(model_dir, backend: str = "local", devices: int = 2, requests: int = 48, rounds: int = 10,
                         concurrency: int = 16, redundant: int = 0, dtype=None, threads: int | None = None,
                         log=print) -> dict:
     """redundant: spare expert slots per device for replicas of hot experts; 0 re-hashes the
     experts over the devices (the seeds' move), without replicas to choose between."""
-    config = EngineConfig(model=str(model_dir), dtype=dtype, topology=Topology(num_devices=devices),
-                          redundant_slots=redundant, num_threads=threads, enable_prefix_caching=False,
-                          knobs=SchedulerKnobs(max_num_seqs=concurrency, max_num_batched_tokens=1024))
+    config = suite_config(model_dir, devices, redundant, concurrency, dtype, threads)
     if backend not in ("local", "distributed"):
         raise ValueError(f"--backend: the rebalance suite runs on local or distributed, got {backend!r}")
     engines = Engines(config, backend)
@@ -132,10 +146,7 @@ def _run(engine, backend, devices, num_requests, rounds, concurrency, log) -> di
     naive = engine.experts.placement
     log(f"rebalance bench: {backend}, {devices} devices, {num_requests} requests ({concurrency} in flight) per "
         f"phase; the plan from warm-up requests, the phases on others from the same workload")
-    # one unmeasured pass of other requests of the workload first: on the ranks the first pass
-    # ran 20-30% slower than later ones (allocators and caches settling), which would fall on
-    # the plan's window alone
-    measure_phase(engine, workload(num_requests, 2), concurrency)
+    settle(engine, num_requests, concurrency)  # so that the plan's window does not measure it
     warmup = measure_phase(engine, warm, concurrency)  # calibrates the cost model on the naive placement
     plan = engine.experts.preview()
     predicted = plan.prediction or {}
