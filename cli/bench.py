@@ -28,6 +28,16 @@ from moectl.cli.common import (
     progress,
     redundant_slots,
 )
+from moectl.cli.sim_backend import (
+    DRIFT_OPT,
+    HARDWARE_OPT,
+    OVERLAP_OPT,
+    SIM_ROUTING_OPT,
+    SIM_SEED_OPT,
+    SIMULATED,
+    TP_OPT,
+    refuse_sim_options,
+)
 
 # the options each suite reads: one given to a suite that would ignore it is refused, naming both
 SUITE_OPTIONS = {
@@ -35,7 +45,8 @@ SUITE_OPTIONS = {
     "serve": {"workload", "requests", "seed", "host_mem"},
     "kv-int8": set(),
     "profiler": {"backend", "nproc"},
-    "rebalance": {"backend", "nproc", "devices", "rounds", "redundant", "requests"},
+    "rebalance": {"backend", "nproc", "devices", "rounds", "redundant", "requests", "hardware", "routing", "drift",
+                  "tp", "overlap", "sim_seed"},
     "limits": set(),
     "soak": {"backend", "requests", "devices", "seed"},
 }
@@ -83,6 +94,12 @@ def bench(
     host_mem: str | None = HOST_MEM_OPT,
     contended: bool = typer.Option(False, "--contended", help="compare-hf: also run it with a busy process holding "
                                                                "one core, and the engine on a thread per core."),
+    hardware: str = HARDWARE_OPT,
+    routing: str = SIM_ROUTING_OPT,
+    drift: float = DRIFT_OPT,
+    tp: int = TP_OPT,
+    overlap: str = OVERLAP_OPT,
+    sim_seed: int = SIM_SEED_OPT,
     as_json: bool = JSON_OPT,
 ):
     """Benchmarks that print ratios against a baseline measured in the same run, and the share of
@@ -93,6 +110,12 @@ def bench(
         raise BadInput(f"--compare: only 'hf' is supported, got {compare!r}")
     name = suite or "compare-hf"
     check_suite_options(ctx, name)
+    refuse_sim_options(ctx, backend)
+    if backend == SIMULATED:
+        if name != "rebalance":
+            raise BadInput(f"--backend simulated: runs --suite rebalance, not {name}")
+        return _simulated_rebalance(ctx, model, devices, redundant, dtype, rounds, requests,
+                                    (hardware, routing, drift, tp, overlap, sim_seed), as_json)
     check_seed(seed)
     check_nproc(nproc, backend)
     threads = parse_threads(threads_opt)
@@ -183,4 +206,21 @@ def bench(
     else:
         raise BadInput(f"--suite: {name!r} is not one of compare-hf, serve, kv-int8, profiler, rebalance, limits, "
                        "soak")
+    emit_json(result, as_json)
+
+
+def _simulated_rebalance(ctx, model, devices, redundant, dtype, rounds, requests, sim, as_json: bool) -> None:
+    """The rebalance suite on a simulated cluster (engine/tools/sim_rebalance.py): every figure simulated."""
+    from moectl.cli.sim_backend import SimEngines
+    from moectl.engine.tools.sim_rebalance import run_sim_rebalance
+
+    if not 1 <= rounds <= 20:
+        raise BadInput("--rounds: must be in 1-20")
+    if given(ctx, "requests") and not 1 <= requests <= 1 << 20:
+        raise BadInput("--requests: must be in 1-1048576")
+    hardware, routing, drift, tp, overlap, seed = sim
+    engines = SimEngines(model, devices, redundant, None, dtype, hardware, routing, drift, tp, overlap, seed)
+    engine = engines.make_engine()
+    result = run_sim_rebalance(engine.config, engines.recorded, rounds=3 if not given(ctx, "rounds") else rounds,
+                               requests=requests if given(ctx, "requests") else None, log=progress(as_json))
     emit_json(result, as_json)

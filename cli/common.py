@@ -41,8 +41,10 @@ HOST_MEM_OPT = typer.Option(None, "--host-mem", help="Host memory for routed exp
 EXPERT_CACHE_OPT = typer.Option(None, "--expert-cache", help="Tiered expert memory (with --devices): experts stay "
                                                              "in host memory and each device caches this many in HBM.")
 BACKEND_OPT = typer.Option("local", "--backend", help="local (devices emulated in this process), multi-gpu (device "
-                                                      "d's experts on cuda:d) or distributed (one process per "
-                                                      "device, torch.distributed; see --nproc).")
+                                                      "d's experts on cuda:d), distributed (one process per "
+                                                      "device, torch.distributed; see --nproc) or, for run, record "
+                                                      "and bench, simulated (a cluster from a hardware profile and "
+                                                      "config.json; every figure simulated; see --hardware).")
 NPROC_OPT = typer.Option(None, "--nproc", help="distributed: processes, one per device (default: --devices).")
 THREADS_OPT = typer.Option("auto", "--threads", help="torch intra-op threads: N, or auto (the cores other processes "
                                                     "leave free, re-measured every second; `bench --contended` "

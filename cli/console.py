@@ -29,6 +29,17 @@ from moectl.cli.common import (
     option_flag,
     parse_threads,
 )
+from moectl.cli.sim_backend import (
+    DRIFT_OPT,
+    HARDWARE_OPT,
+    OVERLAP_OPT,
+    SIM_OPTIONS,
+    SIM_ROUTING_OPT,
+    SIM_SEED_OPT,
+    SIMULATED,
+    TP_OPT,
+    refuse_sim_options,
+)
 from moectl.themes import check_theme
 
 DEMO_WORKLOAD = "rate=4,prompt=32-256,output=32-128"
@@ -81,7 +92,7 @@ def live_source(model: Path | None, devices: int | None, hbm: str, redundant: in
 # run's options that configure its engine: run hands the given ones to its engine process, and
 # `web` to the one engine its tabs share
 ENGINE_OPTIONS = ("model", "devices", "hbm", "redundant", "backend", "nproc", "placement", "expert_cache",
-                  "host_mem", "workload", "dtype", "threads")
+                  "host_mem", "workload", "dtype", "threads", *SIM_OPTIONS)
 ENGINE_DIR_OPT = typer.Option(None, "--engine", hidden=True,
                               help="Attach to the engine process in this directory (its socket and token) "
                                    "instead of starting one: how `moectl web`'s tabs share one engine.")
@@ -102,6 +113,12 @@ def run(
     workload: str = DEMO_WORKLOAD_OPT,
     dtype: str | None = DTYPE_OPT,
     threads: str = THREADS_OPT,
+    hardware: str = HARDWARE_OPT,
+    routing: str = SIM_ROUTING_OPT,
+    drift: float = DRIFT_OPT,
+    tp: int = TP_OPT,
+    overlap: str = OVERLAP_OPT,
+    sim_seed: int = SIM_SEED_OPT,
     theme: str = THEME_OPT,
     engine: Path | None = ENGINE_DIR_OPT,
     check_only: bool = typer.Option(False, "--check-only", hidden=True,
@@ -115,6 +132,7 @@ def run(
     from moectl.engine.core.actions import ActionRefused
 
     check_theme(theme)
+    refuse_sim_options(ctx, backend)
     process = None
     if engine is not None:
         for name in ENGINE_OPTIONS:
@@ -159,6 +177,7 @@ def run(
 
 @handles_errors
 def engine_host(
+    ctx: typer.Context,
     engine_dir: Path = typer.Option(..., "--engine-dir", help="The run's private directory (token; the socket "
                                                                "goes there)."),
     model: Path | None = MODEL_OPT,
@@ -173,6 +192,12 @@ def engine_host(
     workload: str = DEMO_WORKLOAD_OPT,
     dtype: str | None = DTYPE_OPT,
     threads: str = THREADS_OPT,
+    hardware: str = HARDWARE_OPT,
+    routing: str = SIM_ROUTING_OPT,
+    drift: float = DRIFT_OPT,
+    tp: int = TP_OPT,
+    overlap: str = OVERLAP_OPT,
+    sim_seed: int = SIM_SEED_OPT,
     inject_fault: int | None = typer.Option(None, "--inject-fault", hidden=True,
                                             help="Testing: the first engine's forward fails from this step on, as a "
                                                  "device fault would; a restart builds one without it."),
@@ -191,18 +216,31 @@ def engine_host(
     if parent and os.getppid() != int(parent):  # it died before die_with_parent took effect
         raise typer.Exit(1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the console's to handle; it stops us
-    load = demo_load(workload)
-    config = live_engine_config(model, devices, hbm, redundant, expert_cache, dtype, threads, backend, nproc,
-                                placement, host_mem)
+    refuse_sim_options(ctx, backend)
     token = read_token(engine_dir)
-    engines = Engines(config, backend)
+    demo = None
+    if backend == SIMULATED:
+        from moectl.cli.sim_backend import SimEngines, sim_load
+        from moectl.engine.tools.sim_workload import SimWorkload
+
+        _refuse_for_simulated(ctx)
+        engines = SimEngines(model, devices, redundant, placement, dtype, hardware, routing, drift, tp, overlap,
+                             sim_seed)
+        load, _ = sim_load(workload if given(ctx, "workload") else None, engines.first.max_model_len)
+        demo = SimWorkload(load, seed=sim_seed)
+    else:
+        load = demo_load(workload)
+        config = live_engine_config(model, devices, hbm, redundant, expert_cache, dtype, threads, backend, nproc,
+                                    placement, host_mem)
+        engines = Engines(config, backend)
     try:
         make_engine = engines.make_engine
         if inject_fault is not None:
             from moectl.engine.tools.fault_injection import first_engine_faulty
 
             make_engine = first_engine_faulty(make_engine, inject_fault)
-        host = EngineHost(engine_dir, token, make_engine=make_engine, load=load, on_close=engines.close)
+        host = EngineHost(engine_dir, token, make_engine=make_engine, load=load, on_close=engines.close,
+                          workload=demo)
     except BaseException:
         engines.close()
         raise
@@ -213,6 +251,14 @@ def engine_host(
         host.wait()
     finally:
         host.close()
+
+
+def _refuse_for_simulated(ctx: typer.Context) -> None:
+    """Options of a real engine that a simulated cluster has no use for: bad input, not ignored."""
+    for name in ("hbm", "nproc", "expert_cache", "host_mem", "threads"):
+        if given(ctx, name):
+            raise BadInput(f"{option_flag(ctx, name)}: not on the simulated backend (its devices are the hardware "
+                           f"profile's)")
 
 
 @handles_errors

@@ -9,9 +9,10 @@ import sys
 
 import typer
 
-from moectl.cli import bench, console, generate, record, serve, sim, verify, web
+from moectl.cli import bench, console, generate, record, serve, verify, web
 from moectl.cli.model import model_app
 from moectl.cli.plan import plan_app
+from moectl.cli.sim import sim_app
 from moectl.cli.trace import trace_app
 
 app = typer.Typer(name="moectl", no_args_is_help=False, invoke_without_command=True, add_completion=True,
@@ -28,11 +29,11 @@ app.command()(console.attach)
 app.command("engine-host", hidden=True)(console.engine_host)
 app.command()(serve.serve)
 app.command()(record.record)
-app.command()(sim.sim)
 app.command()(web.web)
 app.add_typer(model_app, name="model")
 app.add_typer(plan_app, name="plan")
 app.add_typer(trace_app, name="trace")
+app.add_typer(sim_app, name="sim")
 
 
 @app.callback()
@@ -43,7 +44,8 @@ def _default(ctx: typer.Context,
     if ctx.invoked_subcommand is None:
         console.run(ctx=None, model=None, devices=None, hbm="80GiB", redundant=1, backend="local", nproc=None,
                     placement=None, expert_cache=None, host_mem=None, workload=console.DEMO_WORKLOAD, dtype=None,
-                    threads="auto", theme=theme or "dark", engine=None, check_only=False)
+                    threads="auto", hardware="h800", routing="sample", drift=0.0, tp=1, overlap="none", sim_seed=0,
+                    theme=theme or "dark", engine=None, check_only=False)
     elif theme is not None:
         raise typer.BadParameter("--theme: give it after the command, e.g. `moectl replay T --theme light`")
 

@@ -28,6 +28,16 @@ from moectl.cli.common import (
     handles_errors,
     parse_threads,
 )
+from moectl.cli.sim_backend import (
+    DRIFT_OPT,
+    HARDWARE_OPT,
+    OVERLAP_OPT,
+    SIM_ROUTING_OPT,
+    SIM_SEED_OPT,
+    SIMULATED,
+    TP_OPT,
+    refuse_sim_options,
+)
 from moectl.engine.core.actions import Action
 
 DEFAULT_RECORD_WORKLOAD = "rate=6,prompt=32-256,output=32-128,duration=86400"
@@ -40,6 +50,7 @@ MAX_CAPTURE_STEPS = 1000  # the engine's own limit on a deep capture
 
 @handles_errors
 def record(
+    ctx: typer.Context,
     trace: Path = typer.Argument(..., help="Trace file to write (SQLite)."),
     steps: int | None = typer.Option(None, "--steps", help="Stop after this many engine steps."),
     seconds: float | None = typer.Option(None, "--seconds", help="Stop after this many seconds."),
@@ -54,7 +65,8 @@ def record(
     redundant: int | None = REDUNDANT_OPT,
     workload: str = typer.Option(DEFAULT_RECORD_WORKLOAD, "--workload",
                                  help="key=value list (rate, prompt, output, requests, duration, seed) or a "
-                                      ".jsonl file; arrivals in real time."),
+                                      ".jsonl file; arrivals in real time (simulated backend: in simulated "
+                                      "seconds, lengths only, rate auto unless given)."),
     kv_blocks: int | None = typer.Option(None, "--kv-blocks", help="KV cache blocks in all (default: from "
                                                                    "the engine's KV memory)."),
     rebalance_at: int | None = typer.Option(None, "--rebalance-at", help="At this step, preview and apply a "
@@ -64,6 +76,12 @@ def record(
     dtype: str | None = DTYPE_OPT,
     threads: str = THREADS_OPT,
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing trace file."),
+    hardware: str = HARDWARE_OPT,
+    routing: str = SIM_ROUTING_OPT,
+    drift: float = DRIFT_OPT,
+    tp: int = TP_OPT,
+    overlap: str = OVERLAP_OPT,
+    sim_seed: int = SIM_SEED_OPT,
     as_json: bool = JSON_OPT,
 ):
     """Run the engine headless on a workload and record every step and action to TRACE."""
@@ -72,6 +90,11 @@ def record(
     from moectl.engine.tools.workload import WorkloadSpec
 
     _check_options(trace, steps, seconds, overwrite, capture, rebalance_at, kv_blocks)
+    refuse_sim_options(ctx, backend)
+    if backend == SIMULATED:
+        return _record_simulated(ctx, trace, steps, seconds, model, devices, redundant, placement, dtype, workload,
+                                 rebalance_at, capture, kv_blocks, overwrite, as_json,
+                                 (hardware, routing, drift, tp, overlap, sim_seed))
     spec = WorkloadSpec.from_option(workload)
     config = engine_config(model, devices=devices,
                            hbm=hbm, expert_cache=expert_cache, host_mem=host_mem, dtype=dtype,
@@ -82,6 +105,48 @@ def record(
         return _record(engines, trace, steps, seconds, spec, rebalance_at, capture, overwrite, as_json)
     finally:
         engines.close()
+
+
+def _record_simulated(ctx, trace, steps, seconds, model, devices, redundant, placement, dtype, workload,
+                      rebalance_at, capture, kv_blocks, overwrite, as_json, sim):
+    """record --backend simulated: the simulated cluster on its simulated clock (--seconds is wall
+    time still: how long to record); the workload's requests and duration count in it."""
+    from moectl.cli.common import given, option_flag
+    from moectl.cli.sim_backend import SimEngines, sim_load
+    from moectl.engine.core.driver import EngineDriver
+    from moectl.engine.tools.sim_workload import SimWorkload
+    from moectl.profiler.recorder import TraceRecorder
+
+    for name in ("hbm", "nproc", "expert_cache", "host_mem", "threads"):
+        if given(ctx, name):
+            raise BadInput(f"{option_flag(ctx, name)}: not on the simulated backend (its devices are the hardware "
+                           f"profile's)")
+    if capture is not None:
+        raise BadInput("--capture: a simulated cluster runs no kernels to profile (its spans are all modeled)")
+    if kv_blocks is not None:
+        raise BadInput("--kv-blocks: the simulated backend's KV pool is what the memory plan leaves")
+    hardware, routing, drift, tp, overlap, seed = sim
+    engines = SimEngines(model, devices, redundant, placement, dtype, hardware, routing, drift, tp, overlap, seed)
+    load, spec = sim_load(workload if given(ctx, "workload") else None, engines.first.max_model_len)
+    feed = SimWorkload(load, seed=spec.seed or seed, num_requests=spec.num_requests, duration_s=spec.duration_s)
+    driver = EngineDriver(engines.make_engine, feed=feed, buffer_records=False, start=False, name="moectl-record")
+    engine = driver.engine
+    biggest = spec.prompt_dist.hi + spec.output_dist.hi
+    if biggest > engine.max_model_len:
+        raise BadInput(f"--workload: its largest request ({biggest} tokens) exceeds the model's context of "
+                       f"{engine.max_model_len} tokens (the simulated backend's max_model_len)")
+    existed = Path(trace).exists()
+    recorder = TraceRecorder(engine, trace, overwrite=overwrite, max_steps=steps)
+    try:
+        seconds_run = _run(driver, recorder, feed, steps, seconds, rebalance_at, None, as_json)
+    except BaseException:
+        _discard_if_empty(recorder, trace, existed)
+        raise
+    if driver.error is not None:
+        _discard_if_empty(recorder, trace, existed)
+        raise RuntimeError(f"the simulated engine failed at step {engine.step_count}: {driver.error} "
+                           f"({recorder.steps} steps recorded in {trace})")
+    return _report(recorder, feed, trace, seconds_run, as_json, simulated_s=engine.now)
 
 
 def _check_options(trace: Path, steps, seconds, overwrite: bool, capture, rebalance_at, kv_blocks) -> None:
@@ -207,16 +272,22 @@ def _run(driver, recorder, feed, steps, seconds, rebalance_at, capture, as_json:
     return time.monotonic() - t0
 
 
-def _report(recorder, feed, trace: Path, seconds: float, as_json: bool) -> None:
-    """The result line (or JSON); then a non-zero exit if the engine refused requests on the way."""
+def _report(recorder, feed, trace: Path, seconds: float, as_json: bool, simulated_s: float | None = None) -> None:
+    """The result line (or JSON); then a non-zero exit if the engine refused requests on the way.
+    simulated_s: a simulated cluster's clock at the end (its steps per wall second are reported)."""
     result = {"trace": str(trace), "steps": recorder.steps, "dropped": recorder.dropped,
               "rejected_requests": feed.rejected, "seconds": round(seconds, 3),
               "bytes": Path(trace).stat().st_size}
+    if simulated_s is not None:
+        result.update(simulated=True, simulated_seconds=round(simulated_s, 3),
+                      steps_per_s=round(recorder.steps / seconds, 2) if seconds > 0 else None)
     if as_json:
         typer.echo(json.dumps(result))
     else:
         typer.echo(f"{trace}: {result['steps']} steps in {result['seconds']:.1f} s, {result['bytes']:,} bytes, "
-                   f"{result['dropped']} dropped")
+                   f"{result['dropped']} dropped"
+                   + (f"; SIMULATED: {simulated_s:.1f} s of the simulated clock, {result['steps_per_s']} steps "
+                      f"per wall second" if simulated_s is not None else ""))
     if feed.rejected:
         raise RuntimeError(f"{feed.rejected} of {feed.added + feed.rejected} requests were refused by the engine "
                            f"(too long for its KV cache or context); {trace} holds the rest")

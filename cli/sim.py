@@ -17,19 +17,25 @@ from moectl.cli.common import (
     emit_json,
     handles_errors,
     model_dir,
-    open_trace,
+    progress,
     redundant_slots,
 )
+from moectl.cli.sim_backend import ROUTING_HINT, recorded_routing
 
-TRACE_HINT = "balanced, zipf:S, or a moectl trace (recorded, or imported with `moectl trace import`)"
+sim_app = typer.Typer(invoke_without_command=True, no_args_is_help=False,
+                      help="Predict one step at scale (SIMULATED); `moectl sim calibrate` measures this machine's "
+                           "profile.")
 
 
+@sim_app.callback()
 @handles_errors
 def sim(
-    model: Path = typer.Option(..., "--model", "-m", help="config.json or a directory holding one (no weights), or a "
-                                                          "shipped model's name."),
-    hardware: str = typer.Option(..., "--hardware", help="A shipped hardware profile (h100, h800, h200, a100, "
-                                                         "mi300x, ascend-910b) or a profile JSON file."),
+    ctx: typer.Context,
+    model: Path | None = typer.Option(None, "--model", "-m", help="config.json or a directory holding one (no "
+                                                                  "weights), or a shipped model's name (required)."),
+    hardware: str | None = typer.Option(None, "--hardware", help="A shipped hardware profile (h100, h800, h200, a100, "
+                                                                 "mi300x, ascend-910b) or a profile JSON file "
+                                                                 "(`moectl sim calibrate` writes one; required)."),
     devices: int | None = DEVICES_OPT,
     tp: int = typer.Option(1, "--tp", help="Attention tensor-parallel size (1: data-parallel attention)."),
     ep: int | None = typer.Option(None, "--ep", help="Expert-parallel group size (default: every device)."),
@@ -40,7 +46,7 @@ def sim(
     batch_tokens: int | None = typer.Option(None, "--batch-tokens", help="prefill: prompt tokens per device "
                                                                          "(default 16384)."),
     context: int = typer.Option(4096, "--context", help="decode: KV length; prefill: prompt length."),
-    routing: str = typer.Option("balanced", "--routing", help=f"Expert loads: {TRACE_HINT}."),
+    routing: str = typer.Option("balanced", "--routing", help=f"Expert loads: {ROUTING_HINT}."),
     placement: Path | None = typer.Option(None, "--placement", help="A placement file (`plan rebalance --json`) for "
                                                                      "one expert-parallel group."),
     redundant: int | None = REDUNDANT_OPT,
@@ -67,8 +73,12 @@ def sim(
     from moectl.engine.sim.model_shape import load_sim_model
     from moectl.engine.sim.routing import routing_from
     from moectl.engine.sim.step_model import SimSpec, compare_rebalance, memory_per_device, simulate
-    from moectl.profiler.trace_queries import trace_routing
 
+    if ctx.invoked_subcommand is not None:
+        return
+    for value, flag in ((model, "--model"), (hardware, "--hardware")):
+        if value is None:
+            raise BadInput(f"{flag}: required (moectl sim --model CONFIG --hardware NAME|FILE ...)")
     if dp_attention and tp > 1:
         raise BadInput("--dp-attention: data-parallel attention has no tensor parallelism; drop --tp or this flag")
     if phase == "decode" and batch_tokens is not None:
@@ -84,12 +94,7 @@ def sim(
         raise BadInput(f"--ep: {ep} must divide the {devices} devices")
     sim_model = load_sim_model(model_dir(model, config_file=True), dtype)
     shape = sim_model.shape
-    recorded = None
-    if routing != "balanced" and not routing.startswith("zipf:"):
-        if not Path(routing).is_file():
-            raise BadInput(f"--routing: {routing!r} is neither balanced, zipf:S nor a trace file")
-        with open_trace(Path(routing)) as reader:
-            recorded = trace_routing(reader)[0]
+    recorded = recorded_routing(routing)
     loads, routing_line = routing_from(routing, shape.num_sparse, shape.num_experts, seed, recorded)
     if placement is not None:
         try:
@@ -144,3 +149,37 @@ def _print(r: dict) -> None:
                    f"ms; pays for itself {pays}")
     if r["assumed"]:
         typer.echo(f"assumed (borrowed from another device's benchmarks): {', '.join(r['assumed'])}")
+
+
+@sim_app.command("calibrate")
+@handles_errors
+def calibrate(
+    out: Path = typer.Option(..., "--out", "-o", help="The profile JSON to write (refused if it exists)."),
+    model: Path | None = typer.Option(None, "--model", "-m", help="The model whose expert and attention shapes are "
+                                                                  "timed, and whose engine gives the per-layer "
+                                                                  "overhead (default: sample)."),
+    ranks: int = typer.Option(2, "--ranks", help="Processes the link is measured between (the distributed "
+                                                 "backend's ranks on this machine)."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing file."),
+    as_json: bool = JSON_OPT,
+):
+    """Measure this machine as a hardware profile with the engine's own kernels (the grouped expert
+    GEMM, the paged decode kernel, gloo's all_reduce, the engine's decode step), for `moectl sim
+    --hardware FILE` and the validation against this machine (docs/sim.md)."""
+    import json
+
+    from moectl.engine.tools.sim_calibrate import calibrate as measure
+
+    if out.is_dir():
+        raise BadInput(f"--out: {out} is a directory")
+    if out.exists() and not overwrite:
+        raise BadInput(f"--out: {out} exists (use --overwrite to replace it)")
+    if not out.parent.is_dir():
+        raise BadInput(f"--out: {out.parent} is not an existing directory")
+    if not 2 <= ranks <= 16:
+        raise BadInput(f"--ranks: must be in 2-16, got {ranks}")
+    path = model_dir(model)
+    profile = measure(path, ranks=ranks, log=progress(as_json))
+    out.write_text(json.dumps(profile, indent=1) + "\n")
+    emit_json({"profile": str(out), "name": profile["name"]}, as_json) if as_json else typer.echo(
+        f"{out}: this machine's profile (every figure measured; see its sources)")

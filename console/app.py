@@ -274,7 +274,8 @@ class MoectlApp(App):
             self.plan = None
             result = result if isinstance(result, dict) else {}
             moved, seconds = result.get("bytes_moved"), result.get("seconds")
-            copied = (f": {moved:,} bytes copied in {seconds * 1e3:.1f} ms (measured)"
+            how = "a simulated migration stall" if result.get("simulated") else "measured"
+            copied = (f": {moved:,} bytes copied in {seconds * 1e3:.1f} ms ({how})"
                       if isinstance(moved, int) and isinstance(seconds, (int, float)) else "")
             self.notify(f"rebalance applied between steps{copied}")
         elif kind == Action.KNOBS:

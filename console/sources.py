@@ -238,7 +238,10 @@ def counterfactual_plan(state, redundant: int | None = None):
     spare = slots - -(-state.num_experts // state.num_devices)
     plan = plan_rebalance(loads, Topology.from_mapping(topology), spare if redundant is None else redundant,
                           current=state.placement, expert_bytes=state.expert_bytes or 0)
-    plan.prediction = predict_from_records(list(state.window), state.placement, plan.placement)
+    # a simulated trace's step times are the step model's: the replay has no model of that cluster to
+    # predict with (the simulated engine's own preview does, live), so it predicts balancedness only
+    plan.prediction = None if state.simulated else predict_from_records(list(state.window), state.placement,
+                                                                         plan.placement)
     return plan
 
 

@@ -44,6 +44,9 @@ class ConsoleState:
         self.num_devices = int(topology.get("num_devices", 0))
         self.hbm_bytes = int(topology.get("hbm_bytes", 0))
         self.backend = devices.get("backend", "single device")
+        # a simulated cluster (engine/sim): every figure is the step model's, on a simulated clock
+        self.simulated = header.get("clock") == "simulated" or self.backend == "simulated"
+        self.hardware = (header.get("simulated") or {}).get("hardware")
         self.expert_bytes = devices.get("expert_bytes")
         self.redundant_slots = devices.get("redundant_slots") or 0
         self.recorded_placement = Placement.from_dict(devices["placement"]) if devices.get("placement") else None
@@ -63,11 +66,18 @@ class ConsoleState:
         self.window: deque[dict] = deque(maxlen=WINDOW_STEPS)
         self.history: deque[dict] = deque(maxlen=HISTORY_STEPS)
         self.requests: OrderedDict[str, dict] = OrderedDict()
+        # kept as requests change state, so that no refresh or record walks every request (a
+        # simulated cluster has 10^5 in flight): counts by state, the finished in finishing
+        # order (the oldest trimmed), the running ones that have their first token
+        self.counts = {"waiting": 0, "running": 0, "finished": 0}
+        self._finished_order: deque[str] = deque()
+        self._generating: set[str] = set()
         self.ttft: deque[float] = deque(maxlen=KEEP_LATENCIES)
         self.tpot: deque[float] = deque(maxlen=KEEP_LATENCIES)
         self.actions: list[dict] = []
         self.placement = self.recorded_placement
         self.last_apply: dict | None = None  # the last applied placement's prediction and the step times around it
+        self.sim_outcome: dict | None = None  # a simulated cluster's outcome of its last apply (its engine's)
         # step_timing() of the recent steps, for the next apply's outcome
         self.step_times: deque[tuple] = deque(maxlen=OUTCOME_STEPS)
         self._placed_at = float("-inf")  # when the placement in force was applied
@@ -100,6 +110,8 @@ class ConsoleState:
             self.knobs = dict(result)
         if action["kind"] == "rebalance_preview":
             self.preview = dict(result)
+        if action["kind"] == "rebalance_outcome":  # a simulated cluster's: the same batches under both placements
+            self.sim_outcome = dict(result)
         if result.get("placement") is not None and "bytes_moved" in result:  # an applied placement
             # the measured outcome is compared with its prediction once steps arrive after it
             # "before": the steps under the placement this apply replaced, started before it (a
@@ -109,6 +121,7 @@ class ConsoleState:
             after = [t for t in self.step_times if t[4] >= at]
             self.last_apply = ({"time": at, "predicted": result["predicted"], "before": before, "after": after}
                                if result.get("predicted") else None)
+            self.sim_outcome = None
             self._placed_at = at
 
     def _apply_step(self, record: dict) -> None:
@@ -124,10 +137,9 @@ class ConsoleState:
         self.steps_seen += 1
         if record.get("knobs"):
             self.knobs = record["knobs"]
-        for rid in record["batch"]["request_ids"]:  # a decode step adds one token to a started request
-            req = self.requests.get(rid)
-            if req is not None and req["state"] == "running" and req["output_tokens"]:
-                req["output_tokens"] += 1
+        # a decode step adds one token to a started request (a set's intersection: C speed)
+        for rid in self._generating.intersection(record["batch"]["request_ids"]):
+            self.requests[rid]["output_tokens"] += 1
         for event in record.get("requests") or ():
             self._request_event(event)
         cache = record.get("cache") or {}
@@ -148,28 +160,38 @@ class ConsoleState:
             req = self.requests[rid] = {"id": rid, "state": "waiting", "prompt_tokens": e.get("prompt_tokens"),
                                         "output_tokens": 0, "arrived": e["t"], "ttft": None, "tpot": None,
                                         "reason": None, "preemptions": 0}
+            self.counts["waiting"] += 1
+        if req["state"] == "finished":
+            return  # a late event of a request already counted finished
         if kind == "scheduled":
-            req["state"] = "running"
+            self._move(req, "running")
         elif kind == "first_token":
-            req["state"] = "running"
+            self._move(req, "running")
             req["output_tokens"] = 1
+            self._generating.add(rid)
         elif kind == "preempted":  # its tokens are recomputed; the ones already sent stay counted
-            req["state"] = "waiting"
+            self._move(req, "waiting")
+            self._generating.discard(rid)
             req["preemptions"] += 1
         elif kind == "finished":
-            req.update(state="finished", reason=e.get("reason"), output_tokens=e.get("output_tokens"),
+            self._move(req, "finished")
+            self._generating.discard(rid)
+            req.update(reason=e.get("reason"), output_tokens=e.get("output_tokens"),
                        prompt_tokens=e.get("prompt_tokens", req["prompt_tokens"]), ttft=e.get("ttft_s"),
                        tpot=e.get("tpot_s"))
             if e.get("ttft_s") is not None:
                 self.ttft.append(e["ttft_s"])
             if e.get("tpot_s") is not None:
                 self.tpot.append(e["tpot_s"])
-            self._trim_finished()
+            self._finished_order.append(rid)
+            while len(self._finished_order) > KEEP_FINISHED:
+                del self.requests[self._finished_order.popleft()]
+                self.counts["finished"] -= 1
 
-    def _trim_finished(self) -> None:
-        finished = [rid for rid, r in self.requests.items() if r["state"] == "finished"]
-        for rid in finished[:max(0, len(finished) - KEEP_FINISHED)]:
-            del self.requests[rid]
+    def _move(self, req: dict, state: str) -> None:
+        self.counts[req["state"]] -= 1
+        self.counts[state] += 1
+        req["state"] = state
 
     # -- what the panels show
     @property
@@ -306,10 +328,7 @@ class ConsoleState:
                 for name, values in (("ttft", self.ttft), ("tpot", self.tpot))}
 
     def request_counts(self) -> dict:
-        counts = {"waiting": 0, "running": 0, "finished": 0}
-        for r in self.requests.values():
-            counts[r["state"]] += 1
-        return counts
+        return dict(self.counts)
 
     def cache(self) -> dict:
         cache = (self.latest or {}).get("cache") or {}

@@ -20,7 +20,13 @@ def engine_header(engine) -> dict:
     """What a trace needs to be understood without the engine: model, devices, placement, config."""
     cfg = engine.config
     model_cfg = engine.model_config
-    config = {k: v for k, v in asdict(cfg).items() if k not in ("topology", "knobs", "auto_rebalance")}
+    simulated = getattr(engine, "header_extra", None)  # the simulated backend (engine/sim/cluster_engine.py)
+    if simulated is not None:
+        from moectl.engine.sim.cluster_engine import engine_config_dict
+
+        config = engine_config_dict(cfg)
+    else:
+        config = {k: v for k, v in asdict(cfg).items() if k not in ("topology", "knobs", "auto_rebalance")}
     header = {
         "record_format": FORMAT_VERSION,
         "clock_origin": {"monotonic": time.monotonic(), "unix": time.time()},
@@ -33,6 +39,10 @@ def engine_header(engine) -> dict:
         "knobs": engine.knobs.as_dict(),
         "devices": engine.experts.header() if engine.experts is not None else None,
     }
+    if simulated is not None:
+        header.update(simulated())
+        header["memory_plan"] = engine.memory_plan_table()
+        return header
     from moectl.engine.planning.memory_plan import plan_for_header
 
     header["memory_plan"] = plan_for_header(header)  # computed with the engine: consoles only draw it

@@ -71,13 +71,15 @@ class EngineHost:
     its requests come through the API) and keeps it."""
 
     def __init__(self, engine_dir: Path, token: str, *, make_engine=None, load: DemoLoad | None = None,
-                 driver: EngineDriver | None = None, on_close=None, name: str = "moectl engine"):
+                 driver: EngineDriver | None = None, on_close=None, name: str = "moectl engine", workload=None):
+        """workload: the demo workload itself, in place of a DemoWorkload of `load` (a simulated
+        cluster's, on its simulated clock: engine/tools/sim_workload.py)."""
         if (make_engine is None) == (driver is None):
             raise ValueError("EngineHost: give make_engine (and a load) or a driver")
         self.engine_dir = Path(engine_dir)
         self._token = token
         self._on_close = on_close
-        self.workload = DemoWorkload(load) if load is not None else None
+        self.workload = workload or (DemoWorkload(load) if load is not None else None)
         self._owns_driver = driver is None
         self._inbox: deque = deque(maxlen=RECENT_ACTIONS * 16)  # (steps, actions) published by a driver's reader
         self.driver = driver or EngineDriver(make_engine, feed=self.workload.feed if self.workload else None)

@@ -126,6 +126,9 @@ class ExpertsPanel(ShowsOnChange, VerticalScroll):
         self.put("#ex-placement", "\n".join(lines))
 
     def _show_outcome(self, state) -> None:
+        if state.simulated:
+            self._show_simulated_outcome(state)
+            return
         result = state.apply_outcome()
         if result is None:
             self.put("#ex-apply-outcome", "")
@@ -137,7 +140,7 @@ class ExpertsPanel(ShowsOnChange, VerticalScroll):
                      f"shapes run before it ({result['matched']} of {result['min_steps']} matched in "
                      f"{result['steps_after']} steps)")
             return
-        clock = "modeled" if outcome["modeled"] else "measured"
+        clock = "simulated" if state.simulated else "modeled" if outcome["modeled"] else "measured"
         shapes = "1 batch shape" if outcome["shapes"] == 1 else f"{outcome['shapes']} batch shapes"
         experts_only = ("" if outcome["gain_experts_only"] is None else
                         f"; the experts' critical path alone {outcome['gain_experts_only']:+.1%} (the rest of the "
@@ -153,6 +156,23 @@ class ExpertsPanel(ShowsOnChange, VerticalScroll):
             f"{predicted['gain']:+.1%}, {expected:,.0f} on this basis (the cost model's own: "
             f"{predicted['throughput_before']:,.0f} -> {predicted['throughput_after']:,.0f})")
 
+    def _show_simulated_outcome(self, state) -> None:
+        """A simulated cluster's engine runs the steps after an apply under both placements
+        (sim_experts.py): the outcome on the same batches, the migration's stall included."""
+        last, outcome = state.last_apply, state.sim_outcome
+        if outcome is None:
+            self.put("#ex-apply-outcome", "" if last is None else
+                     f"after the apply: predicted {last['predicted']['gain']:+.1%} (simulated); the outcome "
+                     f"follows once the engine has simulated the next steps under both placements")
+            return
+        predicted = outcome.get("predicted_gain")
+        self.put(
+            "#ex-apply-outcome",
+            f"after the apply: {outcome['throughput_before']:,.0f} -> {outcome['throughput_after']:,.0f} tok/s "
+            f"SIMULATED ({outcome['gain']:+.1%}; the same {outcome['steps']} batches under the old and the new "
+            f"placement, the migration's {outcome['migration_stall_s'] * 1e3:.1f} ms stall included)"
+            + ("" if predicted is None else f"; predicted {predicted:+.1%} on the batch before the apply"))
+
     def show_preview(self, summary: dict | None, error: str | None = None) -> None:
         result = self.query_one("#ex-preview-result", Static)
         if error:
@@ -167,6 +187,9 @@ class ExpertsPanel(ShowsOnChange, VerticalScroll):
             text += (f"\npredicted step {predicted['step_s_before'] * 1e3:.1f} -> {predicted['step_s_after'] * 1e3:.1f} ms, "
                      f"throughput {predicted['throughput_before']:,.0f} -> {predicted['throughput_after']:,.0f} tok/s "
                      f"(prompt+output per predicted parallel step) ({predicted['gain']:+.1%}; {predicted['model']})")
+            if predicted.get("simulated"):
+                text = "SIMULATED: " + text + (f"; the migration stalls one step by "
+                                               f"{predicted.get('migration_stall_s', 0) * 1e3:.1f} ms")
         result.update(text)
         self.query_one("#ex-apply", Button).disabled = False
 

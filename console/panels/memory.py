@@ -20,7 +20,7 @@ MODELED_CATEGORIES = ("activations", "comm_buffers")
 class MemoryPanel(ShowsOnChange, VerticalScroll):
     def compose(self) -> ComposeResult:
         yield Static("HBM over time per device (MiB, accounted; activations and buffers modeled)",
-                     classes="section-title")
+                     classes="section-title", id="mem-title")
         yield Chart(id="mem-plot")
         yield Static("HBM over time by category, all devices (MiB)", classes="section-title")
         yield Chart(id="mem-cat-plot")
@@ -41,6 +41,9 @@ class MemoryPanel(ShowsOnChange, VerticalScroll):
         if absent is not None:
             self.put("#mem-categories", absent)
             return
+        if state.simulated:
+            self.put("#mem-title", "HBM over time per device (MiB, simulated: weights, KV blocks in use, the memory "
+                                   "plan's activations and buffers)")
         history = [h for h in state.history if h["memory"]]
         steps = [h["step"] for h in history]
         shown = min(len(history[-1]["memory"]), 8) if history else 0  # beyond 8 lines a plot is unreadable

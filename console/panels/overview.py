@@ -11,6 +11,7 @@ from moectl.console.panels.common import ActionRequested, ShowsOnChange, fmt_byt
 from moectl.console.widgets.bars import Bars
 from moectl.engine.core.actions import Action
 
+SIMULATED_HBM = "HBM per device (simulated: weights, KV blocks in use, the memory plan's activations and buffers)"
 
 class OverviewPanel(ShowsOnChange, VerticalScroll):
     def compose(self) -> ComposeResult:
@@ -25,7 +26,7 @@ class OverviewPanel(ShowsOnChange, VerticalScroll):
                 yield Bars(id="ov-load")
             with Vertical():
                 yield Static("HBM per device (accounted; activations and buffers modeled from shapes)",
-                             classes="section-title")
+                             classes="section-title", id="ov-hbm-title")
                 yield Bars(id="ov-hbm")
         with Vertical(id="ov-gpu-box"):  # only with a GPU: hidden, it takes no room
             yield Static(gpu.TITLE + ", memory used", id="ov-gpu-title", classes="section-title")
@@ -38,13 +39,15 @@ class OverviewPanel(ShowsOnChange, VerticalScroll):
         devices = latest.get("devices") or {}
         backend = devices.get("backend") or state.backend
         kind = {"emulated": "emulated on one torch device", "multi-gpu": "real GPUs in one process",
-                "distributed": "distributed, one process per device"}.get(backend, backend)
+                "distributed": "distributed, one process per device",
+                "simulated": f"SIMULATED on the {state.hardware or '?'} profile"}.get(backend, backend)
         self.put(
             "#ov-title",
             f"[b]{state.model_name}[/b]  {state.num_layers} layers x {state.num_experts} experts  |  "
             f"{state.num_devices or 1} device(s), {kind}  |  {state.mode}"
             + ("  |  link time and parallel step modeled" if backend == "emulated" else "")
-            + ("  |  link time and step measured" if backend == "distributed" else ""))
+            + ("  |  link time and step measured" if backend == "distributed" else "")
+            + ("  |  every figure from the step model, simulated clock" if state.simulated else ""))
         box = self.query_one("#ov-error-box")
         box.set_class(source_error is None, "hidden")
         self.query_one("#ov-restart", Button).display = state.mode == "live"
@@ -55,15 +58,18 @@ class OverviewPanel(ShowsOnChange, VerticalScroll):
             self._show_imported(state)
             return
         lat, cache, counts = state.latency(), state.cache(), state.request_counts()
+        clock = "simulated clock" if state.simulated else "wall clock"
         self.put(
             "#ov-metrics",
-            f"throughput [b]{state.throughput():.0f}[/b] tok/s (prompt+output, wall clock)   "
+            f"throughput [b]{state.throughput():.0f}[/b] tok/s (prompt+output, {clock})   "
             f"TTFT p50/p99 {fmt_s(lat['ttft']['p50'])} / {fmt_s(lat['ttft']['p99'])}   "
             f"TPOT p50/p99 {fmt_s(lat['tpot']['p50'])} / {fmt_s(lat['tpot']['p99'])}\n"
             f"queue {counts['waiting']}   running {counts['running']}   "
             f"KV {cache['kv_used']}/{cache['kv_total']} blocks ({cache['kv_usage']:.0%})   "
             f"prefix hits {cache['prefix_hit_rate']:.0%}   preemptions {cache['preemptions']}   "
             f"balancedness {state.balancedness()['overall']:.2f} (routing over placement)")
+        if state.simulated:
+            self.put("#ov-hbm-title", SIMULATED_HBM)
         loads = state.device_loads()
         window = state.engine_window()
         span = "over the window"
@@ -72,7 +78,8 @@ class OverviewPanel(ShowsOnChange, VerticalScroll):
         self.put(
             "#ov-load-title",
             f"Expert rows per device {span}, "
-            + ("estimated from routing and placement" if state.loads_estimated else "measured"))
+            + ("simulated" if state.simulated else
+               "estimated from routing and placement" if state.loads_estimated else "measured"))
         top = max(float(loads.max()) if len(loads) else 0.0, 1.0)
         util = state.utilisation()
         rows = [(f"d{d}", float(v) / top, f"{v:,.0f} tok  busy {util[d] if d < len(util) else 0:.0%}")
@@ -97,6 +104,8 @@ class OverviewPanel(ShowsOnChange, VerticalScroll):
                  f"measured by {imported.get('engine', 'that engine')}; throughput, latency, KV cache and step times "
                  f"are absent from its records\nbalancedness {state.balancedness()['overall']:.2f} (routing over "
                  + ("the recorded placement)" if state.recorded_placement is not None else "no placement: absent)"))
+        if state.simulated:
+            self.put("#ov-hbm-title", SIMULATED_HBM)
         loads = state.device_loads()
         top = max(float(loads.max()) if len(loads) else 0.0, 1.0)
         rows = [(f"d{d}", float(v) / top, f"{v:,.0f} tok") for d, v in enumerate(loads)]

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import heapq
+
 from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.widgets import Button, DataTable, Input, Label, Select, Static, Switch
@@ -124,9 +126,9 @@ class RequestsPanel(ShowsOnChange, VerticalScroll):
         self.put("#rq-counts",
                  f"running {counts['running']}   waiting {counts['waiting']}   finished (kept) {counts['finished']}   "
                  f"knobs: " + ", ".join(f"{k}={v}" for k, v in state.knobs.items()))
-        rows = list(state.requests.values())
         order = {"running": 0, "waiting": 1, "finished": 2}
-        rows.sort(key=lambda r: (order[r["state"]], -r["arrived"]))
+        # the first SHOWN_ROWS without sorting them all (10^5 in flight on a simulated cluster)
+        rows = heapq.nsmallest(SHOWN_ROWS, state.requests.values(), key=lambda r: (order[r["state"]], -r["arrived"]))
         cells = tuple((r["id"], r["state"], str(r["prompt_tokens"] or "-"), str(r["output_tokens"] or 0),
                        fmt_s(r["ttft"]), fmt_s(r["tpot"]), r["reason"] or "") for r in rows[:SHOWN_ROWS])
         if cells != getattr(self, "_cells", None):

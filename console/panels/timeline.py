@@ -80,7 +80,8 @@ class TimelinePanel(ShowsOnChange, Vertical):
         parts = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in b["measured_mean_s"].items())
         self.put(
             "#tl-breakdown",
-            f"steps {records[0]['step']}-{records[-1]['step']}, per step (measured): {parts}; "
+            f"steps {records[0]['step']}-{records[-1]['step']}, per step "
+            f"({'simulated' if self.app.state.simulated else 'measured'}): {parts}; "
             f"communication (modeled) {b['communication_modeled_mean_s'] * 1e3:.4f} ms")
         self.put(
             "#tl-status",
@@ -111,7 +112,8 @@ class TimelinePanel(ShowsOnChange, Vertical):
 
     def on_timeline_span_selected(self, event: Timeline.SpanSelected) -> None:
         s = event.span
-        flag = "[b]modeled[/b] (from bytes and link bandwidth)" if s.modeled else "measured"
+        flag = ("[b]simulated[/b] (the step model)" if self.app.state.simulated else
+                "[b]modeled[/b] (from bytes and link bandwidth)" if s.modeled else "measured")
         layer = f", layer {s.layer}" if s.layer >= 0 else ""
         self.put(
             "#tl-detail",

@@ -68,6 +68,10 @@ class HardwareProfile:
     a2a_inter_node: float  # ... and of the inter-node NIC
     a2a_latency_us: float  # per all-to-all, beyond its bytes over the bandwidth
     notes: str = ""
+    fp32_tflops: float | None = None  # CPU profiles (`moectl sim calibrate`): the engine there runs fp32
+    # per layer, beyond its kernels' work: launches, Python, small ops (calibrated profiles measure it;
+    # the GPU profiles have no sourced figure: 0, not modeled)
+    layer_overhead_us: float = 0.0
     sources: dict[str, str] = field(default_factory=dict)
     assumed: tuple[str, ...] = ()  # figures borrowed from another device
 
@@ -75,6 +79,8 @@ class HardwareProfile:
         """The GEMM peak for `dtype` (fp8 falls back to bf16 on devices without FP8)."""
         if dtype == "fp8" and self.fp8_tflops:
             return self.fp8_tflops
+        if dtype == "fp32":
+            return self.need("fp32_tflops")
         return self.bf16_tflops
 
     def need(self, figure: str) -> float:
@@ -166,5 +172,7 @@ def _parse(key: str, raw: dict) -> HardwareProfile:
         attention_compute=fraction(attention, "attention_decode", "compute"),
         a2a_intra_node=fraction(a2a, "all_to_all", "intra_node"), a2a_inter_node=fraction(a2a, "all_to_all", "inter_node"),
         a2a_latency_us=float(latency), sources=sources,
+        fp32_tflops=figure("peak_tflops.fp32", optional=True),
+        layer_overhead_us=figure("layer_overhead_us", optional=True) or 0.0,
         assumed=tuple(sorted(k for k, v in sources.items() if v.lstrip().lower().startswith("assumed"))))
     return profile

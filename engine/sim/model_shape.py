@@ -16,8 +16,8 @@ from pathlib import Path
 
 from moectl.engine.planning.memory_plan import PlanModel, load_plan_model
 
-DTYPES = ("bf16", "fp8")
-WEIGHT_BYTES = {"bf16": 2.0, "fp8": 1.0, "mxfp4": 4.25 / 8}
+DTYPES = ("bf16", "fp8", "fp32")  # fp32: what moectl's engine runs on a CPU (a calibrated profile)
+WEIGHT_BYTES = {"bf16": 2.0, "fp8": 1.0, "fp32": 4.0, "mxfp4": 4.25 / 8}
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,12 @@ class SimModel:
     @property
     def name(self) -> str:
         return self.shape.name
+
+    @property
+    def high_bytes(self) -> float:
+        """Bytes per value of what stays in high precision (router, embeddings, LM head): BF16,
+        or fp32 in an fp32 model."""
+        return 4.0 if self.gemm_dtype == "fp32" else 2.0
 
     # -- per token, per layer, on a device holding 1/tp of the attention heads
     def attention_projection_macs(self, tp: int) -> float:
@@ -98,7 +104,7 @@ def load_sim_model(config: str | Path, dtype: str | None = None) -> SimModel:
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"--dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
     if dtype is not None:
-        return SimModel(shape, dtype, WEIGHT_BYTES[dtype], WEIGHT_BYTES[dtype])
+        return SimModel(shape, dtype, WEIGHT_BYTES[dtype], WEIGHT_BYTES[dtype], kv_bytes=4.0 if dtype == "fp32" else 2.0)
     if method == "fp8":
         return SimModel(shape, "fp8", 1.0, 1.0)
     if method == "mxfp4":  # the routed experts only (modules_to_not_convert keeps the rest in BF16)

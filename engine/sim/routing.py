@@ -4,6 +4,8 @@ pairs that each routed expert takes.
 * balanced: every expert the same share;
 * zipf:S: shares proportional to 1 / rank**S, the ranks shuffled per layer (seeded), so each
   layer has its own hot experts;
+* sample: the routing moectl's engine recorded on the shipped sample-dsv3 model
+  (recorded/sample-dsv3.json, from sample_traces/dsv3_ranks_rebalance.trace), scaled as a trace is;
 * a moectl trace (recorded, or imported from SGLang / vLLM with `moectl trace import`): its
   routing summed over the steps. A trace of another model is scaled to this one: each recorded
   layer's loads, sorted, give a share-by-rank curve; the curve's cumulative share is resampled at
@@ -16,7 +18,17 @@ from __future__ import annotations
 
 import numpy as np
 
-ROUTINGS = "balanced | zipf:S | TRACE"
+ROUTINGS = "balanced | zipf:S | sample | TRACE"
+SHIPPED = "sample"  # recorded/sample-dsv3.json
+
+
+def shipped_recording() -> tuple[np.ndarray, str]:
+    """The shipped recording's [MoE layers, experts] counts and where they came from."""
+    import json
+    from importlib import resources
+
+    raw = json.loads(resources.files("moectl.engine.sim").joinpath("recorded", "sample-dsv3.json").read_text())
+    return np.array(raw["counts"], dtype=np.float64), raw["source"].split(":")[0]
 
 
 def balanced(num_layers: int, num_experts: int) -> np.ndarray:
@@ -65,6 +77,12 @@ def routing_from(spec: str, num_layers: int, num_experts: int, seed: int = 0,
         except ValueError:
             raise ValueError(f"--routing: {spec!r} is not zipf:S with a number S") from None
         return zipf(num_layers, num_experts, skew, seed), f"Zipf, skew {skew:g} (synthetic)"
+    if spec == SHIPPED:
+        recorded, where = shipped_recording()
+        shares = scaled(recorded, num_layers, num_experts, seed)
+        return shares, (f"recorded by moectl on sample-dsv3 ({where}, {recorded.shape[0]} MoE layers x "
+                        f"{recorded.shape[1]} experts), scaled to {num_layers} x {num_experts} by its share-by-rank "
+                        f"curves")
     if recorded is None:
         raise ValueError(f"--routing: {spec!r} is not {ROUTINGS}")
     moe = recorded[recorded.sum(1) > 0]

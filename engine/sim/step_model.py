@@ -34,7 +34,11 @@ from moectl.engine.sim.model_shape import SimModel
 MAX_SIM_DEVICES = 1024
 PHASES = ("prefill", "decode")
 OVERLAPS = ("none", "two-batch")
-PARTS = ("attention", "router", "dispatch", "expert_gemm", "combine", "shared_dense", "lm_head", "idle")
+# how expert rows travel: all-to-all (DeepEP, SGLang, vLLM: dispatch to the experts' devices and
+# back) or all-reduce (moectl's ranks: every rank holds every token, computes its experts' rows
+# and the outputs are summed over the ranks)
+EXCHANGES = ("all-to-all", "all-reduce")
+PARTS = ("attention", "router", "dispatch", "expert_gemm", "combine", "shared_dense", "lm_head", "overhead", "idle")
 
 
 @dataclass
@@ -50,6 +54,7 @@ class SimSpec:
     ep: int | None = None  # expert-parallel group size (default: all devices); groups run alike
     placement: Placement | None = None  # over one EP group's devices; default contiguous
     overlap: str = "none"
+    exchange: str = "all-to-all"
     notes: list[str] = field(default_factory=list)
 
     def __post_init__(self):
@@ -61,6 +66,8 @@ class SimSpec:
             raise ValueError(f"--phase: {self.phase!r} is not one of {', '.join(PHASES)}")
         if self.overlap not in OVERLAPS:
             raise ValueError(f"--overlap: {self.overlap!r} is not one of {', '.join(OVERLAPS)}")
+        if self.exchange not in EXCHANGES:
+            raise ValueError(f"exchange: {self.exchange!r} is not one of {', '.join(EXCHANGES)}")
         if not isinstance(self.tp, int) or self.tp < 1 or self.devices % self.tp or m.num_heads % self.tp:
             raise ValueError(f"--tp: {self.tp!r} must divide both the {self.devices} devices and the model's "
                              f"{m.num_heads} heads")
@@ -97,7 +104,8 @@ class Roofline:
     def __init__(self, model: SimModel, hw: HardwareProfile):
         self.model, self.hw = model, hw
         self.peak = hw.peak_tflops(model.gemm_dtype) * 1e12  # fp8 falls back to bf16 without FP8
-        self.bf16 = hw.bf16_tflops * 1e12
+        # what attention and the high-precision GEMMs (router, LM head) run at: BF16, fp32 in an fp32 model
+        self.bf16 = hw.peak_tflops("fp32" if model.gemm_dtype == "fp32" else "bf16") * 1e12
         self.hbm = hw.need("hbm_gbps") * 1e9
 
     def gemms(self, rows, macs_per_row: float, weight_bytes: float, bf16: bool = False) -> np.ndarray:
@@ -129,20 +137,65 @@ class Roofline:
     def link(self, intra_bytes: float, inter_bytes: float) -> float:
         return float(self.links(intra_bytes, inter_bytes))
 
-    def attention_core(self, tokens: float, macs_per_token: float, kv_bytes: float) -> float:
-        compute = 2 * tokens * macs_per_token / (self.bf16 * self.hw.attention_compute)
-        return max(compute, kv_bytes / (self.hbm * self.hw.attention_bandwidth))
+def window_classes(shape) -> tuple[list[int], np.ndarray]:
+    """The model's distinct attention windows (0: the whole context) and the fraction of its
+    layers each covers: attention is priced once per class and weighted by it."""
+    windows = list(shape.layer_windows or (0,) * shape.num_layers)
+    classes = sorted(set(windows))
+    return classes, np.array([windows.count(w) / len(windows) for w in classes])
+
+
+def _capped(keys, window: int):
+    return np.minimum(keys, window) if window else keys
+
+
+@dataclass
+class StepLoad:
+    """One step's work in one expert-parallel group, per attention group (the group's devices /
+    tp; each a data-parallel batch): what `layer_times` prices. Key counts are per window class
+    (`window_classes`): [classes, groups]."""
+    tokens: np.ndarray  # [G] tokens (prefill and decode) of each attention group
+    sequences: np.ndarray  # [G] sequences that sample a token (the LM head's rows)
+    decode_keys: np.ndarray  # [W, G] keys the decode tokens attend, summed
+    prefill_keys: np.ndarray  # [W, G] keys the prefill tokens attend (causal), summed
+    kv_reads: np.ndarray  # [W, G] keys read from the KV cache (once per sequence and layer)
+    pairs: np.ndarray  # [MoE layers, experts] (token, choice) pairs routed to each expert, the group's
+
+    def half(self) -> StepLoad:
+        """One of two-batch overlap's halves (the larger, for both)."""
+        return StepLoad(np.ceil(self.tokens / 2), np.ceil(self.sequences / 2), self.decode_keys / 2,
+                        self.prefill_keys / 2, self.kv_reads / 2, self.pairs / 2)
+
+
+def uniform_load(spec: SimSpec, tokens_per_device: int | None = None) -> StepLoad:
+    """The load of `spec`'s batch: every device the same tokens at the same context, the routing
+    shares spread over the group's (token, choice) pairs."""
+    shape, tp = spec.model.shape, spec.tp
+    T = spec.tokens_per_device if tokens_per_device is None else tokens_per_device
+    groups = spec.ep // tp
+    group_tokens = float(T * tp)
+    decode = spec.phase == "decode"
+    sequences = group_tokens if decode else max(1.0, group_tokens / spec.context)
+    windows, _ = window_classes(shape)
+    keys = np.array([_capped(spec.context, w) for w in windows], dtype=np.float64)[:, None] * np.ones(groups)
+    if decode:
+        decode_keys, prefill_keys, reads = group_tokens * keys, 0 * keys, group_tokens * keys
+    else:  # causal: each prompt token over half its prompt on average
+        decode_keys, prefill_keys, reads = 0 * keys, group_tokens * keys / 2, sequences * keys
+    ones = np.ones(groups)
+    pairs = spec.routing * (T * spec.ep * shape.top_k)
+    return StepLoad(group_tokens * ones, sequences * ones, decode_keys, prefill_keys, reads, pairs)
 
 
 @dataclass
 class LayerTimes:
-    """One batch size's per-part seconds: the parts every layer shares, and per MoE layer its
-    slowest device's expert GEMMs and all-to-alls."""
-    attention: float
-    router: float
-    shared: float
-    dense: float
-    lm_head: float
+    """One load's per-part seconds: per device the parts every layer has (attention, router,
+    shared, dense, LM head), and per MoE layer its slowest device's expert GEMMs and all-to-alls."""
+    attention: np.ndarray  # [D] per layer
+    router: np.ndarray
+    shared: np.ndarray
+    dense: np.ndarray
+    lm_head: np.ndarray
     expert: list[float]  # per MoE layer, the slowest device
     dispatch: list[float]
     combine: list[float]
@@ -150,66 +203,85 @@ class LayerTimes:
     rows: np.ndarray  # [MoE layers, devices] expert rows
 
     @property
+    def pre_moe(self) -> float:
+        """A MoE layer's part before its dispatch, the slowest device's: every device syncs there."""
+        return float((self.attention + self.router + self.shared).max())
+
+    @property
     def moe_compute(self) -> list[float]:
-        return [self.attention + self.router + e + self.shared for e in self.expert]
+        return [self.pre_moe + e for e in self.expert]
 
     @property
     def moe_comm(self) -> list[float]:
         return [a + b for a, b in zip(self.dispatch, self.combine)]
 
 
-def layer_times(spec: SimSpec, tokens_per_device: int) -> LayerTimes:
-    """Per-part seconds at this batch, for one expert-parallel group (every group runs alike)."""
+def allreduce_seconds(spec: SimSpec, nbytes: float) -> float:
+    """moectl's ranks' exchange on one node: a ring all-reduce of `nbytes` (each rank sends and
+    receives 2 (D - 1) / D of them in 2 (D - 1) hops) and the wait probe (a few bytes, the same
+    hops), at the intra-node link's bandwidth and latency."""
+    D, hw = spec.ep, spec.hardware
+    if D == 1:
+        return 0.0
+    if D > hw.gpus_per_node:
+        raise ValueError(f"exchange all-reduce: {D} ranks span nodes; it is modeled within one node")
+    bandwidth = hw.need("intra_node_gbps") * 1e9 * hw.a2a_intra_node
+    return 2 * (D - 1) / D * nbytes / bandwidth + 2 * 2 * (D - 1) * hw.a2a_latency_us * 1e-6
+
+
+def layer_times(spec: SimSpec, load: StepLoad) -> LayerTimes:
+    """Per-part seconds of `load`, for one expert-parallel group (every group runs alike)."""
     m, hw, D, tp = spec.model, spec.hardware, spec.ep, spec.tp
     shape, roof = m.shape, Roofline(m, hw)
-    decode = spec.phase == "decode"
-    T = tokens_per_device
-    group_tokens = T * tp  # a TP group's tokens; each of its devices does 1/tp of their heads
+    group_of = np.arange(D) // tp
+    T = load.tokens[group_of] / tp  # each device's tokens in the MoE layers
 
-    # -- attention (every layer: its window where it has one), router, shared and dense: per
-    #    device, on its own tokens; KV is read once per sequence and layer
-    windows = shape.layer_windows or (0,) * shape.num_layers
-    sequences = group_tokens if decode else max(1.0, group_tokens / spec.context)
-    _, kv_per_key = m.attention_core(tp, 1, True)
-    attention_core = 0.0
-    for window in windows:
-        keys = min(spec.context, window) if window else spec.context
-        # prefill: causal, each token over half its prompt on average
-        core_macs, _ = m.attention_core(tp, keys if decode else keys / 2, decode)
-        attention_core += roof.attention_core(group_tokens, core_macs, sequences * keys * kv_per_key)
-    attention = roof.gemm(group_tokens, m.attention_projection_macs(tp), m.attention_weight_bytes(tp)) \
-        + attention_core / len(windows)  # the layers' mean: every layer adds it once
-    if tp > 1:  # o_proj's all-reduce within the TP group (ring: 2 (tp - 1) / tp of the data), over NVLink
-        attention += roof.link(2 * (tp - 1) / tp * group_tokens * shape.hidden_size * 2, 0.0)
+    # -- attention, per attention group: projections, the core by window class, and with tp > 1
+    #    o_proj's all-reduce (ring: 2 (tp - 1) / tp of the data) over NVLink
+    windows, weight = window_classes(shape)
+    macs_decode, kv_per_key = m.attention_core(tp, 1, True)
+    macs_prefill, _ = m.attention_core(tp, 1, False)
+    compute = 2 * (load.decode_keys * macs_decode + load.prefill_keys * macs_prefill) \
+        / (roof.bf16 * hw.attention_compute)
+    reads = load.kv_reads * kv_per_key / (roof.hbm * hw.attention_bandwidth)
+    core = (np.maximum(compute, reads) * weight[:, None]).sum(0)  # the layers' mean
+    attention = roof.gemms(load.tokens, m.attention_projection_macs(tp), m.attention_weight_bytes(tp)) + core
+    if tp > 1:
+        attention = attention + roof.links(2 * (tp - 1) / tp * load.tokens * shape.hidden_size * m.high_bytes,
+                                           0 * load.tokens)
+    attention = attention[group_of]
     # the router, embeddings and LM head stay BF16 in fp8 and mxfp4 checkpoints
-    router = roof.gemm(T, m.router_macs(), m.router_macs() * 2, bf16=True)
-    shared = roof.gemm(T, m.shared_macs(), m.shared_macs() * m.weight_bytes)
-    dense = roof.gemm(T, m.dense_macs(), m.dense_macs() * m.weight_bytes)
-    lm_head = roof.gemm(T if decode else sequences / tp, m.head_macs(), m.head_macs() * 2, bf16=True)
+    router = roof.gemms(T, m.router_macs(), m.router_macs() * m.high_bytes, bf16=True)
+    shared = roof.gemms(T, m.shared_macs(), m.shared_macs() * m.weight_bytes)
+    dense = roof.gemms(T, m.dense_macs(), m.dense_macs() * m.weight_bytes)
+    lm_head = roof.gemms(load.sequences[group_of] / tp, m.head_macs(), m.head_macs() * m.high_bytes, bf16=True)
 
-    # -- MoE layers: rows per device from the routing and the placement, then the all-to-alls
+    # -- MoE layers: rows per device from the routed pairs and the placement, then the all-to-alls
     node_of = np.arange(D) // hw.gpus_per_node
     nodes = int(node_of[-1]) + 1
     same_node = node_of[:, None] == node_of[None, :]
-    pairs = T * D * shape.top_k  # (token, choice) pairs of the step, all devices
     fp8 = m.gemm_dtype == "fp8" and hw.fp8_tflops is not None
-    dispatch_bytes = shape.hidden_size * (1.0 + 4 / 128 if fp8 else 2.0)  # fp8 rows carry block scales
-    combine_bytes = shape.hidden_size * 2.0
+    dispatch_bytes = shape.hidden_size * (1.0 + 4 / 128 if fp8 else m.high_bytes)  # fp8 rows carry block scales
+    combine_bytes = shape.hidden_size * m.high_bytes
+    off_node_tokens = T.sum() - np.bincount(node_of, weights=T, minlength=nodes)  # [nodes]
+    exchange_s = allreduce_seconds(spec, float(load.tokens.max()) * shape.top_k * shape.hidden_size * m.high_bytes) \
+        if spec.exchange == "all-reduce" else 0.0
     expert, dispatch, combine, rows_all = [], [], [], []
     device_expert = np.zeros(D)
     for layer in range(shape.num_sparse):
         slots = spec.placement.slots[layer]  # [D, S] expert ids, -1 empty
         replicas = np.bincount(slots[slots >= 0], minlength=shape.num_experts)
-        share = spec.routing[layer] / np.maximum(replicas, 1)  # each replica's share of the layer's pairs
-        rows = np.where(slots >= 0, pairs * share[np.maximum(slots, 0)], 0.0)  # [D, S]
+        per_replica = load.pairs[layer] / np.maximum(replicas, 1)  # replicas share an expert's rows
+        rows = np.where(slots >= 0, per_replica[np.maximum(slots, 0)], 0.0)  # [D, S]
         seconds = roof.gemms(rows, m.expert_macs(), m.expert_bytes()).sum(1)
         device_expert += seconds
         expert.append(float(seconds.max()))
         per_device = rows.sum(1)
         rows_all.append(per_device)
-        # every device's tokens route alike: d -> d' carries T * top_k * (d''s share of the pairs)
-        to_device = per_device / pairs
-        sent = np.tile(T * shape.top_k * to_device, (D, 1))
+        total = per_device.sum()
+        to_device = per_device / total if total > 0 else np.zeros(D)
+        # every device's tokens route alike: d -> d' carries T_d * top_k * (d''s share of the pairs)
+        sent = np.outer(T * shape.top_k, to_device)
         np.fill_diagonal(sent, 0.0)
         intra = np.maximum((sent * same_node).sum(1), (sent * same_node).sum(0))
         # across nodes a token's rows travel once per remote node its choices hit (DeepEP's
@@ -217,21 +289,29 @@ def layer_times(spec: SimSpec, tokens_per_device: int) -> LayerTimes:
         # receives (a hot node's NICs receive from every other node's devices)
         node_share = np.bincount(node_of, weights=to_device, minlength=nodes)
         hit = 1 - (1 - node_share) ** shape.top_k
-        inter = np.maximum(T * (hit.sum() - hit[node_of]), T * hit[node_of] * (nodes - 1)) if nodes > 1 \
-            else np.zeros(D)
+        if spec.exchange == "all-reduce":  # no dispatch: the outputs' all-reduce and the wait probe
+            dispatch.append(0.0)
+            combine.append(exchange_s)
+            continue
+        inter = np.maximum(T * (hit.sum() - hit[node_of]), off_node_tokens[node_of] * hit[node_of] / hw.gpus_per_node) \
+            if nodes > 1 else np.zeros(D)
         dispatch.append(float(roof.links(intra * dispatch_bytes, inter * dispatch_bytes).max()))
         combine.append(float(roof.links(intra * combine_bytes, inter * combine_bytes).max()))
     return LayerTimes(attention, router, shared, dense, lm_head, expert, dispatch, combine, device_expert,
                       np.array(rows_all).reshape(shape.num_sparse, D))
 
 
-def simulate(spec: SimSpec) -> dict:
-    """The step's time and what it is made of; see the module's docstring for the model."""
-    shape, hw, D, T = spec.model.shape, spec.hardware, spec.devices, spec.tokens_per_device
+def simulate(spec: SimSpec, load: StepLoad | None = None, detail: bool = False) -> dict:
+    """The step's time and what it is made of (see the module's docstring); `load`: the batch
+    a simulated engine scheduled (default: `spec`'s uniform batch). detail: also "detail", the
+    per-device arrays ("busy_s" [D], "rows" [MoE layers, D]) and the LayerTimes ("layers")."""
+    shape, hw, D = spec.model.shape, spec.hardware, spec.devices
+    load = uniform_load(spec) if load is None else load
     groups = spec.devices // spec.ep
-    full = layer_times(spec, T)
-    if spec.overlap == "two-batch" and T > 1:
-        half = layer_times(spec, -(-T // 2))  # the larger half, for both
+    full = layer_times(spec, load)
+    overlapped = spec.overlap == "two-batch" and load.tokens.max() > 1
+    if overlapped:
+        half = layer_times(spec, load.half())
         # the halves pipeline across layers: each layer takes the longer of both halves' compute
         # and both halves' all-to-alls; the pipeline fills once per step
         moe_layers = [max(2 * c, 2 * mm) for c, mm in zip(half.moe_compute, half.moe_comm)]
@@ -239,20 +319,24 @@ def simulate(spec: SimSpec) -> dict:
             moe_layers[0] += min(half.moe_compute[0], half.moe_comm[0])
     else:
         moe_layers = [c + mm for c, mm in zip(full.moe_compute, full.moe_comm)]
-    step = sum(moe_layers) + shape.num_dense * (full.attention + full.dense) + full.lm_head
+    overhead = shape.num_layers * hw.layer_overhead_us * 1e-6  # a calibrated profile's fixed per-layer cost
+    step = float(sum(moe_layers) + shape.num_dense * (full.attention + full.dense).max() + full.lm_head.max()
+                 + overhead)
+    comm = sum(full.dispatch) + sum(full.combine)
     busy = shape.num_layers * full.attention + shape.num_sparse * (full.router + full.shared) \
-        + shape.num_dense * full.dense + full.lm_head + full.device_expert
+        + shape.num_dense * full.dense + full.lm_head + full.device_expert + overhead  # [D]
+    # the mean device's step: its own work, the links, and its wait for the slowest device (at
+    # every layer's dispatch and combine); without overlap the parts add up to the step
     parts = {
-        "attention": shape.num_layers * full.attention, "router": shape.num_sparse * full.router,
-        "dispatch": sum(full.dispatch), "expert_gemm": sum(full.expert), "combine": sum(full.combine),
-        "shared_dense": shape.num_sparse * full.shared + shape.num_dense * full.dense, "lm_head": full.lm_head,
-        # the mean device's wait for the slowest one's experts at each layer's combine
-        "idle": float(sum(full.expert) - full.device_expert.mean()),
+        "attention": shape.num_layers * full.attention.mean(), "router": shape.num_sparse * full.router.mean(),
+        "dispatch": sum(full.dispatch), "expert_gemm": full.device_expert.mean(), "combine": sum(full.combine),
+        "shared_dense": shape.num_sparse * full.shared.mean() + shape.num_dense * full.dense.mean(),
+        "lm_head": full.lm_head.mean(), "overhead": overhead,
     }
     unhidden = max(0.0, sum(full.moe_compute) + sum(full.moe_comm) - sum(moe_layers))
+    parts["idle"] = max(0.0, step + unhidden - comm - busy.mean())
     balancedness = [r.mean() / r.max() for r in full.rows if r.max() > 0]
-    tokens = T * D
-    step = float(step)
+    tokens = float(load.tokens.sum()) * groups
     return {
         "simulated": True, "phase": spec.phase, "step_ms": step * 1e3,
         "tokens_per_s": tokens / step, "tokens_per_s_per_device": tokens / step / D,
@@ -261,7 +345,8 @@ def simulate(spec: SimSpec) -> dict:
         "utilisation": np.tile(busy / step, groups).tolist(),
         "balancedness": float(np.mean(balancedness)) if balancedness else 1.0,
         "breakdown_ms": {k: float(v) * 1e3 for k, v in parts.items()},
-        "overlap_hidden_ms": float(unhidden) * 1e3 if spec.overlap == "two-batch" else 0.0,
+        "overlap_hidden_ms": float(unhidden) * 1e3 if overlapped else 0.0,
+        **({"detail": {"busy_s": busy, "rows": full.rows, "layers": full, "step_s": step}} if detail else {}),
     }
 
 
@@ -272,8 +357,8 @@ def memory_per_device(spec: SimSpec) -> dict:
     m, shape = spec.model, spec.model.shape
     slots = spec.placement.slots_per_device
     weights = shape.num_layers * m.attention_weight_bytes(spec.tp) \
-        + shape.num_sparse * (shape.shared_params() * m.weight_bytes + shape.router_params() * 2) \
-        + shape.num_dense * shape.dense_params() * m.weight_bytes + shape.embedding_params() * 2 \
+        + shape.num_sparse * (shape.shared_params() * m.weight_bytes + shape.router_params() * m.high_bytes) \
+        + shape.num_dense * shape.dense_params() * m.weight_bytes + shape.embedding_params() * m.high_bytes \
         + shape.num_sparse * slots * m.expert_bytes()  # embeddings, head and router in BF16
     # a TP group's devices each hold the KV of all the group's sequences (their share of the heads;
     # MLA's latent whole)

@@ -1,0 +1,230 @@
+"""`moectl sim calibrate`: this machine as a hardware profile, measured with the engine's own
+kernels, in the form of engine/sim/profiles/*.json (every figure with how it was measured).
+
+What it measures, at the engine's dtype on this machine (fp32 on a CPU) and torch thread count:
+
+* peak: torch.mm FLOP/s, the best of a few sizes (tools/machine_limits.py);
+* "HBM": the memory's read bandwidth (machine_limits) and its size (psutil); ranks on one
+  machine share both, so the per-device figures are the machine's over `ranks`;
+* the grouped expert GEMM by rows per expert: the engine's grouped_swiglu (models/moe.py, the
+  kernel every MoE layer runs) on 8 experts of the model's shape, rows 1 to 512 per expert; the
+  efficiency is its FLOP/s over the peak; memory-bound: its weight bytes per second at one row
+  over the read bandwidth;
+* decode attention: the engine's paged decode kernel (core/paged_decode.cpp) on 8 sequences at
+  contexts of 256 to 4,096 keys with the model's heads and widths; bytes read and FLOP/s over
+  the bandwidth and the peak;
+* the link: torch.distributed's gloo all_reduce between `ranks` processes on this machine, the
+  transport the distributed backend runs on: bus bandwidth at 4 MiB, latency at 4 bytes per hop;
+* the per-layer overhead: the engine itself (LLMEngine, the model, no devices) decoding one
+  sequence: each step's measured time less what the profile's figures above price its work at,
+  over the model's layers (launches, Python, small ops: what no roofline sees).
+
+Each figure is the median of its repeats; the run takes about half a minute.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import statistics
+import tempfile
+import time
+
+import psutil
+import torch
+
+from moectl.engine.tools import machine_limits
+
+ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+CONTEXTS = (256, 1024, 4096)
+EXPERTS = 8
+
+
+def _median_time(fn, repeats: int = 7) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return f"{cpu}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads"
+
+
+def grouped_gemm_curve(hidden: int, intermediate: int, dtype: torch.dtype, peak: float, read_bw: float) -> tuple:
+    """[(rows per expert, FLOP/s over the peak)], and the weight-streaming fraction at one row."""
+    from moectl.engine.models.moe import grouped_offsets, grouped_swiglu
+
+    gen = torch.Generator().manual_seed(0)
+    w13 = torch.randn(EXPERTS, 2 * intermediate, hidden, generator=gen).to(dtype)
+    w2 = torch.randn(EXPERTS, hidden, intermediate, generator=gen).to(dtype)
+    points, bound = [], None
+    with torch.inference_mode():
+        for rows in ROWS:
+            x = torch.randn(rows * EXPERTS, hidden, generator=gen).to(dtype)
+            counts = [rows] * EXPERTS
+            offsets = grouped_offsets(torch.tensor(counts), rows * EXPERTS, w13, w2)
+            seconds = _median_time(lambda: grouped_swiglu(x, counts, w13, w2, offsets))
+            flops = 2 * 3 * hidden * intermediate * rows * EXPERTS
+            points.append([rows, round(min(1.0, flops / seconds / peak), 4)])
+            if rows == 1:
+                bound = min(1.0, (w13.numel() + w2.numel()) * w13.element_size() / seconds / read_bw)
+    return points, round(bound, 4)
+
+
+def decode_attention(heads: int, kv_heads: int, key_width: int, value_width: int, dtype: torch.dtype, peak: float,
+                     read_bw: float) -> tuple[float, float]:
+    """(bandwidth fraction, compute fraction): the best of the contexts, each figure on its own."""
+    from moectl.engine.core import paged_decode
+
+    if paged_decode.kernel() is None:
+        raise RuntimeError(f"the paged decode kernel is not available here ({paged_decode.failure()})")
+    block, seqs = 16, 8
+    bandwidth, compute = [], []
+    gen = torch.Generator().manual_seed(1)
+    for context in CONTEXTS:
+        blocks = -(-context // block)
+        kc = torch.randn(seqs * blocks, block, kv_heads, key_width, generator=gen).to(dtype)
+        vc = torch.randn(seqs * blocks, block, kv_heads, value_width, generator=gen).to(dtype)
+        q = torch.randn(seqs, heads, key_width, generator=gen).to(dtype)
+        tables = torch.arange(seqs * blocks, dtype=torch.int64).view(seqs, blocks)
+        lens = torch.full((seqs,), context, dtype=torch.int64)
+        lo = torch.zeros(seqs, dtype=torch.int64)
+        seconds = _median_time(lambda: paged_decode.decode(q, kc, vc, tables, lens, lo, 0.1))
+        nbytes = seqs * context * kv_heads * (key_width + value_width) * kc.element_size()
+        flops = 2 * seqs * heads * context * (key_width + value_width)
+        bandwidth.append(nbytes / seconds / read_bw)
+        compute.append(flops / seconds / peak)
+    return round(min(1.0, max(bandwidth)), 4), round(min(1.0, max(compute)), 4)
+
+
+def _allreduce_worker(rank: int, ranks: int, store_path: str, sizes: list[int], out: dict) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=ranks)
+    try:
+        for size in sizes:
+            t = torch.zeros(max(1, size // 4))
+            out[(rank, size)] = _median_time(lambda: dist.all_reduce(t), repeats=9)
+    finally:
+        dist.destroy_process_group()
+
+
+def link(ranks: int) -> tuple[float, float]:
+    """(bus GB/s at 4 MiB, latency per hop in us at 4 bytes) of gloo all_reduce over `ranks` processes."""
+    import torch.multiprocessing as mp
+
+    sizes = [4, 4 << 20]
+    with tempfile.TemporaryDirectory() as tmp, mp.Manager() as manager:
+        out = manager.dict()
+        mp.start_processes(_allreduce_worker, args=(ranks, os.path.join(tmp, "store"), sizes, out), nprocs=ranks,
+                           join=True, start_method="spawn")
+        small = max(out[(r, 4)] for r in range(ranks))
+        big = max(out[(r, 4 << 20)] for r in range(ranks))
+    hops = 2 * (ranks - 1)
+    bus_gbps = 2 * (ranks - 1) / ranks * (4 << 20) / big / 1e9
+    return round(bus_gbps, 3), round(small / hops * 1e6, 2)
+
+
+def layer_overhead_us(model_dir, dtype: str, profile_for, steps: int = 24) -> tuple[float, float, float]:
+    """The engine's per-layer cost beyond its kernels: one sequence decoding, each step's measured
+    time less the step model's price of that step on `profile_for(overhead=0)`, over the layers."""
+    from moectl.engine.llm_engine import EngineConfig, LLMEngine, SamplingParams
+    from moectl.engine.sim.model_shape import load_sim_model
+    from moectl.engine.sim.routing import balanced
+    from moectl.engine.sim.step_model import SimSpec, simulate
+
+    engine = LLMEngine(EngineConfig(model=model_dir, dtype=dtype, num_threads=torch.get_num_threads()))
+    engine.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True))
+    decode = [s for s in engine.step_log if s.decode_tokens == 1 and not s.prefill_tokens]
+    measured = statistics.median(s.t_end - s.t_start for s in decode)
+    context = 4 + len(decode) // 2
+    sim_model = load_sim_model(model_dir, "fp32" if dtype == "float32" else "bf16")
+    shape = sim_model.shape
+    spec = SimSpec(sim_model, profile_for(), 1, balanced(shape.num_sparse, shape.num_experts),
+                   tokens_per_device=1, context=context)
+    priced = simulate(spec)["step_ms"] / 1e3
+    return max(0.0, (measured - priced) / shape.num_layers * 1e6), measured, priced
+
+
+def calibrate(model_dir, dtype: str = "float32", ranks: int = 2, log=print) -> dict:
+    from moectl.engine.sim.hardware import _parse
+    from moectl.engine.sim.model_shape import load_sim_model
+
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    key = "fp32" if dtype == "float32" else "bf16"
+    when = datetime.date.today().isoformat()
+    machine = _machine()
+    how = f"measured by `moectl sim calibrate` on {when} ({machine})"
+    limits = machine_limits.measure(torch_dtype)
+    peak, read_bw = limits["matmul_flops"], limits["read_bw"]
+    bf16 = peak if key == "bf16" else machine_limits.matmul_throughput("bfloat16")["matmul_flops"]
+    log(f"peak {peak / 1e9:.1f} GFLOP/s ({key}), read bandwidth {read_bw / 1e9:.1f} GB/s")
+    shape = load_sim_model(model_dir).shape
+    intermediate = shape.expert_intermediate_size
+    points, bound = grouped_gemm_curve(shape.hidden_size, intermediate, torch_dtype, peak, read_bw)
+    log(f"grouped expert GEMM ({shape.hidden_size} x {intermediate}): " +
+        ", ".join(f"{r} rows {e:.0%}" for r, e in points) + f"; streaming at 1 row {bound:.0%} of the bandwidth")
+    if shape.attention == "mla":
+        heads, kv_heads, key_width, value_width = shape.num_heads, 1, shape.kv_latent_dim, shape.kv_lora_rank
+    else:
+        heads, kv_heads, key_width, value_width = shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.head_dim
+    attention = decode_attention(heads, kv_heads, key_width, value_width, torch_dtype, peak, read_bw)
+    log(f"decode attention: {attention[0]:.0%} of the bandwidth, {attention[1]:.0%} of the peak")
+    bus, latency = link(ranks)
+    log(f"gloo all_reduce over {ranks} processes: {bus:.2f} GB/s bus bandwidth, {latency:.1f} us per hop")
+    raw = {
+        "name": f"this machine ({machine})",
+        "notes": f"Calibrated for moectl's distributed backend on this machine: {ranks} ranks share its cores and "
+                 f"memory (each rank a 'device', the machine one 'node'). {how}.",
+        "peak_tflops": {key: {"value": peak / 1e12, "source": f"torch.mm {limits['matmul_dtype']}, best of sizes "
+                                                             f"256-2048; {how}"},
+                        "bf16": {"value": bf16 / 1e12, "source": f"torch.mm bfloat16, best of sizes 256-2048; {how}"}},
+        "hbm_bytes": {"value": int(psutil.virtual_memory().total), "source": f"psutil: the machine's memory; {how}"},
+        "hbm_gbps": {"value": read_bw / 1e9, "source": f"read bandwidth, an fp32 sum of 256 MiB; {how}"},
+        "gpus_per_node": {"value": ranks, "source": f"the distributed backend's ranks on this one machine; {how}"},
+        "intra_node_gbps": {"value": bus, "source": f"gloo all_reduce bus bandwidth over {ranks} processes at 4 MiB "
+                                                    f"(2 (n - 1) / n x bytes / time); {how}"},
+        "inter_node_gbps": None,
+        "efficiency": {
+            "grouped_gemm": {"by": "rows per expert", "points": points,
+                             "source": f"the engine's grouped_swiglu on {EXPERTS} experts of {shape.name}'s shape "
+                                       f"({shape.hidden_size} x {intermediate}), FLOP/s over the peak; {how}"},
+            "memory_bound_gemm": {"value": max(bound, 1e-4),
+                                  "source": f"the same at 1 row per expert: weight bytes per second over the read "
+                                            f"bandwidth; {how}"},
+            "attention_decode": {"bandwidth": max(attention[0], 1e-4), "compute": max(attention[1], 1e-4),
+                                 "source": f"the engine's paged decode kernel, 8 sequences at {CONTEXTS} keys, "
+                                           f"{heads} heads, widths {key_width}/{value_width}; the best context of "
+                                           f"each; {how}"},
+            "all_to_all": {"intra_node": 1.0, "inter_node": 1.0, "latency_us": latency,
+                           "source": f"gloo all_reduce: the bandwidth above is already achieved (1.0); latency per "
+                                     f"hop at 4 bytes; {how}"},
+        },
+    }
+
+    def profile_for():
+        return _parse("calibrated", raw)
+
+    overhead, measured, priced = layer_overhead_us(model_dir, dtype, profile_for)
+    log(f"engine decode step at batch 1: {measured * 1e3:.2f} ms measured, {priced * 1e3:.3f} ms priced: "
+        f"{overhead:.0f} us per layer beyond the kernels")
+    raw["layer_overhead_us"] = {"value": max(overhead, 1e-3),
+                                "source": f"the engine decoding one sequence ({shape.name}): median measured step "
+                                          f"{measured * 1e3:.3f} ms less the step model's {priced * 1e3:.3f} ms on the "
+                                          f"figures above, over {shape.num_layers} layers; {how}"}
+    _parse("calibrated", raw)  # what it writes, it can read
+    return raw
+
+
