@@ -178,8 +178,16 @@ def calibrate(
         raise BadInput(f"--out: {out.parent} is not an existing directory")
     if not 2 <= ranks <= 16:
         raise BadInput(f"--ranks: must be in 2-16, got {ranks}")
+    import tempfile
+
+    from moectl.profiler.recorder import TraceRecorder
+
     path = model_dir(model)
-    profile = measure(path, ranks=ranks, log=progress(as_json))
+    with tempfile.TemporaryDirectory() as tmp:
+        def attach(engine):  # the engine as `moectl record` runs it: its trace writer beside it
+            recorder = TraceRecorder(engine, Path(tmp) / "calibrate.trace")
+            return recorder.close
+        profile = measure(path, ranks=ranks, log=progress(as_json), attach=attach)
     out.write_text(json.dumps(profile, indent=1) + "\n")
     emit_json({"profile": str(out), "name": profile["name"]}, as_json) if as_json else typer.echo(
         f"{out}: this machine's profile (every figure measured; see its sources)")

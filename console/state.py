@@ -165,6 +165,8 @@ class ConsoleState:
             return  # a late event of a request already counted finished
         if kind == "scheduled":
             self._move(req, "running")
+            if req["output_tokens"]:  # back after a preemption: its tokens count on
+                self._generating.add(rid)
         elif kind == "first_token":
             self._move(req, "running")
             req["output_tokens"] = 1

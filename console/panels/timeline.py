@@ -82,7 +82,8 @@ class TimelinePanel(ShowsOnChange, Vertical):
             "#tl-breakdown",
             f"steps {records[0]['step']}-{records[-1]['step']}, per step "
             f"({'simulated' if self.app.state.simulated else 'measured'}): {parts}; "
-            f"communication (modeled) {b['communication_modeled_mean_s'] * 1e3:.4f} ms")
+            f"communication ({'simulated' if self.app.state.simulated else 'modeled'}) "
+            f"{b['communication_modeled_mean_s'] * 1e3:.4f} ms")
         self.put(
             "#tl-status",
             "kernels from a deep capture shown" if any(r.get("kernels") for r in records) else "")

@@ -118,10 +118,14 @@ class Bars(LabelledRows):
         self._update(rows, empty, (warn, crit))
 
     def _frame(self, width: int) -> tuple[int, int]:
-        """(label width, bar width): every row's drawing depends on them."""
-        label_w = max((len(r[0]) for r in self._rows), default=0)
-        after_w = max((len(r[2]) for r in self._rows if r[1] is not None), default=0) + 2  # " text !"
-        return label_w, max(4, width - label_w - 1 - after_w - 1)
+        """(label width, bar width): every row's drawing depends on them. Computed once per rows
+        and width, not per row drawn (256 simulated devices: 65,536 lengths a repaint otherwise)."""
+        cached = getattr(self, "_frame_cache", None)  # (rows, width, frame); rows held: compared by identity
+        if cached is None or cached[0] is not self._rows or cached[1] != width:
+            label_w = max((len(r[0]) for r in self._rows), default=0)
+            after_w = max((len(r[2]) for r in self._rows if r[1] is not None), default=0) + 2  # " text !"
+            cached = self._frame_cache = (self._rows, width, (label_w, max(4, width - label_w - 1 - after_w - 1)))
+        return cached[2]
 
     def _row_segments(self, row: Row, width: int) -> list[tuple[str, Style | None]]:
         label, frac, after = row
@@ -159,10 +163,14 @@ class StackedBars(LabelledRows):
         self._update(rows, empty)
 
     def _frame(self, width: int) -> tuple[int, int]:
-        """(label width, bar width): every row's drawing depends on them; bars never wrap."""
-        label_w = max((len(r[0]) for r in self._rows), default=0)
-        after_w = max((len(r[3]) for r in self._rows), default=0)
-        return label_w, max(8, width - label_w - 1 - after_w)
+        """(label width, bar width): every row's drawing depends on them; bars never wrap. Once per
+        rows and width, as Bars'."""
+        cached = getattr(self, "_frame_cache", None)
+        if cached is None or cached[0] is not self._rows or cached[1] != width:
+            label_w = max((len(r[0]) for r in self._rows), default=0)
+            after_w = max((len(r[3]) for r in self._rows), default=0)
+            cached = self._frame_cache = (self._rows, width, (label_w, max(8, width - label_w - 1 - after_w)))
+        return cached[2]
 
     def _row_segments(self, row: StackedRow, width: int) -> list[tuple[str, Style | None]]:
         label, pieces, total, after = row

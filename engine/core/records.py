@@ -88,6 +88,17 @@ ranks, "migration": {"per_rank": [{"bytes_sent", "bytes_received", "bytes_local"
 "bytes_transferred", "seconds_max", "measured": true}. Kinds: knobs, rebalance_preview, rebalance_apply,
 placement, move, swap, replicate, drop_replica, pin, unpin, auto_rebalance_plan, capture,
 record_start, record_stop, and "<kind>_failed" with {"error": str}.
+
+The simulated backend (engine/sim/cluster_engine.py) writes the same records, every figure the
+step model's: the header has "clock": "simulated" and "simulated" (where the figures came
+from), each step "simulated": true with t_start/t_end in simulated seconds, devices
+{"backend": "simulated", "simulated": true, ..., "step_time": {..., "simulated": true,
+"migration_stall_s"}, "breakdown_ms"} and no "traffic_bytes"; its spans are all modeled, on
+lanes "engine", "device d" and one "links (all devices)". An applied placement's result has
+"simulated": true and "migration" {"experts_moved", "bytes_transferred", "seconds_max",
+"measured": false, "simulated": true}; 32 steps later a "rebalance_outcome" action gives
+{"throughput_before", "throughput_after", "gain", "predicted_gain", "steps", "same_batches",
+"migration_stall_s", "simulated": true}: the same batches under the old and the new placement.
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ class ClusterBatcher:
     def __init__(self, groups: int, blocks_per_group: int, block_size: int, knobs: SchedulerKnobs):
         self.groups, self.blocks_per_group, self.block_size = groups, blocks_per_group, block_size
         self.knobs = knobs
-        self.run = {name: np.zeros(0, dtype=np.float64 if name in ("arrival", "first") else np.int64)
+        self.run = {name: np.zeros(0, dtype=np.float64 if name in ("arrival", "first", "scheduled") else np.int64)
                     for name in FIELDS}
         # (rid, group, prompt, target, out, max_out, arrival, first): target, the tokens to
         # prefill (a preempted sequence recomputes its output too), out, those already sampled
@@ -117,9 +117,12 @@ class ClusterBatcher:
         takes none after it (FCFS)."""
         if not self.waiting:
             return
-        k = self.knobs
-        running = np.bincount(self.run["group"], minlength=self.groups)
-        free = self.blocks_per_group - self.blocks_used()
+        k, r = self.knobs, self.run
+        running = np.bincount(r["group"], minlength=self.groups)
+        # the running sequences grow first (a decode token, or their next chunk): what is left is free
+        want = np.where(r["done"] >= r["target"], 1, np.minimum(r["target"] - r["done"], k.long_prefill_token_threshold))
+        after = np.bincount(r["group"], -(-(r["done"] + want) // self.block_size), self.groups).astype(np.int64)
+        free = self.blocks_per_group - after
         blocked: set[int] = set()
         admitted, kept = [], deque()
         for item in self.waiting:

@@ -127,7 +127,8 @@ class SimulatedEngine:
                             "comm_buffers": int(worst.comm_buffers)}
         import torch
 
-        self.block_bytes = shape.kv_bytes_per_block(tp, self.config.block_size, torch.bfloat16, False)
+        kv_dtype = torch.float32 if self.sim_model.kv_bytes == 4 else torch.bfloat16
+        self.block_bytes = shape.kv_bytes_per_block(tp, self.config.block_size, kv_dtype, False)
         free = self.hardware.hbm_bytes * self.config.memory_fraction - weights - worst.activations - worst.comm_buffers
         self.blocks_per_group = int(free // self.block_bytes)
         if self.blocks_per_group < -(-knobs.long_prefill_token_threshold // self.config.block_size):
@@ -142,11 +143,16 @@ class SimulatedEngine:
         has lengths, not text: token ids are only counted)."""
         if isinstance(prompt, str):
             raise ValueError("prompt: the simulated backend takes token ids (their count is the prompt's length)")
+        if stream:
+            raise ValueError("stream: a simulated request has lengths, not tokens; it streams nothing (its events "
+                             "are in the step records)")
         prompt_len = len(prompt)
         max_tokens = getattr(params, "max_tokens", 16) if params is not None else 16
         return self.add_lengths(prompt_len, max_tokens, request_id=request_id)
 
-    def add_lengths(self, prompt_len: int, max_tokens: int, *, request_id: str | None = None) -> str:
+    def add_lengths(self, prompt_len: int, max_tokens: int, *, request_id: str | None = None,
+                    arrival: float | None = None) -> str:
+        """arrival: when it arrived on the simulated clock (default: now, the next step's start)."""
         if prompt_len < 1 or max_tokens < 1:
             raise ValueError("prompt: needs at least one prompt token and one to generate")
         if prompt_len + max_tokens > self.max_model_len:
@@ -159,15 +165,16 @@ class SimulatedEngine:
         name = request_id or f"req-{number}"
         if request_id is not None:
             self._names[number] = request_id
-        self.commands.submit(lambda: self._admit(number, name, prompt_len, max_tokens), "add")
+        self.commands.submit(lambda: self._admit(number, name, prompt_len, max_tokens, arrival), "add")
         return name
 
-    def _admit(self, number: int, name: str, prompt_len: int, max_tokens: int) -> None:
-        self.batcher.add(number, prompt_len, max_tokens, self.now)
-        self._arrived.append({"id": name, "event": "arrived", "t": self.now, "prompt_tokens": prompt_len})
+    def _admit(self, number: int, name: str, prompt_len: int, max_tokens: int, arrival: float | None) -> None:
+        t = self.now if arrival is None else min(arrival, self.now)
+        self.batcher.add(number, prompt_len, max_tokens, t)
+        self._arrived.append({"id": name, "event": "arrived", "t": t, "prompt_tokens": prompt_len})
 
     def abort(self, request_id: str) -> None:
-        raise ValueError("abort: simulated requests run to their length")
+        """Simulated requests run to their length: an abort (a client gone) changes nothing."""
 
     def update_knobs(self, **changes) -> SchedulerKnobs:
         with self._lock:
@@ -241,7 +248,6 @@ class SimulatedEngine:
         return []
 
     def step(self) -> list:
-        self._arrived = []
         self.run_commands()
         t_start = self.now
         batch = self.batcher.schedule(t_start)
@@ -285,7 +291,8 @@ class SimulatedEngine:
         pairs = self.rng.multinomial(int(tokens.sum()) * self.sim_model.shape.top_k, self.shares)
         load = StepLoad(np.bincount(group, tokens, G).astype(np.float64),
                         np.bincount(group, batch.samples, G).astype(np.float64),
-                        decode_keys, prefill_keys, reads, pairs.astype(np.float64))
+                        decode_keys, prefill_keys, reads, pairs.astype(np.float64),
+                        np.bincount(group[prefilling], tokens[prefilling], G).astype(np.float64))
         routing = np.zeros((self.sim_model.shape.num_layers, self.sim_model.shape.num_experts), dtype=np.int32)
         routing[self.moe_layers] = pairs
         return load, routing
@@ -319,21 +326,22 @@ class SimulatedEngine:
                    "expert_weights": self._expert_weight_bytes(), "kv_blocks": int(b * self.block_bytes),
                    "activations": self.memory_plan["activations"], "comm_buffers": self.memory_plan["comm_buffers"]}
                   for b in kv_devices.tolist()]
-        requests = self._arrived + self.batcher.take_events()
-        for event in requests:  # requests added with their own id
-            if self._names and event["id"].startswith("req-"):
+        scheduled = self.batcher.take_events()
+        if self._names:  # requests added with their own id (the batcher names them by number)
+            for event in scheduled:
                 event["id"] = self._names.get(int(event["id"][4:]), event["id"])
+        requests, self._arrived = self._arrived + scheduled, []
         return {
             "step": self.step_count, "t_start": t_start, "t_end": t_end, "simulated": True,
             "batch": {"prefill_tokens": batch.prefill_tokens, "decode_tokens": batch.decode_tokens,
                       "num_seqs": len(scheduled_ids),
                       "request_ids": [self._names.get(i) or f"req-{i}" for i in scheduled_ids],
-                      "preempted": [f"req-{i}" for i in batch.preempted]},
+                      "preempted": [self._names.get(i) or f"req-{i}" for i in batch.preempted]},
             "routing": routing, "knobs": self.batcher.knobs.as_dict(),
             "cache": {"kv_blocks_used": int(blocks.sum()), "kv_blocks_total": self.batcher.kv_blocks_total(),
                       "prefix_queries": 0, "prefix_hits": 0, "preemptions": self.batcher.preemptions},
             "process": self._process_memory(), "requests": requests,
-            "spans": self._spans(layers, busy, stall_s),
+            "spans": self._spans(layers, busy, stall_s, step_s),
             "devices": {
                 "backend": "simulated", "simulated": True, "tokens": device_rows.round().astype(np.int64).tolist(),
                 "busy_s": busy.tolist(), "link_s": [comm] * D, "link_s_modeled": True,
@@ -364,11 +372,13 @@ class SimulatedEngine:
         return int(self.sim_model.shape.num_sparse * self.spec.placement.slots_per_device
                    * self.sim_model.expert_bytes())
 
-    def _spans(self, layers, busy: np.ndarray, stall_s: float) -> dict:
+    def _spans(self, layers, busy: np.ndarray, stall_s: float, step_s: float) -> dict:
         """Modeled spans of one step: per MoE layer the slowest device's part before the dispatch
         on the engine lane, each device's expert GEMMs on its lane, the dispatch and combine on
         the one links lane; the dense layers and the LM head on the engine lane; a migration's
-        stall leaves the step's first `stall_s` empty."""
+        stall leaves the step's first `stall_s` empty. With two-batch overlap the parts, laid end to
+        end, take longer than the overlapped step: they are scaled to fit it (the model prices the
+        overlap, it does not place the halves' kernels)."""
         D = self.config.devices
         pre = float((layers.attention + layers.router + layers.shared).max())
         dense = float((layers.attention + layers.dense).max())
@@ -398,10 +408,15 @@ class SimulatedEngine:
         head = float(layers.lm_head.max())
         lane.append([0]), name.append([4]), layer_ids.append([-1]), start.append([t]), dur.append([head])
         n = sum(len(x) for x in lane)
+        starts, durs = np.concatenate(start).astype(np.float64), np.concatenate(dur).astype(np.float64)
+        laid = t + head - stall_s
+        if laid > step_s - stall_s > 0:  # two-batch overlap hid part of it
+            scale = (step_s - stall_s) / laid
+            starts, durs = stall_s + (starts - stall_s) * scale, durs * scale
         return {"lanes": self.lanes, "names": self._span_names,
                 "lane": np.concatenate(lane).astype(np.int16), "name": np.concatenate(name).astype(np.int16),
                 "layer": np.concatenate(layer_ids).astype(np.int16),
-                "start_s": np.concatenate(start).astype(np.float64), "dur_s": np.concatenate(dur).astype(np.float64),
+                "start_s": starts, "dur_s": durs,
                 "modeled": np.ones(n, dtype=bool)}
 
     def _expert_seconds(self, layers) -> np.ndarray:

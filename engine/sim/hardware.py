@@ -72,6 +72,8 @@ class HardwareProfile:
     # per layer, beyond its kernels' work: launches, Python, small ops (calibrated profiles measure it;
     # the GPU profiles have no sourced figure: 0, not modeled)
     layer_overhead_us: float = 0.0
+    sequence_overhead_us: float = 0.0  # per sequence sampled in a step: scheduler, sampler, bookkeeping
+    prompt_token_overhead_us: float = 0.0  # per prompt token: a CPU prefill path's costs beyond its kernels
     sources: dict[str, str] = field(default_factory=dict)
     assumed: tuple[str, ...] = ()  # figures borrowed from another device
 
@@ -174,5 +176,7 @@ def _parse(key: str, raw: dict) -> HardwareProfile:
         a2a_latency_us=float(latency), sources=sources,
         fp32_tflops=figure("peak_tflops.fp32", optional=True),
         layer_overhead_us=figure("layer_overhead_us", optional=True) or 0.0,
+        sequence_overhead_us=figure("sequence_overhead_us", optional=True) or 0.0,
+        prompt_token_overhead_us=figure("prompt_token_overhead_us", optional=True) or 0.0,
         assumed=tuple(sorted(k for k, v in sources.items() if v.lstrip().lower().startswith("assumed"))))
     return profile

@@ -35,7 +35,7 @@ class SimExperts:
         self.pending_stall_s = 0.0  # a migration's stall, added to the next simulated step
         self._outcome: dict | None = None  # the last apply's outcome while its steps accumulate
         self._pending: Placement | None = None
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # edit() holds it across apply()
 
     # -- what a header, a console or the alerts read
     @property
@@ -134,7 +134,7 @@ class SimExperts:
     def _apply(self, placement: Placement, kind: str) -> dict:
         predicted = self.predict_change(placement)
         stall = migration_stall(self._engine.spec, self.moe_placement(), self.moe_placement(placement))
-        moved = placement.bytes_to(self.placement, self.expert_bytes) if placement != self.placement else 0
+        moved = self.placement.bytes_to(placement, self.expert_bytes) if placement != self.placement else 0
         self._outcome = {"old": self.moe_placement(), "predicted": predicted, "tokens": 0, "seconds_after": 0.0,
                          "seconds_before": 0.0, "steps": 0, "stall_s": stall["stall_ms"] / 1e3}
         self.placement = placement
@@ -193,6 +193,8 @@ class SimExperts:
         try:
             if self.auto.should_rebalance(step, getattr(self, "window_balancedness", 1.0)):
                 plan = self.preview()
+                if plan.bytes_moved == 0:
+                    return  # nothing to move (as the real cluster's auto mode: no apply, no outcome reset)
                 self._engine.record_action("auto_rebalance_plan", {}, plan.summary())
                 self.apply(plan.placement, kind=Action.REBALANCE_APPLY)
         except ValueError as exc:

@@ -160,11 +160,16 @@ class StepLoad:
     prefill_keys: np.ndarray  # [W, G] keys the prefill tokens attend (causal), summed
     kv_reads: np.ndarray  # [W, G] keys read from the KV cache (once per sequence and layer)
     pairs: np.ndarray  # [MoE layers, experts] (token, choice) pairs routed to each expert, the group's
+    prefill: np.ndarray | None = None  # [G] of `tokens`, the prompt tokens (None: none)
+
+    def __post_init__(self):
+        if self.prefill is None:
+            self.prefill = np.zeros_like(self.tokens)
 
     def half(self) -> StepLoad:
         """One of two-batch overlap's halves (the larger, for both)."""
         return StepLoad(np.ceil(self.tokens / 2), np.ceil(self.sequences / 2), self.decode_keys / 2,
-                        self.prefill_keys / 2, self.kv_reads / 2, self.pairs / 2)
+                        self.prefill_keys / 2, self.kv_reads / 2, self.pairs / 2, np.ceil(self.prefill / 2))
 
 
 def uniform_load(spec: SimSpec, tokens_per_device: int | None = None) -> StepLoad:
@@ -184,7 +189,8 @@ def uniform_load(spec: SimSpec, tokens_per_device: int | None = None) -> StepLoa
         decode_keys, prefill_keys, reads = 0 * keys, group_tokens * keys / 2, sequences * keys
     ones = np.ones(groups)
     pairs = spec.routing * (T * spec.ep * shape.top_k)
-    return StepLoad(group_tokens * ones, sequences * ones, decode_keys, prefill_keys, reads, pairs)
+    return StepLoad(group_tokens * ones, sequences * ones, decode_keys, prefill_keys, reads, pairs,
+                    0 * ones if decode else group_tokens * ones)
 
 
 @dataclass
@@ -319,7 +325,10 @@ def simulate(spec: SimSpec, load: StepLoad | None = None, detail: bool = False) 
             moe_layers[0] += min(half.moe_compute[0], half.moe_comm[0])
     else:
         moe_layers = [c + mm for c, mm in zip(full.moe_compute, full.moe_comm)]
-    overhead = shape.num_layers * hw.layer_overhead_us * 1e-6  # a calibrated profile's fixed per-layer cost
+    # a calibrated profile's costs beyond the kernels: per layer, and per sequence sampled (the
+    # busiest attention group's); 0 in the GPU profiles, which have no sourced figure for them
+    overhead = (shape.num_layers * hw.layer_overhead_us + float(load.sequences.max()) * hw.sequence_overhead_us
+                + float(load.prefill.max()) * hw.prompt_token_overhead_us) * 1e-6
     step = float(sum(moe_layers) + shape.num_dense * (full.attention + full.dense).max() + full.lm_head.max()
                  + overhead)
     comm = sum(full.dispatch) + sum(full.combine)

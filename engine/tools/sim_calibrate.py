@@ -1,23 +1,29 @@
 """`moectl sim calibrate`: this machine as a hardware profile, measured with the engine's own
 kernels, in the form of engine/sim/profiles/*.json (every figure with how it was measured).
 
-What it measures, at the engine's dtype on this machine (fp32 on a CPU) and torch thread count:
+A "device" is one of `ranks` ranks of the distributed backend on this machine: each runs on its
+share of the cores (the backend gives a rank cores // ranks threads, at least one), so kernels
+are timed at that thread count, and where the ranks outnumber the cores the peak is scaled by the
+share of a core each gets; the memory's bandwidth and size are the machine's over the ranks.
+What it measures, at the engine's dtype on this machine (fp32 on a CPU):
 
 * peak: torch.mm FLOP/s, the best of a few sizes (tools/machine_limits.py);
-* "HBM": the memory's read bandwidth (machine_limits) and its size (psutil); ranks on one
-  machine share both, so the per-device figures are the machine's over `ranks`;
+* "HBM": the memory's read bandwidth (machine_limits, all cores) and its size (psutil);
 * the grouped expert GEMM by rows per expert: the engine's grouped_swiglu (models/moe.py, the
   kernel every MoE layer runs) on 8 experts of the model's shape, rows 1 to 512 per expert; the
   efficiency is its FLOP/s over the peak; memory-bound: its weight bytes per second at one row
-  over the read bandwidth;
+  over a rank's share of the read bandwidth (timed alone a kernel may stream faster: clipped at 1);
 * decode attention: the engine's paged decode kernel (core/paged_decode.cpp) on 8 sequences at
   contexts of 256 to 4,096 keys with the model's heads and widths; bytes read and FLOP/s over
-  the bandwidth and the peak;
+  a rank's share of the bandwidth and the peak;
 * the link: torch.distributed's gloo all_reduce between `ranks` processes on this machine, the
   transport the distributed backend runs on: bus bandwidth at 4 MiB, latency at 4 bytes per hop;
-* the per-layer overhead: the engine itself (LLMEngine, the model, no devices) decoding one
-  sequence: each step's measured time less what the profile's figures above price its work at,
-  over the model's layers (launches, Python, small ops: what no roofline sees).
+* the engine's overheads: the distributed backend itself (`ranks` ranks, the model) decoding 1
+  and then 16 sequences: each median step's measured time less what the profile's figures above
+  price its work at; the batch-1 excess over the model's layers is the per-layer overhead
+  (launches, Python, small ops, the ranks' per-step bookkeeping: what no roofline sees), what
+  16 sequences add beyond it the per-sequence overhead (scheduler, sampler, block tables).
+  Both runs decode short prompts at fixed batches, none of the validation cases' workloads.
 
 Each figure is the median of its repeats; the run takes about half a minute.
 """
@@ -137,62 +143,121 @@ def link(ranks: int) -> tuple[float, float]:
     return round(bus_gbps, 3), round(small / hops * 1e6, 2)
 
 
-def layer_overhead_us(model_dir, dtype: str, profile_for, steps: int = 24) -> tuple[float, float, float]:
-    """The engine's per-layer cost beyond its kernels: one sequence decoding, each step's measured
-    time less the step model's price of that step on `profile_for(overhead=0)`, over the layers."""
-    from moectl.engine.llm_engine import EngineConfig, LLMEngine, SamplingParams
+BATCH = 16  # sequences of the second overhead run
+PROMPTS, PROMPT_LEN = 4, 128  # the prefill run's prompts
+
+
+def engine_overheads(model_dir, dtype: str, ranks: int, profile_for, steps: int = 32, attach=None) -> dict:
+    """The engine's costs beyond its kernels, from the distributed backend's `ranks` ranks: the
+    median decode step of 1 and of BATCH sequences, and the prefill step of PROMPTS fresh prompts
+    of PROMPT_LEN tokens (median of 5), each measured on the ranks less the step model's price of
+    it on `profile_for()` (moectl's ranks' layout: every rank holds every token). The batch-1
+    excess over the layers is the per-layer overhead; what BATCH sequences add beyond it, per
+    sequence, the per-sequence one (the scheduler, sampler and bookkeeping per sequence and step);
+    what the prefill step adds beyond both, per prompt token, the per-prompt-token one (the CPU
+    prefill path's attention, masks and copies beyond what the kernels above price). attach(engine):
+    what runs beside the engine as `moectl record` runs it (its trace writer), returning its close."""
+    from moectl.engine.core.topology import Topology
+    from moectl.engine.llm_engine import EngineConfig, SamplingParams
+    from moectl.engine.parallel.backends import Engines
     from moectl.engine.sim.model_shape import load_sim_model
     from moectl.engine.sim.routing import balanced
     from moectl.engine.sim.step_model import SimSpec, simulate
+    from moectl.engine.sim.trace_load import ranks_load
 
-    engine = LLMEngine(EngineConfig(model=model_dir, dtype=dtype, num_threads=torch.get_num_threads()))
-    engine.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True))
-    decode = [s for s in engine.step_log if s.decode_tokens == 1 and not s.prefill_tokens]
-    measured = statistics.median(s.t_end - s.t_start for s in decode)
-    context = 4 + len(decode) // 2
     sim_model = load_sim_model(model_dir, "fp32" if dtype == "float32" else "bf16")
     shape = sim_model.shape
-    spec = SimSpec(sim_model, profile_for(), 1, balanced(shape.num_sparse, shape.num_experts),
-                   tokens_per_device=1, context=context)
-    priced = simulate(spec)["step_ms"] / 1e3
-    return max(0.0, (measured - priced) / shape.num_layers * 1e6), measured, priced
+    spec = SimSpec(sim_model, profile_for(), ranks, balanced(shape.num_sparse, shape.num_experts),
+                   tokens_per_device=1, context=1, tp=ranks, exchange="all-reduce")
+    gen = torch.Generator().manual_seed(0)
+    engines = Engines(EngineConfig(model=str(model_dir), dtype=dtype, topology=Topology(num_devices=ranks)),
+                      "distributed")
+    try:
+        engine = engines.make_engine()
+        detach = attach(engine) if attach is not None else None
+        vocab = engine.model_config.vocab_size
+        runs = {}
+        for batch in (1, BATCH):
+            engine.step_log.clear()
+            prompts = torch.randint(1, vocab, (batch, 4), generator=gen).tolist()
+            engine.generate(prompts, SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True))
+            decode = [s.devices["step_time"]["step_s"] for s in engine.step_log
+                      if s.decode_tokens == batch and not s.prefill_tokens and s.devices]
+            measured = statistics.median(decode[len(decode) // 4:])  # the first steps warm the ranks up
+            load = ranks_load(shape, 0, batch, batch, batch * (4 + steps / 2), 4)
+            runs[batch] = (measured, simulate(spec, load)["step_ms"] / 1e3)
+        prefill = []
+        for _ in range(5):
+            engine.step_log.clear()
+            prompts = torch.randint(1, vocab, (PROMPTS, PROMPT_LEN), generator=gen).tolist()  # fresh: no prefix hits
+            engine.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+            prefill += [s.devices["step_time"]["step_s"] for s in engine.step_log
+                        if s.prefill_tokens == PROMPTS * PROMPT_LEN and s.devices]
+        load = ranks_load(shape, PROMPTS * PROMPT_LEN, 0, PROMPTS, 0, PROMPT_LEN)
+        runs["prefill"] = (statistics.median(prefill), simulate(spec, load)["step_ms"] / 1e3)
+        if detach is not None:
+            detach()
+    finally:
+        engines.close()
+    excess = {k: m - p for k, (m, p) in runs.items()}
+    sequence_s = max(0.0, (excess[BATCH] - excess[1]) / (BATCH - 1))
+    layer_s = max(0.0, (excess[1] - sequence_s) / shape.num_layers)  # the one sequence's share is not the layers'
+    prompt_s = max(0.0, (excess["prefill"] - excess[1] - (PROMPTS - 1) * sequence_s) / (PROMPTS * PROMPT_LEN))
+    return {"layer_us": layer_s * 1e6, "sequence_us": sequence_s * 1e6, "prompt_token_us": prompt_s * 1e6,
+            "runs": runs}
 
 
-def calibrate(model_dir, dtype: str = "float32", ranks: int = 2, log=print) -> dict:
+def calibrate(model_dir, dtype: str = "float32", ranks: int = 2, log=print, attach=None) -> dict:
+    """The profile (a dict in profiles/*.json's form); attach: see engine_overheads."""
     from moectl.engine.sim.hardware import _parse
     from moectl.engine.sim.model_shape import load_sim_model
 
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
     key = "fp32" if dtype == "float32" else "bf16"
     when = datetime.date.today().isoformat()
+    cores = os.cpu_count() or 1
+    threads = max(1, cores // ranks)  # what the distributed backend gives each rank
+    share = min(1.0, cores / (ranks * threads))  # of its threads' cores a rank gets when they are oversubscribed
     machine = _machine()
-    how = f"measured by `moectl sim calibrate` on {when} ({machine})"
-    limits = machine_limits.measure(torch_dtype)
-    peak, read_bw = limits["matmul_flops"], limits["read_bw"]
-    bf16 = peak if key == "bf16" else machine_limits.matmul_throughput("bfloat16")["matmul_flops"]
-    log(f"peak {peak / 1e9:.1f} GFLOP/s ({key}), read bandwidth {read_bw / 1e9:.1f} GB/s")
-    shape = load_sim_model(model_dir).shape
-    intermediate = shape.expert_intermediate_size
-    points, bound = grouped_gemm_curve(shape.hidden_size, intermediate, torch_dtype, peak, read_bw)
-    log(f"grouped expert GEMM ({shape.hidden_size} x {intermediate}): " +
-        ", ".join(f"{r} rows {e:.0%}" for r, e in points) + f"; streaming at 1 row {bound:.0%} of the bandwidth")
-    if shape.attention == "mla":
-        heads, kv_heads, key_width, value_width = shape.num_heads, 1, shape.kv_latent_dim, shape.kv_lora_rank
-    else:
-        heads, kv_heads, key_width, value_width = shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.head_dim
-    attention = decode_attention(heads, kv_heads, key_width, value_width, torch_dtype, peak, read_bw)
-    log(f"decode attention: {attention[0]:.0%} of the bandwidth, {attention[1]:.0%} of the peak")
+    how = f"measured by `moectl sim calibrate --ranks {ranks}` on {when} ({machine})"
+    per_rank = f"per rank: {threads} thread(s) each, {share:.2f} of them while all {ranks} ranks run"
+    read_bw = machine_limits.memory_bandwidth()["read_bw"]  # the machine's, all cores
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        peak = machine_limits.matmul_throughput(torch_dtype)["matmul_flops"]
+        bf16 = peak if key == "bf16" else machine_limits.matmul_throughput("bfloat16")["matmul_flops"]
+        log(f"peak {peak / 1e9:.1f} GFLOP/s ({key}) at {threads} thread(s), read bandwidth {read_bw / 1e9:.1f} GB/s")
+        shape = load_sim_model(model_dir).shape
+        intermediate = shape.expert_intermediate_size
+        # bandwidth fractions against a rank's share of the memory's bandwidth (what hbm_gbps holds):
+        # timed alone, a kernel may stream faster than its share (clipped at 1)
+        points, bound = grouped_gemm_curve(shape.hidden_size, intermediate, torch_dtype, peak, read_bw / ranks)
+        log(f"grouped expert GEMM ({shape.hidden_size} x {intermediate}): " +
+            ", ".join(f"{r} rows {e:.0%}" for r, e in points) + f"; streaming at 1 row {bound:.0%} of the bandwidth")
+        if shape.attention == "mla":
+            heads, kv_heads, key_width, value_width = shape.num_heads, 1, shape.kv_latent_dim, shape.kv_lora_rank
+        else:
+            heads, kv_heads, key_width, value_width = (shape.num_heads, shape.num_kv_heads, shape.head_dim,
+                                                       shape.head_dim)
+        attention = decode_attention(heads, kv_heads, key_width, value_width, torch_dtype, peak, read_bw / ranks)
+        log(f"decode attention: {attention[0]:.0%} of the bandwidth, {attention[1]:.0%} of the peak")
+    finally:
+        torch.set_num_threads(before)
     bus, latency = link(ranks)
     log(f"gloo all_reduce over {ranks} processes: {bus:.2f} GB/s bus bandwidth, {latency:.1f} us per hop")
     raw = {
         "name": f"this machine ({machine})",
         "notes": f"Calibrated for moectl's distributed backend on this machine: {ranks} ranks share its cores and "
                  f"memory (each rank a 'device', the machine one 'node'). {how}.",
-        "peak_tflops": {key: {"value": peak / 1e12, "source": f"torch.mm {limits['matmul_dtype']}, best of sizes "
-                                                             f"256-2048; {how}"},
-                        "bf16": {"value": bf16 / 1e12, "source": f"torch.mm bfloat16, best of sizes 256-2048; {how}"}},
-        "hbm_bytes": {"value": int(psutil.virtual_memory().total), "source": f"psutil: the machine's memory; {how}"},
-        "hbm_gbps": {"value": read_bw / 1e9, "source": f"read bandwidth, an fp32 sum of 256 MiB; {how}"},
+        "peak_tflops": {key: {"value": peak * share / 1e12,
+                              "source": f"torch.mm {key}, best of sizes 256-2048, {per_rank}; {how}"},
+                        "bf16": {"value": bf16 * share / 1e12,
+                                 "source": f"torch.mm bfloat16, best of sizes 256-2048, {per_rank}; {how}"}},
+        "hbm_bytes": {"value": int(psutil.virtual_memory().total) // ranks,
+                      "source": f"psutil: the machine's memory over the {ranks} ranks; {how}"},
+        "hbm_gbps": {"value": read_bw / ranks / 1e9,
+                     "source": f"read bandwidth (an fp32 sum of 256 MiB, all cores) over the {ranks} ranks; {how}"},
         "gpus_per_node": {"value": ranks, "source": f"the distributed backend's ranks on this one machine; {how}"},
         "intra_node_gbps": {"value": bus, "source": f"gloo all_reduce bus bandwidth over {ranks} processes at 4 MiB "
                                                     f"(2 (n - 1) / n x bytes / time); {how}"},
@@ -202,12 +267,12 @@ def calibrate(model_dir, dtype: str = "float32", ranks: int = 2, log=print) -> d
                              "source": f"the engine's grouped_swiglu on {EXPERTS} experts of {shape.name}'s shape "
                                        f"({shape.hidden_size} x {intermediate}), FLOP/s over the peak; {how}"},
             "memory_bound_gemm": {"value": max(bound, 1e-4),
-                                  "source": f"the same at 1 row per expert: weight bytes per second over the read "
-                                            f"bandwidth; {how}"},
+                                  "source": f"the same at 1 row per expert: weight bytes per second over a rank's "
+                                            f"share of the read bandwidth; {how}"},
             "attention_decode": {"bandwidth": max(attention[0], 1e-4), "compute": max(attention[1], 1e-4),
                                  "source": f"the engine's paged decode kernel, 8 sequences at {CONTEXTS} keys, "
                                            f"{heads} heads, widths {key_width}/{value_width}; the best context of "
-                                           f"each; {how}"},
+                                           f"each, over a rank's share of the read bandwidth and the peak; {how}"},
             "all_to_all": {"intra_node": 1.0, "inter_node": 1.0, "latency_us": latency,
                            "source": f"gloo all_reduce: the bandwidth above is already achieved (1.0); latency per "
                                      f"hop at 4 bytes; {how}"},
@@ -217,13 +282,24 @@ def calibrate(model_dir, dtype: str = "float32", ranks: int = 2, log=print) -> d
     def profile_for():
         return _parse("calibrated", raw)
 
-    overhead, measured, priced = layer_overhead_us(model_dir, dtype, profile_for)
-    log(f"engine decode step at batch 1: {measured * 1e3:.2f} ms measured, {priced * 1e3:.3f} ms priced: "
-        f"{overhead:.0f} us per layer beyond the kernels")
-    raw["layer_overhead_us"] = {"value": max(overhead, 1e-3),
-                                "source": f"the engine decoding one sequence ({shape.name}): median measured step "
-                                          f"{measured * 1e3:.3f} ms less the step model's {priced * 1e3:.3f} ms on the "
-                                          f"figures above, over {shape.num_layers} layers; {how}"}
+    costs = engine_overheads(model_dir, dtype, ranks, profile_for, attach=attach)
+    runs = costs["runs"]
+    described = "; ".join(f"{name} {m * 1e3:.2f} ms measured, {p * 1e3:.2f} ms priced" for name, (m, p) in (
+        ("1 sequence", runs[1]), (f"{BATCH} sequences", runs[BATCH]),
+        (f"{PROMPTS} prompts of {PROMPT_LEN}", runs["prefill"])))
+    log(f"the distributed backend on {ranks} ranks: {described}: {costs['layer_us']:.0f} us per layer, "
+        f"{costs['sequence_us']:.0f} us per sequence, {costs['prompt_token_us']:.1f} us per prompt token beyond "
+        f"the kernels")
+    recorded = ", its steps recorded as `moectl record` does" if attach else ""
+    run = (f"the distributed backend ({ranks} ranks, {shape.name}{recorded}) "
+           f"decoding 1 and {BATCH} sequences and prefilling {PROMPTS} prompts of {PROMPT_LEN} tokens: {described} by "
+           f"the step model on the figures above")
+    raw["layer_overhead_us"] = {"value": max(costs["layer_us"], 1e-3),
+                                "source": f"{run}; the batch-1 excess over {shape.num_layers} layers; {how}"}
+    raw["sequence_overhead_us"] = {"value": max(costs["sequence_us"], 1e-3),
+                                   "source": f"{run}; what {BATCH} sequences add beyond it, per sequence; {how}"}
+    raw["prompt_token_overhead_us"] = {"value": max(costs["prompt_token_us"], 1e-3),
+                                       "source": f"{run}; what the prefill adds beyond both, per prompt token; {how}"}
     _parse("calibrated", raw)  # what it writes, it can read
     return raw
 

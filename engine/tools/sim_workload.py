@@ -63,6 +63,7 @@ def auto_rate(engine, prompt: LengthDist, output: LengthDist) -> float:
             busy_groups = int(min(engine.groups, max(1, prefill / chunk)))
             load.pairs *= (load.tokens.sum() + busy_groups * chunk) / load.tokens.sum()
             load.tokens[:busy_groups] += chunk
+            load.prefill[:busy_groups] += chunk
             load.prefill_keys[:, :busy_groups] += chunk * chunk / 2
             load.kv_reads[:, :busy_groups] += chunk
         step_s = simulate(spec, load)["step_ms"] / 1e3
@@ -94,16 +95,18 @@ class SimWorkload:
     def steer(self, driver, **changes):
         """The operator's "workload" action, checked now, in force from the engine's next turn."""
         try:
-            load = replace(self.load, **changes)
-            check_load(load)
+            check_load(replace(self.load if self.load.rate != "auto" else replace(self.load, rate=1.0), **changes))
         except (TypeError, ValueError) as exc:
             raise ActionRefused(f"workload: {exc}") from None
-        return driver.call(lambda: self.update(load) or {"workload": changes}, "workload")
+        # applied to the load in force then (an auto rate may have moved meanwhile)
+        return driver.call(lambda: self.update(replace(self.load, **changes), "rate" in changes) or
+                           {"workload": changes}, "workload")
 
-    def update(self, load: DemoLoad) -> None:
+    def update(self, load: DemoLoad, rate_given: bool = True) -> None:
+        """rate_given: the operator set the rate, which then holds (no more auto steering)."""
         check_load(load)
-        if load.rate != self.load.rate:
-            self.auto = False  # the operator's rate holds
+        if rate_given:
+            self.auto = False
         self.load = load
         self.next_arrival = None  # the new rate applies from now on
 
@@ -111,10 +114,10 @@ class SimWorkload:
         if self.load.rate == "auto":
             prompt, output = LengthDist.parse(self.load.prompt_len), LengthDist.parse(self.load.output_len)
             self.load = replace(self.load, rate=round(auto_rate(engine, prompt, output), 3))
-        if self.auto:
-            self._steer_auto(engine)
         if self.load.paused or self.exhausted:
             return
+        if self.auto:
+            self._steer_auto(engine)
         prompt, output = check_load(self.load)
         now = engine.clock()
         if self.next_arrival is None:
@@ -124,7 +127,8 @@ class SimWorkload:
             now = self.next_arrival
         while self.next_arrival <= now and not self.exhausted:
             try:
-                engine.add_lengths(prompt.sample(self.rng, 1)[0], output.sample(self.rng, 1)[0])
+                engine.add_lengths(prompt.sample(self.rng, 1)[0], output.sample(self.rng, 1)[0],
+                                   arrival=self.next_arrival)
             except ValueError:
                 self.rejected += 1
             else:
@@ -150,7 +154,7 @@ class SimWorkload:
         if not served:
             return  # the first requests are still running: nothing to steer by yet
         if waiting > engine.groups:
-            self.load = replace(self.load, rate=round(max(served * 0.9, self.load.rate / 2), 3))
+            self.load = replace(self.load, rate=round(min(self.load.rate, max(served * 0.9, self.load.rate / 2)), 3))
         elif not waiting and running <= last[2] and running < 0.9 * engine.groups * engine.knobs.max_num_seqs:
             # room, and no longer filling up (a request lives hundreds of steps)
             self.load = replace(self.load, rate=round(min(MAX_RATE, self.load.rate * 1.1), 3))

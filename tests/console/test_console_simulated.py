@@ -41,3 +41,23 @@ def test_the_console_rebalances_a_simulated_cluster_and_shows_the_simulated_outc
     finally:
         source.close()
         engine.stop()
+
+
+def test_a_preempted_request_counts_its_tokens_again_once_rescheduled():
+    from moectl.console.state import ConsoleState
+
+    state = ConsoleState({"model": {"num_layers": 1, "num_experts": 2}}, "live")
+
+    def step(n, events, ids):
+        state.apply([{"step": n, "t_start": n, "t_end": n + 1, "routing": [[0, 0]], "requests": events,
+                      "batch": {"prefill_tokens": 0, "decode_tokens": len(ids), "num_seqs": len(ids),
+                                "request_ids": ids, "preempted": []}}], [])
+    step(1, [{"id": "a", "event": "arrived", "t": 0}, {"id": "a", "event": "scheduled", "t": 0},
+             {"id": "a", "event": "first_token", "t": 1}], ["a"])
+    step(2, [], ["a"])
+    step(3, [{"id": "a", "event": "preempted", "t": 3}], [])
+    step(4, [{"id": "a", "event": "scheduled", "t": 4}], ["a"])  # its recompute
+    step(5, [], ["a"])  # decoding again: its tokens count on
+    assert state.requests["a"]["output_tokens"] == 3 and state.counts == {"waiting": 0, "running": 1, "finished": 0}
+    step(6, [{"id": "a", "event": "finished", "t": 6, "output_tokens": 4, "reason": "length"}], [])
+    assert state.counts == {"waiting": 0, "running": 0, "finished": 1}

@@ -175,3 +175,50 @@ def test_planning_does_not_mutate_the_engine_placement_and_devices_beyond_the_en
         SimClusterConfig(model=DSV3, devices=1000)
     with pytest.raises(ValueError, match="--drift"):
         SimClusterConfig(model=DSV3, drift=5)
+
+
+def test_edits_auto_mode_and_custom_ids_on_a_simulated_cluster():
+    import threading
+
+    e = engine(routing="zipf:1.2")
+    for _ in range(64 * 8):
+        e.add_lengths(200, 50)
+    run(e, 10)
+    done = threading.Event()
+    layer, expert = e.moe_layers[0], 0
+    src = next(d for d in range(64) if expert in e.experts.placement.experts_on(layer, d))
+
+    def edit():  # held its lock across apply(): a plain Lock deadlocked here
+        e.experts.edit("replicate", layer=layer, expert=expert, device=(src + 1) % 64)
+        done.set()
+    threading.Thread(target=edit, daemon=True).start()
+    assert done.wait(5), "edit() did not return"
+    run(e, 1)
+    assert len(e.experts.placement.replicas(layer, expert)) == 2
+    actions: list[dict] = []
+    e.add_listener(on_action=actions.append)
+    from moectl.engine.core.config import AutoRebalancePolicy
+    e.experts.auto = AutoRebalancePolicy(mode="auto", every_k_steps=1)
+    still = e.experts.preview()
+    still.bytes_moved = 0  # a plan that moves nothing: auto mode applies nothing (the real cluster's rule)
+    e.experts.preview = lambda: still
+    run(e, 5)
+    assert not [a for a in actions if a["kind"] in ("auto_rebalance_plan", "rebalance_apply")]
+    named = engine()
+    named.add_lengths(64, 4, request_id="job-1")
+    named.add_lengths(64, 4, request_id="req-foo")  # looks like the engine's own names: kept as given
+    records = run(named, 10)
+    ids = {ev["id"] for r in records for ev in r["requests"]}
+    assert ids == {"job-1", "req-foo"}
+    with pytest.raises(ValueError, match="stream"):
+        named.add_request([1, 2, 3], stream=True)
+
+
+def test_two_batch_overlap_spans_fit_the_overlapped_step():
+    e = engine(overlap="two-batch")
+    for _ in range(64 * 16):
+        e.add_lengths(300, 30)
+    for rec in run(e, 15):
+        step_s = rec["t_end"] - rec["t_start"]
+        ends = rec["spans"]["start_s"] + rec["spans"]["dur_s"]
+        assert ends.max() <= step_s * (1 + 1e-9)
