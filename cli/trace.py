@@ -142,20 +142,33 @@ def trace_diff(a: Path = typer.Argument(..., help="Baseline trace."), b: Path = 
 @trace_app.command("report")
 @handles_errors
 def trace_report(
-    trace: Path = typer.Argument(..., help="A trace file."),
+    trace: Path = typer.Argument(..., help="A trace file, or a PyTorch-profiler (Kineto) trace: a .json / .json.gz "
+                                           "file (torch.profiler, vLLM, SGLang) or a folder of one per rank."),
     start: int | None = typer.Option(None, "--from-step", help="First step of the range."),
     stop: int | None = typer.Option(None, "--to-step", help="End of the range (exclusive)."),
     placement_file: Path | None = typer.Option(None, "--placement",
                                                   help="Counterfactual: a placement file (what `plan rebalance "
                                                        "--json` writes) to replay the recorded routing on."),
+    rules: Path | None = typer.Option(None, "--rules", help="Kineto traces: your kernel classes, tried before the "
+                                                            "shipped ones (a file like profiler/kernel_classes.json)."),
     as_json: bool = JSON_OPT,
 ):
     """Analyses of a trace range: balancedness, utilisation, stragglers, hottest experts, step-time
     breakdown (measured; modeled communication apart), latency percentiles, memory growth and
-    alerts with a suggested action; with --placement, what the same routing does under it."""
+    alerts with a suggested action; with --placement, what the same routing does under it.
+    A Kineto trace: time per kernel class per rank, GPU idle time, communication overlapped by
+    computation, the straggler rank and the kernels no rule classes."""
     from moectl.engine.core.topology import Topology
     from moectl.profiler import analysis
+    from moectl.profiler.kineto import is_kineto
     from moectl.profiler.trace_queries import cache_summary, placement_in_force
+
+    if is_kineto(trace):
+        if start is not None or stop is not None or placement_file is not None:
+            raise BadInput("--from-step/--to-step/--placement: moectl traces only (a Kineto trace has no engine steps)")
+        return _kineto_report(trace, rules, as_json)
+    if rules is not None:
+        raise BadInput("--rules: classes a Kineto trace's kernels (a .json / .json.gz file or a folder)")
 
     _check_step_range(start, stop)
     with open_trace(trace) as reader:
@@ -257,3 +270,34 @@ def _print_report(r: dict) -> None:
 from moectl.cli.trace_import import trace_import  # noqa: E402 - `trace import` lives in its own module
 
 trace_app.command("import")(trace_import)
+
+
+def _kineto_report(path: Path, rules: Path | None, as_json: bool) -> None:
+    """`trace report` of a PyTorch-profiler trace (profiler/kineto.py): every figure measured by it."""
+    from moectl.profiler.kineto import report
+
+    result = report(path, rules)
+    if as_json:
+        typer.echo(json.dumps(result, default=float))
+        return
+    ranks = result["ranks"]
+    source = ranks[0]["source"]
+    typer.echo(f"{path}: {len(ranks)} rank(s), {sum(r['events'] for r in ranks):,} "
+               f"{'device events' if source == 'device' else 'CPU ops (no device events: a CPU run)'}")
+    total = sum(result["breakdown"].values()) or 1.0
+    typer.echo("time by class (all ranks):")
+    for cls, seconds in sorted(result["breakdown"].items(), key=lambda kv: -kv[1]):
+        typer.echo(f"  {cls:18s} {seconds * 1e3:10.3f} ms  {seconds / total:6.1%}")
+    overlap = result["overlap"]
+    typer.echo(f"idle: {result['idle_s'] * 1e3:.3f} ms (within each rank's span, no event running)")
+    typer.echo("communication overlapped by computation: " + (
+        f"{overlap['fraction']:.1%} of {overlap['communication_s'] * 1e3:.3f} ms" if overlap["fraction"] is not None
+        else "no communication events"))
+    if len(ranks) > 1:
+        s = result["straggler"]
+        typer.echo(f"straggler: rank {s['rank']}, busy {s['busy_s'] * 1e3:.3f} ms ({s['behind_median_s'] * 1e3:+.3f} ms "
+                   f"on the median rank)")
+    if result["unclassed"]:
+        typer.echo("unclassed, by time (add rules with --rules FILE):")
+        for name, seconds in result["unclassed"]:
+            typer.echo(f"  {seconds * 1e3:10.3f} ms  {name[:100]}")

@@ -1,0 +1,274 @@
+"""PyTorch-profiler (Kineto) traces, as torch.profiler, vLLM and SGLang write them: read as a
+stream, classed by rules kept as data (kernel_classes.json), and summed per rank.
+
+A trace is Chrome trace-event JSON (`.json` or `.json.gz`), one file per rank, or a folder of
+them: {"distributedInfo": {"rank", ...}, "traceEvents": [{"ph": "X", "cat", "name", "pid",
+"tid", "ts" (us), "dur" (us), "args"}, ...]}; other keys and fields are ignored. ijson parses
+the events one at a time, so a 1 GB trace never sits in memory; only the complete ("X") events
+of the device (cat kernel, gpu_memcpy, gpu_memset) are kept, as (lane, class, name, start,
+duration) arrays. A trace without device events (a CPU run) is read on its CPU ops instead: the
+outermost cpu_op of each thread, the ops a CPU engine's time goes to.
+
+Per rank (`rank_figures`), on the rank's device lanes (streams):
+* breakdown: each class's summed event time, seconds;
+* idle_s: the span from the first event's start to the last one's end that no event covers;
+* overlap: as Holistic Trace Analysis defines its communication-computation overlap, the time a
+  communication event (class dispatch_combine) runs while a computation event does (any other
+  class but memcpy_memset), over the communication time;
+* unclassed: event names no rule matched, by their summed time.
+Across ranks the straggler is the rank with the most busy device time (the others wait for it at
+every collective).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import re
+from array import array
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+
+DEVICE_CATS = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
+COMM, MEMORY = "dispatch_combine", "memcpy_memset"
+UNCLASSED = "unclassed"
+
+
+class KinetoError(ValueError):
+    """A file that is not a readable Kineto / Chrome trace; the message says which and why."""
+
+
+@dataclass
+class Rules:
+    """Ordered (class, compiled pattern) rules: the first match classes a name."""
+    rules: list[tuple[str, re.Pattern]]
+    _cache: dict = field(default_factory=dict)
+
+    @classmethod
+    def load(cls, extra: Path | None = None) -> Rules:
+        """The shipped rules, after a user's file of the same form (its rules first)."""
+        shipped = json.loads(resources.files("moectl.profiler").joinpath("kernel_classes.json").read_text())
+        raw = list(shipped["rules"])
+        if extra is not None:
+            try:
+                user = json.loads(Path(extra).read_text())
+                raw = list(user["rules"]) + raw
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                raise KinetoError(f"--rules: {extra}: not a rules file ({{\"rules\": [{{\"class\", \"pattern\"}}]}}): "
+                                  f"{exc}") from None
+        try:
+            return cls([(str(r["class"]), re.compile(str(r["pattern"]), re.IGNORECASE)) for r in raw])
+        except (KeyError, TypeError, re.error) as exc:
+            raise KinetoError(f"--rules: a rule needs a class and a valid pattern: {exc}") from None
+
+    def classify(self, name: str) -> str:
+        found = self._cache.get(name)
+        if found is None:
+            found = self._cache[name] = next((c for c, p in self.rules if p.search(name)), UNCLASSED)
+        return found
+
+
+@dataclass
+class RankTrace:
+    """One rank's device events: lanes, the distinct names and their classes, and per event its
+    lane, name id, start and duration (s): columns, so millions of events stay small."""
+    path: Path
+    rank: int | None
+    lanes: list[str]
+    source: str  # "device" (kernels, copies) or "cpu_ops" (a CPU run's outermost ops)
+    lane: np.ndarray  # per event
+    name_id: np.ndarray  # per event, into names
+    names: list[str]  # distinct event names
+    classes: list[str]  # each distinct name's class
+    start: np.ndarray
+    dur: np.ndarray
+
+
+def trace_files(path: Path) -> list[Path]:
+    """A trace file, or a folder's .json / .json.gz files (one per rank), sorted."""
+    path = Path(path)
+    if path.is_dir():
+        files = sorted(p for p in path.iterdir() if p.name.endswith((".json", ".json.gz")))
+        if not files:
+            raise KinetoError(f"{path}: holds no .json or .json.gz trace")
+        return files
+    if not path.is_file():
+        raise KinetoError(f"{path}: no such file or folder")
+    return [path]
+
+
+def is_kineto(path: Path) -> bool:
+    """A .json / .json.gz file, or a folder holding one (an empty folder is no trace of either kind)."""
+    path = Path(path)
+    if path.is_dir():
+        return any(p.name.endswith((".json", ".json.gz")) for p in path.iterdir())
+    return path.name.endswith((".json", ".json.gz"))
+
+
+def _rank_from_name(name: str) -> int | None:
+    m = re.search(r"(?:rank|tp|dp|ep)[-_]?(\d+)", name, re.IGNORECASE)
+    return int(m.group(1)) if m else None
+
+
+def read_rank(path: Path, rules: Rules) -> RankTrace:
+    import ijson
+
+    opener = gzip.open if path.name.endswith(".gz") else open
+    # compact columns, names and lanes interned: a 1 GB trace's millions of events stay small
+    names: dict[str, int] = {}
+    lanes_seen: dict[str, int] = {}
+    device = (array("i"), array("i"), array("d"), array("d"))  # lane, name, start, dur
+    cpu: list[tuple] = []
+    rank = None
+    try:  # the rank, from the header keys before the events (Kineto writes distributedInfo first)
+        with opener(path, "rb") as f:
+            for prefix, event, value in ijson.parse(f, use_float=True):
+                if prefix == "distributedInfo.rank" and event == "number":
+                    rank = int(value)
+                if prefix == "traceEvents":
+                    break
+    except (OSError, EOFError, gzip.BadGzipFile) as exc:
+        raise KinetoError(f"{path}: cannot read it ({exc})") from None
+    except ijson.JSONError as exc:
+        raise KinetoError(f"{path}: not valid trace JSON ({str(exc).splitlines()[0]})") from None
+    try:
+        with opener(path, "rb") as f:
+            for item in ijson.items(f, "traceEvents.item", use_float=True):
+                if not isinstance(item, dict) or item.get("ph") != "X":
+                    continue
+                cat = str(item.get("cat") or "")
+                try:
+                    ts, dur = float(item["ts"]) * 1e-6, float(item.get("dur") or 0) * 1e-6
+                except (KeyError, TypeError, ValueError):
+                    continue
+                name = str(item.get("name") or "?")
+                if cat in DEVICE_CATS:
+                    lane = lanes_seen.setdefault(f"{item.get('pid', '?')}/stream {item.get('tid', '?')}", len(lanes_seen))
+                    for column, value in zip(device, (lane, names.setdefault(name, len(names)), ts, dur)):
+                        column.append(value)
+                elif cat == "cpu_op" and not device[0]:  # a CPU run's ops: only while no device event came
+                    cpu.append((f"{item.get('pid', '?')}/thread {item.get('tid', '?')}", name, ts, dur))
+    except (OSError, EOFError, gzip.BadGzipFile) as exc:
+        raise KinetoError(f"{path}: cannot read it ({exc})") from None
+    except ijson.JSONError as exc:
+        raise KinetoError(f"{path}: not valid trace JSON ({str(exc).splitlines()[0]})") from None
+    rank = rank if rank is not None else _rank_from_name(path.name)
+    if device[0]:
+        by_id = list(names)
+        return RankTrace(path, rank, list(lanes_seen), "device", np.frombuffer(device[0], dtype=np.int32).copy(),
+                         np.frombuffer(device[1], dtype=np.int32).copy(), by_id, [rules.classify(n) for n in by_id],
+                         np.frombuffer(device[2]).copy(), np.frombuffer(device[3]).copy())
+    events = _outermost(cpu)
+    if not events:
+        raise KinetoError(f"{path}: no complete events (ph X) of a device or of CPU ops: not a Kineto trace")
+    lanes = sorted({e[0] for e in events})
+    index = {lane: i for i, lane in enumerate(lanes)}
+    by_id = sorted({e[1] for e in events})
+    ids = {n: i for i, n in enumerate(by_id)}
+    return RankTrace(path, rank, lanes, "cpu_ops", np.array([index[e[0]] for e in events], dtype=np.int32),
+                     np.array([ids[e[1]] for e in events], dtype=np.int32), by_id, [rules.classify(n) for n in by_id],
+                     np.array([e[2] for e in events]), np.array([e[3] for e in events]))
+
+
+def _outermost(events: list[tuple]) -> list[tuple]:
+    """Per thread, the ops not nested in another (a CPU run's time, each instant counted once)."""
+    out = []
+    for lane in {e[0] for e in events}:
+        end = -np.inf
+        for e in sorted((e for e in events if e[0] == lane), key=lambda e: (e[2], -e[3])):
+            if e[2] >= end:
+                out.append(e)
+                end = e[2] + e[3]
+    return out
+
+
+def _union(starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The disjoint, sorted intervals covering these: (starts, ends) arrays."""
+    if not len(starts):
+        return starts, ends
+    order = np.argsort(starts, kind="stable")
+    s, e = starts[order], np.maximum.accumulate(ends[order])
+    new = np.empty(len(s), dtype=bool)
+    new[0], new[1:] = True, s[1:] > e[:-1]
+    last = np.append(np.flatnonzero(new)[1:] - 1, len(s) - 1)
+    return s[new], e[last]
+
+
+def _covered(union: tuple[np.ndarray, np.ndarray], x: np.ndarray) -> np.ndarray:
+    """How much of `union` lies before each x."""
+    us, ue = union
+    before = np.concatenate([[0.0], np.cumsum(ue - us)])
+    i = np.searchsorted(us, x, side="right") - 1
+    inside = np.where(i >= 0, np.clip(x - us[np.maximum(i, 0)], 0, (ue - us)[np.maximum(i, 0)]), 0.0)
+    return before[np.maximum(i, 0)] * (i >= 0) + inside
+
+
+def _length(union) -> float:
+    return float((union[1] - union[0]).sum())
+
+
+def _intersection(a, b) -> float:
+    """The length of two unions' intersection (a's intervals measured against b's coverage)."""
+    if not len(a[0]) or not len(b[0]):
+        return 0.0
+    return float((_covered(b, a[1]) - _covered(b, a[0])).sum())
+
+
+def rank_figures(trace: RankTrace, top_unclassed: int = 10) -> dict:
+    classes = sorted(set(trace.classes))
+    cls = np.array([classes.index(c) for c in trace.classes], dtype=np.int32)[trace.name_id]
+    ends = trace.start + trace.dur
+    sums = np.bincount(cls, weights=trace.dur, minlength=len(classes))
+    breakdown = {c: float(sums[i]) for i, c in enumerate(classes) if (cls == i).any()}
+    busy = _union(trace.start, ends)
+    span = float(ends.max() - trace.start.min())
+    comm = cls == classes.index(COMM) if COMM in classes else np.zeros(len(cls), dtype=bool)
+    memory = cls == classes.index(MEMORY) if MEMORY in classes else np.zeros(len(cls), dtype=bool)
+    compute = ~comm & ~memory
+    comm_u, compute_u = _union(trace.start[comm], ends[comm]), _union(trace.start[compute], ends[compute])
+    comm_s, overlapped = _length(comm_u), _intersection(comm_u, compute_u)
+    per_name = np.bincount(trace.name_id, weights=trace.dur, minlength=len(trace.names))
+    unclassed = sorted(((trace.names[i], float(per_name[i])) for i, c in enumerate(trace.classes) if c == UNCLASSED),
+                       key=lambda kv: -kv[1])[:top_unclassed]
+    return {"file": str(trace.path), "rank": trace.rank, "source": trace.source, "lanes": trace.lanes,
+            "events": int(len(trace.dur)), "span_s": span, "busy_s": _length(busy), "idle_s": span - _length(busy),
+            "breakdown": breakdown,
+            "overlap": {"communication_s": comm_s, "overlapped_s": overlapped,
+                        "fraction": overlapped / comm_s if comm_s > 0 else None},
+            "unclassed": unclassed}
+
+
+def report(path: Path, rules_file: Path | None = None) -> dict:
+    """`trace report` of a Kineto trace (a file, or a folder of one per rank)."""
+    rules = Rules.load(rules_file)
+    ranks = [rank_figures(read_rank(p, rules)) for p in trace_files(path)]
+    for i, r in enumerate(ranks):
+        if r["rank"] is None:
+            r["rank"] = i
+    breakdown: dict[str, float] = {}
+    for r in ranks:
+        for c, s in r["breakdown"].items():
+            breakdown[c] = breakdown.get(c, 0.0) + s
+    comm = sum(r["overlap"]["communication_s"] for r in ranks)
+    overlapped = sum(r["overlap"]["overlapped_s"] for r in ranks)
+    straggler = max(ranks, key=lambda r: r["busy_s"])
+    return {"kind": "kineto", "path": str(path), "ranks": ranks, "breakdown": breakdown,
+            "idle_s": sum(r["idle_s"] for r in ranks),
+            "overlap": {"communication_s": comm, "overlapped_s": overlapped,
+                        "fraction": overlapped / comm if comm > 0 else None,
+                        "definition": "communication time overlapped by computation / communication time "
+                                      "(Holistic Trace Analysis' comm-comp overlap)"},
+            "straggler": {"rank": straggler["rank"], "busy_s": straggler["busy_s"],
+                          "behind_median_s": straggler["busy_s"] - float(np.median([r["busy_s"] for r in ranks]))},
+            "unclassed": _merge_unclassed(ranks)}
+
+
+def _merge_unclassed(ranks: list[dict], top: int = 10) -> list:
+    total: dict[str, float] = {}
+    for r in ranks:
+        for name, s in r["unclassed"]:
+            total[name] = total.get(name, 0.0) + s
+    return sorted(total.items(), key=lambda kv: -kv[1])[:top]
