@@ -121,7 +121,8 @@ def read_rank(path: Path, rules: Rules) -> RankTrace:
     names: dict[str, int] = {}
     lanes_seen: dict[str, int] = {}
     device = (array("i"), array("i"), array("d"), array("d"))  # lane, name, start, dur
-    cpu: list[tuple] = []
+    cpu = (array("i"), array("i"), array("d"), array("d"))  # the same for CPU ops, dropped if the device has events
+    cpu_lanes: dict[str, int] = {}
     rank = None
     try:  # the rank, from the header keys before the events (Kineto writes distributedInfo first)
         with opener(path, "rb") as f:
@@ -150,39 +151,41 @@ def read_rank(path: Path, rules: Rules) -> RankTrace:
                     for column, value in zip(device, (lane, names.setdefault(name, len(names)), ts, dur)):
                         column.append(value)
                 elif cat == "cpu_op" and not device[0]:  # a CPU run's ops: only while no device event came
-                    cpu.append((f"{item.get('pid', '?')}/thread {item.get('tid', '?')}", name, ts, dur))
+                    lane = cpu_lanes.setdefault(f"{item.get('pid', '?')}/thread {item.get('tid', '?')}", len(cpu_lanes))
+                    for column, value in zip(cpu, (lane, names.setdefault(name, len(names)), ts, dur)):
+                        column.append(value)
     except (OSError, EOFError, gzip.BadGzipFile) as exc:
         raise KinetoError(f"{path}: cannot read it ({exc})") from None
     except ijson.JSONError as exc:
         raise KinetoError(f"{path}: not valid trace JSON ({str(exc).splitlines()[0]})") from None
     rank = rank if rank is not None else _rank_from_name(path.name)
-    if device[0]:
-        by_id = list(names)
-        return RankTrace(path, rank, list(lanes_seen), "device", np.frombuffer(device[0], dtype=np.int32).copy(),
-                         np.frombuffer(device[1], dtype=np.int32).copy(), by_id, [rules.classify(n) for n in by_id],
-                         np.frombuffer(device[2]).copy(), np.frombuffer(device[3]).copy())
-    events = _outermost(cpu)
-    if not events:
+    columns, lanes, source = (device, lanes_seen, "device") if device[0] else (cpu, cpu_lanes, "cpu_ops")
+    lane, name_id, start, dur = (np.frombuffer(c, dtype=np.int32 if c.typecode == "i" else np.float64).copy()
+                                 for c in columns)
+    if not len(lane):
         raise KinetoError(f"{path}: no complete events (ph X) of a device or of CPU ops: not a Kineto trace")
-    lanes = sorted({e[0] for e in events})
-    index = {lane: i for i, lane in enumerate(lanes)}
-    by_id = sorted({e[1] for e in events})
-    ids = {n: i for i, n in enumerate(by_id)}
-    return RankTrace(path, rank, lanes, "cpu_ops", np.array([index[e[0]] for e in events], dtype=np.int32),
-                     np.array([ids[e[1]] for e in events], dtype=np.int32), by_id, [rules.classify(n) for n in by_id],
-                     np.array([e[2] for e in events]), np.array([e[3] for e in events]))
+    if source == "cpu_ops":
+        keep = _outermost(lane, start, dur)
+        lane, name_id, start, dur = lane[keep], name_id[keep], start[keep], dur[keep]
+    by_id = list(names)
+    return RankTrace(path, rank, list(lanes), source, lane, name_id, by_id, [rules.classify(n) for n in by_id],
+                     start, dur)
 
 
-def _outermost(events: list[tuple]) -> list[tuple]:
-    """Per thread, the ops not nested in another (a CPU run's time, each instant counted once)."""
-    out = []
-    for lane in {e[0] for e in events}:
-        end = -np.inf
-        for e in sorted((e for e in events if e[0] == lane), key=lambda e: (e[2], -e[3])):
-            if e[2] >= end:
-                out.append(e)
-                end = e[2] + e[3]
-    return out
+def _outermost(lane: np.ndarray, start: np.ndarray, dur: np.ndarray) -> np.ndarray:
+    """Indices of the ops no other op of their thread encloses (a CPU run's time, each instant
+    counted once): sorted by thread, start and longest first, an op is outermost when it starts
+    at or after every earlier op of its thread has ended."""
+    order = np.lexsort((-dur, start, lane))
+    lane_s, start_s, end_s = lane[order], start[order], (start + dur)[order]
+    first = np.ones(len(order), dtype=bool)
+    first[1:] = lane_s[1:] != lane_s[:-1]
+    # the running latest end within each thread (offset per thread so one cumulative max serves all)
+    offset = (lane_s - lane_s.min()) * (float(end_s.max() - start_s.min()) + 1.0)
+    running = np.maximum.accumulate(end_s - start_s.min() + offset) - offset + start_s.min()
+    before = np.empty_like(running)
+    before[0], before[1:] = -np.inf, running[:-1]
+    return order[first | (start_s >= before)]
 
 
 def _union(starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -231,8 +234,9 @@ def rank_figures(trace: RankTrace, top_unclassed: int = 10) -> dict:
     comm_u, compute_u = _union(trace.start[comm], ends[comm]), _union(trace.start[compute], ends[compute])
     comm_s, overlapped = _length(comm_u), _intersection(comm_u, compute_u)
     per_name = np.bincount(trace.name_id, weights=trace.dur, minlength=len(trace.names))
-    unclassed = sorted(((trace.names[i], float(per_name[i])) for i, c in enumerate(trace.classes) if c == UNCLASSED),
-                       key=lambda kv: -kv[1])[:top_unclassed]
+    present = np.bincount(trace.name_id, minlength=len(trace.names)) > 0  # names of this source's events
+    unclassed = sorted(((trace.names[i], float(per_name[i])) for i, c in enumerate(trace.classes)
+                        if c == UNCLASSED and present[i]), key=lambda kv: -kv[1])[:top_unclassed]
     return {"file": str(trace.path), "rank": trace.rank, "source": trace.source, "lanes": trace.lanes,
             "events": int(len(trace.dur)), "span_s": span, "busy_s": _length(busy), "idle_s": span - _length(busy),
             "breakdown": breakdown,
