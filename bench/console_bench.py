@@ -441,9 +441,14 @@ def _live_source(rate: float, in_process: bool = False):
 
 
 async def _update_rate(rate: float, seconds: float, warmup_s: float, in_process: bool = False) -> dict:
+    return {**await measure_ticks(_live_source(rate, in_process), seconds, warmup_s, LIVE_SIZE), "workload_rate": rate}
+
+
+async def measure_ticks(source, seconds: float, warmup_s: float, size: tuple[int, int]) -> dict:
+    """The console on `source`, headless at `size`: its ticks, the ticks that brought new step
+    records ("updates") and the records, per second over `seconds` after `warmup_s`."""
     from moectl.console.app import MoectlApp
 
-    source = _live_source(rate, in_process)
     app = MoectlApp(source)
     events: list[tuple[float, int, float]] = []  # (time, new records, tick seconds)
     original_tick = app.tick
@@ -455,7 +460,7 @@ async def _update_rate(rate: float, seconds: float, warmup_s: float, in_process:
         events.append((t0, app.state.steps_seen - before, time.perf_counter() - t0))
 
     app.tick = tick  # before mount: the app's set_interval takes this one
-    async with app.run_test(size=LIVE_SIZE):
+    async with app.run_test(size=size):
         await asyncio.sleep(warmup_s)
         t_start = time.perf_counter()
         first = len(events)
@@ -472,7 +477,7 @@ async def _update_rate(rate: float, seconds: float, warmup_s: float, in_process:
     return {"seconds": round(span, 2), "ticks_per_s": round(len(window) / span, 2),
             "updates_per_s": round(len(updates) / span, 2), "min_updates_in_a_second": min(buckets),
             "records_per_s": round(sum(e[1] for e in window) / span, 1),
-            "tick": _stats_ms([e[2] for e in window]), "workload_rate": rate}
+            "tick": _stats_ms([e[2] for e in window])}
 
 
 # -- 2a. first screen ---------------------------------------------------------------------------------

@@ -23,24 +23,26 @@ import tempfile
 from pathlib import Path
 
 
-def write_folder(folder: Path, ranks: int, kernels: int, seed: int) -> None:
+def write_folder(folder: Path, ranks: int, kernels: int, seed: int, fractional: bool = False) -> None:
     rng = random.Random(seed)
+    # whole microseconds unless fractional: HTA rounds fractional ones down
+    draw = rng.uniform if fractional else (lambda lo, hi: float(rng.randint(int(lo), int(hi))))
     names = ["flash_fwd_splitkv_kernel", "fused_moe_kernel", "sm90_xmma_gemm_bf16bf16_bf16f32",
              "void at::native::vectorized_elementwise_kernel<4>"]
     for rank in range(ranks):
         events, ts, corr = [], 0.0, 0
         for i in range(kernels):
-            dur = float(rng.randint(5, 50))  # whole microseconds: HTA rounds fractional ones down
+            dur = draw(5, 50)
             events.append({"ph": "X", "cat": "kernel", "name": rng.choice(names), "pid": rank, "tid": 7, "ts": ts,
                            "dur": dur, "args": {"device": rank, "stream": 7, "correlation": corr, "External id": corr}})
             corr += 1
             if i % 5 == 4:  # a collective on its own stream, starting inside the last kernel
-                start = ts + rng.randint(0, int(dur))
+                start = ts + draw(0, dur)
                 events.append({"ph": "X", "cat": "kernel", "name": "ncclDevKernel_AllToAll_RING_LL", "pid": rank,
-                               "tid": 20, "ts": start, "dur": float(rng.randint(10, 80)),
+                               "tid": 20, "ts": start, "dur": draw(10, 80),
                                "args": {"device": rank, "stream": 20, "correlation": corr, "External id": corr}})
                 corr += 1
-            ts += dur + rng.randint(0, 10)  # a gap: idle unless a collective covers it
+            ts += dur + draw(0, 10)  # a gap: idle unless a collective covers it
         doc = {"schemaVersion": 1, "deviceProperties": [{"id": rank, "name": "NVIDIA H100 80GB HBM3"}],
                "distributedInfo": {"backend": "nccl", "rank": rank, "world_size": ranks}, "traceEvents": events}
         (folder / f"rank-{rank}.json").write_text(json.dumps(doc))
@@ -51,6 +53,7 @@ def main(argv=None) -> int:
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--kernels", type=int, default=4000)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--fractional", action="store_true", help="fractional microseconds (HTA rounds them down)")
     args = ap.parse_args(argv)
     try:
         from hta.trace_analysis import TraceAnalysis
@@ -61,12 +64,13 @@ def main(argv=None) -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        write_folder(folder, args.ranks, args.kernels, args.seed)
+        write_folder(folder, args.ranks, args.kernels, args.seed, args.fractional)
         ours = report(folder)
         hta = TraceAnalysis(trace_dir=str(folder))
         breakdown = hta.get_temporal_breakdown(visualize=False)
         overlap = hta.get_comm_comp_overlap(visualize=False)
-    print(f"{args.ranks} ranks x {args.kernels:,} kernels (seed {args.seed}):")
+    print(f"{args.ranks} ranks x {args.kernels:,} kernels (seed {args.seed}"
+          f"{', fractional microseconds' if args.fractional else ''}):")
     hta_overlap = {int(r["rank"]): float(r["comp_comm_overlap_pctg"]) / 100 for _, r in overlap.iterrows()}
     hta_idle = {int(r["rank"]): float(r["idle_time(us)"]) * 1e-6 for _, r in breakdown.iterrows()}
     worst_overlap = worst_idle = 0.0

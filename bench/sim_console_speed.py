@@ -68,39 +68,21 @@ def record(steps: int) -> dict:
 
 
 async def console(seconds: float, warmup_s: float) -> dict:
+    from console_bench import measure_ticks  # the console bench's measurement (bench/ is on the path)
+
     from moectl.cli.engine_process import EngineProcess
-    from moectl.console.app import MoectlApp
     from moectl.console.engine_client import EngineSource
 
     process = EngineProcess(SIM)
     process.wait_ready()
     source = EngineSource(process.dir, owner=True)
-    app = MoectlApp(source)
-    events: list[tuple[float, int, float]] = []
-    original = app.tick
-
-    def tick():
-        before = app.state.steps_seen
-        t0 = time.perf_counter()
-        original()
-        events.append((t0, app.state.steps_seen - before, time.perf_counter() - t0))
-
-    app.tick = tick  # before mount: the app's timer takes this one
     try:
-        async with app.run_test(size=(160, 50)):
-            await asyncio.sleep(warmup_s)
-            first, t_start = len(events), time.perf_counter()
-            await asyncio.sleep(seconds)
-            t_end = time.perf_counter()
-            window = [e for e in events[first:] if e[0] < t_end]
+        ticks = await measure_ticks(source, seconds, warmup_s, (160, 50))
     finally:
         source.close()
         process.stop()
-    span = t_end - t_start
-    ticks = sorted(e[2] for e in window)
-    return {"seconds": round(span, 1), "steps_per_s": round(sum(e[1] for e in window) / span, 1),
-            "updates_per_s": round(sum(1 for e in window if e[1]) / span, 1),
-            "tick_ms_median": round(ticks[len(ticks) // 2] * 1e3, 1) if ticks else None}
+    return {"seconds": ticks["seconds"], "steps_per_s": ticks["records_per_s"], "updates_per_s": ticks["updates_per_s"],
+            "tick_ms_median": ticks["tick"]["median_ms"]}
 
 
 def main(argv=None) -> int:

@@ -220,10 +220,10 @@ def engine_host(
     token = read_token(engine_dir)
     demo = None
     if backend == SIMULATED:
-        from moectl.cli.sim_backend import SimEngines, sim_load
+        from moectl.cli.sim_backend import SimEngines, refuse_real_engine_options, sim_load
         from moectl.engine.tools.sim_workload import SimWorkload
 
-        _refuse_for_simulated(ctx)
+        refuse_real_engine_options(ctx)
         engines = SimEngines(model, devices, redundant, placement, dtype, hardware, routing, drift, tp, overlap,
                              sim_seed)
         load, _ = sim_load(workload if given(ctx, "workload") else None, engines.first.max_model_len)
@@ -251,14 +251,6 @@ def engine_host(
         host.wait()
     finally:
         host.close()
-
-
-def _refuse_for_simulated(ctx: typer.Context) -> None:
-    """Options of a real engine that a simulated cluster has no use for: bad input, not ignored."""
-    for name in ("hbm", "nproc", "expert_cache", "host_mem", "threads"):
-        if given(ctx, name):
-            raise BadInput(f"{option_flag(ctx, name)}: not on the simulated backend (its devices are the hardware "
-                           f"profile's)")
 
 
 @handles_errors

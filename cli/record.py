@@ -111,16 +111,12 @@ def _record_simulated(ctx, trace, steps, seconds, model, devices, redundant, pla
                       rebalance_at, capture, kv_blocks, overwrite, as_json, sim):
     """record --backend simulated: the simulated cluster on its simulated clock (--seconds is wall
     time still: how long to record); the workload's requests and duration count in it."""
-    from moectl.cli.common import given, option_flag
-    from moectl.cli.sim_backend import SimEngines, sim_load
+    from moectl.cli.common import given
+    from moectl.cli.sim_backend import SimEngines, refuse_real_engine_options, sim_load
     from moectl.engine.core.driver import EngineDriver
     from moectl.engine.tools.sim_workload import SimWorkload
-    from moectl.profiler.recorder import TraceRecorder
 
-    for name in ("hbm", "nproc", "expert_cache", "host_mem", "threads"):
-        if given(ctx, name):
-            raise BadInput(f"{option_flag(ctx, name)}: not on the simulated backend (its devices are the hardware "
-                           f"profile's)")
+    refuse_real_engine_options(ctx)
     if capture is not None:
         raise BadInput("--capture: a simulated cluster runs no kernels to profile (its spans are all modeled)")
     if kv_blocks is not None:
@@ -135,17 +131,8 @@ def _record_simulated(ctx, trace, steps, seconds, model, devices, redundant, pla
     if biggest > engine.max_model_len:
         raise BadInput(f"--workload: its largest request ({biggest} tokens) exceeds the model's context of "
                        f"{engine.max_model_len} tokens (the simulated backend's max_model_len)")
-    existed = Path(trace).exists()
-    recorder = TraceRecorder(engine, trace, overwrite=overwrite, max_steps=steps)
-    try:
-        seconds_run = _run(driver, recorder, feed, steps, seconds, rebalance_at, None, as_json)
-    except BaseException:
-        _discard_if_empty(recorder, trace, existed)
-        raise
-    if driver.error is not None:
-        _discard_if_empty(recorder, trace, existed)
-        raise RuntimeError(f"the simulated engine failed at step {engine.step_count}: {driver.error} "
-                           f"({recorder.steps} steps recorded in {trace})")
+    recorder, seconds_run = _record_run(driver, feed, trace, steps, seconds, rebalance_at, None, overwrite, as_json,
+                                        "the simulated engine")
     return _report(recorder, feed, trace, seconds_run, as_json, simulated_s=engine.now)
 
 
@@ -209,7 +196,6 @@ def _check_workload_fits(spec, engine, items=None) -> None:
 def _record(engines, trace: Path, steps, seconds, spec, rebalance_at, capture, overwrite: bool, as_json: bool):
     from moectl.engine.core.driver import EngineDriver
     from moectl.engine.tools.workload import WorkloadFeed, workload_for_engine
-    from moectl.profiler.recorder import TraceRecorder
 
     driver = EngineDriver(engines.make_engine, buffer_records=False, start=False, name="moectl-record")
     engine = driver.engine
@@ -218,6 +204,18 @@ def _record(engines, trace: Path, steps, seconds, spec, rebalance_at, capture, o
     items = workload_for_engine(spec, engine)
     _check_workload_fits(spec, engine, items)
     feed = driver.feed = WorkloadFeed(items)
+    recorder, seconds_run = _record_run(driver, feed, trace, steps, seconds, rebalance_at, capture, overwrite, as_json,
+                                        "the engine")
+    return _report(recorder, feed, trace, seconds_run, as_json)
+
+
+def _record_run(driver, feed, trace: Path, steps, seconds, rebalance_at, capture, overwrite: bool, as_json: bool,
+                what: str):
+    """Records the driver's engine to `trace` until done (see _run); a trace this run created
+    and left empty is removed. Returns (the recorder, the seconds it ran)."""
+    from moectl.profiler.recorder import TraceRecorder
+
+    engine = driver.engine
     existed = Path(trace).exists()
     recorder = TraceRecorder(engine, trace, overwrite=overwrite, max_steps=steps)
     try:
@@ -227,9 +225,9 @@ def _record(engines, trace: Path, steps, seconds, spec, rebalance_at, capture, o
         raise
     if driver.error is not None:
         _discard_if_empty(recorder, trace, existed)
-        raise RuntimeError(f"the engine failed at step {engine.step_count}: {driver.error} "
+        raise RuntimeError(f"{what} failed at step {engine.step_count}: {driver.error} "
                            f"({recorder.steps} steps recorded in {trace})")
-    return _report(recorder, feed, trace, seconds_run, as_json)
+    return recorder, seconds_run
 
 
 def _run(driver, recorder, feed, steps, seconds, rebalance_at, capture, as_json: bool) -> float:

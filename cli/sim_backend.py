@@ -59,6 +59,16 @@ def refuse_sim_options(ctx: typer.Context | None, backend: str) -> None:
             raise BadInput(f"{option_flag(ctx, name)}: only with --backend simulated")
 
 
+def refuse_real_engine_options(ctx: typer.Context) -> None:
+    """Options of a real engine that a simulated cluster has no use for: bad input, not ignored."""
+    from moectl.cli.common import given, option_flag
+
+    for name in ("hbm", "nproc", "expert_cache", "host_mem", "threads"):
+        if given(ctx, name):
+            raise BadInput(f"{option_flag(ctx, name)}: not on the simulated backend (its devices are the hardware "
+                           f"profile's)")
+
+
 class SimEngines:
     """Engines' interface (make_engine, close) for the simulated backend; everything is checked
     here, before the first engine is built (BadInput names the flag)."""

@@ -34,6 +34,18 @@ class CommandQueue:
             self.ready.clear()
         return items
 
+    def run(self, on_failure) -> None:
+        """Runs every waiting command on the calling (engine) thread, each result or exception in
+        its Future; on_failure(kind, exc) hears of each that raised (the engine records it)."""
+        for kind, fn, future in self.take():
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn())
+            except Exception as exc:  # noqa: BLE001 - one bad command must not lose the others
+                future.set_exception(exc)
+                on_failure(kind, exc)
+
     def __len__(self) -> int:
         with self._lock:
             return len(self._items)

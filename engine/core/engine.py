@@ -256,14 +256,10 @@ class EngineCore:
         return StepFailed(error, outputs, self.failed_steps_in_a_row, self.failure)
 
     def run_commands(self) -> None:
-        for kind, fn, future in self.commands.take():
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(fn())
-            except Exception as exc:  # noqa: BLE001 - one bad command must not lose the others
-                future.set_exception(exc)
-                self.record_action(f"{kind}_failed", {}, {"error": f"{type(exc).__name__}: {exc}"})
+        self.commands.run(self._command_failed)
+
+    def _command_failed(self, kind: str, exc: Exception) -> None:
+        self.record_action(f"{kind}_failed", {}, {"error": f"{type(exc).__name__}: {exc}"})
 
     def _sample(self, batch: ScheduledBatch, logits: torch.Tensor) -> dict[int, int]:
         """id(sequence) -> its new token, for the sequences whose pending tokens this step completes

@@ -30,6 +30,22 @@ from moectl.engine.models.decoder import MoEForCausalLM
 from moectl.engine.models.moe import MoEBlock
 
 
+def window_figures(window, placement: Placement, device_window) -> dict:
+    """A step record's "window": the window's routing over the placement in force (balancedness,
+    overall and per layer), and per device its rows, busy seconds and utilisation (busy over the
+    devices' parallel step time) summed over `device_window`'s (rows, busy_s, step_s) entries:
+    the steps since the placement last changed, at most the window (what devices did under
+    another placement is not this one's). Every cluster's, real or simulated."""
+    totals = window.totals()  # balancedness is scale-free: the sum serves as well as the mean
+    per_layer, overall = placement.balancedness(totals) if totals.any() else (np.ones(placement.num_layers), 1.0)
+    tokens = np.sum([t for t, _, _ in device_window], axis=0)
+    busy = np.sum([b for _, b, _ in device_window], axis=0)
+    step_s = sum(w for _, _, w in device_window)
+    return {"steps": len(window), "balancedness": float(overall),
+            "balancedness_per_layer": [float(x) for x in per_layer], "device_steps": len(device_window),
+            "device_tokens": tokens.tolist(), "device_busy_s": busy.tolist(),
+            "utilisation": (busy / step_s).tolist() if step_s > 0 else [0.0] * len(busy)}
+
 class ClusterBase:
     """The placement in force, the routing window, planning, and step-time prediction."""
 
@@ -101,21 +117,9 @@ class ClusterBase:
         s = self.stats
         self.device_window.append((np.asarray(s.tokens, dtype=np.float64), np.asarray(s.busy_s, dtype=np.float64),
                                    float(self.recent_step_s)))
-        totals = self.window.totals()  # balancedness is scale-free: the sum serves as well as the mean
-        if totals.any():
-            per_layer, overall = self.placement.balancedness(totals)
-        else:
-            per_layer, overall = np.ones(self.num_layers), 1.0
-        self.window_balancedness = float(overall)  # auto mode's trigger reads it (auto_plan)
-        tokens = np.sum([t for t, _, _ in self.device_window], axis=0)
-        busy = np.sum([b for _, b, _ in self.device_window], axis=0)
-        step_s = sum(w for _, _, w in self.device_window)
-        # the devices' measured figures cover the steps since the placement last changed (at most
-        # the window): what they measured under another placement is not this one's
-        return {"steps": len(self.window), "balancedness": float(overall),
-                "balancedness_per_layer": [float(x) for x in per_layer], "device_steps": len(self.device_window),
-                "device_tokens": tokens.tolist(), "device_busy_s": busy.tolist(),
-                "utilisation": (busy / step_s).tolist() if step_s > 0 else [0.0] * len(busy)}
+        figures = window_figures(self.window, self.placement, self.device_window)
+        self.window_balancedness = figures["balancedness"]  # auto mode's trigger reads it (auto_plan)
+        return figures
 
     def auto_plan(self, step: int) -> RebalancePlan | None:
         """A plan when auto mode says to rebalance (after the step's routing was observed)."""

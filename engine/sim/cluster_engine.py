@@ -230,14 +230,8 @@ class SimulatedEngine:
 
     # -- the step loop (engine thread)
     def run_commands(self) -> None:
-        for kind, fn, future in self.commands.take():
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(fn())
-            except Exception as exc:  # noqa: BLE001 - one bad command must not lose the others
-                future.set_exception(exc)
-                self.record_action(f"{kind}_failed", {}, {"error": f"{type(exc).__name__}: {exc}"})
+        self.commands.run(lambda kind, exc: self.record_action(f"{kind}_failed", {},
+                                                               {"error": f"{type(exc).__name__}: {exc}"}))
 
     def has_unfinished(self) -> bool:
         return bool(len(self.commands)) or self.batcher.has_work()

@@ -6,6 +6,7 @@ batch just run, and an apply stalls the next simulated step by the migration's m
 from __future__ import annotations
 
 import threading
+from collections import deque
 from concurrent.futures import Future
 from dataclasses import replace
 
@@ -14,6 +15,7 @@ import numpy as np
 from moectl.engine.core.actions import Action
 from moectl.engine.core.config import AutoRebalancePolicy
 from moectl.engine.core.topology import Topology
+from moectl.engine.experts.cluster import window_figures
 from moectl.engine.experts.control import EDITS, _check_edit_args
 from moectl.engine.experts.placement import Placement
 from moectl.engine.experts.rebalancer import LOAD_WINDOW_STEPS, LoadWindow, plan_rebalance
@@ -31,7 +33,7 @@ class SimExperts:
         self.routing_line = routing_line
         self.auto = AutoRebalancePolicy()
         self.window = LoadWindow(engine.model_config.num_layers, placement.num_experts, LOAD_WINDOW_STEPS)
-        self.device_window: list[tuple[np.ndarray, np.ndarray, float]] = []
+        self.device_window: deque[tuple[np.ndarray, np.ndarray, float]] = deque(maxlen=LOAD_WINDOW_STEPS)
         self.pending_stall_s = 0.0  # a migration's stall, added to the next simulated step
         self._outcome: dict | None = None  # the last apply's outcome while its steps accumulate
         self._pending: Placement | None = None
@@ -155,18 +157,9 @@ class SimExperts:
         """The step's routing into the window; the record's "window" figures (as experts/cluster.py)."""
         self.window.add(routing)
         self.device_window.append((rows, busy_s, step_s))
-        del self.device_window[:-LOAD_WINDOW_STEPS]
-        totals = self.window.totals()
-        per_layer, overall = self.placement.balancedness(totals) if totals.any() else \
-            (np.ones(self.placement.num_layers), 1.0)
-        self.window_balancedness = float(overall)
-        tokens = np.sum([t for t, _, _ in self.device_window], axis=0)
-        busy = np.sum([b for _, b, _ in self.device_window], axis=0)
-        total_s = sum(s for _, _, s in self.device_window)
-        return {"steps": len(self.window), "balancedness": float(overall),
-                "balancedness_per_layer": [float(x) for x in per_layer], "device_steps": len(self.device_window),
-                "device_tokens": tokens.tolist(), "device_busy_s": busy.tolist(),
-                "utilisation": (busy / total_s).tolist() if total_s > 0 else [0.0] * len(busy)}
+        figures = window_figures(self.window, self.placement, self.device_window)
+        self.window_balancedness = figures["balancedness"]
+        return figures
 
     def observe_outcome(self, load, tokens: int, step_s: float) -> None:
         """After an apply: this step's batch again under the placement it replaced (routing does

@@ -65,9 +65,8 @@ def run_sim_rebalance(config: SimClusterConfig, recorded=None, rounds: int = 3, 
             f"({gain:+.1%}; predicted {predicted.get('gain', float('nan')):+.1%}), balancedness "
             f"{plan.balancedness_before.overall:.2f} -> {plan.balancedness_after.overall:.2f} (simulated)")
     gains = [x["gain"] for x in results]
-    head = SimulatedEngine(naive_config, recorded)
     return {"suite": "rebalance", "backend": "simulated", "gain_is": "simulated", "throughput_is": "simulated",
-            "model": head.sim_model.name, "hardware": head.hardware.name, "devices": config.devices,
-            "routing": head.routing_line, "requests": requests, "steps": steps,
+            "model": warm.sim_model.name, "hardware": warm.hardware.name, "devices": config.devices,
+            "routing": warm.routing_line, "requests": requests, "steps": steps,
             "gain_median": float(np.median(gains)), "gain_min": float(min(gains)), "gain_max": float(max(gains)),
             "same_batches": all(x["same_batches"] for x in results), "rounds": results}
