@@ -145,6 +145,7 @@ def link(ranks: int) -> tuple[float, float]:
 
 BATCH = 16  # sequences of the second overhead run
 PROMPTS, PROMPT_LEN = 4, 128  # the prefill run's prompts
+OVERHEAD_FLOOR_US = 1e-3  # what a profile holds for an overhead the ranks did not show (a positive figure)
 
 
 def engine_overheads(model_dir, dtype: str, ranks: int, profile_for, steps: int = 32, attach=None) -> dict:
@@ -200,9 +201,11 @@ def engine_overheads(model_dir, dtype: str, ranks: int, profile_for, steps: int 
     finally:
         engines.close()
     excess = {k: m - p for k, (m, p) in runs.items()}
-    sequence_s = max(0.0, (excess[BATCH] - excess[1]) / (BATCH - 1))
-    layer_s = max(0.0, (excess[1] - sequence_s) / shape.num_layers)  # the one sequence's share is not the layers'
-    prompt_s = max(0.0, (excess["prefill"] - excess[1] - (PROMPTS - 1) * sequence_s) / (PROMPTS * PROMPT_LEN))
+    # as measured, below zero too (the step model already prices more than the ranks spent): the
+    # profile floors them and says so
+    sequence_s = (excess[BATCH] - excess[1]) / (BATCH - 1)
+    layer_s = (excess[1] - max(sequence_s, 0.0)) / shape.num_layers  # the one sequence's share is not the layers'
+    prompt_s = (excess["prefill"] - excess[1] - (PROMPTS - 1) * max(sequence_s, 0.0)) / (PROMPTS * PROMPT_LEN)
     return {"layer_us": layer_s * 1e6, "sequence_us": sequence_s * 1e6, "prompt_token_us": prompt_s * 1e6,
             "runs": runs}
 
@@ -294,12 +297,16 @@ def calibrate(model_dir, dtype: str = "float32", ranks: int = 2, log=print, atta
     run = (f"the distributed backend ({ranks} ranks, {shape.name}{recorded}) "
            f"decoding 1 and {BATCH} sequences and prefilling {PROMPTS} prompts of {PROMPT_LEN} tokens: {described} by "
            f"the step model on the figures above")
-    raw["layer_overhead_us"] = {"value": max(costs["layer_us"], 1e-3),
-                                "source": f"{run}; the batch-1 excess over {shape.num_layers} layers; {how}"}
-    raw["sequence_overhead_us"] = {"value": max(costs["sequence_us"], 1e-3),
-                                   "source": f"{run}; what {BATCH} sequences add beyond it, per sequence; {how}"}
-    raw["prompt_token_overhead_us"] = {"value": max(costs["prompt_token_us"], 1e-3),
-                                       "source": f"{run}; what the prefill adds beyond both, per prompt token; {how}"}
+    for field, figure, what in (
+            ("layer_overhead_us", costs["layer_us"], f"the batch-1 excess over {shape.num_layers} layers"),
+            ("sequence_overhead_us", costs["sequence_us"], f"what {BATCH} sequences add beyond it, per sequence"),
+            ("prompt_token_overhead_us", costs["prompt_token_us"],
+             "what the prefill adds beyond both, per prompt token")):
+        raw[field] = {"value": max(figure, OVERHEAD_FLOOR_US), "source": f"{run}; {what}; {how}"}
+        if figure < OVERHEAD_FLOOR_US:
+            raw[field]["source"] += (f"; measured {figure:.1f} us: the step model already prices at least what the "
+                                     f"ranks spent, so floored at {OVERHEAD_FLOOR_US} us")
+            log(f"{field}: measured {figure:.1f} us, floored at {OVERHEAD_FLOOR_US} us")
     _parse("calibrated", raw)  # what it writes, it can read
     return raw
 
