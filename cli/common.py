@@ -328,12 +328,19 @@ def progress(as_json: bool):
     return (lambda line: typer.echo(line, err=True)) if as_json else typer.echo
 
 
-def open_trace(path: Path):
-    """A TraceReader on path (a context manager); a missing file is bad input."""
+def open_trace(path: Path, gpu_timeline: bool = False):
+    """A TraceReader on path (a context manager); a missing file is bad input, and so is a GPU
+    timeline (a Kineto import: no engine steps or routing) where the command needs those."""
+    from moectl.profiler.kineto_import import is_timeline
     from moectl.profiler.trace_store import TraceReader
 
     if Path(path).is_dir():
         raise BadInput(f"{path}: is a directory, not a trace")
     if not Path(path).is_file():
         raise BadInput(f"{path}: no such trace file")
-    return TraceReader(path)
+    reader = TraceReader(path)
+    if not gpu_timeline and is_timeline(reader.header):
+        reader.close()
+        raise BadInput(f"{path}: a GPU timeline imported from PyTorch-profiler traces: it has no engine steps or "
+                       f"routing (read it with `moectl trace report`, `trace info` or `replay`)")
+    return reader

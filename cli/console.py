@@ -254,18 +254,50 @@ def engine_host(
 
 
 @handles_errors
-def replay(trace: Path = typer.Argument(..., help="A trace recorded by `moectl record`."), theme: str = THEME_OPT):
+def replay(trace: Path = typer.Argument(..., help="A trace recorded by `moectl record` or imported by `trace "
+                                                  "import`, or PyTorch-profiler traces (.json / .json.gz, or a "
+                                                  "folder of one per rank)."),
+           rules: Path | None = typer.Option(None, "--rules", help="PyTorch-profiler traces: your kernel classes, "
+                                                                   "tried before the shipped ones."),
+           theme: str = THEME_OPT):
     """Replay a trace in the console: play, pause, speed, step, seek; rebalancing shows the
-    counterfactual on the recorded routing."""
-    from moectl.console.app import MoectlApp
-    from moectl.console.sources import ReplaySource
+    counterfactual on the recorded routing. A GPU timeline (PyTorch-profiler traces, or their
+    import): lanes per rank and stream with zoom and search, time per kernel class and layer,
+    idle time, hidden communication and the straggler rank."""
+    from moectl.profiler.kineto import is_kineto
 
     check_theme(theme)
+    if is_kineto(trace):
+        from moectl.profiler.kineto import trace_files
+        from moectl.profiler.kineto_import import read_source
+
+        if sum(p.stat().st_size for p in trace_files(trace)) > 64 << 20:  # a large one reads for a while
+            typer.echo(f"reading {trace} (`moectl trace import` it once to open it faster) ...", err=True)
+        return _gpu_timeline(read_source(trace, rules), trace, theme)
     if Path(trace).is_dir():
         raise BadInput(f"{trace}: is a directory, not a trace")
     if not Path(trace).is_file():
         raise BadInput(f"{trace}: no such trace file")
+    from moectl.cli.common import open_trace
+    from moectl.profiler.kineto_import import is_timeline, read_timeline
+
+    with open_trace(trace, gpu_timeline=True) as reader:
+        traces = read_timeline(reader, rules) if is_timeline(reader.header) else None
+    if traces is not None:
+        return _gpu_timeline(traces, trace, theme)
+    if rules is not None:
+        raise BadInput("--rules: classes a PyTorch-profiler trace's kernels (a .json / .json.gz file, a folder, "
+                       "or its import)")
+    from moectl.console.app import MoectlApp
+    from moectl.console.sources import ReplaySource
+
     MoectlApp(ReplaySource(trace), theme=theme).run()
+
+
+def _gpu_timeline(traces, source: Path, theme: str) -> None:
+    from moectl.console.gpu_timeline import gpu_timeline_app
+
+    gpu_timeline_app(traces, Path(source).name, theme=theme).run()
 
 
 @handles_errors

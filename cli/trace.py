@@ -25,8 +25,12 @@ trace_app = typer.Typer(no_args_is_help=True, help="Inspect, export and compare 
 @handles_errors
 def trace_info(trace: Path = typer.Argument(..., help="A trace file."), as_json: bool = JSON_OPT):
     """Format version, model, devices, steps, duration and completeness of a trace."""
-    with open_trace(trace) as reader:
+    from moectl.profiler.kineto_import import is_timeline
+
+    with open_trace(trace, gpu_timeline=True) as reader:
         header = reader.header
+        if is_timeline(header):
+            return _timeline_info(trace, reader, as_json)
         model = header.get("model") if isinstance(header.get("model"), dict) else {}
         devices = header.get("devices") or {}
         status = reader.file_status()  # its -wal and -shm count too: an unclosed trace keeps recent steps there
@@ -163,12 +167,21 @@ def trace_report(
     from moectl.profiler.kineto import is_kineto
     from moectl.profiler.trace_queries import cache_summary, placement_in_force
 
-    if is_kineto(trace):
+    timeline = not is_kineto(trace) and Path(trace).is_file() and _holds_timeline(trace)
+    if is_kineto(trace) or timeline:
         if start is not None or stop is not None or placement_file is not None:
             raise BadInput("--from-step/--to-step/--placement: moectl traces only (a Kineto trace has no engine steps)")
-        return _kineto_report(trace, rules, as_json)
+        if timeline:
+            from moectl.profiler.kineto import summarise
+            from moectl.profiler.kineto_import import read_timeline
+
+            with open_trace(trace, gpu_timeline=True) as reader:
+                return _kineto_report(summarise(read_timeline(reader, rules), trace), as_json)
+        from moectl.profiler.kineto import report
+
+        return _kineto_report(report(trace, rules), as_json)
     if rules is not None:
-        raise BadInput("--rules: classes a Kineto trace's kernels (a .json / .json.gz file or a folder)")
+        raise BadInput("--rules: classes a Kineto trace's kernels (a .json / .json.gz file, a folder, or its import)")
 
     _check_step_range(start, stop)
     with open_trace(trace) as reader:
@@ -272,11 +285,35 @@ from moectl.cli.trace_import import trace_import  # noqa: E402 - `trace import` 
 trace_app.command("import")(trace_import)
 
 
-def _kineto_report(path: Path, rules: Path | None, as_json: bool) -> None:
-    """`trace report` of a PyTorch-profiler trace (profiler/kineto.py): every figure measured by it."""
-    from moectl.profiler.kineto import report
+def _holds_timeline(path: Path) -> bool:
+    from moectl.profiler.kineto_import import is_timeline
 
-    result = report(path, rules)
+    with open_trace(path, gpu_timeline=True) as reader:
+        return is_timeline(reader.header)
+
+
+def _timeline_info(trace: Path, reader, as_json: bool) -> None:
+    meta = reader.header["gpu_timeline"]
+    status = reader.file_status()
+    info = {"trace": str(trace), "record_format": reader.header.get("record_format"), "records": reader.num_steps,
+            "gpu_timeline": {"source": meta["source"], "files": meta["files"], "rules": meta["rules"],
+                             "ranks": [{k: r[k] for k in ("rank", "file", "source", "lanes")} for r in meta["ranks"]],
+                             "absent": meta["absent"]},
+            "bytes": status["bytes"], "state": status["state"], "software": reader.header.get("software", {})}
+    if as_json:
+        typer.echo(json.dumps(info, default=str))
+        return
+    ranks = meta["ranks"]
+    typer.echo(f"{trace}: a GPU timeline imported from {len(meta['files'])} PyTorch-profiler trace file(s): "
+               f"{len(ranks)} rank(s), {sum(len(r['lanes']) for r in ranks)} lanes, {reader.num_steps} records, "
+               f"{info['bytes']:,} bytes; {status['summary']}")
+    typer.echo(f"absent: {', '.join(meta['absent'])} (the source measures none of them)")
+
+
+def _kineto_report(result: dict, as_json: bool) -> None:
+    """`trace report` of a PyTorch-profiler trace (profiler/kineto.py), read from the source or its
+    import: every figure measured by it."""
+    path = result["path"]
     if as_json:
         typer.echo(json.dumps(result, default=float))
         return
@@ -293,6 +330,17 @@ def _kineto_report(path: Path, rules: Path | None, as_json: bool) -> None:
     typer.echo("communication overlapped by computation: " + (
         f"{overlap['fraction']:.1%} of {overlap['communication_s'] * 1e3:.3f} ms" if overlap["fraction"] is not None
         else "no communication events"))
+    layers = result["layers"]
+    if layers["by_layer"]:
+        typer.echo(f"per layer ({layers['placed_s'] / (layers['total_s'] or 1.0):.0%} of the time placed by the "
+                   f"trace's layer annotations):")
+        for layer, per_class in layers["by_layer"].items():
+            top = sorted(per_class.items(), key=lambda kv: -kv[1])
+            typer.echo(f"  layer {layer:>4s} {sum(per_class.values()) * 1e3:10.3f} ms  "
+                       + ", ".join(f"{c} {v * 1e3:.3f}" for c, v in top[:4]))
+    else:
+        typer.echo("per layer: absent (no layer annotations: profile with with_modules=True, or record_function "
+                   "ranges named like 'layers.N'; kernels replayed from a CUDA graph have no per-layer launch)")
     if len(ranks) > 1:
         s = result["straggler"]
         typer.echo(f"straggler: rank {s['rank']}, busy {s['busy_s'] * 1e3:.3f} ms ({s['behind_median_s'] * 1e3:+.3f} ms "

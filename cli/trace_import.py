@@ -1,5 +1,6 @@
-"""`moectl trace import`: the expert load SGLang or vLLM measured, as a moectl trace; and the
-report of such a trace, which holds only that load (docs/external_load.md)."""
+"""`moectl trace import`: the expert load SGLang or vLLM measured, as a moectl trace, and the
+report of such a trace, which holds only that load (docs/external_load.md); or PyTorch-profiler
+(Kineto) traces as a GPU timeline (docs/kineto.md)."""
 
 from __future__ import annotations
 
@@ -17,10 +18,14 @@ ABSENT_SECTIONS = ("utilisation", "straggler_steps_per_device", "breakdown", "la
 @handles_errors
 def trace_import(
     sources: list[Path] = typer.Argument(..., help="SGLang expert distribution dump(s) (.pt; per_pass/per_token: "
-                                                   "one per rank), or saved vLLM EplbState dict(s) (.pt or .json, "
-                                                   "one per rank)."),
+                                                   "one per rank), saved vLLM EplbState dict(s) (.pt or .json, "
+                                                   "one per rank), or PyTorch-profiler traces (.json / .json.gz, "
+                                                   "one per rank, or a folder of them)."),
     out: Path = typer.Option(..., "--output", "-o", help="The trace file to write."),
-    fmt: str | None = typer.Option(None, "--format", help="sglang or vllm (default: told by the file's keys)."),
+    fmt: str | None = typer.Option(None, "--format", help="sglang, vllm or kineto (default: told by the file's "
+                                                          "contents)."),
+    rules: Path | None = typer.Option(None, "--rules", help="kineto: your kernel classes and layer patterns, tried "
+                                                            "before the shipped ones (profiler/kernel_classes.json)."),
     ep_size: int | None = typer.Option(None, "--ep-size", help="EP ranks the source ran on: splits its "
                                                              "physical_to_logical_map into a device placement "
                                                              "(vLLM: default the saved 'ep_size')."),
@@ -31,12 +36,21 @@ def trace_import(
 ):
     """Write the per-expert load an engine measured (tokens per logical expert per layer, one step
     record per pass) into a trace that report, replay and `plan rebalance` read. Step times,
-    requests and memory are not in the source and stay absent; the header names the source."""
+    requests and memory are not in the source and stay absent; the header names the source.
+    PyTorch-profiler traces become a GPU timeline: each rank's kernels, copies and memsets by
+    stream, classed and placed in layers, that `trace report` and `replay` read."""
     from moectl.profiler.external_load import guess_engine, read_source, write_imported_trace
+    from moectl.profiler.kineto import looks_like_trace
 
     check_output_file(out, "--output", *sources)  # never over a source it reads
     if out.exists() and not overwrite:
         raise BadInput(f"--output: {out} exists (give --overwrite to replace it)")
+    if fmt == "kineto" or (fmt is None and looks_like_trace(sources[0])):
+        if ep_size is not None or engine_version is not None:
+            raise BadInput("--ep-size/--engine-version: for expert-load dumps (a PyTorch-profiler trace says its own)")
+        return _import_timeline(sources, out, rules, overwrite, as_json)
+    if rules is not None:
+        raise BadInput("--rules: classes a PyTorch-profiler trace's kernels (--format kineto)")
     engine = fmt or guess_engine(sources)
     load = read_source(engine, sources, ep_size)
     if engine_version is not None:
@@ -50,6 +64,22 @@ def trace_import(
                f"{result['experts']} experts, {result['tokens_routed']:,} routed tokens, {devices}")
     for note in result["notes"]:
         typer.echo(f"  {note}")
+
+
+def _import_timeline(sources: list[Path], out: Path, rules: Path | None, overwrite: bool, as_json: bool) -> None:
+    from moectl.profiler.kineto_import import read_source, write_timeline
+
+    traces = [t for source in sources for t in read_source(source, rules)]
+    ranks = [t.rank for t in traces]
+    if len(set(ranks)) < len(ranks):
+        raise BadInput(f"two files say they are the same rank ({', '.join(map(str, sorted(ranks)))}): give one per rank")
+    result = write_timeline(traces, out, rules, overwrite=overwrite)
+    if as_json:
+        typer.echo(json.dumps(result))
+        return
+    what = "device events" if result["source"] == "device" else "CPU ops (no device events: a CPU run)"
+    typer.echo(f"{out}: a GPU timeline of {len(traces)} rank(s), {result['events']:,} {what}, "
+               f"{sum(len(t.lanes) for t in traces)} lanes; open it with `moectl replay {out}`")
 
 
 def imported_source(imported: dict, most_files: int = 3) -> str:

@@ -318,7 +318,7 @@ def guess_engine(paths: list[Path]) -> str:
     if isinstance(d, dict) and ("expert_load_window" in d or "expert_load_pass" in d):
         return "vllm"
     raise SourceFormatError(f"{paths[0]}: neither an SGLang expert distribution dump nor a saved vLLM EplbState "
-                       f"(give --format)")
+                       f"nor a PyTorch-profiler trace (give --format)")
 
 
 # ---- the trace ------------------------------------------------------------------------------

@@ -9,6 +9,14 @@ of the device (cat kernel, gpu_memcpy, gpu_memset) are kept, as (lane, class, na
 duration) arrays. A trace without device events (a CPU run) is read on its CPU ops instead: the
 outermost cpu_op of each thread, the ops a CPU engine's time goes to.
 
+Layers, where the trace's annotations allow: a CPU range (python_function or user_annotation)
+whose name a layer pattern of the rules matches ("nn.Module: DeepseekV2DecoderLayer_3", as
+torch.profiler names a module with with_modules or with_stack; "layers.3" of a record_function)
+marks its thread's time as that layer's. A kernel takes the layer of the instant its launch
+(the cuda_runtime event of the same correlation id) ran on the CPU; a CPU op the layer of its own
+start. Kernels replayed from a CUDA graph share one launch outside every layer, so they stay
+unattributed.
+
 Per rank (`rank_figures`), on the rank's device lanes (streams):
 * breakdown: each class's summed event time, seconds;
 * idle_s: the span from the first event's start to the last one's end that no event covers;
@@ -24,6 +32,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import math
 import re
 from array import array
 from dataclasses import dataclass, field
@@ -45,22 +54,28 @@ class KinetoError(ValueError):
 class Rules:
     """Ordered (class, compiled pattern) rules: the first match classes a name."""
     rules: list[tuple[str, re.Pattern]]
+    layer_patterns: list[re.Pattern] = field(default_factory=list)  # group 1: the layer's index
     _cache: dict = field(default_factory=dict)
+    _layer_cache: dict = field(default_factory=dict)
 
     @classmethod
     def load(cls, extra: Path | None = None) -> Rules:
         """The shipped rules, after a user's file of the same form (its rules first)."""
         shipped = json.loads(resources.files("moectl.profiler").joinpath("kernel_classes.json").read_text())
-        raw = list(shipped["rules"])
+        raw, layers = list(shipped["rules"]), list(shipped["layer_patterns"])
         if extra is not None:
             try:
                 user = json.loads(Path(extra).read_text())
                 raw = list(user["rules"]) + raw
-            except (OSError, ValueError, KeyError, TypeError) as exc:
+                layers = list(user.get("layer_patterns") or ()) + layers
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
                 raise KinetoError(f"--rules: {extra}: not a rules file ({{\"rules\": [{{\"class\", \"pattern\"}}]}}): "
                                   f"{exc}") from None
         try:
-            return cls([(str(r["class"]), re.compile(str(r["pattern"]), re.IGNORECASE)) for r in raw])
+            layer_patterns = [re.compile(str(p)) for p in layers]
+            if any(p.groups < 1 for p in layer_patterns):
+                raise re.error("a layer pattern needs a group for the layer's index")
+            return cls([(str(r["class"]), re.compile(str(r["pattern"]), re.IGNORECASE)) for r in raw], layer_patterns)
         except (KeyError, TypeError, re.error) as exc:
             raise KinetoError(f"--rules: a rule needs a class and a valid pattern: {exc}") from None
 
@@ -68,6 +83,16 @@ class Rules:
         found = self._cache.get(name)
         if found is None:
             found = self._cache[name] = next((c for c, p in self.rules if p.search(name)), UNCLASSED)
+        return found
+
+    def layer_of(self, name: str) -> int:
+        """The layer a CPU range's name marks, or -1."""
+        found = self._layer_cache.get(name)
+        if found is None:
+            match = next((m for m in (p.search(name) for p in self.layer_patterns) if m), None)
+            found = int(match.group(1)) if match and match.group(1).isdigit() else -1
+            if len(self._layer_cache) < 1 << 16:  # python_function names carry addresses: bound it
+                self._layer_cache[name] = found
         return found
 
 
@@ -85,6 +110,10 @@ class RankTrace:
     classes: list[str]  # each distinct name's class
     start: np.ndarray
     dur: np.ndarray
+    layer: np.ndarray  # per event: the layer its annotations place it in, -1 where none do
+    # whole seconds on the trace's clock that `start` counts from: an epoch-based clock (1.7e9 s)
+    # would leave a float64 second a quarter of a microsecond, and ranks align on these
+    origin_s: float = 0.0
 
 
 def trace_files(path: Path) -> list[Path]:
@@ -108,9 +137,35 @@ def is_kineto(path: Path) -> bool:
     return path.name.endswith((".json", ".json.gz"))
 
 
+def _first_byte(path: Path) -> bytes:
+    try:
+        with (gzip.open if path.name.endswith(".gz") else open)(path, "rb") as f:
+            return f.read(4096).lstrip()[:1]
+    except (OSError, EOFError, gzip.BadGzipFile) as exc:
+        raise KinetoError(f"{path}: cannot read it ({exc})") from None
+
+
+def looks_like_trace(path: Path) -> bool:
+    """A Chrome trace by its first bytes (not its name: a saved vLLM EplbState is a .json too):
+    {"traceEvents": ...} (Kineto writes a few header keys first) or an array of events."""
+    files = [p for p in path.iterdir() if p.name.endswith((".json", ".json.gz"))] if path.is_dir() else [path]
+    for file in files[:1]:
+        try:
+            with (gzip.open if file.name.endswith(".gz") else open)(file, "rb") as f:
+                head = f.read(1 << 20).lstrip()
+        except (OSError, EOFError, gzip.BadGzipFile):
+            return False
+        return (head[:1] == b"{" and b'"traceEvents"' in head) or (head[:1] == b"[" and b'"ph"' in head)
+    return False
+
+
 def _rank_from_name(name: str) -> int | None:
     m = re.search(r"(?:rank|tp|dp|ep)[-_]?(\d+)", name, re.IGNORECASE)
     return int(m.group(1)) if m else None
+
+
+RUNTIME_CATS = frozenset({"cuda_runtime", "cuda_driver"})  # where a kernel's launch sits on the CPU
+RANGE_CATS = frozenset({"python_function", "user_annotation"})  # where a layer's annotation can be
 
 
 def read_rank(path: Path, rules: Rules) -> RankTrace:
@@ -121,8 +176,11 @@ def read_rank(path: Path, rules: Rules) -> RankTrace:
     names: dict[str, int] = {}
     lanes_seen: dict[str, int] = {}
     device = (array("i"), array("i"), array("d"), array("d"))  # lane, name, start, dur
+    correlation = array("q")  # per device event, its launch's id (-1: none)
     cpu = (array("i"), array("i"), array("d"), array("d"))  # the same for CPU ops, dropped if the device has events
-    cpu_lanes: dict[str, int] = {}
+    threads: dict[str, int] = {}  # CPU threads: the CPU ops' lanes, launches' and layer ranges' threads
+    launches = (array("q"), array("i"), array("d"))  # correlation id, thread, start
+    ranges = (array("i"), array("i"), array("d"), array("d"))  # thread, layer, start, dur
     rank = None
     try:  # the rank, from the header keys before the events (Kineto writes distributedInfo first)
         with opener(path, "rb") as f:
@@ -135,14 +193,16 @@ def read_rank(path: Path, rules: Rules) -> RankTrace:
         raise KinetoError(f"{path}: cannot read it ({exc})") from None
     except ijson.JSONError as exc:
         raise KinetoError(f"{path}: not valid trace JSON ({str(exc).splitlines()[0]})") from None
+    # Chrome's JSON Array Format ([event, ...]) as well as its object form ({"traceEvents": [...]})
+    events_at = "item" if _first_byte(path) == b"[" else "traceEvents.item"
     try:
         with opener(path, "rb") as f:
-            for item in ijson.items(f, "traceEvents.item", use_float=True):
+            for item in ijson.items(f, events_at, use_float=True):
                 if not isinstance(item, dict) or item.get("ph") != "X":
                     continue
                 cat = str(item.get("cat") or "")
-                try:
-                    ts, dur = float(item["ts"]) * 1e-6, float(item.get("dur") or 0) * 1e-6
+                try:  # start in microseconds as written: seconds once the origin is known
+                    ts, dur = float(item["ts"]), float(item.get("dur") or 0) * 1e-6
                 except (KeyError, TypeError, ValueError):
                     continue
                 name = str(item.get("name") or "?")
@@ -150,26 +210,101 @@ def read_rank(path: Path, rules: Rules) -> RankTrace:
                     lane = lanes_seen.setdefault(f"{item.get('pid', '?')}/stream {item.get('tid', '?')}", len(lanes_seen))
                     for column, value in zip(device, (lane, names.setdefault(name, len(names)), ts, dur)):
                         column.append(value)
+                    correlation.append(_correlation(item))
+                elif cat in RUNTIME_CATS:
+                    corr = _correlation(item)
+                    if corr >= 0:
+                        thread = threads.setdefault(f"{item.get('pid', '?')}/thread {item.get('tid', '?')}", len(threads))
+                        for column, value in zip(launches, (corr, thread, ts)):
+                            column.append(value)
+                elif cat in RANGE_CATS:
+                    layer = rules.layer_of(name)
+                    if layer >= 0:
+                        thread = threads.setdefault(f"{item.get('pid', '?')}/thread {item.get('tid', '?')}", len(threads))
+                        for column, value in zip(ranges, (thread, layer, ts, dur)):
+                            column.append(value)
                 elif cat == "cpu_op" and not device[0]:  # a CPU run's ops: only while no device event came
-                    lane = cpu_lanes.setdefault(f"{item.get('pid', '?')}/thread {item.get('tid', '?')}", len(cpu_lanes))
-                    for column, value in zip(cpu, (lane, names.setdefault(name, len(names)), ts, dur)):
+                    thread = threads.setdefault(f"{item.get('pid', '?')}/thread {item.get('tid', '?')}", len(threads))
+                    for column, value in zip(cpu, (thread, names.setdefault(name, len(names)), ts, dur)):
                         column.append(value)
     except (OSError, EOFError, gzip.BadGzipFile) as exc:
         raise KinetoError(f"{path}: cannot read it ({exc})") from None
     except ijson.JSONError as exc:
         raise KinetoError(f"{path}: not valid trace JSON ({str(exc).splitlines()[0]})") from None
     rank = rank if rank is not None else _rank_from_name(path.name)
-    columns, lanes, source = (device, lanes_seen, "device") if device[0] else (cpu, cpu_lanes, "cpu_ops")
-    lane, name_id, start, dur = (np.frombuffer(c, dtype=np.int32 if c.typecode == "i" else np.float64).copy()
-                                 for c in columns)
+    lane, name_id, start, dur = (_column(c) for c in (device if device[0] else cpu))
     if not len(lane):
         raise KinetoError(f"{path}: no complete events (ph X) of a device or of CPU ops: not a Kineto trace")
-    if source == "cpu_ops":
+    # times from whole seconds before the first event read: an epoch clock's seconds (1.7e9) as
+    # float64 would round to a quarter of a microsecond, and ranks align on these origins
+    origin_us = math.floor(float(start.min()) / 1e6) * 1e6
+    start = (start - origin_us) * 1e-6
+    range_cols = [_column(c) for c in ranges]
+    range_cols[2] = (range_cols[2] - origin_us) * 1e-6
+    launch_cols = [_column(c) for c in launches]
+    launch_cols[2] = (launch_cols[2] - origin_us) * 1e-6
+    layer_at = _LayerRanges(*range_cols)
+    if device[0]:
+        source, lanes = "device", list(lanes_seen)
+        layer = layer_at.of_launches(_column(correlation), *launch_cols)
+    else:
+        source, lanes = "cpu_ops", list(threads)
         keep = _outermost(lane, start, dur)
         lane, name_id, start, dur = lane[keep], name_id[keep], start[keep], dur[keep]
+        layer = layer_at(lane, start)
+        # only the threads that ran ops are lanes (a thread may hold only launches or ranges)
+        used = np.unique(lane)
+        lane = np.searchsorted(used, lane).astype(np.int32)
+        lanes = [lanes[i] for i in used]
     by_id = list(names)
-    return RankTrace(path, rank, list(lanes), source, lane, name_id, by_id, [rules.classify(n) for n in by_id],
-                     start, dur)
+    return RankTrace(path, rank, lanes, source, lane, name_id, by_id, [rules.classify(n) for n in by_id],
+                     start, dur, layer, origin_us * 1e-6)
+
+
+def _correlation(item: dict) -> int:
+    args = item.get("args")
+    value = args.get("correlation") if isinstance(args, dict) else None
+    return int(value) if isinstance(value, (int, float)) else -1
+
+
+def _column(c: array) -> np.ndarray:
+    return np.frombuffer(c, dtype={"i": np.int32, "q": np.int64, "d": np.float64}[c.typecode]).copy()
+
+
+class _LayerRanges:
+    """The layer ranges of a trace's CPU threads: the outermost per thread (a layer's range nested
+    in another is the same layer's part), so a thread's ranges are disjoint and one binary search
+    finds the range holding an instant."""
+
+    def __init__(self, thread: np.ndarray, layer: np.ndarray, start: np.ndarray, dur: np.ndarray):
+        keep = _outermost(thread, start, dur) if len(thread) else np.zeros(0, dtype=np.int64)
+        order = keep[np.lexsort((start[keep], thread[keep]))]
+        self.thread, self.layer, self.start = thread[order], layer[order], start[order]
+        self.end = self.start + dur[order]
+
+    def __call__(self, thread: np.ndarray, t: np.ndarray) -> np.ndarray:
+        """The layer holding each (thread, instant), -1 where none does."""
+        out = np.full(len(t), -1, dtype=np.int32)
+        for th in np.unique(self.thread):
+            lo, hi = np.searchsorted(self.thread, [th, th + 1])
+            mine = np.flatnonzero(thread == th)
+            i = np.searchsorted(self.start[lo:hi], t[mine], side="right") - 1 + lo
+            inside = (i >= lo) & (t[mine] < self.end[np.maximum(i, lo)])
+            out[mine[inside]] = self.layer[i[inside]]
+        return out
+
+    def of_launches(self, kernel_corr: np.ndarray, corr: np.ndarray, thread: np.ndarray,
+                    t: np.ndarray) -> np.ndarray:
+        """Each kernel's layer: that of the instant its launch ran."""
+        out = np.full(len(kernel_corr), -1, dtype=np.int32)
+        if not len(self.thread) or not len(corr):
+            return out
+        order = np.argsort(corr, kind="stable")
+        corr, thread, t = corr[order], thread[order], t[order]
+        i = np.minimum(np.searchsorted(corr, kernel_corr), len(corr) - 1)
+        found = (corr[i] == kernel_corr) & (kernel_corr >= 0)
+        out[found] = self(thread[i[found]], t[i[found]])
+        return out
 
 
 def _outermost(lane: np.ndarray, start: np.ndarray, dur: np.ndarray) -> np.ndarray:
@@ -239,16 +374,50 @@ def rank_figures(trace: RankTrace, top_unclassed: int = 10) -> dict:
                         if c == UNCLASSED and present[i]), key=lambda kv: -kv[1])[:top_unclassed]
     return {"file": str(trace.path), "rank": trace.rank, "source": trace.source, "lanes": trace.lanes,
             "events": int(len(trace.dur)), "span_s": span, "busy_s": _length(busy), "idle_s": span - _length(busy),
-            "breakdown": breakdown,
+            "breakdown": breakdown, "layers": _per_layer(trace.layer, cls, classes, trace.dur),
             "overlap": {"communication_s": comm_s, "overlapped_s": overlapped,
                         "fraction": overlapped / comm_s if comm_s > 0 else None},
             "unclassed": unclassed}
 
 
+def _per_layer(layer: np.ndarray, cls: np.ndarray, classes: list[str], dur: np.ndarray) -> dict:
+    """{layer: {class: seconds}} of the events the annotations place, and the time they cover."""
+    placed = layer >= 0
+    out: dict = {}
+    if placed.any():
+        keys = layer[placed].astype(np.int64) * len(classes) + cls[placed]
+        unique, inverse = np.unique(keys, return_inverse=True)
+        sums = np.bincount(inverse, weights=dur[placed])
+        for key, seconds in zip(unique.tolist(), sums.tolist()):
+            out.setdefault(str(key // len(classes)), {})[classes[key % len(classes)]] = seconds
+    return {"by_layer": dict(sorted(out.items(), key=lambda kv: int(kv[0]))),
+            "placed_s": float(dur[placed].sum()), "total_s": float(dur.sum())}
+
+
+def _merge_layers(ranks: list[dict]) -> dict:
+    by_layer: dict[str, dict[str, float]] = {}
+    for r in ranks:
+        for layer, per_class in r["layers"]["by_layer"].items():
+            mine = by_layer.setdefault(layer, {})
+            for c, seconds in per_class.items():
+                mine[c] = mine.get(c, 0.0) + seconds
+    return {"by_layer": dict(sorted(by_layer.items(), key=lambda kv: int(kv[0]))),
+            "placed_s": sum(r["layers"]["placed_s"] for r in ranks),
+            "total_s": sum(r["layers"]["total_s"] for r in ranks),
+            "how": "a kernel takes the layer its launch ran in on the CPU (a python_function or user_annotation "
+                   "range a layer pattern matches); a CPU op the layer of its start"}
+
+
 def report(path: Path, rules_file: Path | None = None) -> dict:
     """`trace report` of a Kineto trace (a file, or a folder of one per rank)."""
     rules = Rules.load(rules_file)
-    ranks = [rank_figures(read_rank(p, rules)) for p in trace_files(path)]
+    return summarise([read_rank(p, rules) for p in trace_files(path)], path)
+
+
+def summarise(traces: list[RankTrace], path) -> dict:
+    """The report's figures of these ranks' events (read from the source, or from a moectl trace
+    `trace import` wrote)."""
+    ranks = [rank_figures(t) for t in traces]
     for i, r in enumerate(ranks):
         if r["rank"] is None:
             r["rank"] = i
@@ -260,7 +429,7 @@ def report(path: Path, rules_file: Path | None = None) -> dict:
     overlapped = sum(r["overlap"]["overlapped_s"] for r in ranks)
     straggler = max(ranks, key=lambda r: r["busy_s"])
     return {"kind": "kineto", "path": str(path), "ranks": ranks, "breakdown": breakdown,
-            "idle_s": sum(r["idle_s"] for r in ranks),
+            "layers": _merge_layers(ranks), "idle_s": sum(r["idle_s"] for r in ranks),
             "overlap": {"communication_s": comm, "overlapped_s": overlapped,
                         "fraction": overlapped / comm if comm > 0 else None,
                         "definition": "communication time overlapped by computation / communication time "

@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import re
 import zlib
 from bisect import bisect_left
 from collections.abc import Sequence
@@ -113,6 +114,13 @@ class _Lane:
     def label(self, i: int) -> str:
         name, layer = self._names[self.name_ids[i]], int(self.layers[i])
         return name if layer < 0 else f"{name} L{layer}"
+
+    def span(self, i: int) -> Span:
+        """The i-th span alone (a lane of a GPU trace holds millions: `spans` would build them all)."""
+        if self._spans is not None:
+            return self._spans[i]
+        return Span(self.lane, self._names[int(self.name_ids[i])], float(self.starts[i]), float(self.durs[i]),
+                    self.modeled[i], int(self.layers[i]), int(self.steps[i]), self._kinds[int(self.kinds[i])])
 
     @property
     def spans(self) -> list[Span]:
@@ -281,6 +289,7 @@ class Timeline(LineCacheMixin, ScrollView, can_focus=True):
         """
         super().__init__(name=name, id=id, classes=classes, disabled=disabled)
         self._gutter = max(1, int(gutter))
+        self.shows_modeled = True  # the legend's modeled swatch; a trace with none measured otherwise says so
         self._lane_names: list[str] = []
         self._lanes: list[_Lane] = []
         self._lane_offsets: list[int] = [0]
@@ -314,9 +323,11 @@ class Timeline(LineCacheMixin, ScrollView, can_focus=True):
                          layer=layer, step=step, kind=kind, kinds=list(kinds) or ["span"], fit=fit)
 
     def set_columns(self, lanes: Sequence[str], *, lane, name, names: Sequence[str], start_s, dur_s, modeled=None,
-                    layer=None, step=None, kind=None, kinds: Sequence[str] = ("span",), fit: bool = True) -> None:
+                    layer=None, step=None, kind=None, kinds: Sequence[str] = ("span",), fit: bool = True,
+                    colour_keys: Sequence[str] | None = None) -> None:
         """Replace everything drawn, from columns (one entry per span): lane and name are indexes
-        into `lanes` and `names`, kind into `kinds`. The fast path: no Span object is built."""
+        into `lanes` and `names`, kind into `kinds`. The fast path: no Span object is built.
+        colour_keys: per name, what its colour follows (a kernel's class; default the name)."""
         lane_names = [str(n) for n in lanes]
         lane = np.asarray(lane, dtype=np.int64)
         n = len(lane)
@@ -336,7 +347,8 @@ class Timeline(LineCacheMixin, ScrollView, can_focus=True):
         sorted_lane = lane[order]
         bounds = np.searchsorted(sorted_lane, np.arange(len(lane_names) + 1), side="left")
         # alternate shades along each lane so that neighbours of one colour stay apart
-        colours = np.array([_colour_of(nm) for nm in names], dtype=np.int64) if names else np.zeros(1, np.int64)
+        keys = list(colour_keys) if colour_keys is not None else names
+        colours = np.array([_colour_of(k) for k in keys], dtype=np.int64) if names else np.zeros(1, np.int64)
         position = np.arange(len(order)) - bounds[sorted_lane] if len(order) else np.zeros(0, np.int64)
         style_ids = colours[name[order]] * 2 + (position & 1) if len(order) else np.zeros(0, np.int64)
         if self._swatch is None and len(order):  # the legend's swatch: the first span's colour, ever
@@ -370,6 +382,7 @@ class Timeline(LineCacheMixin, ScrollView, can_focus=True):
         else:
             self._extent = (0.0, 1.0)
         self._selected = None
+        self._matches = None
         if fit or not starts:
             self._view = self._extent
         self.virtual_size = Size(0, HEADER_ROWS + len(lane_names) + FOOTER_ROWS)
@@ -416,7 +429,7 @@ class Timeline(LineCacheMixin, ScrollView, can_focus=True):
         if self._selected is None:
             return None
         lane, index = self._selected
-        return self._lanes[lane].spans[index]
+        return self._lanes[lane].span(index)
 
     def spans_in_lane(self, lane: int) -> list[Span]:
         """A lane's spans in start order."""
@@ -516,7 +529,7 @@ class Timeline(LineCacheMixin, ScrollView, can_focus=True):
 
     def _bring_into_view(self, key: tuple[int, int]) -> None:
         lane, index = key
-        span = self._lanes[lane].spans[index]
+        span = self._lanes[lane].span(index)
         v0, v1 = self._view
         w = v1 - v0
         if span.start_s < v0 or span.end_s > v1:
@@ -576,6 +589,38 @@ class Timeline(LineCacheMixin, ScrollView, can_focus=True):
         lane = bisect_left(self._lane_offsets, flat + 1) - 1
         return (lane, flat - self._lane_offsets[lane])
 
+    def find(self, pattern: str, direction: int = 1) -> tuple[int, int]:
+        """Select the next (direction 1) or previous (-1) span whose name the regular expression
+        (case-insensitive) matches, after or before the selected one in time, wrapping round;
+        bring it into view. Returns (its place among the matches from 1, the matches), (0, 0)
+        where none matches; a bad expression raises re.error."""
+        if self._matches is None or self._matches[0] != pattern:
+            regex = re.compile(pattern, re.IGNORECASE)
+            names = self._lanes[0]._names if self._lanes else []
+            hit = np.array([bool(regex.search(n)) for n in names] or [False])
+            parts = []
+            for data in self._lanes:  # (start, lane, index) of every matching span, in time order
+                where = np.flatnonzero(hit[data.name_ids]) if len(data) else np.zeros(0, np.int64)
+                parts.append(np.stack([data.starts[where], np.full(len(where), data.lane), where]).T)
+            found = np.concatenate(parts) if parts else np.zeros((0, 3))
+            self._matches = (pattern, found[np.lexsort((found[:, 1], found[:, 0]))] if len(found) else found)
+        found = self._matches[1]
+        if not len(found):
+            return 0, 0
+        if self._selected is None:
+            at = 0 if direction > 0 else len(found) - 1
+        else:
+            lane, index = self._selected
+            mine = np.flatnonzero((found[:, 1] == lane) & (found[:, 2] == index))
+            if len(mine):  # the selection is a match: its neighbour
+                at = (int(mine[0]) + direction) % len(found)
+            else:  # the first match after it in time (the last before it, going back)
+                start = self._lanes[lane].starts[index]
+                at = (int(np.searchsorted(found[:, 0], start, side="right")) if direction > 0 else
+                      int(np.searchsorted(found[:, 0], start, side="left")) - 1) % len(found)
+        self._set_selected((int(found[at, 1]), int(found[at, 2])), post=True)
+        return at + 1, len(found)
+
     def action_clear_selection(self) -> None:
         self._set_selected(None, post=False)
 
@@ -594,7 +639,7 @@ class Timeline(LineCacheMixin, ScrollView, can_focus=True):
         col = x - self._gutter
         for c in (col, col - 1, col + 1):
             if 0 <= c < len(owner) and owner[c] >= 0:
-                return self._lanes[lane].spans[int(owner[c])]
+                return self._lanes[lane].span(int(owner[c]))
         return None
 
     def on_click(self, event: events.Click) -> None:
@@ -787,9 +832,9 @@ class Timeline(LineCacheMixin, ScrollView, can_focus=True):
         segments = [
             Segment(" "),
             Segment(MEASURED_GLYPH, Style(color=swatch_measured.bgcolor)),
-            Segment(" measured  ", style),
-            Segment(MODELED_GLYPH, swatch_modeled),
-            Segment(" modeled", style),
+            Segment(" measured", style),
+            *([Segment("  "), Segment(MODELED_GLYPH, swatch_modeled), Segment(" modeled", style)]
+              if self.shows_modeled else []),
             Segment(
                 f"  │ {format_duration(v0)} – {format_duration(v1)}  ×{zoom:.3g}"
                 f"  │ {self._count} spans",

@@ -5,7 +5,6 @@ name), with every figure worked by hand; user rules; bad files as one line and e
 
 from __future__ import annotations
 
-import gzip
 import json
 
 import pytest
@@ -13,6 +12,7 @@ import torch
 from typer.testing import CliRunner
 
 from moectl.cli.main import app
+from tests.kineto_traces import kernel, write_rank
 
 runner = CliRunner()
 
@@ -21,22 +21,6 @@ def report(*args):
     out = runner.invoke(app, ["trace", "report", *map(str, args), "--json"])
     assert out.exit_code == 0, out.output
     return json.loads(out.stdout)
-
-
-def kernel(name, ts, dur, stream=7):
-    return {"ph": "X", "cat": "kernel", "name": name, "pid": 0, "tid": stream, "ts": ts, "dur": dur,
-            "args": {"device": 0, "stream": stream, "correlation": 1}}
-
-
-def write_rank(path, rank, events, gz=True, with_rank=True):
-    doc = {"schemaVersion": 1, "deviceProperties": [{"id": 0, "name": "NVIDIA H100 80GB HBM3"}],
-           **({"distributedInfo": {"backend": "nccl", "rank": rank, "world_size": 2}} if with_rank else {}),
-           "traceEvents": [{"ph": "M", "name": "process_name", "pid": 0, "args": {"name": "GPU 0"}},
-                           {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "pid": 1, "tid": 1, "ts": 0, "dur": 5},
-                           *events],
-           "unknownField": {"ignored": True}}
-    data = json.dumps(doc).encode()
-    path.write_bytes(gzip.compress(data) if gz else data)
 
 
 def test_a_cpu_trace_recorded_here_is_classed_by_its_ops(tmp_path):
@@ -83,6 +67,56 @@ def test_a_two_rank_gpu_folder_as_vllm_and_sglang_write_it(tmp_path):
     assert with_rules["unclassed"] == [] and with_rules["breakdown"]["expert_gemm"] == pytest.approx(520e-6)
     human = runner.invoke(app, ["trace", "report", str(folder)])
     assert human.exit_code == 0 and "straggler: rank 1" in human.output and "my_custom_kernel" in human.output
+
+
+def test_a_cpu_trace_of_a_transformers_moe_is_broken_down_per_layer(tmp_path):
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)
+    model = MixtralForCausalLM(config).eval()
+    # with_stack names each module's range "nn.Module: MixtralDecoderLayer_<i>"
+    with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                                 with_stack=True) as prof:
+        model(torch.randint(0, 64, (1, 8)))
+    prof.export_chrome_trace(str(tmp_path / "mixtral.json"))
+    layers = report(tmp_path / "mixtral.json")["layers"]
+    assert list(layers["by_layer"]) == ["0", "1", "2"]
+    assert all(per["dense_gemm"] > 0 for per in layers["by_layer"].values())
+    placed = sum(sum(per.values()) for per in layers["by_layer"].values())
+    # the embedding and the LM head run outside every layer
+    assert placed == pytest.approx(layers["placed_s"]) and 0 < layers["placed_s"] < layers["total_s"]
+
+
+def test_a_kernel_takes_the_layer_its_launch_ran_in(tmp_path):
+    def launch(corr, ts, tid=3):
+        return {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 1, "tid": tid, "ts": ts,
+                "dur": 2, "args": {"correlation": corr}}
+
+    def layer_range(name, ts, dur, tid=3, cat="python_function"):
+        return {"ph": "X", "cat": cat, "name": name, "pid": 1, "tid": tid, "ts": ts, "dur": dur}
+
+    def gpu_kernel(name, ts, dur, corr):
+        return {**kernel(name, ts, dur), "args": {"stream": 7, "correlation": corr}}
+
+    events = [
+        layer_range("nn.Module: DeepseekV2DecoderLayer_0", 0, 50),
+        layer_range("nn.Module: DeepseekV2MoE_0", 20, 20),  # nested: still layer 0
+        layer_range("model.layers.1", 60, 30, cat="user_annotation"),
+        launch(11, 10), launch(12, 25), launch(13, 70),
+        launch(14, 95),  # after every layer (an LM head)
+        launch(15, 70, tid=4),  # another thread, no ranges there
+        gpu_kernel("flash_fwd_kernel", 100, 10, 11), gpu_kernel("fused_moe_kernel", 110, 30, 12),
+        gpu_kernel("fused_moe_kernel", 140, 40, 13), gpu_kernel("sm90_xmma_gemm", 180, 5, 14),
+        gpu_kernel("sm90_xmma_gemm", 185, 5, 15), gpu_kernel("triton_poi_fused", 190, 5, 99),  # no launch
+    ]
+    write_rank(tmp_path / "rank0.json", 0, events, gz=False)
+    layers = report(tmp_path / "rank0.json")["layers"]
+    assert layers["by_layer"] == {"0": {"attention": pytest.approx(10e-6), "expert_gemm": pytest.approx(30e-6)},
+                                  "1": {"expert_gemm": pytest.approx(40e-6)}}
+    assert layers["placed_s"] == pytest.approx(80e-6) and layers["total_s"] == pytest.approx(95e-6)
+    human = runner.invoke(app, ["trace", "report", str(tmp_path / "rank0.json")])
+    assert "per layer (84% of the time placed" in human.output and "layer    1" in human.output
 
 
 @pytest.mark.parametrize("content, message", [
