@@ -273,7 +273,7 @@ def replay(trace: Path = typer.Argument(..., help="A trace recorded by `moectl r
 
         if sum(p.stat().st_size for p in trace_files(trace)) > 64 << 20:  # a large one reads for a while
             typer.echo(f"reading {trace} (`moectl trace import` it once to open it faster) ...", err=True)
-        return _gpu_timeline(read_source(trace, rules), trace, theme)
+        return _gpu_timeline(read_source([trace], rules), trace, theme)
     if Path(trace).is_dir():
         raise BadInput(f"{trace}: is a directory, not a trace")
     if not Path(trace).is_file():

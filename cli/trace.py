@@ -339,7 +339,7 @@ def _kineto_report(result: dict, as_json: bool) -> None:
             typer.echo(f"  layer {layer:>4s} {sum(per_class.values()) * 1e3:10.3f} ms  "
                        + ", ".join(f"{c} {v * 1e3:.3f}" for c, v in top[:4]))
     else:
-        typer.echo("per layer: absent (no layer annotations: profile with with_modules=True, or record_function "
+        typer.echo("per layer: absent (no layer annotations: profile with with_stack=True, or record_function "
                    "ranges named like 'layers.N'; kernels replayed from a CUDA graph have no per-layer launch)")
     if len(ranks) > 1:
         s = result["straggler"]

@@ -69,10 +69,7 @@ def trace_import(
 def _import_timeline(sources: list[Path], out: Path, rules: Path | None, overwrite: bool, as_json: bool) -> None:
     from moectl.profiler.kineto_import import read_source, write_timeline
 
-    traces = [t for source in sources for t in read_source(source, rules)]
-    ranks = [t.rank for t in traces]
-    if len(set(ranks)) < len(ranks):
-        raise BadInput(f"two files say they are the same rank ({', '.join(map(str, sorted(ranks)))}): give one per rank")
+    traces = read_source(sources, rules)
     result = write_timeline(traces, out, rules, overwrite=overwrite)
     if as_json:
         typer.echo(json.dumps(result))

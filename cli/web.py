@@ -122,8 +122,12 @@ def start_engine(ctx: typer.Context):
 
 def replay_args(trace: Path) -> list[str]:
     from moectl.console.sources import ReplaySource
+    from moectl.profiler.kineto import is_kineto, trace_files
 
     try:  # a missing, damaged or empty trace: one line now, not a "Session ended" in the browser
+        if is_kineto(trace):  # PyTorch-profiler traces: `moectl replay` reads them in each tab
+            trace_files(trace)
+            return ["replay", str(Path(trace).resolve())]
         ReplaySource(trace).close()
     except ValueError as exc:
         raise BadInput(f"--replay: {exc}") from None

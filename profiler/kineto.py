@@ -11,7 +11,7 @@ outermost cpu_op of each thread, the ops a CPU engine's time goes to.
 
 Layers, where the trace's annotations allow: a CPU range (python_function or user_annotation)
 whose name a layer pattern of the rules matches ("nn.Module: DeepseekV2DecoderLayer_3", as
-torch.profiler names a module with with_modules or with_stack; "layers.3" of a record_function)
+torch.profiler names a module with with_stack; "layers.3" of a record_function)
 marks its thread's time as that layer's. A kernel takes the layer of the instant its launch
 (the cuda_runtime event of the same correlation id) ran on the CPU; a CPU op the layer of its own
 start. Kernels replayed from a CUDA graph share one launch outside every layer, so they stay
@@ -31,6 +31,7 @@ every collective).
 from __future__ import annotations
 
 import gzip
+import itertools
 import json
 import math
 import re
@@ -90,7 +91,8 @@ class Rules:
         found = self._layer_cache.get(name)
         if found is None:
             match = next((m for m in (p.search(name) for p in self.layer_patterns) if m), None)
-            found = int(match.group(1)) if match and match.group(1).isdigit() else -1
+            index = match.group(1) if match else None  # None too where the group is optional
+            found = int(index) if index and index.isdigit() else -1
             if len(self._layer_cache) < 1 << 16:  # python_function names carry addresses: bound it
                 self._layer_cache[name] = found
         return found
@@ -148,14 +150,16 @@ def _first_byte(path: Path) -> bytes:
 def looks_like_trace(path: Path) -> bool:
     """A Chrome trace by its first bytes (not its name: a saved vLLM EplbState is a .json too):
     {"traceEvents": ...} (Kineto writes a few header keys first) or an array of events."""
-    files = [p for p in path.iterdir() if p.name.endswith((".json", ".json.gz"))] if path.is_dir() else [path]
-    for file in files[:1]:
+    path = Path(path)
+    files = sorted(p for p in path.iterdir() if p.name.endswith((".json", ".json.gz"))) if path.is_dir() else [path]
+    for file in files[:4]:  # a folder's stray metadata .json does not decide it
         try:
             with (gzip.open if file.name.endswith(".gz") else open)(file, "rb") as f:
                 head = f.read(1 << 20).lstrip()
         except (OSError, EOFError, gzip.BadGzipFile):
-            return False
-        return (head[:1] == b"{" and b'"traceEvents"' in head) or (head[:1] == b"[" and b'"ph"' in head)
+            continue
+        if (head[:1] == b"{" and b'"traceEvents"' in head) or (head[:1] == b"[" and b'"ph"' in head):
+            return True
     return False
 
 
@@ -182,9 +186,10 @@ def read_rank(path: Path, rules: Rules) -> RankTrace:
     launches = (array("q"), array("i"), array("d"))  # correlation id, thread, start
     ranges = (array("i"), array("i"), array("d"), array("d"))  # thread, layer, start, dur
     rank = None
+    array_form = _first_byte(path) == b"["  # Chrome's JSON Array Format: events only, no header keys
     try:  # the rank, from the header keys before the events (Kineto writes distributedInfo first)
         with opener(path, "rb") as f:
-            for prefix, event, value in ijson.parse(f, use_float=True):
+            for prefix, event, value in ([] if array_form else ijson.parse(f, use_float=True)):
                 if prefix == "distributedInfo.rank" and event == "number":
                     rank = int(value)
                 if prefix == "traceEvents":
@@ -193,8 +198,7 @@ def read_rank(path: Path, rules: Rules) -> RankTrace:
         raise KinetoError(f"{path}: cannot read it ({exc})") from None
     except ijson.JSONError as exc:
         raise KinetoError(f"{path}: not valid trace JSON ({str(exc).splitlines()[0]})") from None
-    # Chrome's JSON Array Format ([event, ...]) as well as its object form ({"traceEvents": [...]})
-    events_at = "item" if _first_byte(path) == b"[" else "traceEvents.item"
+    events_at = "item" if array_form else "traceEvents.item"
     try:
         with opener(path, "rb") as f:
             for item in ijson.items(f, events_at, use_float=True):
@@ -235,8 +239,9 @@ def read_rank(path: Path, rules: Rules) -> RankTrace:
     lane, name_id, start, dur = (_column(c) for c in (device if device[0] else cpu))
     if not len(lane):
         raise KinetoError(f"{path}: no complete events (ph X) of a device or of CPU ops: not a Kineto trace")
-    # times from whole seconds before the first event read: an epoch clock's seconds (1.7e9) as
-    # float64 would round to a quarter of a microsecond, and ranks align on these origins
+    # times from the whole second before the first event: converting an epoch clock's microseconds
+    # (1.7e15, parsed as float64 to a quarter of a microsecond) to seconds adds no further rounding
+    # that way, and ranks align on these origins
     origin_us = math.floor(float(start.min()) / 1e6) * 1e6
     start = (start - origin_us) * 1e-6
     range_cols = [_column(c) for c in ranges]
@@ -408,10 +413,26 @@ def _merge_layers(ranks: list[dict]) -> dict:
                    "range a layer pattern matches); a CPU op the layer of its start"}
 
 
+def read_ranks(sources: list[Path], rules: Rules) -> list[RankTrace]:
+    """Every rank of these sources (files, or folders of one per rank), numbered: a file's own
+    rank (distributedInfo, or its name), else the lowest number no file says; two files saying
+    the same rank are bad input (their lanes would merge)."""
+    traces = [read_rank(p, rules) for source in sources for p in trace_files(source)]
+    said: dict[int, RankTrace] = {}
+    for t in traces:
+        if t.rank is not None and said.setdefault(t.rank, t) is not t:
+            raise KinetoError(f"{said[t.rank].path.name} and {t.path.name} both say they are rank {t.rank} (the same "
+                              f"rank): give one file per rank")
+    free = (n for n in itertools.count() if n not in said)
+    for t in traces:
+        if t.rank is None:
+            t.rank = next(free)
+    return traces
+
+
 def report(path: Path, rules_file: Path | None = None) -> dict:
     """`trace report` of a Kineto trace (a file, or a folder of one per rank)."""
-    rules = Rules.load(rules_file)
-    return summarise([read_rank(p, rules) for p in trace_files(path)], path)
+    return summarise(read_ranks([Path(path)], Rules.load(rules_file)), path)
 
 
 def summarise(traces: list[RankTrace], path) -> dict:

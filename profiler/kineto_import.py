@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from moectl.profiler.kineto import RankTrace, Rules, read_rank, trace_files
+from moectl.profiler.kineto import RankTrace, Rules, read_ranks
 
 KEY = "gpu_timeline"
 CHUNK_EVENTS = 1 << 18
@@ -34,14 +34,9 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def read_source(source: Path, rules_file: Path | None = None) -> list[RankTrace]:
-    """The source's ranks (a file, or a folder of one per rank), each with its rank number."""
-    rules = Rules.load(rules_file)
-    traces = [read_rank(p, rules) for p in trace_files(source)]
-    for i, t in enumerate(traces):
-        if t.rank is None:
-            t.rank = i
-    return traces
+def read_source(sources: list[Path], rules_file: Path | None = None) -> list[RankTrace]:
+    """The sources' ranks (files, or folders of one per rank), numbered (kineto.read_ranks)."""
+    return read_ranks([Path(p) for p in sources], Rules.load(rules_file))
 
 
 def write_timeline(traces: list[RankTrace], out: Path, rules_file: Path | None, overwrite: bool = False) -> dict:

@@ -46,9 +46,11 @@ def layered_rank(rank: int, layers: int = 3, expert_us: float = 40.0, origin_us:
     return events
 
 
-def two_rank_folder(folder):
-    """rank 0, and rank 1 (the straggler: its experts take longer), one .json.gz each."""
+def two_rank_folder(folder, rank1_later_us: float = 0.0):
+    """rank 0, and rank 1 (the straggler: its experts take longer), one .json.gz each; rank 1's
+    clock may start later (rank1_later_us)."""
     folder.mkdir(exist_ok=True)
     write_rank(folder / "1733000000-TP-0.pt.trace.json.gz", 0, layered_rank(0))
-    write_rank(folder / "1733000000-TP-1.pt.trace.json.gz", 1, layered_rank(1, expert_us=60.0))
+    write_rank(folder / "1733000000-TP-1.pt.trace.json.gz", 1,
+               layered_rank(1, expert_us=60.0, origin_us=1.733e15 + rank1_later_us))
     return folder

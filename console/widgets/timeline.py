@@ -603,7 +603,8 @@ class Timeline(LineCacheMixin, ScrollView, can_focus=True):
                 where = np.flatnonzero(hit[data.name_ids]) if len(data) else np.zeros(0, np.int64)
                 parts.append(np.stack([data.starts[where], np.full(len(where), data.lane), where]).T)
             found = np.concatenate(parts) if parts else np.zeros((0, 3))
-            self._matches = (pattern, found[np.lexsort((found[:, 1], found[:, 0]))] if len(found) else found)
+            self._matches = (pattern, found[np.lexsort((found[:, 2], found[:, 1], found[:, 0]))] if len(found)
+                             else found)
         found = self._matches[1]
         if not len(found):
             return 0, 0
@@ -614,10 +615,12 @@ class Timeline(LineCacheMixin, ScrollView, can_focus=True):
             mine = np.flatnonzero((found[:, 1] == lane) & (found[:, 2] == index))
             if len(mine):  # the selection is a match: its neighbour
                 at = (int(mine[0]) + direction) % len(found)
-            else:  # the first match after it in time (the last before it, going back)
+            else:  # the first match after it in (start, lane, index) order (the last before it, going back)
                 start = self._lanes[lane].starts[index]
-                at = (int(np.searchsorted(found[:, 0], start, side="right")) if direction > 0 else
-                      int(np.searchsorted(found[:, 0], start, side="left")) - 1) % len(found)
+                after = (found[:, 0] > start) | ((found[:, 0] == start) & (
+                    (found[:, 1] > lane) | ((found[:, 1] == lane) & (found[:, 2] > index))))
+                at = (int(np.argmax(after)) if after.any() else 0) if direction > 0 else \
+                    (int(np.flatnonzero(~after)[-1]) if (~after).any() else len(found) - 1)
         self._set_selected((int(found[at, 1]), int(found[at, 2])), post=True)
         return at + 1, len(found)
 
@@ -833,7 +836,7 @@ class Timeline(LineCacheMixin, ScrollView, can_focus=True):
             Segment(" "),
             Segment(MEASURED_GLYPH, Style(color=swatch_measured.bgcolor)),
             Segment(" measured", style),
-            *([Segment("  "), Segment(MODELED_GLYPH, swatch_modeled), Segment(" modeled", style)]
+            *([Segment("  ", style), Segment(MODELED_GLYPH, swatch_modeled), Segment(" modeled", style)]
               if self.shows_modeled else []),
             Segment(
                 f"  │ {format_duration(v0)} – {format_duration(v1)}  ×{zoom:.3g}"

@@ -91,3 +91,19 @@ def test_help_screen(snap_compare):
         assert pilot.app.screen.__class__.__name__ == "HelpScreen"
 
     assert snap_compare(replay_app("dark"), terminal_size=(80, 24), run_before=run_before)
+
+
+def test_gpu_timeline(snap_compare, tmp_path):
+    """The console on a GPU timeline (console/gpu_timeline.py), after a search: a two-rank Kineto
+    folder as vLLM and SGLang write it (tests/kineto_traces.py)."""
+    from moectl.console.gpu_timeline import gpu_timeline_app
+    from moectl.profiler.kineto_import import read_source
+    from tests.kineto_traces import two_rank_folder
+
+    async def search(pilot):
+        await pilot.press("slash", *"nccl", "enter")
+        await pilot.pause()
+
+    app = gpu_timeline_app(read_source([two_rank_folder(tmp_path / "profile")]), "profile")
+    assert snap_compare(app, terminal_size=(160, 50), run_before=search)
+

@@ -138,6 +138,18 @@ def test_vllm_windows_are_summed_over_ranks_oldest_row_first(tmp_path):
     assert header["model"]["sparse_layers"] == [True] * L
 
 
+def test_a_vllm_state_saved_as_json_is_not_taken_for_a_profiler_trace(tmp_path):
+    """A saved EplbState may be .json, as PyTorch-profiler traces are: the contents decide."""
+    window = np.random.default_rng(4).integers(1, 40, size=(5, L, P2L.shape[1]))
+    path = tmp_path / "eplb_rank0.json"
+    path.write_text(json.dumps({"physical_to_logical_map": P2L.tolist(), "expert_load_window": window.tolist(),
+                                "expert_load_window_step": 0, "ep_size": D, "rank": 0, "vllm_version": "0.11.1"}))
+    with TraceReader(import_trace(tmp_path, [path])) as reader:
+        assert reader.header["imported"]["engine"] == "vllm"
+        routing = np.stack([r["routing"] for r in reader.steps()])
+    np.testing.assert_array_equal(routing, np.stack([to_logical(w) for w in window]))
+
+
 def test_imported_report_shows_the_load_and_says_what_is_absent(tmp_path):
     files, expected = sglang_per_pass(tmp_path)
     out = import_trace(tmp_path, files, "--ep-size", D)

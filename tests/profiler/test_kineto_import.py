@@ -55,9 +55,12 @@ def test_commands_that_need_engine_steps_refuse_a_gpu_timeline(tmp_path):
     invoke("trace", "import", two_rank_folder(tmp_path / "p"), "-o", tmp_path / "gpu.trace")
     for args in (("trace", "export", tmp_path / "gpu.trace", "-o", tmp_path / "x.json"),
                  ("trace", "diff", tmp_path / "gpu.trace", tmp_path / "gpu.trace"),
-                 ("trace", "report", tmp_path / "gpu.trace", "--from-step", "1")):
+                 ("trace", "report", tmp_path / "gpu.trace", "--from-step", "1"),
+                 ("plan", "rebalance", tmp_path / "gpu.trace"),
+                 ("sim", "--model", "sample-dsv3", "--hardware", "h100", "--routing", tmp_path / "gpu.trace")):
         out = invoke(*args, code=2)
         assert len(out.output.strip().splitlines()) == 1, out.output
+        assert "GPU timeline" in out.output or "Kineto" in out.output, out.output
     assert not (tmp_path / "x.json").exists()
 
 
@@ -90,6 +93,14 @@ def test_chrome_array_form_and_a_cpu_trace_recorded_here(tmp_path):
     assert report(tmp_path / "cpu.trace")["breakdown"]["dense_gemm"] > 0
 
 
+def test_files_without_a_rank_take_the_numbers_no_file_says(tmp_path):
+    for name, rank in (("a.json", None), ("b.json", None), ("worker-TP-0.json", None), ("c.json", 1)):
+        write_rank(tmp_path / name, rank, [kernel("k", 0, 1)], gz=False, with_rank=rank is not None)
+    paths = [tmp_path / n for n in ("a.json", "b.json", "worker-TP-0.json", "c.json")]
+    result = json.loads(invoke("trace", "import", *paths, "-o", tmp_path / "out.trace", "--json").stdout)
+    assert result["ranks"] == [2, 3, 0, 1]
+
+
 def test_bad_kineto_imports_are_one_line(tmp_path):
     folder = tmp_path / "p"
     folder.mkdir()
@@ -115,3 +126,14 @@ def test_replay_of_a_bad_kineto_source_is_one_line(tmp_path):
     write_rank(tmp_path / "ok.json", 0, [kernel("k", 0, 1)], gz=False)
     out = invoke("replay", tmp_path / "ok.json", "--rules", rules, code=2)
     assert "a layer pattern needs a group" in out.output and len(out.output.strip().splitlines()) == 1
+
+
+def test_web_replays_profiler_traces_in_its_tabs_as_replay_does(tmp_path):
+    from moectl.cli.common import BadInput
+    from moectl.cli.web import replay_args
+
+    folder = two_rank_folder(tmp_path / "p")
+    assert replay_args(folder) == ["replay", str(folder.resolve())]
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(BadInput, match="--replay"):
+        replay_args(tmp_path / "empty")
