@@ -65,9 +65,9 @@ def make_app(driver: EngineDriver, *, token: str | None = None, model_name: str 
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}: must be a positive integer, got {value!r}")
     header = engine_header(driver.engine)
-    metrics = ServerMetrics(header)
-    state = ServerState(driver=driver, token=token,
-                        model_name=model_name or (header.get("model") or {}).get("name") or "moectl",
+    model_name = model_name or (header.get("model") or {}).get("name") or "moectl"
+    metrics = ServerMetrics(header, model_name)
+    state = ServerState(driver=driver, token=token, model_name=model_name,
                         max_request_bytes=max_request_bytes, max_tokens_limit=max_tokens_limit, metrics=metrics,
                         hub=TelemetryHub(header, on_dropped=metrics.dropped_telemetry), started=time.time(),
                         record_sinks=tuple(record_sinks))

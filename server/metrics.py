@@ -1,4 +1,5 @@
-"""Prometheus metrics, vLLM-style names with a `moectl:` prefix, on the server's own registry.
+"""Prometheus metrics, vLLM-style names with a `moectl:` prefix, on the server's own registry;
+beside them vLLM's and SGLang's expert-load-balance metrics under their own names (eplb_metrics).
 
 Everything that happens (a token, a finished request, a cache hit, a rebalance) is read from the
 record stream (profiler/records.py), which the server's one consumer task hands to observe_step
@@ -25,6 +26,7 @@ from prometheus_client.process_collector import ProcessCollector
 
 from moectl.engine.core.actions import Action
 from moectl.engine.experts.rebalancer import LOAD_WINDOW_STEPS
+from moectl.server.eplb_metrics import EplbMetrics
 
 log = logging.getLogger(__name__)
 
@@ -57,9 +59,10 @@ REBALANCE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 
 
 
 class ServerMetrics:
-    def __init__(self, header: dict):
+    def __init__(self, header: dict, model_name: str = "moectl"):
         self.registry = CollectorRegistry()  # never the global one: tests and embedders get their own
         r = self.registry
+        self.eplb = EplbMetrics(r, header, model_name)  # vLLM's and SGLang's names, for their dashboards
 
         def hist(name, doc, buckets):
             return Histogram(PREFIX + name, doc, buckets=buckets, registry=r)
@@ -139,6 +142,7 @@ class ServerMetrics:
             self._balance_stale = True
         self._placement_start = max(self._placement_start, t_end)
         self._gpu_sample = rec.get("gpu")
+        self.eplb.observe_step(rec)
 
     def _request_event(self, event: dict, t_end: float) -> None:
         rid, kind = event["id"], event["event"]
@@ -176,6 +180,8 @@ class ServerMetrics:
 
     def observe_action(self, action: dict) -> None:
         kind, result = action.get("kind"), action.get("result") or {}
+        if result.get("placement") is not None:  # the placement in force from here on
+            self.eplb.placement_changed(result["placement"])
         if kind == "auto_rebalance_plan":  # the automatic apply starts at the next step
             self._placement_start = max(self._placement_start, action["time"])
         if kind == Action.REBALANCE_APPLY:
@@ -185,6 +191,7 @@ class ServerMetrics:
                 seconds = action["time"] - self._placement_start
             if seconds is not None and seconds >= 0:
                 self.rebalance_seconds.observe(seconds)
+            self.eplb.rearranged(seconds if seconds is not None and seconds >= 0 else None)
 
     def placement_requested(self, t: float) -> None:
         """The server asked for a placement change at engine-clock time t (time.monotonic())."""
@@ -221,3 +228,4 @@ class ServerMetrics:
             per_layer = per_layer[self._sparse]  # dense layers have no experts to balance
         for q, value in zip(BALANCE_QUANTILES, np.quantile(per_layer, BALANCE_QUANTILES)):
             self.balancedness.labels(quantile=f"{q:g}").set(float(value))
+        self.eplb.set_window(self._per_layer)

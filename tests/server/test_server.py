@@ -219,6 +219,12 @@ def test_metrics_histograms_fill_and_series_stay_bounded(server):
     balance = sorted(s.labels["quantile"] for s in fams["moectl:expert_balancedness"].samples)
     assert balance == ["0", "0.5", "1"]
     assert all(0 < s.value <= 1 for s in fams["moectl:expert_balancedness"].samples)
+    # vLLM's and SGLang's names for them, for their Grafana panels (server/eplb_metrics.py)
+    worst, median = (sample(fams, f"vllm:eplb_balancedness_{k}", model_name=name, engine="0") for k in ("min", "p50"))
+    assert 0 < worst <= median <= 1 and fams["vllm:eplb_balancedness_min"].type == "gauge"
+    assert fams["sglang:eplb_balancedness"].type == "summary"
+    assert sample(fams, "sglang:eplb_balancedness", "_count", model_name=name, moe_ep_rank="0",
+                  forward_mode="decode") > 0
     for name_ in ("expert_cache_hits", "expert_cache_misses", "rebalances", "num_preemptions"):
         assert "moectl:" + name_ in fams
     assert "moectl:rebalance_seconds" in fams and "process_resident_memory_bytes" in fams
@@ -574,8 +580,12 @@ def test_metrics_from_synthetic_records():
                                        "balancedness_per_layer": per_layer.tolist()}},
                 "routing": routing}
 
-    m.observe_step(step(1.0, ["a"], [{"id": "a", "event": "arrived", "t": 0.5},
-                                     {"id": "a", "event": "first_token", "t": 0.9}], hits=3, misses=1))
+    first = step(1.0, ["a"], [{"id": "a", "event": "arrived", "t": 0.5},
+                              {"id": "a", "event": "first_token", "t": 0.9}], hits=3, misses=1)
+    first["batch"].update(prefill_tokens=5, decode_tokens=1)  # SGLang's forward_mode: mixed
+    m.observe_step(first)
+    idle = step(1.05, [], [], routing=((0, 0, 0, 0), (0, 0, 0, 0)))  # no token reached an expert: not observed
+    m.observe_step(idle)
     m.observe_step(step(1.1, ["a"], []))
     m.observe_step(step(1.3, ["a"], [{"id": "a", "event": "finished", "t": 1.3, "reason": "length",
                                       "prompt_tokens": 5, "output_tokens": 3, "ttft_s": 0.4, "tpot_s": 0.15}]))
@@ -597,3 +607,18 @@ def test_metrics_from_synthetic_records():
     # only the MoE layer counts: all its load on device 0 of 2 -> balancedness 0.5
     assert {s.labels["quantile"]: s.value for s in fams["moectl:expert_balancedness"].samples} == \
         {"0": 0.5, "0.5": 0.5, "1": 0.5}
+    # vLLM's and SGLang's names for the same figures (server/eplb_metrics.py)
+    vllm = {"model_name": "moectl", "engine": "0"}
+    for key in ("min", "p50", "p90", "avg"):
+        assert fams[f"vllm:eplb_balancedness_{key}"].type == "gauge"
+        assert sample(fams, f"vllm:eplb_balancedness_{key}", **vllm) == 0.5
+    assert fams["vllm:eplb_rearrangements"].type == "counter"
+    assert sample(fams, "vllm:eplb_rearrangements", "_total", **vllm) == 1
+    assert sample(fams, "vllm:eplb_rearrangement_seconds", **vllm) == pytest.approx(0.15)
+    assert fams["sglang:eplb_balancedness"].type == "summary"
+    per_pass = (2 + 1e-5) / (4 + 1e-5)  # SGLang's (mean + 1e-5) / (max + 1e-5) of the MoE layer's [4, 0]
+    ranks = {"model_name": "moectl", "engine_type": "unified", "tp_rank": "0", "pp_rank": "0", "moe_ep_rank": "0"}
+    assert sample(fams, "sglang:eplb_balancedness", "_count", **ranks, forward_mode="decode") == 2
+    assert sample(fams, "sglang:eplb_balancedness", "_count", **ranks, forward_mode="mixed") == 1
+    assert sample(fams, "sglang:eplb_balancedness", "_sum", **ranks, forward_mode="decode") == \
+        pytest.approx(2 * per_pass)
