@@ -47,8 +47,11 @@ def test_compare_hf_returns_every_figure(tiny_result):
     assert r["tpot_bs1_ratio"] == pytest.approx(r["bs1"]["engine_tpot"] / r["bs1"]["hf_tpot"])
     assert r["machine"] == FAKE_LIMITS
     for key in ("active_bytes_per_token", "engine_bs1_bandwidth_share", "hf_bs1_bandwidth_share",
-                "engine_flops_share", "hf_flops_share", "engine_flops_share_all_tokens"):
+                "engine_flops_share", "hf_flops_share"):
         assert r["shares"][key] > 0, key
+    flops = r["shares"]["run_flops"]  # the same workload's FLOPs, over each side's own duration
+    assert r["shares"]["engine_flops_per_s"] == pytest.approx(flops["total"] / r["engine"]["duration_s"])
+    assert flops["sampled_rows"] == r["workload"]["output_tokens"] and flops["attention"] > 0
     assert r["shares"]["active_bytes_per_token"] == r["params_active"] * 4  # fp32
     assert set(r["targets"]) >= {"throughput_ratio_min", "tpot_bs1_ratio_max", "throughput_met", "tpot_bs1_met"}
     json.dumps({k: v for k, v in r.items()})  # JSON-serialisable
