@@ -22,7 +22,7 @@ from moectl.engine.core.sampling import SamplingParams
 from moectl.engine.core.topology import Topology
 from moectl.engine.llm_engine import LLMEngine
 from moectl.profiler import codec, overhead_cost, trace_writer
-from moectl.profiler.overhead_bench import bootstrap_ci
+from moectl.profiler.overhead_bench import bootstrap_ci, verdict
 from moectl.profiler.recorder import TraceRecorder
 from moectl.profiler.trace_store import TraceError, TraceReader, TraceWriter
 from tests.checkpoints import prompts, tiny_checkpoint
@@ -146,6 +146,13 @@ def test_bootstrap_interval_brackets_the_mean():
     lo, hi = bootstrap_ci(values)
     assert lo < np.mean(values) < hi and hi - lo < max(values) - min(values)
     assert bootstrap_ci([1.0] * 5) == (1.0, 1.0)
+
+
+def test_the_profiler_verdict_needs_the_ab_to_agree():
+    assert verdict(0.008, 0, (0.98, 1.0)) == (True, True)
+    assert verdict(0.008, 0, (0.85, 0.95)) == (False, False)  # the A/B sees 5-15%: the 0.8% is no result
+    assert verdict(0.008, 1, (0.98, 1.0)) == (False, True)  # a record dropped
+    assert verdict(0.02, 0, (0.97, 0.99)) == (False, True)  # agreed, over the target
 
 
 # --- the writer's lifecycle: backlog, byte budget, exit, timeouts, threads -----------------------
