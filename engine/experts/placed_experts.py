@@ -35,7 +35,8 @@ class StepDeviceStats:
         self.cuda = device.type == "cuda"
         self.token_device = torch.zeros(0, dtype=torch.int64)
         self.tracer = NULL_TRACER  # the engine's SpanRecorder while spans are recorded
-        self.link_seconds = None  # traffic [D, D] bytes -> each device's modeled seconds (set by the cluster)
+        self.link_seconds = None  # traffic [..., D, D] bytes -> each device's modeled seconds (set by the cluster)
+        self.last_moe_layer = -1  # the MoE layer after which the step's link spans are built (set by the cluster)
         self.reset()
 
     def reset(self) -> None:
@@ -48,7 +49,23 @@ class StepDeviceStats:
         self.rows_layer = np.zeros((d, self.num_layers), dtype=np.int64)
         self.active_layer = np.zeros((d, self.num_layers), dtype=np.int64)
         self.traffic = np.zeros((d, d), dtype=np.int64)  # dispatch bytes, src x dst
+        self.pending_links: list[tuple] = []  # (layer, dispatch start, combine start, traffic) of this step
         self._events: list[tuple[int, int, torch.cuda.Event, torch.cuda.Event]] = []
+
+    def link_spans(self) -> None:
+        """The step's all-to-alls on each device's link lane, every MoE layer priced in one call
+        once the last has run: their length is modeled, not measured (on one machine nothing
+        crosses a link), and each span says so. Combine moves the dispatch's bytes back."""
+        pending, self.pending_links = self.pending_links, []
+        if not pending:
+            return
+        seconds = self.link_seconds(np.stack([traffic for *_, traffic in pending]))  # [layers, D]
+        lanes = 1 + self.num_devices
+        for i, d in zip(*(axis.tolist() for axis in np.nonzero(seconds))):
+            layer, t_dispatch, t_combine, _ = pending[i]
+            s = float(seconds[i, d])
+            self.tracer.add_modeled("all_to_all dispatch", lanes + d, layer, t_dispatch, s)
+            self.tracer.add_modeled("all_to_all combine", lanes + d, layer, t_combine, s)
 
     def timed(self, device: int, fn, torch_device: torch.device | None = None, layer: int = -1):
         """Run fn as `device`'s work and add its time; CUDA events on GPU (recorded on the stream
@@ -189,17 +206,11 @@ class PlacedExperts(nn.Module):
         traffic = traffic_matrix(token_device.cpu(), devices_cpu, bytes_per_row, self.placement.num_devices).numpy()
         stats.traffic += traffic
         if tracer.enabled and stats.link_seconds is not None:
-            self._link_spans(stats, traffic, t_dispatch, time.monotonic())
+            stats.pending_links.append((self.layer_idx, t_dispatch, time.monotonic(), traffic))
+            if self.layer_idx >= stats.last_moe_layer:
+                stats.link_spans()
         mark = tracer.mark()
         result = combine(out, order, weights, x.dtype)
         tracer.close(mark, "combine", 0, self.layer_idx)
         return result
 
-    def _link_spans(self, stats: StepDeviceStats, traffic: np.ndarray, t_dispatch: float, t_combine: float) -> None:
-        """This layer's all-to-all on each device's link lane: its length is modeled, not measured
-        (on one machine nothing crosses a link), and its span says so."""
-        seconds = stats.link_seconds(traffic)  # combine moves the same bytes back (the transpose)
-        lanes = 1 + stats.num_devices
-        for d in np.nonzero(seconds)[0]:
-            stats.tracer.add_modeled("all_to_all dispatch", lanes + int(d), self.layer_idx, t_dispatch, seconds[d])
-            stats.tracer.add_modeled("all_to_all combine", lanes + int(d), self.layer_idx, t_combine, seconds[d])

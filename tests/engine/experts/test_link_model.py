@@ -25,3 +25,40 @@ def test_link_seconds_counts_each_transfer_on_both_ends_over_its_link(per_node):
     want[[0, 5]] += cross
     np.testing.assert_allclose(got, want, rtol=1e-12)
     assert got[3] == 0
+
+
+def test_a_stack_of_layers_is_priced_as_each_layer_alone(per_node=4):
+    cluster = object.__new__(LocalCluster)
+    cluster.topology = Topology(num_devices=8, devices_per_node=per_node)
+    stack = np.random.default_rng(0).integers(0, 10**6, size=(3, 8, 8))
+    np.testing.assert_allclose(cluster.link_seconds(stack), [cluster.link_seconds(t) for t in stack], rtol=1e-12)
+
+
+def test_a_steps_link_spans_are_each_moe_layers_all_to_all_modeled():
+    """One span per MoE layer, device and direction on the link lanes, flagged modeled; as link
+    time is linear in bytes, a device's dispatch spans add up to the step's link time over two."""
+    from moectl.engine import sample_model_dir
+    from moectl.engine.core.config import EngineConfig
+    from moectl.engine.core.sampling import SamplingParams
+    from moectl.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=str(sample_model_dir()), profile_spans=True,
+                                    topology=Topology(num_devices=4)))
+    engine.generate([[1, 2, 3, 4, 5, 6, 7, 8]] * 4, SamplingParams(max_tokens=2, ignore_eos=True))
+    record = engine.step_log[-1].as_record()
+    spans, devices = record["spans"], record["devices"]
+    names = [spans["names"][i] for i in spans["name"]]
+    link_lane = {spans["lanes"].index(f"link {d}"): d for d in range(4)}
+    dispatch = [i for i, n in enumerate(names) if n == "all_to_all dispatch"]
+    assert dispatch and all(spans["modeled"][i] for i in dispatch)
+    assert {int(spans["layer"][i]) for i in dispatch} == set(engine.experts.cluster.moe_layers)
+    per_lane: dict[int, float] = {}
+    for i in dispatch:
+        lane = int(spans["lane"][i])
+        assert lane in link_lane
+        per_lane[lane] = per_lane.get(lane, 0.0) + float(spans["dur_s"][i])
+    link_s = np.asarray(devices["link_s"])
+    for lane, total in per_lane.items():
+        # (to float rounding: a span keeps its start and end on the engine clock, ~1e5 s)
+        assert total == pytest.approx(link_s[link_lane[lane]] / 2, rel=1e-2)
+    assert sum(n == "all_to_all combine" for n in names) == len(dispatch)
