@@ -92,10 +92,12 @@ def test_codec_shrinks_integer_arrays_and_restores_dtype():
     rng = np.random.default_rng(1)
     routing = rng.multinomial(512 * 8, rng.dirichlet(np.ones(384), size=61)).astype(np.int32)
     payload = encode({"routing": routing})
-    assert len(payload) < routing.nbytes / 6  # 94 KB of int32 counts in under 16 KB
-    # narrower than the raw bytes zlib alone would get
+    assert len(payload) < routing.nbytes / 5  # 94 KB of int32 counts in under 19 KB
+    # narrower than the raw bytes zlib alone would get, at the same level
     import zlib
-    assert len(payload) < len(zlib.compress(routing.tobytes(), 6)) * 0.8
+
+    from moectl.profiler.codec import ZLIB_LEVEL
+    assert len(payload) < len(zlib.compress(routing.tobytes(), ZLIB_LEVEL)) * 0.8
     back = decode(payload)["routing"]
     assert back.dtype == np.int32 and np.array_equal(back, routing)
     # a constant array and a byte matrix of whole tokens cost (almost) nothing
