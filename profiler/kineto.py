@@ -413,35 +413,54 @@ def _merge_layers(ranks: list[dict]) -> dict:
                    "range a layer pattern matches); a CPU op the layer of its start"}
 
 
-def read_ranks(sources: list[Path], rules: Rules) -> list[RankTrace]:
-    """Every rank of these sources (files, or folders of one per rank), numbered: a file's own
-    rank (distributedInfo, or its name), else the lowest number no file says; two files saying
-    the same rank are bad input (their lanes would merge)."""
-    traces = [read_rank(p, rules) for source in sources for p in trace_files(source)]
-    said: dict[int, RankTrace] = {}
-    for t in traces:
-        if t.rank is not None and said.setdefault(t.rank, t) is not t:
-            raise KinetoError(f"{said[t.rank].path.name} and {t.path.name} both say they are rank {t.rank} (the same "
+def _number_ranks(items: list, name_of) -> None:
+    """Each item's .rank (or ["rank"]) as the file says it, else the lowest number no file says;
+    two files saying the same rank are bad input (their lanes would merge)."""
+    def get(item):
+        return item["rank"] if isinstance(item, dict) else item.rank
+
+    def put(item, rank):
+        if isinstance(item, dict):
+            item["rank"] = rank
+        else:
+            item.rank = rank
+
+    said: dict[int, object] = {}
+    for item in items:
+        rank = get(item)
+        if rank is not None and said.setdefault(rank, item) is not item:
+            raise KinetoError(f"{name_of(said[rank])} and {name_of(item)} both say they are rank {rank} (the same "
                               f"rank): give one file per rank")
     free = (n for n in itertools.count() if n not in said)
-    for t in traces:
-        if t.rank is None:
-            t.rank = next(free)
+    for item in items:
+        if get(item) is None:
+            put(item, next(free))
+
+
+def read_ranks(sources: list[Path], rules: Rules) -> list[RankTrace]:
+    """Every rank of these sources (files, or folders of one per rank), numbered (_number_ranks)."""
+    traces = [read_rank(p, rules) for source in sources for p in trace_files(source)]
+    _number_ranks(traces, lambda t: t.path.name)
     return traces
 
 
 def report(path: Path, rules_file: Path | None = None) -> dict:
-    """`trace report` of a Kineto trace (a file, or a folder of one per rank)."""
-    return summarise(read_ranks([Path(path)], Rules.load(rules_file)), path)
+    """`trace report` of a Kineto trace (a file, or a folder of one per rank): one rank's events
+    in memory at a time, so a folder of many ranks needs no more than its largest file."""
+    rules = Rules.load(rules_file)
+    ranks = [rank_figures(read_rank(p, rules)) for p in trace_files(path)]
+    _number_ranks(ranks, lambda r: Path(r["file"]).name)
+    return combine(ranks, path)
 
 
 def summarise(traces: list[RankTrace], path) -> dict:
     """The report's figures of these ranks' events (read from the source, or from a moectl trace
     `trace import` wrote)."""
-    ranks = [rank_figures(t) for t in traces]
-    for i, r in enumerate(ranks):
-        if r["rank"] is None:
-            r["rank"] = i
+    return combine([rank_figures(t) for t in traces], path)
+
+
+def combine(ranks: list[dict], path) -> dict:
+    """The report from each rank's figures (rank_figures), every rank numbered."""
     breakdown: dict[str, float] = {}
     for r in ranks:
         for c, s in r["breakdown"].items():
