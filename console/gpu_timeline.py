@@ -62,7 +62,8 @@ def figures_text(report: dict) -> tuple[str, str, str]:
     for cls, seconds in sorted(report["breakdown"].items(), key=lambda kv: -kv[1]):
         lines.append(f"  {cls:17s} {_ms(seconds):>14s} {seconds / total:6.1%}")
     overlap = report["overlap"]
-    lines.append(f"  {'GPU idle':17s} {_ms(report['idle_s']):>14s}")
+    idle = "GPU idle" if report["ranks"][0]["source"] == "device" else "idle (no op)"  # a CPU run's ops
+    lines.append(f"  {idle:17s} {_ms(report['idle_s']):>14s}")
     lines.append("communication hidden behind computation: " + (
         f"[b]{overlap['fraction']:.1%}[/b] of {_ms(overlap['communication_s'])}" if overlap["fraction"] is not None
         else "no communication events"))
