@@ -128,19 +128,22 @@ def run(bench_id: str) -> dict:
     out = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True)
     if out.returncode:
         raise SystemExit(f"{bench_id}: exit {out.returncode}: {(out.stderr.strip().splitlines() or ['?'])[-1]}")
-    text = out.stdout.strip()
-    try:  # the whole output, or its last line where a script prints other lines first
-        raw = json.loads(text)
+    lines = out.stdout.splitlines()
+    first = next((i for i, line in enumerate(lines) if line.startswith("{")), len(lines))
+    try:  # the document from its first line that opens one (a script may print lines before it)
+        raw = json.loads("\n".join(lines[first:]))
     except json.JSONDecodeError:
-        raw = json.loads(text.splitlines()[-1])
+        raise SystemExit(f"{bench_id}: no JSON document on stdout ({(out.stderr.strip().splitlines() or ['?'])[-1]})") from None
+    if not isinstance(raw, dict):
+        raise SystemExit(f"{bench_id}: its JSON is not an object")
     return {"command": " ".join(c for c in command if c != "--json"), "raw": _trim(raw),
             "measured_on": datetime.date.today().isoformat(),
             "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"}
 
 
 def _trim(raw):
-    """The bench's own JSON without long per-item lists (per-request outputs, per-round samples):
-    what the prose beside the table may quote."""
+    """The bench's own JSON without long per-item lists (per-request outputs, per-round samples,
+    replaced by their length: no renderer reads them), which the prose beside the table may quote."""
     if isinstance(raw, dict):
         return {k: _trim(v) for k, v in raw.items() if k not in ("outputs",)}
     if isinstance(raw, list) and len(raw) > 64:
@@ -161,7 +164,7 @@ def render(store: dict) -> str:
 
 def rewrite(doc: Path, table: str) -> None:
     text = doc.read_text()
-    if BEGIN not in text or END not in text:
+    if BEGIN not in text or END not in text or text.index(END) < text.index(BEGIN):
         raise SystemExit(f"{doc}: no {BEGIN!r} ... {END!r} block to write the table into")
     head, rest = text.split(BEGIN, 1)
     doc.write_text(head + table + rest.split(END, 1)[1])

@@ -448,9 +448,7 @@ def report(path: Path, rules_file: Path | None = None) -> dict:
     """`trace report` of a Kineto trace (a file, or a folder of one per rank): one rank's events
     in memory at a time, so a folder of many ranks needs no more than its largest file."""
     rules = Rules.load(rules_file)
-    ranks = [rank_figures(read_rank(p, rules)) for p in trace_files(path)]
-    _number_ranks(ranks, lambda r: Path(r["file"]).name)
-    return combine(ranks, path)
+    return combine([rank_figures(read_rank(p, rules)) for p in trace_files(path)], path)
 
 
 def summarise(traces: list[RankTrace], path) -> dict:
@@ -460,7 +458,8 @@ def summarise(traces: list[RankTrace], path) -> dict:
 
 
 def combine(ranks: list[dict], path) -> dict:
-    """The report from each rank's figures (rank_figures), every rank numbered."""
+    """The report from each rank's figures (rank_figures), every rank numbered (_number_ranks)."""
+    _number_ranks(ranks, lambda r: Path(r["file"]).name)
     breakdown: dict[str, float] = {}
     for r in ranks:
         for c, s in r["breakdown"].items():

@@ -7,7 +7,9 @@ sources and commits each was checked against).
   load window: the worst layer, the median, the 10th percentile (the name says p90; its help
   says: 90% of the layers are at least this balanced) and the mean.
 * vllm:eplb_rearrangements_total (Counter) and vllm:eplb_rearrangement_seconds (Gauge: the
-  most recent one's duration), for the rebalances applied.
+  most recent one's duration, where it has one), for every change of the placement: rebalances
+  (the operator's and automatic), edits that move experts (move, swap, replicate, drop a
+  replica) and applied placements; a pin moves none.
 * sglang:eplb_balancedness (Summary; labels model_name, engine_type, tp_rank, pp_rank,
   moe_ep_rank, forward_mode): one observation per step that routed tokens to experts, that
   step's balancedness as SGLang computes a forward pass's: per MoE layer (mean + 1e-5) /

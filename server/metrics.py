@@ -24,7 +24,7 @@ import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.process_collector import ProcessCollector
 
-from moectl.engine.core.actions import Action
+from moectl.engine.core.actions import PLACEMENT_RECORDS, Action, PlacementEdit
 from moectl.engine.experts.rebalancer import LOAD_WINDOW_STEPS
 from moectl.server.eplb_metrics import EplbMetrics
 
@@ -35,6 +35,7 @@ BALANCE_WINDOW_STEPS = LOAD_WINDOW_STEPS  # the engine's load window, whose per-
 BALANCE_QUANTILES = (0.0, 0.5, 1.0)
 MAX_TRACKED_REQUESTS = 65536  # arrival times kept for e2e; the oldest are forgotten beyond this
 FINISH_REASONS = ("stop", "length", "abort", "error")
+PINNING = frozenset({PlacementEdit.PIN.value, PlacementEdit.UNPIN.value})  # placement records that move no expert
 
 # vLLM's buckets, with finer ones at the bottom for small models on a CPU
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -180,18 +181,19 @@ class ServerMetrics:
 
     def observe_action(self, action: dict) -> None:
         kind, result = action.get("kind"), action.get("result") or {}
-        if result.get("placement") is not None:  # the placement in force from here on
-            self.eplb.placement_changed(result["placement"])
         if kind == "auto_rebalance_plan":  # the automatic apply starts at the next step
             self._placement_start = max(self._placement_start, action["time"])
+        seconds = result.get("seconds")
         if kind == Action.REBALANCE_APPLY:
             self.rebalances.inc()
-            seconds = result.get("seconds")
             if seconds is None and self._placement_start > float("-inf"):
                 seconds = action["time"] - self._placement_start
             if seconds is not None and seconds >= 0:
                 self.rebalance_seconds.observe(seconds)
-            self.eplb.rearranged(seconds if seconds is not None and seconds >= 0 else None)
+        if kind in PLACEMENT_RECORDS and result.get("placement") is not None:
+            if kind not in PINNING:  # vLLM counts every move of experts; a pin moves none
+                self.eplb.rearranged(seconds if isinstance(seconds, (int, float)) and seconds >= 0 else None)
+            self.eplb.placement_changed(result["placement"])  # the placement in force from here on
 
     def placement_requested(self, t: float) -> None:
         """The server asked for a placement change at engine-clock time t (time.monotonic())."""

@@ -324,7 +324,8 @@ def run_compare_hf(model_dir: str | Path | None = None, *, num_requests: int = 6
         bytes_per_token = counts["params_active"] * elem
         # the FLOPs the run needs, as the engine runs them (engine/tools/roofline.py); transformers
         # does the same useful work and more (the LM head on every prompt row, padding)
-        flops = run_flops(mcfg, [len(it.prompt_ids) for it in items], [it.params.max_tokens for it in items],
+        flops = run_flops(mcfg, [len(it.prompt_ids) for it in items],
+                          [len(r["output_ids"]) for r in eng_res.requests],
                           [r.get("cached_prompt_tokens") or 0 for r in eng_res.requests])
         result = {
             "model": str(model_dir), "architecture": mcfg.architecture, "dtype": str(parse_dtype(dtype))[6:],

@@ -592,6 +592,11 @@ def test_metrics_from_synthetic_records():
     m.observe_action({"time": 1.35, "step": 3, "kind": "auto_rebalance_plan", "args": {}, "result": {}})
     m.observe_action({"time": 1.5, "step": 3, "kind": "rebalance_apply", "args": {},
                       "result": {"bytes_moved": 0, "placement": placement.pin(1, 0).to_dict()}})
+    # an edit changes the placement too: vLLM counts it as a rearrangement (no duration of its own)
+    m.observe_action({"time": 1.6, "step": 3, "kind": "move", "args": {},
+                      "result": {"placement": placement.to_dict()}})
+    m.observe_action({"time": 1.7, "step": 3, "kind": "pin", "args": {},  # moves no expert
+                      "result": {"placement": placement.pin(1, 0).to_dict()}})
     fams = {f.name: f for f in text_string_to_metric_families(m.render(None).decode())}
     assert sample(fams, "moectl:time_to_first_token_seconds", "_sum") == pytest.approx(0.4)
     assert sample(fams, "moectl:inter_token_latency_seconds", "_count") == 2
@@ -613,7 +618,8 @@ def test_metrics_from_synthetic_records():
         assert fams[f"vllm:eplb_balancedness_{key}"].type == "gauge"
         assert sample(fams, f"vllm:eplb_balancedness_{key}", **vllm) == 0.5
     assert fams["vllm:eplb_rearrangements"].type == "counter"
-    assert sample(fams, "vllm:eplb_rearrangements", "_total", **vllm) == 1
+    assert sample(fams, "vllm:eplb_rearrangements", "_total", **vllm) == 2
+    assert sample(fams, "moectl:rebalances", "_total") == 1
     assert sample(fams, "vllm:eplb_rearrangement_seconds", **vllm) == pytest.approx(0.15)
     assert fams["sglang:eplb_balancedness"].type == "summary"
     per_pass = (2 + 1e-5) / (4 + 1e-5)  # SGLang's (mean + 1e-5) / (max + 1e-5) of the MoE layer's [4, 0]
