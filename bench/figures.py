@@ -39,6 +39,10 @@ def _pct(x: float) -> str:
     return f"{x:.1%}"
 
 
+def _met(flag: bool) -> str:
+    return "met" if flag else "not met"
+
+
 PROFILER_PARTS = {"handoff": "record hand-off", "span_collect": "span collection",
                   "span_link_model": "modeled link spans", "span_calls": "span calls", "span_begin": "span begin",
                   "record_dict": "record dict", "listeners_other": "other listeners"}
@@ -111,6 +115,49 @@ def kv_bytes(r: dict) -> list[tuple[str, str]]:
              f"{w['full_blocks_max']} without the window")]
 
 
+def console(r: dict) -> list[tuple[str, str]]:
+    fr, tg = r["frames"], r["targets"]
+    target = tg["frame_ms"]
+    tabs = fr["tabs"]
+    met = [tab for tab, t in tabs.items() if t["frame"]["median_ms"] <= target]
+    big = r.get("big_keys")
+    rows = [(f"console, largest layout (61 x 384 heat map, 64 devices, synthetic trace), {fr['size'][0]}x"
+             f"{fr['size'][1]}: one record's frame, the UI thread's CPU (Textual's whole path)",
+             "frame median " + ", ".join(f"{tab} {t['frame']['median_ms']:.1f} ms" for tab, t in tabs.items())
+             + f" (target {target:g} ms: " + (f"met by {', '.join(met)}" if met else "not met") + ")"
+             + (f"; keypress -> frame median {big['frame']['median_ms']:.1f} ms, p95 {big['frame']['p95_ms']:.1f} ms"
+                if big else ""))]
+    if "update_rate" in r:
+        u, ub, f, t = r["update_rate"], r["update_rate_in_process"], r["first_screen"], r["throughput"]
+        k, kb = r["keys"]["frame"], r["keys_in_process"]["frame"]
+        rows.append(("console, live on the sample model, its engine in a process of its own (`moectl run`), engine "
+                     "flat out",
+                     f"updates {u['updates_per_s']:.1f}/s, at least {u['min_updates_in_a_second']} in every second "
+                     f"(in-process baseline {ub['updates_per_s']:.1f}; target >= {tg['updates_per_s']:g}: "
+                     f"{_met(u['updates_per_s'] >= tg['updates_per_s'])}); first frame {f['first_frame_s']} s after the "
+                     f"engine is ready, {f['first_frame_with_records_s']} s to one with its records (target "
+                     f"{f['target_s']} s: {_met(f['first_frame_with_records_s'] <= f['target_s'])}); keypress -> frame "
+                     f"median {k['median_ms']:.1f} ms, p95 {k['p95_ms']:.1f} ms (baseline {kb['median_ms']:.1f} / "
+                     f"{kb['p95_ms']:.1f}; targets {tg['key_ms']:g} / {tg['key_p95_ms']:g} ms: "
+                     f"{_met(k['median_ms'] <= tg['key_ms'] and k['p95_ms'] <= tg['key_p95_ms'])}); engine throughput "
+                     f"with a console over without {t['ratio']:.3f} (target >= {tg['throughput_ratio']:g}: "
+                     f"{_met(t['ratio'] >= tg['throughput_ratio'])})"))
+    return rows
+
+
+def soak(r: dict) -> list[tuple[str, str]]:
+    mib = 2 ** 20
+    native = r["native"]
+    return [(f"soak: {r['requests']:,} requests of varied lengths (prompts {r['prompt_len']}, outputs "
+             f"{r['output_len']}), {r['devices']} devices",
+             f"RSS {r['rss_warm_bytes'] / mib:.0f} MiB after warm-up -> {r['rss_end_bytes'] / mib:.0f} MiB at the end, "
+             f"{r['rss_growth_ratio']:+.1%} (target {r['target_growth_ratio']:.0%}: "
+             f"{'met' if r['meets_target'] else 'not met'}; peak {r['rss_peak_bytes'] / mib:.0f} MiB); "
+             + (f"malloc in use {native['malloc_in_use_warm_bytes'] / mib:.0f} -> "
+                f"{native['malloc_in_use_end_bytes'] / mib:.0f} MiB; " if native.get("malloc_in_use_end_bytes") else "")
+             + f"{r['wall_s']:.0f} s")]
+
+
 # id -> (command as a user types it, the figures from its --json output)
 BENCHES = {
     "profiler": (["moectl", "bench", "--suite", "profiler", "--json"], profiler),
@@ -118,6 +165,8 @@ BENCHES = {
     "kineto": (["python", "bench/kineto_bench.py", "--json"], kineto),
     "compare-hf": (["moectl", "bench", "--compare", "hf", "--contended", "--json"], compare_hf),
     "kv-bytes": (["python", "bench/kv_bytes_bench.py", "--json"], kv_bytes),
+    "console": (["python", "bench/console_bench.py", "--json"], console),
+    "soak": (["moectl", "bench", "--suite", "soak", "--requests", "10000", "--devices", "2", "--json"], soak),
 }
 
 
