@@ -158,6 +158,23 @@ def soak(r: dict) -> list[tuple[str, str]]:
              + f"{r['wall_s']:.0f} s")]
 
 
+def rebalance(r: dict) -> list[tuple[str, str]]:
+    return [(f"rebalancer, {r['layers']} layers x {r['experts']} experts x {r['devices']} devices "
+             f"({r['source']})",
+             f"{r['ms_median']:.0f} ms per plan (median of {r['runs']}; target {r['target_ms']:.0f} ms: "
+             f"{_met(r['ms_median'] <= r['target_ms'])}); balancedness {r['balancedness_before']:.3f} -> "
+             f"{r['balancedness_after']:.3f} with {r['redundant_per_device']} redundant slot/device")]
+
+
+def rebalance_drift(r: dict) -> list[tuple[str, str]]:
+    d = r["drift"]
+    return [(f"re-plan after a {d['noise']:.0%} drift of the load ({r['source']}, same shape)",
+             f"aiming at {d['target']} from the placement in force: {d['balancedness_before']:.4f} -> "
+             f"{d['target_balancedness_after']:.4f} moving {d['target_slots_moved_share']:.1%} of slots in "
+             f"{d['target_ms']:.0f} ms (best-balance re-plan: {d['balancedness_after']:.4f}, "
+             f"{d['slots_moved_share']:.1%})")]
+
+
 # id -> (command as a user types it, the figures from its --json output)
 BENCHES = {
     "profiler": (["moectl", "bench", "--suite", "profiler", "--json"], profiler),
@@ -165,6 +182,8 @@ BENCHES = {
     "kineto": (["python", "bench/kineto_bench.py", "--json"], kineto),
     "compare-hf": (["moectl", "bench", "--compare", "hf", "--contended", "--json"], compare_hf),
     "kv-bytes": (["python", "bench/kv_bytes_bench.py", "--json"], kv_bytes),
+    "rebalance": (["python", "bench/rebalance_bench.py", "--json"], rebalance),
+    "rebalance-drift": (["python", "bench/rebalance_bench.py", "--skew", "0.8", "--json"], rebalance_drift),
     "console": (["python", "bench/console_bench.py", "--json"], console),
     "soak": (["moectl", "bench", "--suite", "soak", "--requests", "10000", "--devices", "2", "--json"], soak),
 }
@@ -195,8 +214,10 @@ def _trim(raw):
     replaced by their length: no renderer reads them), which the prose beside the table may quote."""
     if isinstance(raw, dict):
         return {k: _trim(v) for k, v in raw.items() if k not in ("outputs",)}
-    if isinstance(raw, list) and len(raw) > 64:
-        return f"[{len(raw)} items]"
+    if isinstance(raw, list) and (len(raw) > 64 or (len(raw) > 16 and isinstance(raw[0], (list, dict)))):
+        return f"[{len(raw)} items]"  # a placement's slots, a curve, per-request rows
+    if isinstance(raw, list):
+        return [_trim(x) for x in raw]
     return raw
 
 
