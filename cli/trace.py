@@ -165,26 +165,30 @@ def trace_report(
     from moectl.engine.core.topology import Topology
     from moectl.profiler import analysis
     from moectl.profiler.kineto import is_kineto
+    from moectl.profiler.kineto_import import is_timeline
     from moectl.profiler.trace_queries import cache_summary, placement_in_force
 
-    timeline = not is_kineto(trace) and Path(trace).is_file() and _holds_timeline(trace)
-    if is_kineto(trace) or timeline:
-        if start is not None or stop is not None or placement_file is not None:
-            raise BadInput("--from-step/--to-step/--placement: moectl traces only (a Kineto trace has no engine steps)")
-        if timeline:
-            from moectl.profiler.kineto import summarise
-            from moectl.profiler.kineto_import import read_timeline
-
-            with open_trace(trace, gpu_timeline=True) as reader:
-                return _kineto_report(summarise(read_timeline(reader, rules), trace), as_json)
+    steps_only = BadInput("--from-step/--to-step/--placement: moectl traces only (a Kineto trace, or its "
+                          "import as a GPU timeline, has no engine steps)")
+    asked_steps = start is not None or stop is not None or placement_file is not None
+    if is_kineto(trace):
+        if asked_steps:
+            raise steps_only
         from moectl.profiler.kineto import report
 
         return _kineto_report(report(trace, rules), as_json)
-    if rules is not None:
-        raise BadInput("--rules: classes a Kineto trace's kernels (a .json / .json.gz file, a folder, or its import)")
+    with open_trace(trace, gpu_timeline=True) as reader:  # one open: a moectl trace or its GPU timeline
+        if is_timeline(reader.header):
+            if asked_steps:
+                raise steps_only
+            from moectl.profiler.kineto import summarise
+            from moectl.profiler.kineto_import import read_timeline
 
-    _check_step_range(start, stop)
-    with open_trace(trace) as reader:
+            return _kineto_report(summarise(read_timeline(reader, rules), trace), as_json)
+        if rules is not None:
+            raise BadInput("--rules: classes a Kineto trace's kernels (a .json / .json.gz file, a folder, or its "
+                           "import)")
+        _check_step_range(start, stop)
         records = list(reader.steps(start, stop))
         if not records:
             raise BadInput(_empty_range(trace, reader, start, stop))
@@ -283,13 +287,6 @@ def _print_report(r: dict) -> None:
 from moectl.cli.trace_import import trace_import  # noqa: E402 - `trace import` lives in its own module
 
 trace_app.command("import")(trace_import)
-
-
-def _holds_timeline(path: Path) -> bool:
-    from moectl.profiler.kineto_import import is_timeline
-
-    with open_trace(path, gpu_timeline=True) as reader:
-        return is_timeline(reader.header)
 
 
 def _timeline_info(trace: Path, reader, as_json: bool) -> None:

@@ -34,7 +34,7 @@ def timeline_columns(traces: list[RankTrace]) -> tuple[list[str], dict]:
     lanes: list[str] = []
     names: dict[str, int] = {}
     classes: dict[str, int] = {}
-    colour_of: list[str] = []
+    class_of: dict[str, str] = {}  # each name's class: what its colour follows
     parts: dict[str, list] = {k: [] for k in ("lane", "name", "start_s", "dur_s", "layer", "kind")}
     origin = min(t.origin_s for t in traces)
     for t in sorted(traces, key=lambda t: t.rank):
@@ -42,9 +42,7 @@ def timeline_columns(traces: list[RankTrace]) -> tuple[list[str], dict]:
         lanes += [f"r{t.rank} {lane.split('/', 1)[-1]}" for lane in t.lanes]
         name_map = np.array([names.setdefault(n, len(names)) for n in t.names], dtype=np.int64)
         class_map = np.array([classes.setdefault(c, len(classes)) for c in t.classes], dtype=np.int64)
-        colour_of += [None] * (len(names) - len(colour_of))
-        for n, c in zip(t.names, t.classes):
-            colour_of[names[n]] = c
+        class_of.update(zip(t.names, t.classes))
         parts["lane"].append(t.lane.astype(np.int64) + base)
         parts["name"].append(name_map[t.name_id])
         parts["start_s"].append(t.start + (t.origin_s - origin))
@@ -52,7 +50,7 @@ def timeline_columns(traces: list[RankTrace]) -> tuple[list[str], dict]:
         parts["layer"].append(t.layer.astype(np.int64))
         parts["kind"].append(class_map[t.name_id])
     columns = {k: np.concatenate(v) for k, v in parts.items()}
-    return lanes, {**columns, "names": list(names), "kinds": list(classes), "colour_keys": colour_of}
+    return lanes, {**columns, "names": list(names), "kinds": list(classes), "colour_keys": [class_of[n] for n in names]}
 
 
 def figures_text(report: dict) -> tuple[str, str, str]:

@@ -27,9 +27,9 @@ import zlib
 import numpy as np
 
 CODEC_VERSION = 1
-# 1: an engine step record (4.6 KB) compresses to the same size as at 6 in a third of the time
-# (27 against 75 us), a big model's (61 x 384 routing) 3% larger in 0.7x the time; the writer
-# process's encoding is most of the profiler's cost (bench/README.md)
+# 1, not 6: the writer process's encoding is most of the profiler's cost; at 1 an engine step
+# record encodes in 173 us against 205 (moectl bench --suite profiler) and a big model's record in
+# 0.76 ms against 1.11, 6% larger (bench/trace_store_bench.py; bench/README.md)
 ZLIB_LEVEL = 1
 # Z_FILTERED favours Huffman coding over short matches: 5-8% smaller on noisy counts (routing),
 # 1-3% larger on the JSON skeleton; 3% smaller on whole big-model records (bench/trace_store_bench.py)

@@ -413,34 +413,23 @@ def _merge_layers(ranks: list[dict]) -> dict:
                    "range a layer pattern matches); a CPU op the layer of its start"}
 
 
-def _number_ranks(items: list, name_of) -> None:
-    """Each item's .rank (or ["rank"]) as the file says it, else the lowest number no file says;
-    two files saying the same rank are bad input (their lanes would merge)."""
-    def get(item):
-        return item["rank"] if isinstance(item, dict) else item.rank
-
-    def put(item, rank):
-        if isinstance(item, dict):
-            item["rank"] = rank
-        else:
-            item.rank = rank
-
-    said: dict[int, object] = {}
-    for item in items:
-        rank = get(item)
-        if rank is not None and said.setdefault(rank, item) is not item:
-            raise KinetoError(f"{name_of(said[rank])} and {name_of(item)} both say they are rank {rank} (the same "
-                              f"rank): give one file per rank")
+def _numbered(ranks: list, names: list[str]) -> list[int]:
+    """Each file's rank as it says it, else the lowest number no file says; two files saying the
+    same rank are bad input (their lanes would merge)."""
+    said: dict[int, int] = {}  # rank -> the first file saying it
+    for i, rank in enumerate(ranks):
+        if rank is not None and said.setdefault(rank, i) != i:
+            raise KinetoError(f"{names[said[rank]]} and {names[i]} both say they are rank {rank} (the same rank): "
+                              f"give one file per rank")
     free = (n for n in itertools.count() if n not in said)
-    for item in items:
-        if get(item) is None:
-            put(item, next(free))
+    return [rank if rank is not None else next(free) for rank in ranks]
 
 
 def read_ranks(sources: list[Path], rules: Rules) -> list[RankTrace]:
-    """Every rank of these sources (files, or folders of one per rank), numbered (_number_ranks)."""
+    """Every rank of these sources (files, or folders of one per rank), numbered (_numbered)."""
     traces = [read_rank(p, rules) for source in sources for p in trace_files(source)]
-    _number_ranks(traces, lambda t: t.path.name)
+    for t, rank in zip(traces, _numbered([t.rank for t in traces], [t.path.name for t in traces])):
+        t.rank = rank
     return traces
 
 
@@ -458,8 +447,9 @@ def summarise(traces: list[RankTrace], path) -> dict:
 
 
 def combine(ranks: list[dict], path) -> dict:
-    """The report from each rank's figures (rank_figures), every rank numbered (_number_ranks)."""
-    _number_ranks(ranks, lambda r: Path(r["file"]).name)
+    """The report from each rank's figures (rank_figures), every rank numbered (_numbered)."""
+    for r, rank in zip(ranks, _numbered([r["rank"] for r in ranks], [Path(r["file"]).name for r in ranks])):
+        r["rank"] = rank
     breakdown: dict[str, float] = {}
     for r in ranks:
         for c, s in r["breakdown"].items():

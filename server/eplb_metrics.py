@@ -65,7 +65,8 @@ class EplbMetrics:
         model = header.get("model") or {}
         self._sparse = np.asarray(model.get("sparse_layers") or [], dtype=bool)
 
-    def _moe_layers(self, per_layer: np.ndarray) -> np.ndarray:
+    def moe_layers(self, per_layer: np.ndarray) -> np.ndarray:
+        """The MoE layers' entries of a per-layer array (all of them where the header names none)."""
         if self._sparse.shape == per_layer.shape[:1] and self._sparse.any():
             return per_layer[self._sparse]  # dense layers have no experts to balance
         return per_layer
@@ -75,7 +76,7 @@ class EplbMetrics:
         routing = rec.get("routing")
         if self.placement is None or routing is None:
             return
-        loads = self._moe_layers(np.asarray(self.placement.device_loads(np.asarray(routing)), dtype=np.float64))
+        loads = self.moe_layers(np.asarray(self.placement.device_loads(np.asarray(routing)), dtype=np.float64))
         if not loads.size or not loads.any():  # no token reached an expert: no MoE forward pass to observe
             return
         per_layer = (loads.mean(axis=1) + SGLANG_EPSILON) / (loads.max(axis=1) + SGLANG_EPSILON)
@@ -90,9 +91,8 @@ class EplbMetrics:
         if seconds is not None:
             self.rearrangement_seconds.set(seconds)
 
-    def set_window(self, per_layer: np.ndarray) -> None:
-        """The engine's load window's per-layer balancedness (all layers; the MoE ones count)."""
-        moe = self._moe_layers(per_layer)
+    def set_window(self, moe: np.ndarray) -> None:
+        """The engine's load window's balancedness of each MoE layer (moe_layers)."""
         figures = {"min": moe.min(), "p50": np.quantile(moe, 0.5), "p90": np.quantile(moe, 0.1), "avg": moe.mean()}
         for key, gauge in self._gauges.items():
             gauge.labels(**self._vllm_labels).set(float(figures[key]))

@@ -108,8 +108,6 @@ class ServerMetrics:
         for reason in FINISH_REASONS:  # every series exists from the start
             self.finished.labels(finished_reason=reason)
 
-        model = header.get("model") or {}
-        self._sparse = np.asarray(model.get("sparse_layers") or [], dtype=bool)
         self._per_layer: np.ndarray | None = None  # the newest record's per-layer balancedness (engine's window)
         self._balance_stale = False
         self._arrivals: OrderedDict[str, float] = OrderedDict()  # request id -> arrival (engine clock)
@@ -226,8 +224,7 @@ class ServerMetrics:
         per_layer = self._per_layer
         if per_layer is None or not per_layer.size:
             return
-        if self._sparse.shape == per_layer.shape and self._sparse.any():
-            per_layer = per_layer[self._sparse]  # dense layers have no experts to balance
+        per_layer = self.eplb.moe_layers(per_layer)  # dense layers have no experts to balance
         for q, value in zip(BALANCE_QUANTILES, np.quantile(per_layer, BALANCE_QUANTILES)):
             self.balancedness.labels(quantile=f"{q:g}").set(float(value))
-        self.eplb.set_window(self._per_layer)
+        self.eplb.set_window(per_layer)

@@ -263,9 +263,9 @@ class ModelConfig:
     def param_counts(self) -> dict[str, int]:
         """Total and per-token-active parameter counts, from shapes alone."""
         h = self.hidden_size
-        attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
+        attn = self.attention_matmul_weights()
         if self.attention == "mla":
-            attn = self._mla_params()
+            attn += self._mla_norms_and_biases()
         elif self.attention_bias:
             attn += self.q_size + 2 * self.kv_size + (h if self.o_proj_bias else 0)
         if self.qk_norm == "per_head":
@@ -295,17 +295,24 @@ class ModelConfig:
         active += embed + head + h
         return {"params_total": total, "params_active": active}
 
-    def _mla_params(self) -> int:
-        h, heads, r, dr = self.hidden_size, self.num_heads, self.kv_lora_rank, self.qk_rope_head_dim
+    def attention_matmul_weights(self) -> int:
+        """The attention projections' weight elements, what one token's matmuls multiply (no
+        norms, no biases). MLA as the engine runs it absorbed: kv_b_proj's elements still count
+        once per token (folded into the query and applied after attention)."""
+        h = self.hidden_size
+        if self.attention != "mla":
+            return h * (self.q_size + 2 * self.kv_size) + self.q_size * h
+        heads, r, dr = self.num_heads, self.kv_lora_rank, self.qk_rope_head_dim
+        q = (h * self.q_lora_rank + self.q_lora_rank * heads * self.head_dim if self.q_lora_rank
+             else h * heads * self.head_dim)
+        kv = h * (r + dr) + r * heads * (self.qk_nope_head_dim + self.v_head_dim)  # kv_a_proj_with_mqa, kv_b_proj
+        return q + kv + heads * self.v_head_dim * h  # o_proj
+
+    def _mla_norms_and_biases(self) -> int:
+        """MLA's parameters beside its matmuls: q_a_layernorm, kv_a_layernorm and the biases."""
+        h, r, dr, ql = self.hidden_size, self.kv_lora_rank, self.qk_rope_head_dim, self.q_lora_rank
         bias = self.attention_bias
-        if self.q_lora_rank:
-            n = h * self.q_lora_rank + (self.q_lora_rank if bias else 0) + self.q_lora_rank
-            n += self.q_lora_rank * heads * self.head_dim
-        else:
-            n = h * heads * self.head_dim
-        n += h * (r + dr) + ((r + dr) if bias else 0) + r  # kv_a_proj_with_mqa, kv_a_layernorm
-        n += r * heads * (self.qk_nope_head_dim + self.v_head_dim)  # kv_b_proj
-        return n + heads * self.v_head_dim * h + (h if bias else 0)  # o_proj
+        return (ql + (ql if bias else 0) if ql else 0) + r + ((r + dr) if bias else 0) + (h if bias else 0)
 
     @classmethod
     def from_dir(cls, path: str | Path, dtype: str | torch.dtype | None = None) -> ModelConfig:

@@ -18,15 +18,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 
-def _attention_weights(cfg) -> int:
-    h = cfg.hidden_size
-    if cfg.attention != "mla":
-        return h * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * h
-    heads, r, dr = cfg.num_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
-    q = h * cfg.q_lora_rank + cfg.q_lora_rank * heads * cfg.head_dim if cfg.q_lora_rank else h * heads * cfg.head_dim
-    return q + h * (r + dr) + r * heads * (cfg.qk_nope_head_dim + cfg.v_head_dim) + heads * cfg.v_head_dim * h
-
-
 def layer_matmul_weights(cfg) -> list[int]:
     """Per layer, the weight elements one token's matmuls multiply."""
     h = cfg.hidden_size
@@ -36,7 +27,7 @@ def layer_matmul_weights(cfg) -> list[int]:
     for sparse in cfg.sparse_layers:
         mlp = (h * cfg.num_experts + cfg.top_k * 3 * h * cfg.expert_intermediate_size + shared if sparse
                else 3 * h * cfg.dense_intermediate_size)
-        out.append(_attention_weights(cfg) + mlp)
+        out.append(cfg.attention_matmul_weights() + mlp)
     return out
 
 
