@@ -175,6 +175,10 @@ def rebalance_drift(r: dict) -> list[tuple[str, str]]:
              f"{d['slots_moved_share']:.1%})")]
 
 
+def pending(r: dict) -> list[tuple[str, str]]:
+    return []
+
+
 # id -> (command as a user types it, the figures from its --json output)
 BENCHES = {
     "profiler": (["moectl", "bench", "--suite", "profiler", "--json"], profiler),
@@ -186,6 +190,36 @@ BENCHES = {
     "rebalance-drift": (["python", "bench/rebalance_bench.py", "--skew", "0.8", "--json"], rebalance_drift),
     "console": (["python", "bench/console_bench.py", "--json"], console),
     "soak": (["moectl", "bench", "--suite", "soak", "--requests", "10000", "--devices", "2", "--json"], soak),
+    "verify": (["moectl", "verify", "--json"], pending),
+    "logprob": (["python", "bench/logprob_agreement.py", "--json"], pending),
+    "import-roundtrip": (["python", "bench/import_roundtrip.py", "--json"], pending),
+    "kineto-hta": (["python", "bench/kineto_hta_check.py", "--json"], pending),
+    "decode": (["python", "bench/decode_bench.py", "--json"], pending),
+    "kv-int8": (["moectl", "bench", "--suite", "kv-int8", "--json"], pending),
+    "sample-routing": (["python", "bench/sample_routing_bench.py", "--json"], pending),
+    "expert-cache": (["python", "bench/expert_cache_bench.py", "--json"], pending),
+    "disk-tier": (["python", "bench/disk_tier_bench.py", "--json"], pending),
+    "expert-share": (["python", "bench/expert_share_bench.py", "--model", "sample-dsv3", "--json"], pending),
+    "rebalance-emulated": (["moectl", "bench", "--suite", "rebalance", "--devices", "8", "--redundant", "0", "--json"],
+                           pending),
+    "rebalance-ranks": (["moectl", "bench", "--suite", "rebalance", "--backend", "distributed", "--nproc", "2",
+                         "--redundant", "0", "--json"], pending),
+    "rebalance-dsv3": (["moectl", "bench", "--suite", "rebalance", "--model", "sample-dsv3", "--backend", "distributed",
+                        "--nproc", "2", "--redundant", "0", "--json"], pending),
+    "step-breakdown": (["python", "bench/step_breakdown.py", "--backend", "distributed", "--nproc", "2", "--json"],
+                       pending),
+    "rank-telemetry": (["moectl", "bench", "--suite", "profiler", "--backend", "distributed", "--json"], pending),
+    "rank-failure": (["python", "bench/rank_failure_bench.py", "--json"], pending),
+    "sim-step": (["python", "bench/sim_step_speed.py", "--json"], pending),
+    "sim-console": (["python", "bench/sim_console_speed.py", "--json"], pending),
+    "sim-rebalance": (["moectl", "bench", "--suite", "rebalance", "--backend", "simulated", "--model",
+                       "docs/configs/kimi-k2.json", "--json"], pending),
+    "sim-validation": (["python", "bench/sim_validation.py", "--json"], pending),
+    "sim-machine": (["python", "bench/sim_machine_validation.py", "--json"], pending),
+    "console-dsv3": (["python", "bench/console_bench.py", "--model", "sample-dsv3", "--frames", "1", "--tabs", "overview",
+                      "--big-presses", "0", "--json"], pending),
+    "console-outcome": (["python", "bench/console_outcome_bench.py", "--json"], pending),
+    "serve-load": (["python", "bench/serve_load_test.py", "--json"], pending),
 }
 
 
@@ -248,18 +282,27 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.list:
         for bench_id, (command, _) in BENCHES.items():
-            print(f"{bench_id:12s} {' '.join(command)}")
+            print(f"{bench_id:18s} {' '.join(command)}")
         return 0
     store = json.loads(STORE.read_text()) if STORE.exists() else {}
+    failed = []
     if not args.render:
         for bench_id in args.only or list(BENCHES):
-            store[bench_id] = run(bench_id)
+            try:
+                store[bench_id] = run(bench_id)
+            except SystemExit as e:  # the others still run; this one keeps its last figures, if any
+                print(f"FAILED {e}", file=sys.stderr, flush=True)
+                failed.append(bench_id)
+                continue
             STORE.write_text(json.dumps(store, indent=1) + "\n")  # each result kept as soon as it is in
     table = render(store)
     for doc in DOCS:
         rewrite(doc, table)
     print(f"wrote the table ({table.count(chr(10) + '| ') - 2} rows) into "
           + ", ".join(str(d.relative_to(ROOT)) for d in DOCS), file=sys.stderr)
+    if failed:
+        print(f"failed: {', '.join(failed)} (their rows keep the figures of their last run, if any)", file=sys.stderr)
+        return 1
     return 0
 
 

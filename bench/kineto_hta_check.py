@@ -54,7 +54,9 @@ def main(argv=None) -> int:
     ap.add_argument("--kernels", type=int, default=4000)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--fractional", action="store_true", help="fractional microseconds (HTA rounds them down)")
+    ap.add_argument("--json", action="store_true", help="one JSON document on stdout (the lines go to stderr)")
     args = ap.parse_args(argv)
+    say = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
     try:
         from hta.trace_analysis import TraceAnalysis
     except ImportError:
@@ -69,7 +71,7 @@ def main(argv=None) -> int:
         hta = TraceAnalysis(trace_dir=str(folder))
         breakdown = hta.get_temporal_breakdown(visualize=False)
         overlap = hta.get_comm_comp_overlap(visualize=False)
-    print(f"{args.ranks} ranks x {args.kernels:,} kernels (seed {args.seed}"
+    say(f"{args.ranks} ranks x {args.kernels:,} kernels (seed {args.seed}"
           f"{', fractional microseconds' if args.fractional else ''}):")
     hta_overlap = {int(r["rank"]): float(r["comp_comm_overlap_pctg"]) / 100 for _, r in overlap.iterrows()}
     hta_idle = {int(r["rank"]): float(r["idle_time(us)"]) * 1e-6 for _, r in breakdown.iterrows()}
@@ -80,8 +82,14 @@ def main(argv=None) -> int:
         i, hi = r["idle_s"], hta_idle.get(rank)
         worst_overlap = max(worst_overlap, abs(o - h)) if h is not None else worst_overlap
         worst_idle = max(worst_idle, abs(i - hi) / hi) if hi else worst_idle
-        print(f"  rank {rank}: overlap moectl {o:.2%}, HTA {h:.2%}; idle moectl {i * 1e3:.3f} ms, HTA {hi * 1e3:.3f} ms")
-    print(f"largest difference: overlap {worst_overlap:.2%} (points), idle {worst_idle:.1%}")
+        say(f"  rank {rank}: overlap moectl {o:.2%}, HTA {h:.2%}; idle moectl {i * 1e3:.3f} ms, HTA {hi * 1e3:.3f} ms")
+    say(f"largest difference: overlap {worst_overlap:.2%} (points), idle {worst_idle:.1%}")
+    if args.json:
+        import importlib.metadata
+
+        print(json.dumps({"ranks": args.ranks, "kernels": args.kernels, "fractional": args.fractional,
+                          "hta_version": importlib.metadata.version("holistictraceanalysis"),
+                          "overlap_max_diff_points": worst_overlap, "idle_max_diff_ratio": worst_idle}))
     return 0
 
 

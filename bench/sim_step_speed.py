@@ -1,7 +1,7 @@
 """How many simulated steps a second the step model computes at the seeds' scale, against the
 console's target of at least 10 (issue 23).
 
-    python bench/sim_step_speed.py [--devices 256] [--steps 20]
+    python bench/sim_step_speed.py [--devices 256] [--steps 20] [--json]
 
 Kimi-K2's config (61 layers, 384 routed experts) on --devices H200s, Zipf-1.0 routing, decode at
 128 sequences per device; the median of --steps calls of `simulate` (the whole step model: every
@@ -11,6 +11,7 @@ layer's expert GEMMs per device and its all-to-alls).
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -24,6 +25,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--devices", type=int, default=256)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--json", action="store_true", help="one JSON document on stdout")
     args = parser.parse_args()
     from moectl.engine.sim.hardware import load_profile
     from moectl.engine.sim.model_shape import load_sim_model
@@ -41,6 +43,10 @@ def main() -> None:
         simulate(spec)
         times.append(time.perf_counter() - t0)
     median = statistics.median(times)
+    if args.json:
+        print(json.dumps({"devices": args.devices, "layers": shape.num_layers, "experts": shape.num_experts,
+                          "steps": args.steps, "median_s": median, "steps_per_s": 1 / median, "target_steps_per_s": 10}))
+        return
     print(f"{args.devices} devices x {shape.num_layers} layers x {shape.num_experts} experts: {median * 1e3:.1f} ms "
           f"per simulated step (median of {args.steps}), {1 / median:.0f} steps/s (target >= 10)")
 

@@ -1,6 +1,6 @@
 """Recording a running engine to a trace file: its header, then every step and action record.
 
-The engine's listeners only pickle each record into the TraceWriter's pipe; encoding and SQLite
+The engine's listeners only pack each record into the TraceWriter's pipe; encoding and SQLite
 writes happen in the writer's own process, so recording never blocks the step loop nor takes its
 GIL for that work (a full pipe and backlog drops the record and counts it).
 """

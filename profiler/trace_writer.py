@@ -1,8 +1,10 @@
 """TraceWriter: the engine's side of a trace file, handing records to a writer process.
 
 The engine's step loop must never wait on the disk, nor share its GIL with encoding or SQLite.
-So the file is created here (schema and header, once), and every record after that is pickled
-and written into a pipe to `writer_process`, which encodes and commits it. The writer process
+So the file is created here (schema and header, once), and every record after that is written
+into a pipe to `writer_process`, which encodes and commits it: a step record packed in the codec's
+binary layout (msgspec, one C call; the writer only compresses it), an action or a step that cannot
+be packed pickled (the writer encodes it). The writer process
 answers "ready" once the file is open; the constructor waits for that (a writer that cannot
 start is a TraceError there, quoting its stderr, not a silently lost session).
 
@@ -46,7 +48,17 @@ import numpy as np
 
 from moectl.profiler import codec, trace_format
 from moectl.profiler.codec import TraceError
-from moectl.profiler.writer_process import FLUSH, FRAME, NICE, RECORD, STOP, array_from_bytes
+from moectl.profiler.writer_process import (
+    FLUSH,
+    FRAME,
+    NICE,
+    RECORD,
+    RECORD_KINDS,
+    STEP,
+    STEP_KEY,
+    STOP,
+    array_from_bytes,
+)
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +119,7 @@ def _close_at_exit() -> None:
 class TraceWriter:
     """Appends step and action records to a new trace file through a writer process.
 
-    Records are pickled on the calling thread (numpy arrays included; torch tensors become numpy
+    Records are packed or pickled on the calling thread (numpy arrays included; torch tensors become numpy
     arrays): mutating a record after write_step/write_action returns does not change what is
     written. Every method may be called from any thread.
     """
@@ -159,7 +171,7 @@ class TraceWriter:
         self._closed = False
         self._close_ok = False
         self._done = False  # close() has finished (either way)
-        self.handoff_s = 0.0  # this side's seconds in write_step/write_action (pickle and pipe)
+        self.handoff_s = 0.0  # this side's seconds in write_step/write_action (pack or pickle, and pipe)
         self._stderr = tempfile.TemporaryFile()  # the writer's stderr: quoted when it fails
         self._stderr_last = ""
         kick_read, self._kick = os.pipe()  # flush, close and a full pipe wake the writer through this
@@ -214,7 +226,12 @@ class TraceWriter:
             key = ("s", _step(record["step"]), _seconds(record["t_start"]), _seconds(record["t_end"]))
         except (KeyError, TypeError, ValueError) as e:
             raise TraceError(f"a step record needs int 'step' and finite 't_start', 't_end' ({e!r})") from None
-        return self._put(key, record)
+        t0 = time.perf_counter()
+        try:  # the packed layout: no pickle here, and the writer process only compresses it
+            packed = codec.pack(record)
+        except TraceError:  # e.g. an int past 64 bits: the general path keeps it (or counts it failed)
+            return self._put(key, record, t0=t0)
+        return self._put(key, record, STEP, STEP_KEY.pack(*key[1:]) + packed, t0=t0)
 
     def write_action(self, record: dict) -> bool:
         """Hand an action record ("time", "step", "kind" required) over. False if it was dropped."""
@@ -224,12 +241,13 @@ class TraceWriter:
             raise TraceError(f"an action record needs finite 'time', int 'step' and 'kind' ({e!r})") from None
         return self._put(key, record)
 
-    def _put(self, key, record) -> bool:
-        t0 = time.perf_counter()
+    def _put(self, key, record, kind: int = RECORD, payload=None, t0: float | None = None) -> bool:
+        t0 = time.perf_counter() if t0 is None else t0
         if self._closed:  # a hint only: checked again under the lock
             raise TraceError(f"trace writer for {self.path} is closed")
         try:
-            payload = _dumps((key, record))
+            if payload is None:
+                payload = _dumps((key, record))
         except Exception as e:  # noqa: BLE001 - the record cannot cross to the writer: count it as failed
             with self._lock:
                 self._local_failed += 1
@@ -245,7 +263,7 @@ class TraceWriter:
                 self._dropped += 1
                 accepted = False
             else:
-                self._append(RECORD, payload)
+                self._append(kind, payload)
                 self._drain()
                 accepted = True
             self.handoff_s += time.perf_counter() - t0
@@ -300,7 +318,7 @@ class TraceWriter:
         if self._broken is not None:
             return
         self._broken = reason
-        lost = sum(1 for kind, _ in self._backlog if kind == RECORD)
+        lost = sum(1 for kind, _ in self._backlog if kind in RECORD_KINDS)
         self._lost += lost
         self._dropped += lost
         self._backlog.clear()
@@ -360,7 +378,7 @@ class TraceWriter:
     @property
     def writer_stats(self) -> dict:
         """The writer process's own figures at its last answer: cpu_s (user + system), encode_s
-        (unpickle + codec), commit_s (SQLite), records."""
+        (unpickle and encode, or seal), commit_s (SQLite), records."""
         return {k: self._status[k] for k in ("cpu_s", "encode_s", "commit_s", "records") if k in self._status}
 
     # --- flush and close -----------------------------------------------------------------------
@@ -375,9 +393,11 @@ class TraceWriter:
                 self._flushes += 1
                 seq = self._flushes
                 self._append(FLUSH, seq.to_bytes(8, "little", signed=True))
+                self._drain()
+                # woken after the frame is in the pipe: a writer woken before it would find nothing,
+                # go back to sleep, and answer at its next poll (measured: 0.25 s late in 1 flush of 8)
                 self._kicked = False
                 self._wake_writer()
-                self._drain()
         if closed:
             return self._wait_closed(deadline)
         while self._answered < seq:
@@ -502,7 +522,7 @@ class TraceWriter:
                     continue  # the next write fails with EPIPE
             else:
                 backlog.popleft()
-        lost = sum(1 for kind, _ in backlog if kind == RECORD)
+        lost = sum(1 for kind, _ in backlog if kind in RECORD_KINDS)
         with contextlib.suppress(OSError):
             self._proc.stdin.close()
         with contextlib.suppress(OSError):

@@ -5,8 +5,10 @@ imports torch or the engine, so it starts in a fraction of a second and none of 
 under the engine's GIL.
 
 Frames (stdin): "<IqqB" header (payload length, the sender's dropped count so far, the sender's
-failed count so far (records it could not pickle), kind), then the payload. Kinds: RECORD
-(pickle of (key, record)), FLUSH (an 8-byte sequence number: commit now and answer), STOP
+failed count so far (records it could not pickle), kind), then the payload. Kinds: STEP (a
+step record: "<qdd" step, t_start, t_end, then the record in the codec's packed layout, which
+this process only seals), RECORD (pickle of (key, record): actions, and steps that cannot be
+packed), FLUSH (an 8-byte sequence number: commit now and answer), STOP
 (commit, finish the file, answer, exit). Answers (stdout) are JSON lines: {"ready": pid} once the
 file is open, then one per FLUSH and STOP; {"fatal": one line} if the process fails. End of input
 without STOP means the engine died: what arrived is committed and the file sealed with
@@ -30,7 +32,9 @@ import traceback
 from moectl.profiler import codec, trace_format
 
 FRAME = struct.Struct("<IqqB")
-RECORD, FLUSH, STOP = 0, 1, 2
+STEP_KEY = struct.Struct("<qdd")
+RECORD, FLUSH, STOP, STEP = 0, 1, 2, 3
+RECORD_KINDS = (RECORD, STEP)
 MAX_BATCH = 512  # rows per commit when the writer is behind: bounds the memory of one batch
 _READ = 1 << 20
 NICE = 10  # default niceness: below the engine, but not so low that a CPU-bound engine starves it
@@ -67,6 +71,20 @@ class _Writer:
             self._fail(1, f"encode: {e}")
         else:
             (self.steps if key[0] == "s" else self.actions).append((*key[1:], blob))
+        self.encode_s += time.perf_counter() - t0
+        if len(self.steps) + len(self.actions) >= MAX_BATCH:
+            self.commit()
+
+    def step(self, payload) -> None:
+        t0 = time.perf_counter()
+        self.records += 1
+        try:
+            key = STEP_KEY.unpack_from(payload)
+            blob = codec.seal(payload[STEP_KEY.size:])
+        except Exception as e:  # noqa: BLE001 - one bad record must not stop the trace
+            self._fail(1, f"encode: {e}")
+        else:
+            self.steps.append((*key, blob))
         self.encode_s += time.perf_counter() - t0
         if len(self.steps) + len(self.actions) >= MAX_BATCH:
             self.commit()
@@ -159,7 +177,9 @@ def _frames(writer: _Writer, buf: bytearray, out) -> bool:
 
 def _frame(writer: _Writer, kind: int, payload: memoryview, out) -> bool:
     """One frame; True after STOP."""
-    if kind == RECORD:
+    if kind == STEP:
+        writer.step(payload)
+    elif kind == RECORD:
         writer.record(payload)
     elif kind == FLUSH:
         writer.commit()

@@ -24,7 +24,7 @@ from concurrent.futures import Future
 
 import torch
 
-from moectl.engine.core import native_memory
+from moectl.engine.core import gc_heap, native_memory
 from moectl.engine.core.block_manager import BlockManager
 from moectl.engine.core.commands import CommandQueue
 from moectl.engine.core.config import EngineConfig, KnobError, SchedulerKnobs
@@ -227,6 +227,8 @@ class EngineCore:
             if self.experts is not None:
                 self.experts.after_step(self.step_count)
             native_memory.after_step()  # a periodic malloc_trim: varied batch shapes fragment the C heap
+            if self.step_count == 1:
+                gc_heap.after_first_step()  # full collections stop walking the model and torch
         outputs, self._outputs = self._outputs, []
         return outputs
 

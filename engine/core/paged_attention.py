@@ -40,6 +40,10 @@ class DecodeGroup:
     mask: torch.Tensor | None  # [rows, 1, 1, width * block_size] bool, None when no row is padded
     first_positions: torch.Tensor | None = None  # [rows]: absolute position of each row's first block
     lens: torch.Tensor | None = None  # [rows] int64: keys of each row from its table's first slot (kernel only)
+    # the kernel's per-window first keys, and its checks of the rows against the cache's shape:
+    # done by the step's first layer, shared by the rest (kernel only)
+    lo: dict = field(default_factory=dict)
+    checked_for: tuple | None = None
 
 
 @dataclass
@@ -68,10 +72,15 @@ class PagedContext:
         out = q.new_empty(*q.shape[:-1], v.shape[-1])
         for g in self.decode_groups:
             if g.lens is not None:
-                # a decode at relative position n - 1 sees keys [n - window, n) of its table
-                lo = (g.lens - window).clamp_(min=0) if window else torch.zeros_like(g.lens)
-                out[g.start:g.end] = paged_decode.decode(q[g.start:g.end], self.cache.k[layer], self.cache.v[layer],
-                                                         g.blocks, g.lens, lo, scale, sinks, latent_keys)
+                lo = g.lo.get(window)
+                if lo is None:  # a decode at relative position n - 1 sees keys [n - window, n) of its table
+                    lo = g.lo[window] = (g.lens - window).clamp_(min=0) if window else torch.zeros_like(g.lens)
+                k_cache = self.cache.k[layer]
+                shape = (window, k_cache.shape[:2])
+                out[g.start:g.end] = paged_decode.decode(q[g.start:g.end], k_cache, self.cache.v[layer], g.blocks,
+                                                         g.lens, lo, scale, sinks, latent_keys,
+                                                         checked=g.checked_for == shape)
+                g.checked_for = shape  # the call returned: its checks passed
                 continue
             keys, values = self.cache.gather_blocks(layer, g.blocks, g.end - g.start, g.width, q.dtype)
             keys = torch.cat([values, keys], dim=-1) if latent_keys else keys

@@ -78,8 +78,11 @@ Step record (format 1):
                               and "device_busy_s": [float] (measured, summed over the last
                               device_steps steps: those since the placement last changed, at most
                               the window), "utilisation": [float] (busy over the devices' parallel
-                              step time: modeled on emulated devices, measured on ranks)} (absent
-                              in traces recorded before it)}
+                              step time: modeled on emulated devices, measured on ranks),
+                              "age_steps": int (how many steps ago these figures were computed:
+                              every WINDOW_FIGURES_EVERY steps of experts/cluster.py, and at once
+                              after a placement change; absent in older traces and on the
+                              simulated backend)} (absent in traces recorded before it)}
 
 Action record: {"time": float (engine clock), "step": int (the last finished step),
 "kind": str, "args": dict, "result": dict}. An applied placement's result has "bytes_moved",

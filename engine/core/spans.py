@@ -28,8 +28,9 @@ class SpanRecorder:
         self.lane_index = {name: i for i, name in enumerate(self.lanes)}
         self.cuda = cuda
         self._names: dict[str, int] = {}
-        self._rows: list[tuple] = []  # (lane, name id, layer, start, end, modeled)
+        self._rows: list[tuple] = []  # (lane, name id, layer, start, end), measured
         self._events: list[tuple] = []  # CUDA: (lane, name id, layer, start event, end event)
+        self._blocks: list[tuple] = []  # modeled: (lanes, name id, layers, starts, ends), arrays
         self.t0 = 0.0
         self._t0_event = None
 
@@ -43,6 +44,7 @@ class SpanRecorder:
         """t0: the step's start on the engine clock (span times are offsets from it)."""
         self._rows.clear()
         self._events.clear()
+        self._blocks.clear()
         self.t0 = _now() if t0 is None else t0
         if self.cuda:
             self._t0_event = torch.cuda.Event(enable_timing=True)
@@ -62,15 +64,17 @@ class SpanRecorder:
             end.record()
             self._events.append((lane, self._name(name), layer, mark, end))
         else:
-            self._rows.append((lane, self._name(name), layer, mark, _now(), False))
+            self._rows.append((lane, self._name(name), layer, mark, _now()))
 
     def add_measured(self, name: str, lane: int, layer: int, start: float, end: float) -> None:
         """A span timed by someone else on the perf_counter clock (e.g. a device's busy time)."""
-        self._rows.append((lane, self._name(name), layer, start, end, False))
+        self._rows.append((lane, self._name(name), layer, start, end))
 
-    def add_modeled(self, name: str, lane: int, layer: int, start: float, seconds: float) -> None:
-        """A span whose length is modeled (link time from bytes and bandwidth), flagged so."""
-        self._rows.append((lane, self._name(name), layer, start, start + seconds, True))
+    def add_modeled(self, name: str, lanes: np.ndarray, layers: np.ndarray, starts: np.ndarray,
+                    seconds: np.ndarray) -> None:
+        """Spans whose lengths are modeled (link time from bytes and bandwidth), flagged so: a
+        whole step's of one name at once, as arrays (no Python loop per span)."""
+        self._blocks.append((lanes, self._name(name), layers, starts, starts + seconds))
 
     def collect(self) -> dict:
         """The step's spans as the record's columns, times relative to begin_step."""
@@ -79,16 +83,24 @@ class SpanRecorder:
             self._events[-1][4].synchronize()
             for lane, name, layer, start, end in self._events:
                 begin = self._t0_event.elapsed_time(start) / 1e3 + self.t0
-                rows.append((lane, name, layer, begin, begin + start.elapsed_time(end) / 1e3, False))
+                rows.append((lane, name, layer, begin, begin + start.elapsed_time(end) / 1e3))
         names = sorted(self._names, key=self._names.get)
-        if not rows:
+        lane, name, layer, start, end = ([np.asarray(column)] for column in zip(*rows)) if rows else ([], [], [], [], [])
+        for lanes, name_id, layers, starts, ends in self._blocks:
+            lane.append(lanes)
+            name.append(np.full(len(lanes), name_id))
+            layer.append(layers)
+            start.append(starts)
+            end.append(ends)
+        if not lane:
             empty = np.zeros(0)
             return {"lanes": self.lanes, "names": names, "lane": empty.astype(np.int16),
                     "name": empty.astype(np.int16), "layer": empty.astype(np.int16), "start_s": empty,
                     "dur_s": empty, "modeled": empty.astype(bool)}
-        lane, name, layer, start, end, modeled = zip(*rows)
-        start = np.asarray(start) - self.t0
-        return {"lanes": self.lanes, "names": names, "lane": np.asarray(lane, dtype=np.int16),
-                "name": np.asarray(name, dtype=np.int16), "layer": np.asarray(layer, dtype=np.int16),
-                "start_s": start, "dur_s": np.asarray(end) - self.t0 - start,
-                "modeled": np.asarray(modeled, dtype=bool)}
+        modeled = np.zeros(sum(len(x) for x in lane), dtype=bool)
+        modeled[len(rows):] = True
+        start_s = np.concatenate(start).astype(np.float64) - self.t0
+        return {"lanes": self.lanes, "names": names, "lane": np.concatenate(lane).astype(np.int16),
+                "name": np.concatenate(name).astype(np.int16), "layer": np.concatenate(layer).astype(np.int16),
+                "start_s": start_s, "dur_s": np.concatenate(end).astype(np.float64) - self.t0 - start_s,
+                "modeled": modeled}

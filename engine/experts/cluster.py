@@ -29,6 +29,11 @@ from moectl.engine.experts.step_time import ExpertCostModel, change, parallel_st
 from moectl.engine.models.decoder import MoEForCausalLM
 from moectl.engine.models.moe import MoEBlock
 
+# The window's figures move slowly (a window of LOAD_WINDOW_STEPS steps) and cost more than the
+# rest of the devices record: a real cluster recomputes them every this many steps, and at once
+# when the placement changes; a record says how many steps old its figures are ("age_steps").
+WINDOW_FIGURES_EVERY = 8
+
 
 def window_figures(window, placement: Placement, device_window) -> dict:
     """A step record's "window": the window's routing over the placement in force (balancedness,
@@ -71,6 +76,8 @@ class ClusterBase:
         self.placement = placement
         self.bytes_moved_total = 0
         self.recent_step_s = 0.0  # the last step's parallel step time (_time_step)
+        self._figures: dict | None = None  # the window figures last computed (observe)
+        self._figures_placement: Placement | None = None
 
     @property
     def num_devices(self) -> int:
@@ -117,8 +124,14 @@ class ClusterBase:
         s = self.stats
         self.device_window.append((np.asarray(s.tokens, dtype=np.float64), np.asarray(s.busy_s, dtype=np.float64),
                                    float(self.recent_step_s)))
-        figures = window_figures(self.window, self.placement, self.device_window)
-        self.window_balancedness = figures["balancedness"]  # auto mode's trigger reads it (auto_plan)
+        figures = self._figures
+        if (figures is None or figures["age_steps"] + 1 >= WINDOW_FIGURES_EVERY
+                or self._figures_placement is not self.placement or len(self.device_window) == 1):
+            figures = self._figures = {**window_figures(self.window, self.placement, self.device_window), "age_steps": 0}
+            self._figures_placement = self.placement
+            self.window_balancedness = figures["balancedness"]  # auto mode's trigger reads it (auto_plan)
+        else:
+            figures = self._figures = {**figures, "age_steps": figures["age_steps"] + 1}
         return figures
 
     def auto_plan(self, step: int) -> RebalancePlan | None:

@@ -60,12 +60,11 @@ class StepDeviceStats:
         if not pending:
             return
         seconds = self.link_seconds(np.stack([traffic for *_, traffic in pending]))  # [layers, D]
-        lanes = 1 + self.num_devices
-        for i, d in zip(*(axis.tolist() for axis in np.nonzero(seconds))):
-            layer, t_dispatch, t_combine, _ = pending[i]
-            s = float(seconds[i, d])
-            self.tracer.add_modeled("all_to_all dispatch", lanes + d, layer, t_dispatch, s)
-            self.tracer.add_modeled("all_to_all combine", lanes + d, layer, t_combine, s)
+        i, d = np.nonzero(seconds)
+        layers, t_dispatch, t_combine = (np.asarray(column)[i] for column in list(zip(*pending))[:3])
+        lanes, s = 1 + self.num_devices + d, seconds[i, d]
+        self.tracer.add_modeled("all_to_all dispatch", lanes, layers, t_dispatch, s)
+        self.tracer.add_modeled("all_to_all combine", lanes, layers, t_combine, s)
 
     def timed(self, device: int, fn, torch_device: torch.device | None = None, layer: int = -1):
         """Run fn as `device`'s work and add its time; CUDA events on GPU (recorded on the stream

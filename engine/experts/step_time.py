@@ -28,6 +28,9 @@ import numpy as np
 from moectl.engine.experts.placement import Placement
 
 CALIBRATION_DECAY = 0.98  # per step: a sample half a minute old at 20 steps/s weighs almost nothing
+# The fit moves slowly (its samples decay over ~50 steps): each step's record and error use the
+# coefficients refitted at most this many observed steps ago; predictions refit first.
+REFIT_EVERY = 8
 
 
 class ExpertCostModel:
@@ -41,6 +44,8 @@ class ExpertCostModel:
         self._abs_err = 0.0  # decayed sum of |predicted - measured| per sample (with the coefficients then)
         self._busy = 0.0  # decayed sum of measured busy
         self.samples = 0
+        self._coef: np.ndarray | None = None  # the last fit (refitted every REFIT_EVERY observed steps)
+        self._observed_since_fit = 0
 
     @classmethod
     def fixed(cls, per_expert_s: float, per_row_s: float) -> ExpertCostModel:
@@ -63,13 +68,21 @@ class ExpertCostModel:
         self._gram = self.decay * self._gram + x @ x.T
         self._xy = self.decay * self._xy + x @ y
         self.samples += int(mask.sum())
+        self._observed_since_fit += 1
 
-    def coefficients(self) -> np.ndarray:
-        """(per_expert_s, per_row_s), both >= 0 (a per-row or per-expert cost is never negative)."""
+    def coefficients(self, fresh: bool = False) -> np.ndarray:
+        """(per_expert_s, per_row_s), both >= 0 (a per-row or per-expert cost is never negative).
+        fresh: refit on every sample so far; otherwise the fit may be up to REFIT_EVERY steps old."""
         if self._fixed is not None:
             return self._fixed
         if not self.samples:
             return np.zeros(2)
+        if fresh or self._coef is None or self._observed_since_fit >= REFIT_EVERY:
+            self._coef = self._fit()
+            self._observed_since_fit = 0
+        return self._coef
+
+    def _fit(self) -> np.ndarray:
         gram = self._gram + np.eye(2) * 1e-12 * max(np.trace(self._gram), 1.0)
         coef = np.linalg.solve(gram, self._xy)
         if (coef < 0).any():  # then the one term whose fit alone explains most (largest xy^2 / xx)
@@ -80,7 +93,7 @@ class ExpertCostModel:
         return coef
 
     def predict(self, rows: np.ndarray, active: np.ndarray) -> np.ndarray:
-        per_expert, per_row = self.coefficients()
+        per_expert, per_row = self.coefficients(fresh=True)
         return np.where(rows > 0, per_expert * active + per_row * rows, 0.0)
 
     def summary(self) -> dict:

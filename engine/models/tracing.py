@@ -24,7 +24,7 @@ class NullTracer:
     def add_measured(self, name: str, lane: int, layer: int, start: float, end: float) -> None:
         return None
 
-    def add_modeled(self, name: str, lane: int, layer: int, start: float, seconds: float) -> None:
+    def add_modeled(self, name: str, lanes, layers, starts, seconds) -> None:
         return None
 
 

@@ -46,7 +46,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from moectl.engine.core import paged_decode
+from moectl.engine.core import gc_heap, paged_decode
 from moectl.engine.core.config import EngineConfig
 from moectl.engine.core.kv_cache import KVCache
 from moectl.engine.core.model_runner import ModelRunner
@@ -451,6 +451,8 @@ def worker_loop(model, cache: KVCache, channel: StepChannel, device: torch.devic
                 stats.reset()
             model(ids, positions, ctx)
             steps += 1
+            if steps == 1:
+                gc_heap.after_first_step()
             if stats is not None:
                 dist.gather(stats.pack(), None, dst=0, group=state.ctrl_group)
     return steps
@@ -596,6 +598,7 @@ class ScoreJob:
 def _child(rank: int, world: int, port: int, device: str, timeout_s: float, num_threads: int | None,
            fn: Callable[[], Any], results) -> None:
     code = 0
+    gc_heap.own_process()  # a rank runs its engine (or step loop) for its whole life
     try:
         if num_threads:
             torch.set_num_threads(num_threads)

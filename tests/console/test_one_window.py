@@ -10,6 +10,7 @@ from moectl.console.state import ConsoleState
 from moectl.engine.core.config import EngineConfig
 from moectl.engine.core.sampling import SamplingParams
 from moectl.engine.core.topology import Topology
+from moectl.engine.experts.cluster import WINDOW_FIGURES_EVERY
 from moectl.engine.experts.rebalancer import LOAD_WINDOW_STEPS
 from moectl.engine.llm_engine import LLMEngine
 from moectl.profiler.recorder import engine_header
@@ -37,14 +38,20 @@ def test_the_console_and_the_metrics_window_is_the_engines(tmp_path, single_thre
     metrics = ServerMetrics(header)
     for record in records:
         metrics.observe_step(record)
-    # the engine's figures, from its window and the placement in force, as the records carry them
+    # the engine's figures, from its window and the placement in force, as the records carry them:
+    # computed every WINDOW_FIGURES_EVERY steps (age_steps 0), carried unchanged by the steps after
     placement = engine.experts.placement
-    per_layer, overall = placement.balancedness(engines_window.loads())
+    ages = [r["devices"]["window"]["age_steps"] for r in records]
+    fresh = max(i for i, age in enumerate(ages) if age == 0)
+    assert ages[fresh:] == list(range(len(records) - fresh)) and max(ages) < WINDOW_FIGURES_EVERY
+    assert ages.count(0) >= len(records) // WINDOW_FIGURES_EVERY
+    then = records[fresh - LOAD_WINDOW_STEPS + 1:fresh + 1]  # the window as it was at that step
+    per_layer, overall = placement.balancedness(np.sum([r["routing"] for r in then], axis=0))
     window = records[-1]["devices"]["window"]
     assert window["steps"] == LOAD_WINDOW_STEPS and window["balancedness"] == float(overall)
     assert state.balancedness()["overall"] == float(overall)
     assert state.balancedness()["per_layer"] == [float(x) for x in per_layer]
-    measured = np.sum([r["devices"]["tokens"] for r in records[-LOAD_WINDOW_STEPS:]], axis=0)
+    measured = np.sum([r["devices"]["tokens"] for r in then], axis=0)
     np.testing.assert_array_equal(state.device_loads(), measured)
     sparse = np.asarray(header["model"]["sparse_layers"], dtype=bool)
     moe = per_layer[sparse] if sparse.any() else per_layer

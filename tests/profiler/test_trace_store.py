@@ -16,6 +16,7 @@ import pytest
 from moectl.profiler import codec, trace_store
 from moectl.profiler.codec import TraceError, decode, encode
 from moectl.profiler.trace_store import FORMAT_VERSION, TraceReader, TraceWriter
+from moectl.profiler.writer_process import FRAME
 
 
 def same(a, b) -> bool:
@@ -120,6 +121,71 @@ def test_codec_rejects_what_it_cannot_store_and_corrupt_payloads():
         decode(b"")
     with pytest.raises(TraceError, match="corrupt"):
         decode(bytes([codec.CODEC_VERSION]) + os.urandom(64))
+
+
+def test_packed_layout_round_trips_what_the_first_layout_does():
+    """Version 2 (pack on the engine thread, seal in the writer) gives back what was packed:
+    dtypes, shapes, numpy scalars, key order and odd keys, big records shrunk losslessly."""
+    rng = np.random.default_rng(0)
+    record = {
+        "step": 7, "t_start": 1.25, "t_end": 1.5, "ok": True, "none": None, "nan": float("nan"), "text": "é\x00x",
+        "routing": rng.integers(0, 300, (61, 384)).astype(np.int32),
+        "traffic": (rng.integers(0, 50, (8, 8)) * 14336).astype(np.int64),
+        "extremes": np.array([-2**63, 0, 2**63 - 1], np.int64), "u64": np.array([0, 2**64 - 1, 5] * 30, np.uint64),
+        "constant": np.zeros((40, 5), np.int16), "big_endian": np.arange(100, dtype=">i4"),
+        "mask": rng.random(9) > 0.5, "f16": rng.random((2, 3)).astype(np.float16), "f64": rng.random(500),
+        "c128": np.array([1 + 2j]), "strings": np.array(["ab", "c"]), "empty": np.zeros((0, 3), np.int32),
+        "zero_d": np.array(7), "np_int": np.int64(5), "np_float": np.float32(2.5), "np_bool": np.bool_(True),
+        "fortran": np.asfortranarray(rng.integers(0, 9, (3, 4))),
+        "int_list": list(range(40)), "mixed_list": [1, 2.0, "x", None, True] * 3,
+        "odd_keys": {1: "a", (0, 1): [1, 2], "\x00nd": "not an array"},
+        "nested": {"a": {"b": [{"c": np.arange(3, dtype=np.uint8)}]}}, "tuple": (1, 2),
+    }
+    packed = codec.pack(record)
+    assert len(packed) >= codec.SEAL_SHAPE_BYTES  # so the arrays are shrunk and shuffled
+    for payload in (codec.seal(packed), codec.seal(codec.pack({k: v for k, v in record.items() if k != "routing"}))):
+        assert payload[0] == codec.PACKED_VERSION
+        out = decode(payload)
+        expected = dict(record, tuple=[1, 2])
+        for key in out:
+            assert same(expected[key], out[key]), key
+            if isinstance(out[key], np.ndarray):
+                assert out[key].flags.writeable, key
+        assert list(out) == [k for k in record if k in out]
+    assert same(decode(codec.seal(packed))["routing"], record["routing"])
+
+
+def test_packed_layout_shrinks_big_records_and_refuses_what_it_cannot_store():
+    rng = np.random.default_rng(1)
+    routing = rng.multinomial(512 * 8, rng.dirichlet(np.ones(384), size=61)).astype(np.int32)
+    payload = codec.seal(codec.pack({"routing": routing}))
+    assert len(payload) < routing.nbytes / 5
+    assert abs(len(payload) - len(encode({"routing": routing}))) < 200  # as small as the first layout
+    with pytest.raises(TraceError, match="cannot pack"):
+        codec.pack({"x": object()})
+    with pytest.raises(TraceError, match="cannot pack"):
+        codec.pack({"x": 2**70})
+    with pytest.raises(TraceError, match="must be a dict"):
+        codec.pack([1])
+    good = codec.seal(codec.pack({"a": np.arange(100)}))
+    for bad in (good[:-7], bytes([codec.PACKED_VERSION]) + os.urandom(64),
+                bytes([codec.PACKED_VERSION]) + __import__("zlib").compress(b"\x91\x01")):  # a list, not a dict
+        with pytest.raises(TraceError, match="corrupt"):
+            decode(bad)
+
+
+def test_steps_are_written_packed_and_an_unpackable_one_the_first_way(tmp_path):
+    path = tmp_path / "t.trace"
+    with TraceWriter(path, {"model": "tiny"}) as w:
+        assert w.write_step(step_record(0))
+        assert w.write_step(dict(step_record(1), huge=2**70))  # past msgpack's ints: pickled, encoded there
+        assert w.write_action({"time": 1.0, "step": 1, "kind": "knobs", "args": {}, "result": {}})
+    with sqlite3.connect(path) as conn:
+        versions = [row[0][0] for row in conn.execute("SELECT payload FROM steps ORDER BY step")]
+    assert versions == [codec.PACKED_VERSION, codec.CODEC_VERSION]
+    with TraceReader(path) as reader:
+        steps = list(reader.steps())
+    assert same(steps[0], step_record(0)) and steps[1]["huge"] == 2**70
 
 
 # --- writer and reader -----------------------------------------------------------------------------
@@ -419,3 +485,30 @@ def test_the_str_keys_fast_path_writes_the_same_records():
     assert same(general, fast) and same(fast["routing"], record["routing"])
     with pytest.raises(codec.TraceError, match="cannot store"):
         codec.encode({"step": 1, "bad": object()}, str_keys=True)
+
+
+def test_a_flush_wakes_the_writer_after_its_frame_is_in_the_pipe(tmp_path, monkeypatch):
+    """The writer process sleeps up to its poll interval unless kicked. A kick sent before the
+    flush's frame is in the pipe can wake it to an empty pipe, and the flush then waits out the
+    interval (it did: 0.25 s, once in 8 flushes). So the kick must follow the frame's write."""
+    from moectl.profiler import trace_writer as tw
+
+    with TraceWriter(tmp_path / "t.trace", {"model": "tiny"}, flush_interval_s=600) as w:
+        assert w.write_step(step_record(0))
+        events = []
+        writev, write = os.writev, os.write
+
+        def logged_writev(fd, parts):
+            events.append(("frame", bytes(parts[0])[FRAME.size - 1]))  # the header's last byte: its kind
+            return writev(fd, parts)
+
+        def logged_write(fd, data):
+            events.append(("kick", None) if fd == w._kick else ("write", None))
+            return write(fd, data)
+
+        monkeypatch.setattr(tw.os, "writev", logged_writev)
+        monkeypatch.setattr(tw.os, "write", logged_write)
+        assert w.flush(timeout=60)
+        monkeypatch.undo()
+    flush_frame = events.index(("frame", tw.FLUSH))
+    assert ("kick", None) in events[flush_frame + 1:], events

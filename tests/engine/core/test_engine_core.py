@@ -303,3 +303,31 @@ def test_a_victim_already_in_the_step_is_taken_out_of_it(ckpt, ref_model):
         assert out.token_ids == reference_greedy(ref_model, p, 6)
     assert engine.blocks.num_used == 0
     engine.blocks.check_invariants()
+
+
+def test_an_engine_freezes_the_heap_after_its_first_step_only_in_a_process_that_owns_it(ckpt, monkeypatch):
+    """gc_heap: after the first step, full collections stop walking the model and torch; a
+    process that builds and drops engines (this test suite) is left alone."""
+    import gc
+
+    from moectl.engine.core import gc_heap
+
+    gc.unfreeze()
+    try:
+        LLMEngine(EngineConfig(model=ckpt)).generate([[1, 2, 3]], SamplingParams(max_tokens=2))
+        assert gc.get_freeze_count() == 0
+        monkeypatch.setattr(gc_heap, "_owned", True)
+        engine = LLMEngine(EngineConfig(model=ckpt))
+        assert gc.get_freeze_count() == 0
+        engine.generate([[1, 2, 3]], SamplingParams(max_tokens=3))
+        frozen = gc.get_freeze_count()
+        assert frozen > 1000  # torch's modules and the engine's objects
+        assert not any(o is engine for o in gc.get_objects())  # frozen objects are out of the collector's lists
+        engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
+        assert gc.get_freeze_count() == frozen  # once, after the first step
+        monkeypatch.setenv("MOECTL_GC_FREEZE", "0")
+        gc.unfreeze()
+        LLMEngine(EngineConfig(model=ckpt)).generate([[1, 2, 3]], SamplingParams(max_tokens=2))
+        assert gc.get_freeze_count() == 0
+    finally:
+        gc.unfreeze()

@@ -159,3 +159,37 @@ def test_the_kernel_refuses_a_row_longer_than_its_table():
     with pytest.raises(RuntimeError, match="one per query head"):
         paged_decode.decode(q, cache.k[0], cache.v[0], g.blocks, g.lens, torch.zeros_like(g.lens), 0.3,
                             sinks=torch.zeros(1))
+
+
+@pytest.mark.parametrize("threads", [1, 4])
+@pytest.mark.parametrize("lens", [(17,), (3, 17)])
+def test_fewer_rows_than_threads_split_over_kv_heads_and_match(threads, lens):
+    """With fewer rows than threads each (row, KV head) is a task of its own (with 1 thread, or
+    as many rows as threads, a row is one task): the same result either way."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for heads, kv_heads in ((4, 2), (6, 3), (4, 1)):
+            cache, kernel_ctx, torch_ctx, q = _contexts(torch.float32, heads=heads, kv_heads=kv_heads, lens=lens)
+            a, b = _attend_both(kernel_ctx, torch_ctx, q, cache)
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_steps_rows_are_checked_by_its_first_layer_and_trusted_after():
+    cache, kernel_ctx, torch_ctx, q = _contexts(torch.float32, heads=4, kv_heads=2)
+    g = kernel_ctx.decode_groups[0]
+    bad = PagedContext(cache=cache, slot_mapping=kernel_ctx.slot_mapping, num_decodes=4,
+                       decode_context_lens=g.lens,
+                       decode_groups=[DecodeGroup(0, 4, g.blocks, g.width, None, lens=g.lens + 100)])
+    with pytest.raises(RuntimeError, match="keys, its table holds"):
+        _attend_both(bad, torch_ctx, q, cache)
+    assert bad.decode_groups[0].checked_for is None  # a refused group is not trusted by the next layer
+    first, _ = _attend_both(kernel_ctx, torch_ctx, q, cache)
+    assert g.checked_for == (0, cache.k[0].shape[:2])
+    second, expected = _attend_both(kernel_ctx, torch_ctx, q, cache)  # checked=True this time
+    torch.testing.assert_close(second, expected, rtol=1e-5, atol=1e-6)
+    assert torch.equal(first, second)
+    windowed, _ = _attend_both(kernel_ctx, torch_ctx, q, cache, window=5)  # another lo: checked again
+    assert g.checked_for == (5, cache.k[0].shape[:2]) and set(g.lo) == {0, 5}
