@@ -12,8 +12,9 @@ bench/figures.json (id -> its JSON, the command, the day, the machine), from whi
 between the `bench/figures.py` markers in README.md and bench/README.md are written. A test
 (tests/test_figures.py) fails when a table and figures.json disagree.
 
-Not every figure in the docs comes from here yet: the rest of README's "Measured" table is
-still written by hand (issue 25, part 3), each row with its command.
+Every measured figure in README.md and bench/README.md comes from here; the prose around the
+tables describes methods and limits and quotes no measured figure. Properties the tests check
+(pass or fail) are listed apart in README.md, with their test commands.
 """
 
 from __future__ import annotations
