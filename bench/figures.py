@@ -129,10 +129,17 @@ def console(r: dict) -> list[tuple[str, str]]:
              + (f"; keypress -> frame median {big['frame']['median_ms']:.1f} ms, p95 {big['frame']['p95_ms']:.1f} ms"
                 if big else ""))]
     if "update_rate" in r:
+        rows += console_live("console, live on the sample model, its engine in a process of its own (`moectl run`), "
+                             "engine flat out")(r)
+    return rows
+
+
+def console_live(label: str):
+    def rows(r: dict) -> list[tuple[str, str]]:
+        tg = r["targets"]
         u, ub, f, t = r["update_rate"], r["update_rate_in_process"], r["first_screen"], r["throughput"]
         k, kb = r["keys"]["frame"], r["keys_in_process"]["frame"]
-        rows.append(("console, live on the sample model, its engine in a process of its own (`moectl run`), engine "
-                     "flat out",
+        return [(label,
                      f"updates {u['updates_per_s']:.1f}/s, at least {u['min_updates_in_a_second']} in every second "
                      f"(in-process baseline {ub['updates_per_s']:.1f}; target >= {tg['updates_per_s']:g}: "
                      f"{_met(u['updates_per_s'] >= tg['updates_per_s'])}); first frame {f['first_frame_s']} s after the "
@@ -142,7 +149,7 @@ def console(r: dict) -> list[tuple[str, str]]:
                      f"{kb['p95_ms']:.1f}; targets {tg['key_ms']:g} / {tg['key_p95_ms']:g} ms: "
                      f"{_met(k['median_ms'] <= tg['key_ms'] and k['p95_ms'] <= tg['key_p95_ms'])}); engine throughput "
                      f"with a console over without {t['ratio']:.3f} (target >= {tg['throughput_ratio']:g}: "
-                     f"{_met(t['ratio'] >= tg['throughput_ratio'])})"))
+                     f"{_met(t['ratio'] >= tg['throughput_ratio'])}; {t['rounds']} rounds)")]
     return rows
 
 
@@ -176,8 +183,234 @@ def rebalance_drift(r: dict) -> list[tuple[str, str]]:
              f"{d['slots_moved_share']:.1%})")]
 
 
-def pending(r: dict) -> list[tuple[str, str]]:
-    return []
+def verify(r: dict) -> list[tuple[str, str]]:
+    return [(f"engine vs transformers, sample model ({r['architecture']}, {r['num_layers']} layers, every expert hit: "
+             f"{r['expert_coverage']})",
+             f"hidden states and logits max relative error {r['max_rel_error']:.1e} (threshold "
+             f"{r['thresholds']['max_rel_error']:g}); bf16 log-likelihood difference {r['loglik_rel_diff']:.3%}; "
+             f"greedy {r['greedy_matched']} identical; {'passed' if r['passed'] else 'FAILED'}")]
+
+
+def logprob(r: dict) -> list[tuple[str, str]]:
+    return [(f"log-probabilities through the API vs transformers (echo, logprobs 5, max_tokens 0; "
+             f"{r['positions']:,} positions)",
+             f"max relative difference {r['max_rel_diff']:.1e} (target {r['target_rel']:g}: {_met(r['met'])}), max "
+             f"absolute {r['max_abs_diff']:.1e}; top-5 agree at {_pct(r['top5_agree_fraction'])} of positions")]
+
+
+def import_roundtrip(r: dict) -> list[tuple[str, str]]:
+    worst = max((v for i in r["imports"].values() for v in i["diff"].values() if isinstance(v, float)), default=0.0)
+    same = all(i["diff"]["hottest_experts_same"] and i["diff"]["plan_placement_same"] and not i["diff"]["tokens_routed"]
+               for i in r["imports"].values())
+    return [(f"an engine trace ({r['steps']} steps, {r['devices']} devices) through SGLang's and vLLM's formats and "
+             f"back (`trace import`)",
+             f"balancedness, per layer and the plan's: largest difference {worst:g}; tokens routed, hottest experts "
+             f"and the rebalance plan {'identical' if same else 'DIFFERENT'}; {len(r['failed'])} checks failed; the "
+             f"exported SGLang file's plan balancedness {r['export']['balancedness_after']:.4f}")]
+
+
+def kineto_hta(r: dict) -> list[tuple[str, str]]:
+    return [(f"Kineto figures against Holistic Trace Analysis {r['hta_version']} on the same traces ({r['ranks']} ranks "
+             f"x {r['kernels']:,} kernels, NCCL on its own stream)",
+             f"per-rank idle time: largest relative difference {r['idle_max_diff_ratio']:.1e}; comm-comp overlap: "
+             f"largest difference {r['overlap_max_diff_points'] * 100:.3f} points")]
+
+
+def decode(r: dict) -> list[tuple[str, str]]:
+    e = r["engine"]
+    att = "; ".join(f"{a['rows']} x {a['keys']}: {a['kernel_ms']:.2f} vs {a['torch_ms']:.2f} ms" for a in r["attention"])
+    return [("engine, compare-hf workload, decode kernel vs the padded-gather path it replaced",
+             f"{e['kernel']['tok_s']:,.0f} vs {e['torch']['tok_s']:,.0f} output tok/s ({e['throughput_ratio']:.2f}x), "
+             f"process CPU {e['kernel']['cpu_s']:.1f} vs {e['torch']['cpu_s']:.1f} s"),
+            ("decode attention step, in-place kernel vs padded gather + SDPA (rows x keys)", att)]
+
+
+def kv_int8(r: dict) -> list[tuple[str, str]]:
+    return [("INT8 KV cache",
+             f"{r['memory_ratio']:.2f}x the bytes of {r['model_dtype']} KV ({r['memory_ratio_vs_bf16']:.2f}x of bf16); "
+             f"NLL within {r['nll_rel_diff']:.3%} of {r['model_dtype']} KV over {r['tokens_scored']} tokens, top-1 "
+             f"agreement {_pct(r['top1_agreement'])}")]
+
+
+def sample_routing(r: dict) -> list[tuple[str, str]]:
+    b, t = r["rebalance"], r["tiered"]
+
+    def waits(c):
+        w = c["miss_wait_s_per_device"]
+        return f"{min(w) * 1e3:.1f}-{max(w) * 1e3:.1f} ms"
+
+    return [(f"rebalancer on the sample model's recorded routing ({b['steps']} steps)",
+             "; ".join(f"{d} devices: {b[f'devices_{d}']['balancedness_before']:.3f} -> "
+                       f"{b[f'devices_{d}']['balancedness_after']:.3f}" for d in (4, 8))
+             + " (1 redundant slot/device)"),
+            ("tiered expert memory, live engine, 4 devices, 8-slot cache each",
+             f"hit rate {_pct(t['none']['hit_rate'])} without prefetch, {_pct(t['router']['hit_rate'])} with router "
+             f"prefetch; miss wait per device {waits(t['none'])} -> {waits(t['router'])} (measured, CPU copies)")]
+
+
+def expert_cache(r: dict) -> list[tuple[str, str]]:
+    run = r["runs"][0]
+    c = run["capacities"][0]
+    return [(f"expert cache, {r['num_devices']} devices, batch {run['batch_size']}, {c['capacity_frac']:.0%} capacity",
+             f"LRU {_pct(c['lru'])}, LRU + router prefetch {_pct(c['prefetch']['router'])}, Belady {_pct(c['belady'])}")]
+
+
+def disk_tier(r: dict) -> list[tuple[str, str]]:
+    mib = 2 ** 20
+    return [(f"disk tier, experts {r['experts_over_host_mem']:.1f}x `--host-mem {r['host_mem'] // mib}MiB`",
+             f"peak RSS {r['disk_peak_rss'] / mib:.0f} MiB (all in memory {r['all_in_memory_peak_rss'] / mib:.0f} MiB; "
+             f"bound {r['bound'] / mib:.0f} MiB: {_met(r['within_bound'])}); tokens "
+             f"{'identical' if r['tokens_identical'] else 'DIFFERENT'}; HBM-cache hit rate {_pct(r['hbm_hit_rate'])}")]
+
+
+def expert_share(r: dict) -> list[tuple[str, str]]:
+    m = r["measured"]
+    share = m["share_of_step"]
+    return [(f"sample-dsv3: how much of a decode step the routed experts are (batch {r['batch']}, context "
+             f"{r['context']}, one process)",
+             f"{_pct(r['routed_experts_flop_share'])} of the matmul FLOPs, {_pct(m['routed_experts_share'])} of the "
+             f"measured step (attention {_pct(share['attention'])}, shared expert {_pct(share['shared expert'])}; "
+             f"median step {m['step_ms_median']:.1f} ms)")]
+
+
+def sim_step(r: dict) -> list[tuple[str, str]]:
+    return [(f"simulator speed: one simulated step at {r['devices']} devices x {r['layers']} layers x {r['experts']} "
+             f"experts (Kimi-K2, Zipf-1.0, decode)",
+             f"{r['median_s'] * 1e3:.1f} ms per step, {r['steps_per_s']:.0f} steps/s (the step model alone; target >= "
+             f"{r['target_steps_per_s']}: {_met(r['steps_per_s'] >= r['target_steps_per_s'])})")]
+
+
+def sim_validation(r: dict) -> list[tuple[str, str]]:
+    n, t = len(r["cases"]), r["target"]
+    two = [c["balanced_two_batch"]["error"] for c in r["cases"]]
+    one = r["balanced"]
+    return [("simulator (`moectl sim`) against published deployments, DeepSeek-V3, nothing fitted per case",
+             f"with the deployments' own two-batch overlap: {min(two):+.0%} to {max(two):+.0%} per node "
+             f"({r['balanced_two_batch']['within_25pct']} of {n} within the {t:.0%} target: "
+             f"{_met(r['balanced_two_batch']['within_25pct'] == n)}); without overlap {one['within_25pct']} of {n} "
+             f"within {t:.0%} (median {_pct(one['median_abs_error'])}); see docs/sim.md")]
+
+
+def sim_rebalance(r: dict) -> list[tuple[str, str]]:
+    rounds = r["rounds"]
+    pred = [x["predicted_gain"] for x in rounds]
+    bb = sum(x["balancedness_before"] for x in rounds) / len(rounds)
+    ba = sum(x["balancedness_after"] for x in rounds) / len(rounds)
+    return [(f"a simulated rebalance at the seeds' scale ({r['model']}, {r['devices']} simulated "
+             f"{r['hardware'].removeprefix('NVIDIA ')}s, routing {r['routing'].split(' (')[0]}, scaled up; naive "
+             f"contiguous -> planned with 1 spare slot)",
+             f"{r['gain_median']:+.1%} simulated tokens/s ({r['gain_min']:+.1%} to {r['gain_max']:+.1%}, {len(rounds)} "
+             f"rounds; {'the same batches under both placements' if r['same_batches'] else 'DIFFERENT batches'}), "
+             f"predicted {min(pred):+.1%} to {max(pred):+.1%} by the preview on one batch; balancedness {bb:.2f} -> "
+             f"{ba:.2f}. The seeds measured +17% on their own cluster")]
+
+
+def sim_console(r: dict) -> list[tuple[str, str]]:
+    e, rec, c = r["engine_alone"], r["record"], r["console"]
+    target = r["target_steps_per_s"]
+    return [(f"the simulated backend at {r['devices']} devices ({r['model']}, its demo workload, "
+             f"{e['running']:,} sequences running)",
+             f"simulated steps per wall second: engine alone {e['from_empty_steps_per_s']} (first {e['steps']} steps) / "
+             f"{e['steady_steps_per_s']} (next {e['steps']}), `record` {rec['steps_per_s']} "
+             f"({rec['trace_bytes_per_step'] / 1e3:.1f} KB of trace per step), the live console {c['steps_per_s']} "
+             f"(target >= {target}: "
+             f"{_met(c['steps_per_s'] >= target)}); the console redraws {c['updates_per_s']} times a second")]
+
+
+def rebalance_suite(label: str, issue_22: bool = False):
+    """A `moectl bench --suite rebalance` run: the same batches under the naive and the planned
+    placement. issue_22: the run issue 22's target is set for (sample-dsv3 on ranks)."""
+    def rows(r: dict) -> list[tuple[str, str]]:
+        lo, hi = r["gain_ci95"]
+        measured = r["gain_is"] == "measured"
+        moved = r.get("migrations") or []
+        text = (f"{r['gain']:+.1%} {r['gain_is']} (95% interval {lo:+.1%} to {hi:+.1%}, {r['rounds']} rounds in "
+                f"alternating order, {'the same batches' if r['same_batches'] else 'DIFFERENT batches'}), predicted "
+                f"{r['predicted_gain']:+.1%}; balancedness {r['balancedness_before']:.2f} -> {r['balancedness_after']:.2f}; "
+                f"least-used device {_pct(r['min_util_before'])} -> {_pct(r['min_util_after'])} busy; step-time model "
+                f"within {_pct(r['step_model_error_before'])} / {_pct(r['step_model_error_after'])} of the "
+                f"{'measured' if measured else 'modeled'} step")
+        if moved:
+            secs = [m["seconds"] for m in moved]
+            text += (f"; each migration {moved[0]['bytes'] / 1e6:.1f} MB in {min(secs) * 1e3:.1f}-{max(secs) * 1e3:.1f} "
+                     f"ms{' (measured on every rank)' if measured else ''}")
+        if issue_22:
+            text += f" (issue 22's target, +15% measured: {_met(measured and r['gain'] >= 0.15)})"
+        return [(label, text)]
+    return rows
+
+
+def step_breakdown(r: dict) -> list[tuple[str, str]]:
+    sp, step = r["spans"], r["step_s"]
+
+    def share(*names):
+        return _pct(sum(sp.get(n, 0.0) for n in names) / step)
+
+    # the engine lane's MoE span holds rank 0's GEMMs, its collectives and the bookkeeping around them
+    bookkeeping = (sp.get("engine: experts", 0.0) - sp.get("device 0: experts", 0.0)
+                   - sp.get("link 0: all_reduce combine", 0.0) - sp.get("link 0: wait for ranks", 0.0)) / step
+    return [(f"where a rank's step goes, {r['model']} on {r['devices']} ranks ({r['steps']} steps, measured)",
+             f"attention {share('engine: attention')}, expert GEMMs {share('device 0: experts')}, outputs' all_reduce "
+             f"+ wait for ranks {share('link 0: all_reduce combine', 'link 0: wait for ranks')}, expert bookkeeping "
+             f"{_pct(bookkeeping)}; evening out expert time would gain about {r['gain_estimate']:+.1%}")]
+
+
+def rank_telemetry(r: dict) -> list[tuple[str, str]]:
+    t = r["rank_telemetry"]
+    return [(f"per-rank telemetry on {t['ranks']} ranks (the distributed backend's one gather of every rank's figures "
+             f"per step; {t['steps']} steps)",
+             f"{t['gather_us_mean'] / 1e3:.2f} ms per step in the gather (p99 {t['gather_us_p99'] / 1e3:.2f} ms), "
+             f"{_pct(t['share_of_step'])} of the measured step (target 1%: {_met(t['share_of_step'] <= 0.01)}); the same "
+             f"run's local profiler figure: {_pct(r['overhead'])}")]
+
+
+def rank_failure(r: dict) -> list[tuple[str, str]]:
+    got = {x["signal"]: x["detected_s"] for x in r["results"]}
+    if set(got) != {"SIGKILL", "SIGSTOP"}:
+        raise ValueError(f"rank-failure: results for {sorted(got)}, not SIGKILL and SIGSTOP")
+    return [("a rank that fails while serving (2 ranks, the engine stepping)",
+             f"killed (SIGKILL): named in {got['SIGKILL']:.1f} s; hung (SIGSTOP): named and stopped in "
+             f"{got['SIGSTOP']:.1f} s (bound {r['bound_s']:g} s: {_met(max(got.values()) <= r['bound_s'])}); "
+             f"in-flight requests fail")]
+
+
+def console_outcome(r: dict) -> list[tuple[str, str]]:
+    rounds = r["rounds"]
+
+    def pcts(key):
+        return ", ".join(f"{x[key]:+.1%}" for x in rounds)
+
+    return [(f"the console's rebalance preview against the outcome its Experts tab then shows, {r['model']}, the "
+             f"default demo workload, {len(rounds)} rounds",
+             f"predicted {pcts('predicted_gain')}; shown over the batch shapes both sides ran: whole step "
+             f"{pcts('shown_gain')} {rounds[0]['shown_is']} (median error {_pct(r['median_error'])}), the experts' "
+             f"critical path alone {pcts('shown_gain_experts_only')} (median error "
+             f"{_pct(r['median_error_experts_only'])}; {r['error_experts_only_within_20pct']} of {len(rounds)} within the "
+             f"20% target)")]
+
+
+def serve_load(r: dict) -> list[tuple[str, str]]:
+    mib = 2 ** 20
+    return [(f"server load test: {r['requests']} concurrent streaming requests ({r['max_tokens']} tokens each), sample "
+             f"model, {r['devices']} emulated devices",
+             f"server RSS after the load round {r['rss_growth_bytes'] / mib:+.1f} MiB from its warm baseline (target "
+             f"within {r['target_rss_growth_bytes'] / mib:.0f} MiB: {_met(r['meets_rss_target'])}); "
+             f"{r['requests_per_s']:.1f} req/s, client TTFT p50 {r['ttft_p50_s']:.2f} s, p99 {r['ttft_p99_s']:.2f} s; "
+             f"{r['errors']} errors, {r['kv_blocks_used_after']} KV blocks left in use")]
+
+
+def sim_machine(r: dict) -> list[tuple[str, str]]:
+    cases, t = r["cases"], r["target"]
+    errs = [c["error_median"] for c in cases]
+    bias = [c["bias_median"] for c in cases]
+    return [(f"simulated vs measured step times on this machine (distributed backend, "
+             f"{' and '.join(str(x) for x in sorted({c['ranks'] for c in cases}))} ranks, "
+             f"{', '.join(sorted({c['model'] for c in cases}))}, naive and rebalanced; this machine's profile from "
+             f"`moectl sim calibrate`)",
+             f"per-step median |error| {min(errs):.1%}-{max(errs):.1%}, median of the {len(cases)} cases "
+             f"{_pct(r['median_of_case_errors'])} (target <= {t:.0%}: {_met(r['median_of_case_errors'] <= t)}; "
+             f"{r['within_target']} of {len(cases)} cases within it); signed {min(bias):+.0%} to {max(bias):+.0%}; the "
+             f"measured steps' own spread {_pct(r['median_noise_floor'])}; see docs/sim.md")]
 
 
 # id -> (command as a user types it, the figures from its --json output)
@@ -191,36 +424,41 @@ BENCHES = {
     "rebalance-drift": (["python", "bench/rebalance_bench.py", "--skew", "0.8", "--json"], rebalance_drift),
     "console": (["python", "bench/console_bench.py", "--json"], console),
     "soak": (["moectl", "bench", "--suite", "soak", "--requests", "10000", "--devices", "2", "--json"], soak),
-    "verify": (["moectl", "verify", "--json"], pending),
-    "logprob": (["python", "bench/logprob_agreement.py", "--json"], pending),
-    "import-roundtrip": (["python", "bench/import_roundtrip.py", "--json"], pending),
-    "kineto-hta": (["python", "bench/kineto_hta_check.py", "--json"], pending),
-    "decode": (["python", "bench/decode_bench.py", "--json"], pending),
-    "kv-int8": (["moectl", "bench", "--suite", "kv-int8", "--json"], pending),
-    "sample-routing": (["python", "bench/sample_routing_bench.py", "--json"], pending),
-    "expert-cache": (["python", "bench/expert_cache_bench.py", "--json"], pending),
-    "disk-tier": (["python", "bench/disk_tier_bench.py", "--json"], pending),
-    "expert-share": (["python", "bench/expert_share_bench.py", "--model", "sample-dsv3", "--json"], pending),
+    "verify": (["moectl", "verify", "--json"], verify),
+    "logprob": (["python", "bench/logprob_agreement.py", "--json"], logprob),
+    "import-roundtrip": (["python", "bench/import_roundtrip.py", "--json"], import_roundtrip),
+    "kineto-hta": (["python", "bench/kineto_hta_check.py", "--json"], kineto_hta),
+    "decode": (["python", "bench/decode_bench.py", "--json"], decode),
+    "kv-int8": (["moectl", "bench", "--suite", "kv-int8", "--json"], kv_int8),
+    "sample-routing": (["python", "bench/sample_routing_bench.py", "--json"], sample_routing),
+    "expert-cache": (["python", "bench/expert_cache_bench.py", "--json"], expert_cache),
+    "disk-tier": (["python", "bench/disk_tier_bench.py", "--json"], disk_tier),
+    "expert-share": (["python", "bench/expert_share_bench.py", "--model", "sample-dsv3", "--json"], expert_share),
     "rebalance-emulated": (["moectl", "bench", "--suite", "rebalance", "--devices", "8", "--redundant", "0", "--json"],
-                           pending),
+                           rebalance_suite("rebalance, 8 emulated devices, sample model, re-hash (no spare slot)")),
     "rebalance-ranks": (["moectl", "bench", "--suite", "rebalance", "--backend", "distributed", "--nproc", "2",
-                         "--redundant", "0", "--json"], pending),
+                         "--redundant", "0", "--json"],
+                        rebalance_suite("rebalance, 2 distributed ranks (gloo), sample model, re-hash (no spare slot)")),
     "rebalance-dsv3": (["moectl", "bench", "--suite", "rebalance", "--model", "sample-dsv3", "--backend", "distributed",
-                        "--nproc", "2", "--redundant", "0", "--json"], pending),
+                        "--nproc", "2", "--redundant", "0", "--json"],
+                       rebalance_suite("rebalance, 2 distributed ranks, sample-dsv3 (its routed experts: the "
+                                       "`expert-share` row), re-hash", issue_22=True)),
     "step-breakdown": (["python", "bench/step_breakdown.py", "--backend", "distributed", "--nproc", "2", "--json"],
-                       pending),
-    "rank-telemetry": (["moectl", "bench", "--suite", "profiler", "--backend", "distributed", "--json"], pending),
-    "rank-failure": (["python", "bench/rank_failure_bench.py", "--json"], pending),
-    "sim-step": (["python", "bench/sim_step_speed.py", "--json"], pending),
-    "sim-console": (["python", "bench/sim_console_speed.py", "--json"], pending),
+                       step_breakdown),
+    "rank-telemetry": (["moectl", "bench", "--suite", "profiler", "--backend", "distributed", "--json"], rank_telemetry),
+    "rank-failure": (["python", "bench/rank_failure_bench.py", "--json"], rank_failure),
+    "sim-step": (["python", "bench/sim_step_speed.py", "--json"], sim_step),
+    "sim-console": (["python", "bench/sim_console_speed.py", "--json"], sim_console),
     "sim-rebalance": (["moectl", "bench", "--suite", "rebalance", "--backend", "simulated", "--model",
-                       "docs/configs/kimi-k2.json", "--json"], pending),
-    "sim-validation": (["python", "bench/sim_validation.py", "--json"], pending),
-    "sim-machine": (["python", "bench/sim_machine_validation.py", "--json"], pending),
+                       "docs/configs/kimi-k2.json", "--json"], sim_rebalance),
+    "sim-validation": (["python", "bench/sim_validation.py", "--json"], sim_validation),
+    "sim-machine": (["python", "bench/sim_machine_validation.py", "--json"], sim_machine),
     "console-dsv3": (["python", "bench/console_bench.py", "--model", "sample-dsv3", "--frames", "1", "--tabs", "overview",
-                      "--big-presses", "0", "--json"], pending),
-    "console-outcome": (["python", "bench/console_outcome_bench.py", "--json"], pending),
-    "serve-load": (["python", "bench/serve_load_test.py", "--json"], pending),
+                      "--big-presses", "0", "--json"],
+                     console_live("console, live on sample-dsv3 (4 emulated devices), its engine in a process of its "
+                                  "own, a Poisson workload")),
+    "console-outcome": (["python", "bench/console_outcome_bench.py", "--json"], console_outcome),
+    "serve-load": (["python", "bench/serve_load_test.py", "--json"], serve_load),
 }
 
 
@@ -290,9 +528,14 @@ def main(argv=None) -> int:
     if not args.render:
         for bench_id in args.only or list(BENCHES):
             try:
-                store[bench_id] = run(bench_id)
-            except SystemExit as e:  # the others still run; this one keeps its last figures, if any
-                print(f"FAILED {e}", file=sys.stderr, flush=True)
+                entry = run(bench_id)
+                if not BENCHES[bench_id][1](entry["raw"]):  # its rows, now: a renderer that fails is this bench's
+                    raise SystemExit(f"{bench_id}: its JSON renders no row")
+                store[bench_id] = entry
+            except (SystemExit, KeyError, TypeError, ValueError) as e:  # the others still run; this one keeps
+                # its last figures, if any
+                print(f"FAILED {e}" if isinstance(e, SystemExit) else f"FAILED {bench_id}: {type(e).__name__}: {e}",
+                      file=sys.stderr, flush=True)
                 failed.append(bench_id)
                 continue
             STORE.write_text(json.dumps(store, indent=1) + "\n")  # each result kept as soon as it is in

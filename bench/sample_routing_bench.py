@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
 from moectl.engine import sample_model_dir
 from moectl.engine.core.topology import Topology
@@ -72,7 +71,7 @@ def main(argv=None) -> int:
     for prefetch, c in t.items():
         waits = c["miss_wait_s_per_device"]
         print(f"tiered experts, prefetch {prefetch}: hit rate {c['hit_rate']:.1%}, miss wait per device "
-              f"{min(waits) * 1e3:.1f}-{max(waits) * 1e3:.1f} ms", file=sys.stderr)
+              f"{min(waits) * 1e3:.1f}-{max(waits) * 1e3:.1f} ms")
     return 0
 
 

@@ -45,7 +45,9 @@ SERVER_CODE = textwrap.dedent("""
     from moectl.engine.llm_engine import LLMEngine
     from moectl.engine.core.topology import Topology
     from moectl.server.app import run_server
+    from moectl.engine.core import gc_heap
 
+    gc_heap.own_process()  # as `moectl serve` does: the heap frozen once the engine is built
     model, devices, threads, port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
     config = EngineConfig(model=model, topology=Topology(num_devices=devices), redundant_slots=1,
                           num_threads=threads)

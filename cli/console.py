@@ -127,6 +127,9 @@ def run(
     """The live console (the default command): the engine, in a process of its own, on a steady
     demo workload, experts on emulated devices in the naive contiguous placement, so imbalance
     shows and a rebalance visibly helps. The console's process never loads torch."""
+    from moectl.engine.core import gc_heap
+
+    gc_heap.own_process()  # this process serves one engine for its life: its heap is frozen once built
     from moectl.cli.engine_process import EngineProcess, EngineStartFailed
     from moectl.console.engine_client import EngineSource
     from moectl.engine.core.actions import ActionRefused
@@ -217,6 +220,9 @@ def engine_host(
         raise typer.Exit(1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the console's to handle; it stops us
     refuse_sim_options(ctx, backend)
+    from moectl.engine.core import gc_heap
+
+    gc_heap.own_process()  # the engine process serves one engine for its life: its heap is frozen once built
     token = read_token(engine_dir)
     demo = None
     if backend == SIMULATED:

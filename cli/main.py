@@ -57,9 +57,6 @@ def main() -> None:
     except ImportError:
         from click.exceptions import NoArgsIsHelpError, UsageError
 
-    from moectl.engine.core import gc_heap
-
-    gc_heap.own_process()  # a CLI process runs one engine for its life (see gc_heap)
     try:
         code = app(standalone_mode=False)
     except NoArgsIsHelpError as exc:

@@ -85,6 +85,9 @@ def record(
     as_json: bool = JSON_OPT,
 ):
     """Run the engine headless on a workload and record every step and action to TRACE."""
+    from moectl.engine.core import gc_heap
+
+    gc_heap.own_process()  # this process serves one engine for its life: its heap is frozen once built
 
     from moectl.engine.parallel.backends import Engines
     from moectl.engine.tools.workload import WorkloadSpec

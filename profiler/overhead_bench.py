@@ -133,8 +133,8 @@ def run_profiler_overhead(model_dir: str | Path, *, rounds: int = 16, devices: i
         disagreement = (f"1 - direct = {1.0 - overhead:.4f} is outside the A/B interval [{lo:.4f}, {hi:.4f}]: "
                         f"the A/B sees {'more' if 1.0 - overhead > hi else 'less'} cost than the direct measure")
         log(f"DISAGREEMENT: {disagreement}")
-    log(f"encoding one recorded step (the writer process's work): {encode['general_us']:.0f} us with the "
-        f"general walk, {encode['str_keys_us']:.0f} us on the str-keys path the recorder uses")
+    log(f"one recorded step, timed alone: packed on the engine thread in {encode['pack_us']:.0f} us, sealed by the "
+        f"writer process in {encode['seal_us']:.0f} us (the first layout's JSON encode: {encode['str_keys_us']:.0f} us)")
     return {"rounds": rounds, "devices": devices, "requests_per_round": requests, "off_tokens_per_s": off,
             "on_tokens_per_s": on, "ratios": ratios, "ratio_on_off": mean_ratio,
             "ratio_ci95": [lo, hi], "ratio_median": statistics.median(ratios), "ab_overhead": 1.0 - mean_ratio,
@@ -154,7 +154,9 @@ def verdict(direct: float, dropped: int, ab_interval: tuple[float, float]) -> tu
 
 
 def _encode_cost(trace: Path, limit: int = 300) -> dict:
-    """Mean microseconds to encode a recorded step record, both codec paths, same records."""
+    """Mean microseconds per recorded step record, the same records: the packed layout's pack (the
+    engine thread) and seal (the writer process), and the first layout's encode on both of its
+    paths (the writer's work for records that cannot be packed)."""
     from moectl.profiler import codec
     from moectl.profiler.trace_store import TraceReader
 
@@ -166,6 +168,14 @@ def _encode_cost(trace: Path, limit: int = 300) -> dict:
         for record in records:
             codec.encode(record, str_keys=fast)
         out[name] = (time.perf_counter() - t0) / max(len(records), 1) * 1e6
+    t0 = time.perf_counter()
+    packed = [codec.pack(record) for record in records]
+    t1 = time.perf_counter()
+    for p in packed:
+        codec.seal(p)
+    t2 = time.perf_counter()
+    n = max(len(records), 1)
+    out["pack_us"], out["seal_us"] = (t1 - t0) / n * 1e6, (t2 - t1) / n * 1e6
     return out
 
 

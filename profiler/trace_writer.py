@@ -229,8 +229,8 @@ class TraceWriter:
         t0 = time.perf_counter()
         try:  # the packed layout: no pickle here, and the writer process only compresses it
             packed = codec.pack(record)
-        except TraceError:  # e.g. an int past 64 bits: the general path keeps it (or counts it failed)
-            return self._put(key, record, t0=t0)
+        except Exception:  # noqa: BLE001 - e.g. an int past 64 bits, a tensor .numpy() refuses, a cycle:
+            return self._put(key, record, t0=t0)  # the general path keeps it, or counts it failed
         return self._put(key, record, STEP, STEP_KEY.pack(*key[1:]) + packed, t0=t0)
 
     def write_action(self, record: dict) -> bool:
@@ -393,7 +393,7 @@ class TraceWriter:
                 self._flushes += 1
                 seq = self._flushes
                 self._append(FLUSH, seq.to_bytes(8, "little", signed=True))
-                self._drain()
+                tail = not self._drain()  # part of it still waits here: kick again once it is in
                 # woken after the frame is in the pipe: a writer woken before it would find nothing,
                 # go back to sleep, and answer at its next poll (measured: 0.25 s late in 1 flush of 8)
                 self._kicked = False
@@ -411,6 +411,10 @@ class TraceWriter:
             with self._lock:
                 if not self._drain():
                     wait = min(wait, 0.01)  # the pipe is full: come back soon to push the rest
+                    tail = True
+                elif tail:  # the rest went in after the last kick: wake the writer for it
+                    tail = False
+                    self._wake_writer()
             if not self._read_lock.acquire(timeout=wait):
                 continue
             try:

@@ -26,6 +26,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 
+from moectl.engine.core import gc_heap
 from moectl.engine.core.actions import ACTIONS, Action, ActionRefused, action
 from moectl.engine.core.config import AutoRebalancePolicy
 from moectl.engine.core.outputs import StepFailed, describe_error
@@ -57,6 +58,7 @@ class EngineDriver:
         self._actions: deque = deque(maxlen=RECORD_BUFFER)
         self._stop = threading.Event()
         self._error: str | None = None
+        self._refreeze = False  # a restart asks the loop to freeze the heap again (gc_heap)
         self.engine = make_engine()
         self._attach(self.engine)
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
@@ -82,6 +84,9 @@ class EngineDriver:
     def _loop(self) -> None:
         while not self._stop.is_set():
             engine = self.engine
+            if self._refreeze:  # after a restart: the old engine, unreferenced now, is collected, not frozen
+                self._refreeze = False
+                gc_heap.engine_built()
             if self._error is not None:  # only commands (a restart) until someone restarts it;
                 _fail_requests(engine, self._error)  # a request that still arrives fails at once
                 engine.commands.ready.wait(0.05)
@@ -124,6 +129,7 @@ class EngineDriver:
             self._attach(engine)
             _release(self.engine)
             self.engine = engine
+            self._refreeze = True  # by the loop, once no frame holds the old engine (see _loop)
             self._error = None
             return {"restarted": True}
         return self.call(swap, "restart")

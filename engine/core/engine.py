@@ -97,6 +97,7 @@ class EngineCore:
         self._pending_knobs = config.knobs  # the newest knobs asked for: later changes build on them
         self._seqs: dict[str, Sequence] = {}  # owned by the step loop
         self._outputs: list[RequestOutput] = []  # this step's outputs, handed back by step()
+        gc_heap.engine_built()  # full collections stop walking the model and torch (see gc_heap)
 
     # -- requests (any thread)
     def encode(self, prompt: str | list[int]) -> list[int]:
@@ -227,8 +228,6 @@ class EngineCore:
             if self.experts is not None:
                 self.experts.after_step(self.step_count)
             native_memory.after_step()  # a periodic malloc_trim: varied batch shapes fragment the C heap
-            if self.step_count == 1:
-                gc_heap.after_first_step()  # full collections stop walking the model and torch
         outputs, self._outputs = self._outputs, []
         return outputs
 

@@ -43,7 +43,7 @@ class DecodeGroup:
     # the kernel's per-window first keys, and its checks of the rows against the cache's shape:
     # done by the step's first layer, shared by the rest (kernel only)
     lo: dict = field(default_factory=dict)
-    checked_for: tuple | None = None
+    checked_for: set = field(default_factory=set)
 
 
 @dataclass
@@ -79,8 +79,8 @@ class PagedContext:
                 shape = (window, k_cache.shape[:2])
                 out[g.start:g.end] = paged_decode.decode(q[g.start:g.end], k_cache, self.cache.v[layer], g.blocks,
                                                          g.lens, lo, scale, sinks, latent_keys,
-                                                         checked=g.checked_for == shape)
-                g.checked_for = shape  # the call returned: its checks passed
+                                                         checked=shape in g.checked_for)
+                g.checked_for.add(shape)  # the call returned: its checks passed
                 continue
             keys, values = self.cache.gather_blocks(layer, g.blocks, g.end - g.start, g.width, q.dtype)
             keys = torch.cat([values, keys], dim=-1) if latent_keys else keys

@@ -70,14 +70,14 @@ class ExpertCostModel:
         self.samples += int(mask.sum())
         self._observed_since_fit += 1
 
-    def coefficients(self, fresh: bool = False) -> np.ndarray:
-        """(per_expert_s, per_row_s), both >= 0 (a per-row or per-expert cost is never negative).
-        fresh: refit on every sample so far; otherwise the fit may be up to REFIT_EVERY steps old."""
+    def coefficients(self) -> np.ndarray:
+        """(per_expert_s, per_row_s), both >= 0 (a per-row or per-expert cost is never negative),
+        as last fitted: at most REFIT_EVERY observed steps old (the engine thread's; see predict)."""
         if self._fixed is not None:
             return self._fixed
         if not self.samples:
             return np.zeros(2)
-        if fresh or self._coef is None or self._observed_since_fit >= REFIT_EVERY:
+        if self._coef is None or self._observed_since_fit >= REFIT_EVERY:
             self._coef = self._fit()
             self._observed_since_fit = 0
         return self._coef
@@ -93,7 +93,9 @@ class ExpertCostModel:
         return coef
 
     def predict(self, rows: np.ndarray, active: np.ndarray) -> np.ndarray:
-        per_expert, per_row = self.coefficients(fresh=True)
+        # a fit of every sample so far, not cached: predictions run on operator threads too, and
+        # the cache (read by the engine thread's records) is the engine thread's alone
+        per_expert, per_row = self._fixed if self._fixed is not None else (self._fit() if self.samples else np.zeros(2))
         return np.where(rows > 0, per_expert * active + per_row * rows, 0.0)
 
     def summary(self) -> dict:

@@ -440,6 +440,7 @@ def worker_loop(model, cache: KVCache, channel: StepChannel, device: torch.devic
     for it (one fixed-size gather); move experts when rank 0 publishes a placement. Returns the
     step count when rank 0 says stop."""
     steps = 0
+    gc_heap.engine_built()  # this rank's model and cache live as long as the loop
     with torch.inference_mode():
         while (message := channel.receive(cache, device)) is not None:
             if message[0] == "placement":
@@ -451,8 +452,6 @@ def worker_loop(model, cache: KVCache, channel: StepChannel, device: torch.devic
                 stats.reset()
             model(ids, positions, ctx)
             steps += 1
-            if steps == 1:
-                gc_heap.after_first_step()
             if stats is not None:
                 dist.gather(stats.pack(), None, dst=0, group=state.ctrl_group)
     return steps
@@ -779,6 +778,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("prompt: give --prompt-ids or --prompt")
         params = SamplingParams(max_tokens=args.max_tokens)
         if "RANK" in os.environ and args.nproc is None:
+            gc_heap.own_process()  # a torchrun rank runs its engine (or step loop) for its whole life
             state = init_distributed(args.device)
             config = EngineConfig(model=args.model, dtype=args.dtype, device=str(state.device))
             try:

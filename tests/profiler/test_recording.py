@@ -125,7 +125,7 @@ def test_record_and_trace_info_from_the_command_line(ckpt, tmp_path):
     res = run("trace", "info", path, "--json")
     assert res.exit_code == 0, res.output
     info = json.loads(res.stdout)
-    assert info["steps"] == 15 and info["format_version"] == 1 and info["duration_s"] > 0 and info["complete"]
+    assert info["steps"] == 15 and info["format_version"] == 2 and info["duration_s"] > 0 and info["complete"]
     res = run("record", path, "--model", ckpt, "--steps", 3)
     assert res.exit_code == 2 and "exists" in res.stderr
 

@@ -305,8 +305,8 @@ def test_a_victim_already_in_the_step_is_taken_out_of_it(ckpt, ref_model):
     engine.blocks.check_invariants()
 
 
-def test_an_engine_freezes_the_heap_after_its_first_step_only_in_a_process_that_owns_it(ckpt, monkeypatch):
-    """gc_heap: after the first step, full collections stop walking the model and torch; a
+def test_an_engine_freezes_the_heap_once_built_only_in_a_process_that_owns_it(ckpt, monkeypatch):
+    """gc_heap: once an engine is built, full collections stop walking the model and torch; a
     process that builds and drops engines (this test suite) is left alone."""
     import gc
 
@@ -318,16 +318,28 @@ def test_an_engine_freezes_the_heap_after_its_first_step_only_in_a_process_that_
         assert gc.get_freeze_count() == 0
         monkeypatch.setattr(gc_heap, "_owned", True)
         engine = LLMEngine(EngineConfig(model=ckpt))
-        assert gc.get_freeze_count() == 0
-        engine.generate([[1, 2, 3]], SamplingParams(max_tokens=3))
         frozen = gc.get_freeze_count()
-        assert frozen > 1000  # torch's modules and the engine's objects
+        assert frozen > 1000  # torch's modules and the engine's objects, before any request
         assert not any(o is engine for o in gc.get_objects())  # frozen objects are out of the collector's lists
+        made_later = []
+        engine.add_listener(on_step=made_later.append)
         engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
-        assert gc.get_freeze_count() == frozen  # once, after the first step
+        assert made_later and all(any(o is s for o in gc.get_objects()) for s in made_later)  # not frozen
+
+        class Cycle:  # an engine-like cycle, alive at one freeze and dropped before the next
+            def __init__(self):
+                self.me = self
+
+        dropped = Cycle()
+        gc_heap.engine_built()
+        assert not any(o is dropped for o in gc.get_objects())  # frozen with the heap
+        probe = __import__("weakref").ref(dropped)
+        del dropped
+        gc_heap.engine_built()  # the next engine: what the last freeze held is collected first
+        assert probe() is None
         monkeypatch.setenv("MOECTL_GC_FREEZE", "0")
         gc.unfreeze()
-        LLMEngine(EngineConfig(model=ckpt)).generate([[1, 2, 3]], SamplingParams(max_tokens=2))
+        LLMEngine(EngineConfig(model=ckpt))
         assert gc.get_freeze_count() == 0
     finally:
         gc.unfreeze()

@@ -185,11 +185,11 @@ def test_a_steps_rows_are_checked_by_its_first_layer_and_trusted_after():
                        decode_groups=[DecodeGroup(0, 4, g.blocks, g.width, None, lens=g.lens + 100)])
     with pytest.raises(RuntimeError, match="keys, its table holds"):
         _attend_both(bad, torch_ctx, q, cache)
-    assert bad.decode_groups[0].checked_for is None  # a refused group is not trusted by the next layer
+    assert not bad.decode_groups[0].checked_for  # a refused group is not trusted by the next layer
     first, _ = _attend_both(kernel_ctx, torch_ctx, q, cache)
-    assert g.checked_for == (0, cache.k[0].shape[:2])
+    assert g.checked_for == {(0, cache.k[0].shape[:2])}
     second, expected = _attend_both(kernel_ctx, torch_ctx, q, cache)  # checked=True this time
     torch.testing.assert_close(second, expected, rtol=1e-5, atol=1e-6)
     assert torch.equal(first, second)
     windowed, _ = _attend_both(kernel_ctx, torch_ctx, q, cache, window=5)  # another lo: checked again
-    assert g.checked_for == (5, cache.k[0].shape[:2]) and set(g.lo) == {0, 5}
+    assert g.checked_for == {(0, cache.k[0].shape[:2]), (5, cache.k[0].shape[:2])} and set(g.lo) == {0, 5}
