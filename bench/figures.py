@@ -407,7 +407,7 @@ def sim_machine(r: dict) -> list[tuple[str, str]]:
              f"{' and '.join(str(x) for x in sorted({c['ranks'] for c in cases}))} ranks, "
              f"{', '.join(sorted({c['model'] for c in cases}))}, naive and rebalanced; this machine's profile from "
              f"`moectl sim calibrate`)",
-             f"per-step median |error| {min(errs):.1%}-{max(errs):.1%}, median of the {len(cases)} cases "
+             f"per-step median \\|error\\| {min(errs):.1%}-{max(errs):.1%}, median of the {len(cases)} cases "
              f"{_pct(r['median_of_case_errors'])} (target <= {t:.0%}: {_met(r['median_of_case_errors'] <= t)}; "
              f"{r['within_target']} of {len(cases)} cases within it); signed {min(bias):+.0%} to {max(bias):+.0%}; the "
              f"measured steps' own spread {_pct(r['median_noise_floor'])}; see docs/sim.md")]

@@ -64,8 +64,9 @@ class SchedulerKnobs:
 @dataclass(frozen=True)
 class AutoRebalancePolicy:
     """manual: only the operator rebalances. auto: every `every_k_steps` steps (0 = never on a
-    schedule) and whenever balancedness drops below `threshold` (None = no threshold).
-    target: every plan (previews and automatic ones) aims at this balancedness from the
+    schedule) and whenever balancedness drops below `threshold` (None = no threshold; the window's
+    balancedness is recomputed every WINDOW_FIGURES_EVERY steps, so the threshold is seen up to
+    that many steps late). target: every plan (previews and automatic ones) aims at this balancedness from the
     placement in force, moving only as much as that takes (None: the best balance)."""
     mode: str = "manual"
     every_k_steps: int = 0
