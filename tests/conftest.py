@@ -38,3 +38,19 @@ def single_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(autouse=True)
+def _engines_leave_the_heap_alone():
+    """A command run in-process (CliRunner: serve, record) marks the process as owning its engine
+    (engine/core/gc_heap.py), which then freezes the heap at every engine build. The test process
+    builds and drops hundreds of engines: each test starts unowned and leaves nothing frozen."""
+    import gc
+
+    from moectl.engine.core import gc_heap
+
+    gc_heap._owned = False
+    yield
+    gc_heap._owned = False
+    if gc.get_freeze_count():
+        gc.unfreeze()
