@@ -104,6 +104,7 @@ class MoectlApp(App):
         self._alerts_running = False
         self._alerts_asked = 0  # alert computations started: only the latest one's answer is shown
         self._shown_version, self._shown_error = -1, None
+        self._notified_error: str | None = None
         engine_dir = getattr(source, "engine_dir", None)  # where other consoles and `generate --engine` attach
         self.sub_title = f"{source.mode} · {self.state.model_name}" + (f" · engine {engine_dir}" if engine_dir else "")
 
@@ -162,8 +163,11 @@ class MoectlApp(App):
         if self._alerts_from_engine:
             self._engine_alerts()
         error = self.source.error
-        if error is not None and error != self._shown_error:  # said at once, whichever tab is shown
+        if error is not None and error != self._notified_error:  # said at once, whichever tab is shown
             self.notify(error, severity="error", title="engine", timeout=30)
+            # its own mark: refresh_panels reads the source again, and an error that arrived between
+            # the two reads was marked shown there without ever being notified
+            self._notified_error = error
         if self.state.version == self._shown_version and error == self._shown_error:
             if self.replay:  # play/pause and position still change the transport's line
                 self.query_one(TransportBar).show(self.source)
