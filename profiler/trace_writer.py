@@ -395,7 +395,7 @@ class TraceWriter:
                 self._append(FLUSH, seq.to_bytes(8, "little", signed=True))
                 tail = not self._drain()  # part of it still waits here: kick again once it is in
                 # woken after the frame is in the pipe: a writer woken before it would find nothing,
-                # go back to sleep, and answer at its next poll (measured: 0.25 s late in 1 flush of 8)
+                # go back to sleep, and answer at its next poll (tests/profiler/test_trace_store.py)
                 self._kicked = False
                 self._wake_writer()
         if closed:

@@ -1,10 +1,9 @@
 """Python's cyclic garbage collector against a long-lived engine heap: frozen once an engine is built.
 
 Why: torch, the model's modules and the engine's own tables are hundreds of thousands of
-objects that live as long as the process. Every full collection walks all of them: on the sample
-model a profiled run of 485 steps spent 2.7% of its wall time in the collector, 99 ms of it in
-one full collection that stalled one step (measured with gc.callbacks around
-`moectl bench --suite profiler`'s workload). gc.freeze() moves every object alive at that moment
+objects that live as long as the process. Every full collection walks all of them, and stalls
+whichever step it lands in (no benchmark in the repo isolates that cost; MOECTL_GC_FREEZE=0
+gives the before/after). gc.freeze() moves every object alive at that moment
 into a generation the collector never walks; reference counting still frees them.
 vLLM (freeze_gc_heap at the end of its warm-up) and SGLang (freeze_gc) do the same.
 
