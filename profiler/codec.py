@@ -21,7 +21,8 @@ Version 2, the step records' layout (`pack` on the engine thread, `seal` in the 
 1 version byte + zlib( msgpack ), every number a fixed-width binary field and every array an
 extension: code 1 (u16 header length | msgpack [dtype, shape] | raw C-order bytes), code 2 a numpy
 scalar the same way, code 3 (u16 header length | msgpack spec | bytes) an array shrunk and
-shuffled as above. `pack` is one msgspec call, far cheaper than version 1's JSON skeleton (whose cost is mostly float repr; `moectl bench --suite profiler`
+shuffled as above. `pack` is one msgspec call, far cheaper than version 1's JSON skeleton
+(whose cost is mostly float repr; `moectl bench --suite profiler`
 prints all three on recorded steps); `seal` only compresses, and reshapes the arrays into code 3
 only when the record is big enough to pay for it (a big model's routing). Keys may be any msgpack
 key (str, int, float, bool, None, tuples of those, which come back as tuples); integers past 64
