@@ -23,7 +23,7 @@ extension: code 1 (u16 header length | msgpack [dtype, shape] | raw C-order byte
 scalar the same way, code 3 (u16 header length | msgpack spec | bytes) an array shrunk and
 shuffled as above. `pack` is one msgspec call, far cheaper than version 1's JSON skeleton
 (whose cost is mostly float repr; `moectl bench --suite profiler`
-prints all three on recorded steps); `seal` only compresses, and reshapes the arrays into code 3
+prints both on recorded steps); `seal` only compresses, and reshapes the arrays into code 3
 only when the record is big enough to pay for it (a big model's routing). Keys may be any msgpack
 key (str, int, float, bool, None, tuples of those, which come back as tuples); integers past 64
 bits cannot be packed (`pack` raises, and the record goes the version 1 way). Version 2 is more
