@@ -162,12 +162,7 @@ class MoectlApp(App):
             return
         if self._alerts_from_engine:
             self._engine_alerts()
-        error = self.source.error
-        if error is not None and error != self._notified_error:  # said at once, whichever tab is shown
-            self.notify(error, severity="error", title="engine", timeout=30)
-            # its own mark: refresh_panels reads the source again, and an error that arrived between
-            # the two reads was marked shown there without ever being notified
-            self._notified_error = error
+        error = self._engine_error()
         if self.state.version == self._shown_version and error == self._shown_error:
             if self.replay:  # play/pause and position still change the transport's line
                 self.query_one(TransportBar).show(self.source)
@@ -220,13 +215,24 @@ class MoectlApp(App):
         self.state.version += 1
         self._alerts_running = False
 
+    def _engine_error(self) -> str | None:
+        """The source's error, notified the first time it is read: every read goes through here, so
+        an error can never be shown in a panel (or marked shown) without having been notified; the
+        engine's reader thread may set it between any two reads."""
+        error = self.source.error
+        if error is not None and error != self._notified_error:  # said at once, whichever tab is shown
+            self.notify(error, severity="error", title="engine", timeout=30)
+            self._notified_error = error
+        return error
+
     def refresh_panels(self) -> None:
-        self._shown_version, self._shown_error = self.state.version, self.source.error
+        error = self._engine_error()
+        self._shown_version, self._shown_error = self.state.version, error
         try:  # at start-up, or on a tab switched to just now, the panel may still be composing
             active = self.query_one(TabbedContent).active
             panel = self.query_one(f"#panel-{active}")
             if active == "overview":
-                panel.show(self.state, self.source.error)
+                panel.show(self.state, error)
             else:
                 panel.show(self.state)
             if active == "requests":
