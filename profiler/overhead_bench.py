@@ -134,7 +134,9 @@ def run_profiler_overhead(model_dir: str | Path, *, rounds: int = 16, devices: i
                         f"the A/B sees {'more' if 1.0 - overhead > hi else 'less'} cost than the direct measure")
         log(f"DISAGREEMENT: {disagreement}")
     log(f"one recorded step, timed alone: packed on the engine thread in {encode['pack_us']:.0f} us, sealed by the "
-        f"writer process in {encode['seal_us']:.0f} us (the first layout's JSON encode: {encode['str_keys_us']:.0f} us)")
+        f"writer process in {encode['seal_us']:.0f} us to {encode['sealed_bytes']:.0f} bytes with zstd (with zlib, "
+        f"payload version 2: {encode['seal_zlib_us']:.0f} us, {encode['sealed_zlib_bytes']:.0f} bytes; the first "
+        f"layout's JSON encode: {encode['str_keys_us']:.0f} us)")
     return {"rounds": rounds, "devices": devices, "requests_per_round": requests, "off_tokens_per_s": off,
             "on_tokens_per_s": on, "ratios": ratios, "ratio_on_off": mean_ratio,
             "ratio_ci95": [lo, hi], "ratio_median": statistics.median(ratios), "ab_overhead": 1.0 - mean_ratio,
@@ -155,8 +157,9 @@ def verdict(direct: float, dropped: int, ab_interval: tuple[float, float]) -> tu
 
 def _encode_cost(trace: Path, limit: int = 300) -> dict:
     """Mean microseconds per recorded step record, the same records: the packed layout's pack (the
-    engine thread) and seal (the writer process), and the first layout's encode on both of its
-    paths (the writer's work for records that cannot be packed)."""
+    engine thread) and seal (the writer process; zstd, and the zlib of payload version 2, with
+    their mean sizes), and the first layout's encode on both of its paths (the writer's work for
+    records that cannot be packed)."""
     from moectl.profiler import codec
     from moectl.profiler.trace_store import TraceReader
 
@@ -171,11 +174,15 @@ def _encode_cost(trace: Path, limit: int = 300) -> dict:
     t0 = time.perf_counter()
     packed = [codec.pack(record) for record in records]
     t1 = time.perf_counter()
-    for p in packed:
-        codec.seal(p)
+    sealed = [codec.seal(p) for p in packed]
     t2 = time.perf_counter()
+    sealed_zlib = [codec.seal(p, zlib_level=codec.ZLIB_LEVEL) for p in packed]
+    t3 = time.perf_counter()
     n = max(len(records), 1)
-    out["pack_us"], out["seal_us"] = (t1 - t0) / n * 1e6, (t2 - t1) / n * 1e6
+    out["pack_us"], out["seal_us"], out["seal_zlib_us"] = ((t1 - t0) / n * 1e6, (t2 - t1) / n * 1e6,
+                                                           (t3 - t2) / n * 1e6)
+    out["sealed_bytes"] = sum(map(len, sealed)) / n
+    out["sealed_zlib_bytes"] = sum(map(len, sealed_zlib)) / n
     return out
 
 

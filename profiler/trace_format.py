@@ -26,8 +26,10 @@ import numpy as np
 from moectl.profiler.codec import TraceError
 
 # 2: step records in the codec's packed layout (payload version 2); a reader of 1 would open the
-# file and then fail on every step, so it refuses the file at open instead. This reader reads both.
-FORMAT_VERSION = 2
+# file and then fail on every step, so it refuses the file at open instead. 3: that layout
+# compressed with zstd (payload version 3), refused by readers of 2 the same way. This reader
+# reads all three.
+FORMAT_VERSION = 3
 # PRAGMA application_id: tells a moectl trace from any other SQLite file before reading tables.
 APPLICATION_ID = 0x6D6F6574  # "moet"
 SQLITE_MAGIC = b"SQLite format 3\x00"

@@ -15,6 +15,7 @@ from moectl.engine.core.sampling import SamplingParams
 from moectl.engine.core.topology import Topology
 from moectl.engine.llm_engine import LLMEngine
 from moectl.profiler.recorder import TraceRecorder
+from moectl.profiler.trace_format import FORMAT_VERSION
 from moectl.profiler.trace_store import TraceReader
 from tests.checkpoints import prompts, tiny_checkpoint
 from tests.paths import TRACES
@@ -125,7 +126,7 @@ def test_record_and_trace_info_from_the_command_line(ckpt, tmp_path):
     res = run("trace", "info", path, "--json")
     assert res.exit_code == 0, res.output
     info = json.loads(res.stdout)
-    assert info["steps"] == 15 and info["format_version"] == 2 and info["duration_s"] > 0 and info["complete"]
+    assert info["steps"] == 15 and info["format_version"] == FORMAT_VERSION == 3 and info["duration_s"] > 0 and info["complete"]
     res = run("record", path, "--model", ckpt, "--steps", 3)
     assert res.exit_code == 2 and "exists" in res.stderr
 
