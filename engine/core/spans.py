@@ -77,30 +77,30 @@ class SpanRecorder:
         self._blocks.append((lanes, self._name(name), layers, starts, starts + seconds))
 
     def collect(self) -> dict:
-        """The step's spans as the record's columns, times relative to begin_step."""
-        rows = list(self._rows)
+        """The step's spans as the record's columns, times relative to begin_step. One [spans, 5]
+        float array filled in place (the closed rows in one conversion, each modeled block by
+        slices), then cut into columns: a third of the numpy calls of a concatenate per column."""
+        rows = self._rows
         if self._events:
+            rows = list(rows)
             self._events[-1][4].synchronize()
             for lane, name, layer, start, end in self._events:
                 begin = self._t0_event.elapsed_time(start) / 1e3 + self.t0
                 rows.append((lane, name, layer, begin, begin + start.elapsed_time(end) / 1e3))
         names = sorted(self._names, key=self._names.get)
-        lane, name, layer, start, end = ([np.asarray(column)] for column in zip(*rows)) if rows else ([], [], [], [], [])
+        measured = len(rows)
+        table = np.empty((measured + sum(len(block[0]) for block in self._blocks), 5))
+        if measured:
+            table[:measured] = rows
+        at = measured
         for lanes, name_id, layers, starts, ends in self._blocks:
-            lane.append(lanes)
-            name.append(np.full(len(lanes), name_id))
-            layer.append(layers)
-            start.append(starts)
-            end.append(ends)
-        if not lane:
-            empty = np.zeros(0)
-            return {"lanes": self.lanes, "names": names, "lane": empty.astype(np.int16),
-                    "name": empty.astype(np.int16), "layer": empty.astype(np.int16), "start_s": empty,
-                    "dur_s": empty, "modeled": empty.astype(bool)}
-        modeled = np.zeros(sum(len(x) for x in lane), dtype=bool)
-        modeled[len(rows):] = True
-        start_s = np.concatenate(start).astype(np.float64) - self.t0
-        return {"lanes": self.lanes, "names": names, "lane": np.concatenate(lane).astype(np.int16),
-                "name": np.concatenate(name).astype(np.int16), "layer": np.concatenate(layer).astype(np.int16),
-                "start_s": start_s, "dur_s": np.concatenate(end).astype(np.float64) - self.t0 - start_s,
-                "modeled": modeled}
+            end = at + len(lanes)
+            block = table[at:end]
+            block[:, 0], block[:, 1], block[:, 2], block[:, 3], block[:, 4] = lanes, name_id, layers, starts, ends
+            at = end
+        lane, name, layer = table[:, :3].T.astype(np.int16)
+        start_s = table[:, 3] - self.t0
+        modeled = np.zeros(len(table), dtype=bool)
+        modeled[measured:] = True
+        return {"lanes": self.lanes, "names": names, "lane": lane, "name": name, "layer": layer,
+                "start_s": start_s, "dur_s": table[:, 4] - self.t0 - start_s, "modeled": modeled}

@@ -59,12 +59,14 @@ class StepDeviceStats:
         pending, self.pending_links = self.pending_links, []
         if not pending:
             return
-        seconds = self.link_seconds(np.stack([traffic for *_, traffic in pending]))  # [layers, D]
+        layers, t_dispatch, t_combine, traffic = zip(*pending)
+        seconds = self.link_seconds(np.array(traffic))  # [layers, D]
         i, d = np.nonzero(seconds)
-        layers, t_dispatch, t_combine = (np.asarray(column)[i] for column in list(zip(*pending))[:3])
         lanes, s = 1 + self.num_devices + d, seconds[i, d]
-        self.tracer.add_modeled("all_to_all dispatch", lanes, layers, t_dispatch, s)
-        self.tracer.add_modeled("all_to_all combine", lanes, layers, t_combine, s)
+        starts = np.array((t_dispatch, t_combine))[:, i]
+        layers = np.array(layers)[i]
+        self.tracer.add_modeled("all_to_all dispatch", lanes, layers, starts[0], s)
+        self.tracer.add_modeled("all_to_all combine", lanes, layers, starts[1], s)
 
     def timed(self, device: int, fn, torch_device: torch.device | None = None, layer: int = -1):
         """Run fn as `device`'s work and add its time; CUDA events on GPU (recorded on the stream
