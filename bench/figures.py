@@ -62,7 +62,15 @@ def profiler(r: dict) -> list[tuple[str, str]]:
              + ", ".join(f"{k} {_pct(c['share'])}" for k, c in parts)
              + f"), {_pct(writer['share'])} the writer process's CPU; {r['dropped']} records dropped; A/B on/off "
              f"{r['ratio_on_off']:.3f} (95% CI {lo:.3f}-{hi:.3f}), {'agreeing' if r['ab_agrees'] else 'DISAGREEING'}"
-             f"; target 1%: {'met' if r['met'] else 'not met'}")]
+             f"; target 1%: {'met' if r['met'] else 'not met'}" + _sealing(r["encode"]))]
+
+
+def _sealing(encode: dict) -> str:
+    if "seal_zlib_us" not in encode:  # runs before the writer sealed with zstd
+        return ""
+    return (f"; a recorded step, timed alone: packed in {encode['pack_us']:.0f} us, sealed in {encode['seal_us']:.0f} us "
+            f"with zstd ({encode['seal_zlib_us']:.0f} us with the zlib it replaced, "
+            f"{encode['sealed_bytes']:,.0f} vs {encode['sealed_zlib_bytes']:,.0f} bytes)")
 
 
 def trace_store(r: dict) -> list[tuple[str, str]]:
