@@ -52,9 +52,9 @@ CODEC_VERSION = 1
 PACKED_VERSION = 2  # zlib: read, no longer written
 PACKED_ZSTD_VERSION = 3  # what seal writes
 ZSTD_LEVEL = 1
-# 1, not 6: the writer process's encoding is most of the profiler's cost; at 1 an engine step
-# record encodes in 173 us against 205 (moectl bench --suite profiler) and a big model's record in
-# 0.76 ms against 1.11, 6% larger (bench/trace_store_bench.py; bench/README.md)
+# the first layout's level (actions, and step records that cannot be packed) and payload version
+# 2's: 1, not 6, chosen when zlib sealed every step record (its encoding was then most of the
+# profiler's cost: bench/README.md, the profiler section)
 ZLIB_LEVEL = 1
 # Z_FILTERED favours Huffman coding over short matches: 5-8% smaller on noisy counts (routing),
 # 1-3% larger on the JSON skeleton; 3% smaller on whole big-model records (bench/trace_store_bench.py)

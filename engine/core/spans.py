@@ -98,7 +98,7 @@ class SpanRecorder:
             block = table[at:end]
             block[:, 0], block[:, 1], block[:, 2], block[:, 3], block[:, 4] = lanes, name_id, layers, starts, ends
             at = end
-        lane, name, layer = table[:, :3].T.astype(np.int16)
+        lane, name, layer = table[:, :3].T.astype(np.int16, order="C")  # each column contiguous
         start_s = table[:, 3] - self.t0
         modeled = np.zeros(len(table), dtype=bool)
         modeled[measured:] = True
