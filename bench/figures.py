@@ -105,13 +105,23 @@ def compare_hf(r: dict) -> list[tuple[str, str]]:
              + (f", {_pct(s['engine_flops_share'])} of the matmul peak on the run's FLOPs as the engine runs them "
                 f"(target 25%: {met(t['roofline_met'])}; transformers {_pct(s['hf_flops_share'])})"
                 if "engine_flops_share" in s else "")
-             + f"; {q['outputs_match']['identical']}/{q['outputs_match']['requests']} greedy outputs identical")
+             + f"; {q['outputs_match']['identical']}/{q['outputs_match']['requests']} greedy outputs identical"
+             + _machine(q.get("machine")))
     busy = (f"engine keeps {_pct(r['engine_kept'])} of its quiet throughput on its default (auto) thread policy "
             f"(target {_pct(r['target_engine_kept'])}: {met(r['met'])}), "
             f"{_pct(r['engine_kept_torch_default_threads'])} on a thread per core; transformers keeps "
             f"{_pct(r['hf_kept'])}; {c['throughput_ratio']:.1f}x transformers, batch-1 TPOT {c['tpot_bs1_ratio']:.2f}x")
     return [("serving throughput, 64 requests at once, sample model", quiet),
             ("the same with a busy process holding one of the two cores", busy)]
+
+
+def _machine(limits: dict | None) -> str:
+    """The run's own measure of the machine: this host's speed varies from day to day (and the
+    roofline share is against it)."""
+    if not limits:
+        return ""
+    return (f"; the machine in this run: matmul {limits['matmul_flops'] / 1e9:,.0f} GFLOP/s "
+            f"({limits['matmul_dtype']}, {limits['threads']} threads), reads {limits['read_bw'] / 1e9:.1f} GB/s")
 
 
 def kv_bytes(r: dict) -> list[tuple[str, str]]:
