@@ -6,7 +6,9 @@
    path (gather each row's blocks into a padded buffer, then SDPA with a mask), on a random
    cache, rows x keys of 1 x 512, 16 x 384 and 64 x 512 (GQA 4 query / 2 KV heads, head 64,
    fp32). Thread CPU time per call, one torch thread, so another process on the machine moves
-   it less than wall time.
+   it less than wall time. The kernel's K/V bytes read per call over its time, against this
+   machine's read bandwidth on that one thread (machine_limits, measured in the same run): how
+   far the memory-bound kernel is from its limit.
 2. Expert FFN: torch._grouped_mm against the per-expert loop at 2-128 rows (the sample model's
    16 experts, hidden 256, intermediate 96).
 3. The engine on the compare-hf workload (64 requests at once, prompts 32-512, outputs 16-256),
@@ -35,6 +37,7 @@ from moectl.engine.core.paged_attention import DecodeGroup, PagedContext  # noqa
 from moectl.engine.core.sampling import SamplingParams  # noqa: E402
 from moectl.engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
 from moectl.engine.models.moe import grouped_swiglu  # noqa: E402
+from moectl.engine.tools.machine_limits import memory_bandwidth  # noqa: E402
 from moectl.engine.tools.workload import WorkloadSpec, run_workload, workload_for_engine  # noqa: E402
 
 
@@ -70,6 +73,8 @@ def attention(rows: int, keys: int, repeats: int = 30) -> dict:
     if paged_decode.kernel() is not None:
         out["kernel_ms"] = _cpu_ms(lambda: in_place._attend(0, q, k_new, v_new, 0.125, False, 0, None), repeats)
         out["speedup"] = out["torch_ms"] / out["kernel_ms"]
+        out["kv_bytes"] = int(lens.sum()) * kv_heads * dim * cache.k.element_size() * 2  # each K and V entry once
+        out["kernel_read_bw"] = out["kv_bytes"] / (out["kernel_ms"] / 1e3)
     return out
 
 
@@ -117,6 +122,7 @@ def main() -> None:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     result = {"decode_attention": paged_decode.describe(),
+              "read_bw_one_thread": memory_bandwidth()["read_bw"],
               "attention": [attention(r, k) for r, k in ((1, 512), (16, 384), (64, 512))],
               "experts": [experts(r) for r in (2, 4, 8, 16, 64, 128)]}
     torch.set_num_threads(threads)
@@ -126,7 +132,9 @@ def main() -> None:
         return
     print(f"decode attention: {result['decode_attention']}")
     for a in result["attention"]:
-        kernel = f"{a['kernel_ms']:.3f} ms, {a['speedup']:.1f}x" if "kernel_ms" in a else "-"
+        kernel = (f"{a['kernel_ms']:.3f} ms, {a['speedup']:.1f}x, reads {a['kernel_read_bw'] / 1e9:.1f} GB/s "
+                  f"({a['kernel_read_bw'] / result['read_bw_one_thread']:.0%} of one thread's "
+                  f"{result['read_bw_one_thread'] / 1e9:.1f} GB/s)" if "kernel_ms" in a else "-")
         print(f"  {a['rows']:>3} rows x {a['keys']} keys: torch path {a['torch_ms']:.3f} ms, kernel {kernel}")
     for e in result["experts"]:
         print(f"  experts, {e['rows']:>3} rows ({e['experts_hit']} hit): loop {e['loop_ms']:.3f} ms, "

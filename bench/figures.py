@@ -66,8 +66,6 @@ def profiler(r: dict) -> list[tuple[str, str]]:
 
 
 def _sealing(encode: dict) -> str:
-    if "seal_zlib_us" not in encode:  # runs before the writer sealed with zstd
-        return ""
     return (f"; a recorded step, timed alone: packed in {encode['pack_us']:.0f} us, sealed in {encode['seal_us']:.0f} us "
             f"with zstd ({encode['seal_zlib_us']:.0f} us with the zlib it replaced, "
             f"{encode['sealed_bytes']:,.0f} vs {encode['sealed_zlib_bytes']:,.0f} bytes)")
@@ -237,6 +235,10 @@ def kineto_hta(r: dict) -> list[tuple[str, str]]:
 def decode(r: dict) -> list[tuple[str, str]]:
     e = r["engine"]
     att = "; ".join(f"{a['rows']} x {a['keys']}: {a['kernel_ms']:.2f} vs {a['torch_ms']:.2f} ms" for a in r["attention"])
+    if "read_bw_one_thread" in r:
+        bw = r["read_bw_one_thread"]
+        att += ("; the kernel reads K/V at " + ", ".join(f"{a['kernel_read_bw'] / bw:.0%}" for a in r["attention"])
+                + f" of one thread's measured read bandwidth ({bw / 1e9:.1f} GB/s)")
     return [("engine, compare-hf workload, decode kernel vs the padded-gather path it replaced",
              f"{e['kernel']['tok_s']:,.0f} vs {e['torch']['tok_s']:,.0f} output tok/s ({e['throughput_ratio']:.2f}x), "
              f"process CPU {e['kernel']['cpu_s']:.1f} vs {e['torch']['cpu_s']:.1f} s"),

@@ -77,9 +77,9 @@ class SpanRecorder:
         self._blocks.append((lanes, self._name(name), layers, starts, starts + seconds))
 
     def collect(self) -> dict:
-        """The step's spans as the record's columns, times relative to begin_step. One [spans, 5]
+        """The step's spans as the record's columns, times relative to begin_step: one [spans, 5]
         float array filled in place (the closed rows in one conversion, each modeled block by
-        slices), then cut into columns: a third of the numpy calls of a concatenate per column."""
+        slices), then cut into columns."""
         rows = self._rows
         if self._events:
             rows = list(rows)
