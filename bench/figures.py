@@ -378,8 +378,8 @@ def step_breakdown(r: dict) -> list[tuple[str, str]]:
 def rank_telemetry(r: dict) -> list[tuple[str, str]]:
     t = r["rank_telemetry"]
     return [(f"per-rank telemetry on {t['ranks']} ranks (the distributed backend's one gather of every rank's figures "
-             f"per step, overlapping rank 0's sampling; {t['steps']} steps)",
-             f"{t['gather_us_mean'] / 1e3:.2f} ms per step held by the gather (p99 {t['gather_us_p99'] / 1e3:.2f} ms), "
+             f"per step; {t['steps']} steps)",
+             f"{t['gather_us_mean'] / 1e3:.2f} ms per step in the gather (p99 {t['gather_us_p99'] / 1e3:.2f} ms), "
              f"{_pct(t['share_of_step'])} of the measured step (target 1%: {_met(t['share_of_step'] <= 0.01)}); the same "
              f"run's local profiler figure: {_pct(r['overhead'])}")]
 

@@ -188,9 +188,8 @@ def _encode_cost(trace: Path, limit: int = 300) -> dict:
 
 def rank_telemetry_cost(model_dir: str | Path, *, nproc: int = 2, requests: int = 64, dtype: str | None = None,
                         log: Callable[[str], None] = print) -> dict:
-    """The distributed backend's per-rank telemetry: rank 0's time held by the one fixed-size
-    gather of every rank's figures per step (posting it after the forward, then waiting for what
-    is left of it when the step record is built), against the measured step time."""
+    """The distributed backend's per-rank telemetry: rank 0's time in the one fixed-size gather
+    of every rank's figures per step, against the measured step time, on the same workload."""
     import numpy as np
 
     from moectl.engine.parallel.backends import Engines
@@ -210,6 +209,6 @@ def rank_telemetry_cost(model_dir: str | Path, *, nproc: int = 2, requests: int 
     out = {"ranks": nproc, "steps": len(records), "gather_us_mean": float(gather.mean() * 1e6),
            "gather_us_p99": float(np.percentile(gather, 99) * 1e6), "share_of_step": float(gather.sum() / step.sum()),
            "measured": True}
-    log(f"per-rank telemetry on {nproc} ranks: {out['gather_us_mean']:.0f} us per step held by the gather "
+    log(f"per-rank telemetry on {nproc} ranks: {out['gather_us_mean']:.0f} us per step in the gather "
         f"(p99 {out['gather_us_p99']:.0f} us), {out['share_of_step']:.2%} of the measured step time")
     return out

@@ -55,8 +55,7 @@ Step record (format 1):
                                  for the slowest device at the layers' synchronisation points],
                                  "cost_model": {"per_expert_s", "per_row_s", "samples",
                                  "relative_error"} (calibrated from the measured busy times)},
-                   "telemetry_s": float (distributed: rank 0's time held by the per-step gather:
-                                  posting it after the forward, waiting for it at the record),
+                   "telemetry_s": float (distributed: rank 0's time in the per-step gather),
                    "process": [{"rss_bytes", "cuda"}] (distributed: each rank's, measured),
                    "traffic_bytes": int64 [D, D] (emulated: the modeled all-to-all's dispatch bytes src x dst,
                                     its combine the transpose; distributed: the expert output

@@ -3,10 +3,9 @@
 
 A placement change is published to every rank through the step channel and carried out by all
 of them between two steps (rank_experts.migrate: real transfers); what each rank measured comes
-back to rank 0. Every step, each rank's measurements arrive in one fixed-size gather, posted
-right after rank 0's forward (`collect`) and awaited when the step record is built (`end_step`),
-so it travels while rank 0 computes the logits and samples. The record is built from them:
-busy time, rows, traffic and link time are all measured here, nothing is modeled.
+back to rank 0. Every step, each rank's measurements arrive in one fixed-size gather
+(`collect`), and the step record is built from them: busy time, rows, traffic and link time are
+all measured here, nothing is modeled.
 """
 
 from __future__ import annotations
@@ -75,7 +74,6 @@ class DistributedCluster(ClusterBase):
         self.kv_pool_bytes = kv_pool_bytes  # one rank's KV pool (its share of the heads; sliding-window pool included)
         self.bytes_per_row = model.cfg.hidden_size * first.w13.element_size()
         self.telemetry_s = 0.0
-        self._gather = None  # (the posted gather, its buffers, what this rank sent, seconds spent posting)
         self.last_migration: dict = {}
         self.health = None  # health(error=None): raises naming a failed rank (group.RankGroup.check)
         self.check(placement)
@@ -120,39 +118,16 @@ class DistributedCluster(ClusterBase):
         self.stats.token_device = token_device
 
     def collect(self) -> None:
-        """After rank 0's forward: posts the gather of every rank's figures for the step; end_step
-        awaits it."""
-        self._await_gather(use=False)  # a step that failed between its gather and its record
+        """After rank 0's forward: every rank's figures for the step, in one gather."""
         t0 = time.perf_counter()
         gathered = [torch.empty(RankStepStats.size(self.num_layers, self.world), dtype=torch.float64)
                     for _ in range(self.world)]
-        mine = self.rank_stats.pack()
         # the gloo control group: these are CPU tensors, also when the compute group is NCCL
-        work = dist.gather(mine, gathered, dst=0, group=self.state.ctrl_group, async_op=True)
-        self._gather = (work, gathered, mine, time.perf_counter() - t0)
-
-    def _await_gather(self, use: bool = True) -> float:
-        """Waits for the posted gather and fills the step's figures from it (use); returns the
-        seconds waited. A rank lost meanwhile is named (health), as a failed forward's is."""
-        if self._gather is None:
-            return 0.0
-        (work, gathered, _, post_s), self._gather = self._gather, None
-        t0 = time.perf_counter()
-        try:
-            work.wait()
-        except RuntimeError as exc:
-            if self.health is not None:
-                self.health(exc)  # raises DistributedError naming the rank
-            raise
-        waited = time.perf_counter() - t0
-        if use:
-            self.stats.fill(torch.stack(gathered).numpy(), self.world, self.num_layers)
-            # rank 0's time held by the telemetry: posting it, and whatever of it outlasted the sampling
-            self.telemetry_s = post_s + waited
-        return waited
+        dist.gather(self.rank_stats.pack(), gathered, dst=0, group=self.state.ctrl_group)
+        self.stats.fill(torch.stack(gathered).numpy(), self.world, self.num_layers)
+        self.telemetry_s = time.perf_counter() - t0
 
     def end_step(self, wall_s: float) -> dict:
-        wall_s += self._await_gather()  # wall_s was read just before: the wait is part of the step
         s, f = self.stats, self.stats.figures
         # src x dst: the expert output rows src computed, which the combine delivers to dst
         traffic = (f["send_rows"] * self.bytes_per_row).astype(np.int64)
@@ -166,7 +141,7 @@ class DistributedCluster(ClusterBase):
             "link_wait_s": f["wait_s"].tolist(),  # measured: time in the tiny collectives (waiting for peers)
             "link_s_modeled": False,
             "step_time": self._time_step(wall_s, float(link_s.max()), len(s.token_device), measured_parallel=True),
-            "telemetry_s": self.telemetry_s,  # rank 0's time held by the per-step gather of these figures
+            "telemetry_s": self.telemetry_s,  # rank 0's time in the per-step gather of these figures
             "process": [{"rss_bytes": int(f["rss_bytes"][r]),
                          "cuda": ({"allocated": int(f["cuda_allocated"][r]), "reserved": int(f["cuda_reserved"][r]),
                                    "max_allocated": int(f["cuda_max_allocated"][r])}
