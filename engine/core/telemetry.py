@@ -42,8 +42,7 @@ class RecordingCost:
       only with listeners (a recorder, a console): listeners;
       in every mode, spans off and no listeners included: step_setup (the batch's contexts and
         decode count, a deep capture's start), request_events, devices_record (the expert layer's
-        step record; on the distributed backend it includes the wait for the ranks' figures, which
-        the record's telemetry_s also gives), step_record (StepStats and the rest of its build, a deep capture's end),
+        step record), step_record (StepStats and the rest of its build, a deep capture's end),
         process_memory (sampled for every StepStats)."""
 
     COMPONENTS = ("step_setup", "span_begin", "span_collect", "request_events", "devices_record", "step_record",

@@ -385,7 +385,7 @@ class _PublishingModel:
     def __init__(self, model, channel: StepChannel):
         self.model, self.channel = model, channel
         self.cfg = model.cfg
-        self.after_forward = None  # rank 0's cluster: posts the gather of every rank's figures for the step
+        self.after_forward = None  # rank 0's cluster: gathers every rank's figures for the step
         self.health = None  # see DistributedModelRunner.health
 
     def __call__(self, input_ids, positions, ctx, probe=None):

@@ -12,9 +12,7 @@ rank must not hang the front end:
   the ranks' figures) leaves the other ranks waiting in a collective that will never come: it
   ends the group too, naming rank 0 and the error. Errors in rank 0's input preparation,
   sampling or postprocess happen while the ranks are in step: they fail only that step's
-  requests, as on one process. The ranks' figures for the step are gathered while rank 0 samples
-  and awaited at its step record: a rank lost in that window is named there, after the step's
-  tokens went out (finished requests keep their outputs; the rest fail with the group);
+  requests, as on one process;
 * a worker that hangs (stopped, stuck) stops beating its heartbeat in the rendezvous store; after
   STALE_S the watchdog names it and stops it for good, so a collective blocked on it fails at
   once. Compute collectives also time out after RANK_TIMEOUT_S, a backstop long enough for a
