@@ -87,7 +87,8 @@ class RequestHandle:
 
 class EngineSource(Source):
     """An engine process's records and actions. owner: this console started the engine, which
-    stops when this source closes (or this process dies)."""
+    stops when this source closes (or this process dies); the engine grants it only to the process
+    that started it, and refuses anyone else's claim (ActionRefused here)."""
 
     mode = "live"
     engine_alerts = True  # the engine computes the alerts: `alerts` and `alerts_version` follow its Alerts

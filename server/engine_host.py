@@ -10,8 +10,13 @@ Threads: the engine steps on its driver's thread (engine/core/driver.py); a pump
 the driver's records every PUMP_S, encodes them once and queues the bytes for every client; each
 client has a reader thread (its actions) and a sender thread (its queue, bounded: a slow client
 loses its oldest messages, counted, and costs nobody else anything). The engine exits when its
-owner client goes (the console that `run` started), on Shutdown, on SIGTERM, or when the process
-that started it dies (PR_SET_PDEATHSIG).
+owner client goes (the console that `run` started), on its owner's Shutdown, on SIGTERM, or when
+the process that started it dies (PR_SET_PDEATHSIG).
+
+Ownership is the starting process's, not a claim: a Hello's owner flag is granted only to a
+connection from the pid in MOECTL_PARENT_PID (cli/engine_process.py sets it), as the kernel names
+the peer (SO_PEERCRED). So web's shared engine has no owner but web itself, which never connects,
+and serve's (a driver handed in) has none at all: no token holder can stop either by leaving.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import logging
 import os
 import signal
 import socket
+import struct
 import threading
 import time
 from collections import deque
@@ -60,7 +66,8 @@ PUMP_S = 0.02  # records reach clients this often: 50 a second, faster than any 
 RECENT_STEPS, RECENT_ACTIONS = 64, 256  # a new client's catch-up, and the alerts' window (a console's)
 ALERT_EVERY_S = 2.0  # alerts are recomputed this often while a client is attached and steps arrive
 CLIENT_QUEUE = 256  # messages waiting per client before its oldest are dropped
-HELLO_TIMEOUT_S = 5.0
+HELLO_TIMEOUT_S = 5.0  # for the whole Hello, however slowly it trickles in
+BACKLOG = socket.SOMAXCONN  # clients connecting at once wait in this queue (Linux caps it at net.core.somaxconn)
 MAX_PLANS = 16  # previews kept for an apply (newest)
 SIGNAL_POLL_S = 0.1  # how soon wait() acts on a SIGTERM
 
@@ -81,6 +88,7 @@ class EngineHost:
         self._on_close = on_close
         self.workload = workload or (DemoWorkload(load) if load is not None else None)
         self._owns_driver = driver is None
+        self._owner_pid = starter_pid() if self._owns_driver else None  # serve's engine is nobody's to stop
         self._inbox: deque = deque(maxlen=RECENT_ACTIONS * 16)  # (steps, actions) published by a driver's reader
         self.driver = driver or EngineDriver(make_engine, feed=self.workload.feed if self.workload else None)
         self.name = f"{name} (pid {os.getpid()})"
@@ -102,7 +110,7 @@ class EngineHost:
         path = self.engine_dir / protocol.SOCKET_NAME
         self._listener.bind(str(path))
         os.chmod(path, 0o600)
-        self._listener.listen(16)
+        self._listener.listen(BACKLOG)
         self._threads = [threading.Thread(target=self._accept_loop, name="moectl-accept", daemon=True),
                          threading.Thread(target=self._pump_loop, name="moectl-pump", daemon=True)]
         for t in self._threads:
@@ -131,6 +139,10 @@ class EngineHost:
         for client in clients:
             client.answer(frame)
         self._stopped.set()
+        try:  # wakes the accept loop; a client connecting now is refused, not queued for nobody
+            self._listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
 
     def close(self) -> None:
         """After wait(): the clients get their Bye, then the engine and the socket go."""
@@ -168,18 +180,26 @@ class EngineHost:
             sock.close()
 
     def _welcome(self, sock: socket.socket) -> None:
-        try:
-            sock.settimeout(HELLO_TIMEOUT_S)
-            hello = read_message(sock)
+        try:  # until the token is checked: a small frame, and one deadline for all of it
+            hello = read_message(sock, max_bytes=protocol.MAX_HELLO, deadline=time.monotonic() + HELLO_TIMEOUT_S)
             sock.settimeout(None)
-            if not isinstance(hello, Hello) or not token_matches(hello.token, self._token):
-                sock.sendall(encode(Bye("refused: the first message must be a hello with this run's token")))
-                sock.close()
-                return
-        except (OSError, ProtocolError):
+        except ProtocolError as exc:
+            _refuse(sock, f"refused: {exc}")
+            return
+        except OSError:  # too slow (the deadline), or gone
             sock.close()
             return
+        if not isinstance(hello, Hello) or not token_matches(hello.token, self._token):
+            _refuse(sock, "refused: the first message must be a hello with this run's token")
+            return
+        if hello.owner and not self._owned_by(sock):
+            _refuse(sock, "refused: owner: only the process that started this engine owns it"
+                          + (f" (pid {self._owner_pid})" if self._owner_pid is not None else "; this one has none"))
+            return
         with self._lock:  # the catch-up and the client's place in the fan-out, at one instant
+            if self.stop_reason is not None:  # nothing would ever be sent to it
+                _refuse(sock, f"refused: the engine is stopping ({self.stop_reason})")
+                return
             stream = hello.records
             welcome = Welcome(engine=self.name, pid=os.getpid(), header=self.header(),
                               steps=list(self._recent_steps) if stream else [],
@@ -189,6 +209,14 @@ class EngineHost:
             client = _Client(self, sock, hello.owner, encode(welcome), kind=_client_kind(hello.client), records=stream)
             self._clients.add(client)
         client.start()
+
+    def _owned_by(self, sock: socket.socket) -> bool:
+        """Whether the peer is the process that started this engine. Where the platform cannot
+        name a socket's peer, the claim stands: the socket is the user's alone, behind the token."""
+        if self._owner_pid is None:
+            return False
+        pid = peer_pid(sock)
+        return pid is None or pid == self._owner_pid
 
     def gone(self, client: _Client) -> None:
         with self._lock:
@@ -432,6 +460,10 @@ class _Client:
                 if isinstance(message, Shutdown):
                     if self.owner:  # only the console that started the engine stops it
                         self.host.stop("its console asked it to stop")
+                    else:
+                        log.warning("engine host: %s asked the engine to stop; refused (not its owner)", self.name)
+                        self.answer(encode(Result(id=message.id, error="shutdown: refused: only the console that "
+                                                                       "started this engine stops it")))
                 elif isinstance(message, Act):
                     self._act(message)
                 elif isinstance(message, Generate):
@@ -484,6 +516,35 @@ def _client_kind(client: str) -> str:
     """A client's self-description, kept to a short word for its request ids."""
     word = "".join(ch for ch in str(client) if ch.isalnum())[:16]
     return word or "client"
+
+
+def _refuse(sock: socket.socket, reason: str) -> None:
+    """A connection refused before its Welcome: the reason, then closed."""
+    try:
+        sock.settimeout(None)
+        sock.sendall(encode(Bye(reason)))
+    except OSError:
+        pass
+    sock.close()
+
+
+def starter_pid() -> int | None:
+    """The process that started this one, as it said (cli/engine_process.py); None if none did."""
+    value = os.environ.get(protocol.PARENT_PID_ENV, "")
+    return int(value) if value.isdigit() else None
+
+
+_PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+def peer_pid(sock: socket.socket) -> int | None:
+    """The pid of the process at the other end of a Unix socket, as the kernel recorded it at
+    connect (Linux's SO_PEERCRED); None where the platform does not say."""
+    option = getattr(socket, "SO_PEERCRED", None)
+    if option is None:
+        return None
+    pid, _uid, _gid = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, option, _PEERCRED.size))
+    return pid
 
 
 def die_with_parent() -> None:

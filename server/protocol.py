@@ -4,7 +4,9 @@ Binary: each message is a msgpack document (msgspec) behind a 4-byte little-endi
 records travel as the engine built them: numpy arrays as msgpack extension ARRAY_EXT (dtype,
 shape, raw bytes), never as JSON lists; nothing a peer sends is unpickled. The transport is a Unix
 socket in a directory only its owner can enter (engine_dir), and a client's first message must
-carry the run's token (Hello), compared in constant time.
+carry the run's token (Hello), compared in constant time. Until it has, a peer is held to a
+small frame (MAX_HELLO) and one deadline for the whole Hello, so an unauthenticated connection
+costs neither memory nor time.
 
 Torch-free, like everything a console process imports.
 """
@@ -17,6 +19,7 @@ import secrets
 import socket
 import struct
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +28,11 @@ import numpy as np
 
 LENGTH = struct.Struct("<I")
 MAX_MESSAGE = 64 << 20  # a catch-up of recent records on a 61 x 384 model is a few MiB
+MAX_HELLO = 4 << 10  # before the token is checked: a Hello is its token and a few short fields
+CONNECT_WAIT_S = 10.0  # how long a client waits for room in a busy engine's queue of new connections
 ARRAY_EXT = 1
 SOCKET_NAME, TOKEN_NAME = "engine.sock", "token"
+PARENT_PID_ENV = "MOECTL_PARENT_PID"  # how a starter names itself to its engine process: the owner's pid
 
 
 class ProtocolError(ValueError):
@@ -36,7 +42,8 @@ class ProtocolError(ValueError):
 # -- messages (tag: the "type" field on the wire)
 
 class Hello(msgspec.Struct, tag="hello"):
-    """Client -> engine, first: the run's token; owner: the engine exits when this client goes;
+    """Client -> engine, first: the run's token; owner: the engine exits when this client goes,
+    granted only to the process that started the engine (anyone else's claim is refused);
     records: False for a client of requests and actions only (no record stream, no catch-up)."""
     token: str
     client: str = "console"
@@ -123,7 +130,9 @@ class Cancel(msgspec.Struct, tag="cancel"):
 
 
 class Shutdown(msgspec.Struct, tag="shutdown"):
-    """Client -> engine: stop (an owner's quit)."""
+    """Client -> engine: stop (an owner's quit). From any other client it is refused: a Result
+    with this id and the reason."""
+    id: int = 0
 
 
 class Bye(msgspec.Struct, tag="bye"):
@@ -182,21 +191,29 @@ def decode(body: bytes) -> Message:
         raise ProtocolError(f"not a message of this protocol ({str(exc).splitlines()[0]})") from None
 
 
-def read_message(sock: socket.socket) -> Message | None:
-    """The next message, or None when the peer closed the connection between messages."""
-    head = _read_exactly(sock, LENGTH.size, eof_ok=True)
+def read_message(sock: socket.socket, max_bytes: int = MAX_MESSAGE, deadline: float | None = None) -> Message | None:
+    """The next message, or None when the peer closed the connection between messages. A body
+    over max_bytes is refused from its announced length, before anything is allocated for it.
+    deadline (time.monotonic()): the whole message must have arrived by then, however slowly it
+    trickles in (TimeoutError after it); without one, the socket's own timeout applies per read."""
+    head = _read_exactly(sock, LENGTH.size, eof_ok=True, deadline=deadline)
     if head is None:
         return None
     (length,) = LENGTH.unpack(head)
-    if length > MAX_MESSAGE:
-        raise ProtocolError(f"a message of {length:,} bytes announced; at most {MAX_MESSAGE:,}")
-    return decode(_read_exactly(sock, length))
+    if length > max_bytes:
+        raise ProtocolError(f"a message of {length:,} bytes announced; at most {max_bytes:,}")
+    return decode(_read_exactly(sock, length, deadline=deadline))
 
 
-def _read_exactly(sock: socket.socket, n: int, eof_ok: bool = False) -> bytes | None:
+def _read_exactly(sock: socket.socket, n: int, eof_ok: bool = False, deadline: float | None = None) -> bytes | None:
     buf = bytearray(n)
     view, got = memoryview(buf), 0
     while got < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("the message did not arrive in time")
+            sock.settimeout(left)
         k = sock.recv_into(view[got:], n - got)
         if k == 0:
             if eof_ok and got == 0:
@@ -230,15 +247,29 @@ def token_matches(given: str, expected: str) -> bool:
     return hmac.compare_digest(given.encode(), expected.encode())
 
 
-def connect(engine_dir: Path, timeout_s: float = 5.0) -> socket.socket:
-    """A connection to the engine listening in engine_dir (ProtocolError when none is there)."""
+def connect(engine_dir: Path, wait_s: float = CONNECT_WAIT_S) -> socket.socket:
+    """A connection to the engine listening in engine_dir (ProtocolError when none is there, or
+    when its queue of new connections stays full for wait_s: many clients connecting at once)."""
     path = Path(engine_dir) / SOCKET_NAME
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.settimeout(timeout_s)
-    try:
-        sock.connect(str(path))
-    except OSError as exc:
-        sock.close()
-        raise ProtocolError(f"no engine listening at {path} ({exc.strerror or exc})") from None
-    sock.settimeout(None)
-    return sock
+    deadline = time.monotonic() + wait_s
+    pause_s = 0.001
+    while True:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        # non-blocking: a full queue answers EAGAIN at once (a blocking connect would wait on an
+        # engine that no longer accepts for as long as it lives)
+        sock.setblocking(False)
+        try:
+            sock.connect(str(path))
+        except BlockingIOError:
+            sock.close()
+            if time.monotonic() >= deadline:
+                raise ProtocolError(f"the engine at {path} is busy: no room for a new connection within "
+                                    f"{wait_s:g} s (too many clients connecting at once); try again") from None
+            time.sleep(pause_s)  # room comes as the engine accepts the queued ones
+            pause_s = min(2 * pause_s, 0.05)
+            continue
+        except OSError as exc:
+            sock.close()
+            raise ProtocolError(f"no engine listening at {path} ({exc.strerror or exc})") from None
+        sock.setblocking(True)
+        return sock

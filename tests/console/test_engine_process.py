@@ -109,6 +109,42 @@ def test_a_client_without_the_token_is_refused(ckpt):
         engine.terminate()
 
 
+_INTRUDER = textwrap.dedent("""
+    import sys
+    from pathlib import Path
+    from moectl.server import protocol
+    engine_dir = Path(sys.argv[1])
+    token = protocol.read_token(engine_dir)
+    with protocol.connect(engine_dir) as sock:  # claims the engine: refused
+        sock.sendall(protocol.encode(protocol.Hello(token=token, owner=True)))
+        print(protocol.read_message(sock).reason)
+    with protocol.connect(engine_dir) as sock:  # asks it to stop: refused
+        sock.sendall(protocol.encode(protocol.Hello(token=token, records=False)))
+        assert isinstance(protocol.read_message(sock), protocol.Welcome)
+        sock.sendall(protocol.encode(protocol.Shutdown(id=3)))
+        print(protocol.read_message(sock).error)
+""")
+
+
+def test_only_the_process_that_started_the_engine_owns_it(ckpt):
+    """Another process with the token claims the engine and asks it to stop: both refused, and
+    the engine serves on once it has gone; the starter's own console still stops it by leaving."""
+    engine = start_engine(ckpt)
+    try:
+        intruder = subprocess.run([sys.executable, "-c", _INTRUDER, str(engine.dir)], capture_output=True, text=True,
+                                  cwd=REPO, timeout=60)
+        assert intruder.returncode == 0, intruder.stderr
+        claimed, stopped = intruder.stdout.splitlines()
+        assert claimed == f"refused: owner: only the process that started this engine owns it (pid {os.getpid()})"
+        assert stopped.startswith("shutdown: refused")
+        assert engine.alive()
+        owner = EngineSource(engine.dir, owner=True)
+        owner.close()
+        assert wait_gone(engine.pid, 30) is not None  # `run`'s quit: its console's leaving stops the engine
+    finally:
+        engine.terminate()
+
+
 def test_a_bad_engine_option_is_the_engines_one_line_and_exit_code(ckpt):
     engine = EngineProcess(["--model", str(ckpt), "--hbm", "1KiB"])
     with pytest.raises(EngineStartFailed) as err:
