@@ -130,7 +130,7 @@ def run(
     from moectl.engine.core import gc_heap
 
     gc_heap.own_process()  # this process serves one engine for its life: its heap is frozen once built
-    from moectl.cli.engine_process import EngineProcess, EngineStartFailed
+    from moectl.cli.engine_process import EngineProcess, EngineStartFailed, exit_lines
     from moectl.console.engine_client import EngineSource
     from moectl.engine.core.actions import ActionRefused
 
@@ -167,11 +167,10 @@ def run(
             stopped, process = process, None
             code = stopped.stop()
             if code != 0:  # it died under the console: why, now that the terminal is back (and exit 1)
-                tail = stopped.log_tail
-                typer.echo(f"moectl: error: the engine process exited with code {code}"
-                           + ("; its last lines:" if tail else " (it wrote nothing)"), err=True)
+                head, *tail = exit_lines(code, stopped.log_tail)
+                typer.echo(f"moectl: error: {head}", err=True)
                 for line in tail:
-                    typer.echo(f"  {line}", err=True)
+                    typer.echo(line, err=True)
                 raise typer.Exit(1)
     finally:
         if process is not None:  # interrupted before the console stopped it: no owner's Shutdown came
@@ -257,6 +256,10 @@ def engine_host(
         host.wait()
     finally:
         host.close()
+        if parent and os.getppid() != int(parent):  # its starter died (SIGKILL): nobody else will clean up
+            import shutil
+
+            shutil.rmtree(engine_dir, ignore_errors=True)
 
 
 @handles_errors

@@ -6,6 +6,10 @@ engine. The engine checks its own options (engine_config) before it loads anythi
 on its stdout with one line: ready, or the one-line error its command would print, which the
 starting command then prints as its own, with the same exit code.
 
+The directory (token, socket, the engine's log) goes when the engine stops: stop() removes it,
+the engine removes it itself when its starter died (engine-host), and a new EngineProcess sweeps
+those whose starter was SIGKILLed before either could (OWNER_NAME names it).
+
 Torch-free: it runs in the console's process.
 """
 
@@ -13,18 +17,30 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import select
 import shutil
+import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
-from moectl.server.protocol import new_engine_dir
+from moectl.server.protocol import SOCKET_NAME, new_engine_dir
 
 START_TIMEOUT_S = 600.0  # a large checkpoint's load
 STOP_TIMEOUT_S = 5.0
-LOG_TAIL = 10  # lines of the engine's stderr shown when it died under the console
+LOG_TAIL = 3  # lines of the engine's stderr shown when it died under the console
 ERROR_PREFIX = "moectl: error: "
+OWNER_NAME = "owner.pid"  # in the engine's directory: the pid of the process that started it
+ENGINE_DIR_PREFIX = "moectl-engine-"  # new_engine_dir's
+# stack dumps in the engine's stderr: C++ frames (c10's "frame #3: ...", a rank's c10d error
+# after a peer died), Python's and faulthandler's tracebacks; the lines around them say what
+# happened, the frames only where
+STACK_LINE = re.compile(r"frame #\d+: |<omitting python frames>$|.*\(most recent call (first|last)\):$"
+                        r'|\s+File ".*", line \d+|\s{4}')
 
 
 class EngineStartFailed(Exception):
@@ -39,7 +55,9 @@ class EngineProcess:
     """`moectl engine-host` with `options` (run's option flags), in a private directory."""
 
     def __init__(self, options: list[str]):
+        sweep_stale_engine_dirs()
         self.dir, _token = new_engine_dir()
+        (self.dir / OWNER_NAME).write_text(str(os.getpid()))
         self.log_path = self.dir / "engine.log"
         env = dict(os.environ, MOECTL_PARENT_PID=str(os.getpid()))
         with open(self.log_path, "wb") as log:  # the engine's stderr: warnings, and its error if it fails
@@ -63,9 +81,11 @@ class EngineProcess:
             if not ready:
                 continue
             line = out.readline()
-            if not line:  # it exited
+            if not line:  # it exited: its error line, then its directory goes
                 code = self.proc.wait()
-                raise EngineStartFailed(self._error_line(code), code or 1)
+                message = self._error_line(code)
+                self.stop()
+                raise EngineStartFailed(message, code or 1)
             try:
                 message = json.loads(line)
             except ValueError:
@@ -106,7 +126,8 @@ class EngineProcess:
         finally:
             if self.proc.stdout is not None:
                 self.proc.stdout.close()
-            self.log_tail = self._log_lines()[-LOG_TAIL:]  # kept: the directory goes
+            if self.dir.exists():  # kept: the directory goes (a second stop keeps the first's)
+                self.log_tail = meaningful_lines(self._log_lines())[-LOG_TAIL:]
             shutil.rmtree(self.dir, ignore_errors=True)
 
     def _log_lines(self) -> list[str]:
@@ -114,3 +135,65 @@ class EngineProcess:
             return [line for line in self.log_path.read_text(errors="replace").splitlines() if line.strip()]
         except OSError:
             return []
+
+
+def meaningful_lines(lines: list[str]) -> list[str]:
+    """The engine's stderr without its stack dumps' frames (STACK_LINE)."""
+    return [line for line in lines if not STACK_LINE.match(line)]
+
+
+def exit_lines(code: int, tail: list[str]) -> list[str]:
+    """What a console says when its engine process died under it: how (a signal by name), then
+    the meaningful last lines of its stderr."""
+    how = f"exited with code {code}"
+    if code < 0:
+        try:
+            how = f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            pass
+    head = f"the engine process {how}" + ("; its last lines:" if tail else " (it wrote nothing)")
+    return [head, *(f"  {line}" for line in tail)]
+
+
+def sweep_stale_engine_dirs(root: Path | None = None) -> list[Path]:
+    """Remove this user's engine directories whose starter is gone and whose socket no engine
+    answers on (a SIGKILLed console's, or a SIGKILLed `moectl web`'s): returns them. A directory
+    without OWNER_NAME is left alone: it may be one being made right now."""
+    root = Path(root or tempfile.gettempdir())
+    swept = []
+    for path in root.glob(f"{ENGINE_DIR_PREFIX}*"):
+        try:
+            if path.is_symlink() or not path.is_dir() or path.stat().st_uid != os.getuid():
+                continue
+            owner = int((path / OWNER_NAME).read_text())
+        except (OSError, ValueError):
+            continue
+        if _pid_alive(owner) or _engine_answers(path / SOCKET_NAME):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        swept.append(path)
+    return swept
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process has that pid now
+        return True
+    return True
+
+
+def _engine_answers(path: Path) -> bool:
+    """Whether an engine listens on this socket (the owner's pid may be invisible here: another
+    pid namespace sharing /tmp)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.setblocking(False)
+        try:
+            sock.connect(str(path))
+        except (FileNotFoundError, ConnectionRefusedError):
+            return False
+        except OSError:  # busy (EAGAIN) or not ours to tell: alive
+            return True
+    return True

@@ -6,6 +6,9 @@ what the terminal would. Live, one engine process serves every tab: web starts i
 engine options given here) before it serves, and each tab's console attaches to it (`run
 --engine DIR`); only that engine loads torch. Everything is validated before the server starts,
 so a bad option is one line and exit 2 rather than a "Session ended" page.
+
+Who may open it (web_server.py): on loopback without --token, only this user's own processes
+(Linux tells a loopback peer's user; elsewhere --token is required); with --token, whoever holds it.
 """
 
 from __future__ import annotations
@@ -13,7 +16,6 @@ from __future__ import annotations
 import shlex
 import sys
 from pathlib import Path
-from urllib.parse import urlsplit
 
 import typer
 
@@ -39,15 +41,25 @@ from moectl.cli.common import (
 from moectl.cli.console import DEMO_WORKLOAD_OPT, ENGINE_OPTIONS
 from moectl.themes import check_theme
 
+DEFAULT_MAX_SESSIONS = 8  # browser tabs at once: each runs a console process, and its memory
+MAX_SESSIONS = 256
+
 
 @handles_errors
 def web(
     ctx: typer.Context,
-    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on. Anything but loopback needs --token."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on. Without --token: loopback only, "
+                                                         "and only your own user's connections are served (other "
+                                                         "users of this machine get 403; Linux)."),
     port: int = typer.Option(8080, "--port", min=1, max=65535, help="Port to listen on."),
     token: str | None = typer.Option(None, "--token", envvar="MOECTL_WEB_TOKEN",
-                                     help="Require this token on every request: open /?token=T once (it is kept "
-                                          "in a cookie) or send `Authorization: Bearer T`."),
+                                     help="Require this token on every request instead, from any user: open "
+                                          "/?token=T once (it is kept in a cookie) or send `Authorization: "
+                                          "Bearer T`. Needed beyond loopback, and on systems without "
+                                          "/proc/net/tcp."),
+    max_sessions: int = typer.Option(DEFAULT_MAX_SESSIONS, "--max-sessions", min=1, max=MAX_SESSIONS,
+                                     help="Browser tabs served at once (each runs a console process of its own); "
+                                          "one more is refused (503) until a tab closes."),
     replay: Path | None = typer.Option(None, "--replay", help="Serve `moectl replay TRACE` instead of the live "
                                                               "console."),
     attach: str | None = typer.Option(None, "--attach", help="Serve `moectl attach URL` (a running `moectl serve`) "
@@ -69,15 +81,19 @@ def web(
     theme: str = THEME_OPT,
 ):
     """The console in a browser: live (the `moectl run` options), --replay TRACE or --attach URL.
-    Each browser tab runs its own console (live: all attached to one engine process); loopback only
-    unless --token is given."""
-    from moectl.cli.web_server import ConsoleServer, is_loopback
+    Each browser tab runs its own console (live: all attached to one engine process), up to
+    --max-sessions at once. Without --token: loopback only, for your own user only (another user's
+    browser or script is refused); with --token: anyone who has it."""
+    from moectl.cli.web_server import ConsoleServer, can_tell_peer_users, is_loopback
 
     if token is not None and not token:
         raise BadInput("--token: empty")
     if token is None and not is_loopback(host):
         raise BadInput(f"--host: {host} is not a loopback address; give --token (or MOECTL_WEB_TOKEN) so that "
                        "only holders of the token can open the console")
+    if token is None and not can_tell_peer_users():
+        raise BadInput("--token: needed here: without one only your own user may connect, and this system "
+                       "cannot tell a connection's user (no /proc/net/tcp)")
     check_theme(theme)
     live = {name: value for name, value in ctx.params.items() if name in ENGINE_OPTIONS}
     if replay is not None or attach is not None:
@@ -101,7 +117,7 @@ def web(
     # textual-serve runs it through the shell; exec, so that the process it holds is the console itself
     command = "exec " + shlex.join([sys.executable, "-m", "moectl.cli", *args, "--theme", theme])
     try:
-        ConsoleServer(command, host, port, title=f"moectl · {what}", token=token).serve()
+        ConsoleServer(command, host, port, title=f"moectl · {what}", token=token, max_sessions=max_sessions).serve()
     finally:
         if engine is not None:
             engine.terminate()
@@ -114,9 +130,12 @@ def start_engine(ctx: typer.Context):
     engine = EngineProcess(forwarded_options(ctx, ENGINE_OPTIONS))
     try:
         engine.wait_ready()
-    except EngineStartFailed as exc:
+    except EngineStartFailed as exc:  # the engine is gone, and so is its directory
         typer.echo(f"moectl: error: {exc}", err=True)
         raise typer.Exit(exc.code) from None
+    except BaseException:  # Ctrl-C while it loads
+        engine.terminate()
+        raise
     return engine
 
 
@@ -135,7 +154,10 @@ def replay_args(trace: Path) -> list[str]:
 
 
 def attach_args(url: str, attach_token: str | None) -> list[str]:
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise BadInput(f"--attach: {url!r} is not an http(s) URL of a `moectl serve`")
+    from moectl.console.sources import server_url
+
+    try:
+        url = server_url(url)
+    except ValueError as exc:
+        raise BadInput(f"--{exc}") from None  # "attach: ..." -> "--attach: ..."
     return ["attach", url] + (["--token", attach_token] if attach_token else [])

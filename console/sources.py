@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import asyncio
 import math
+import posixpath
 import threading
 import time
 from collections import deque
 from concurrent.futures import Future
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
 import numpy as np
@@ -266,6 +268,24 @@ class RemotePlan:
         return {"plan_id": plan.plan_id}
 
 
+def server_url(url: str) -> str:
+    """A `moectl serve` URL as the base its routes hang off: http(s), a host, a valid port, the path
+    normalised (`/v1/../x` is `/x`), no trailing slash. A query or fragment is refused: the
+    routes go after the path, where they would end up inside it."""
+    try:
+        parts = urlsplit(url.strip())
+        parts.port  # noqa: B018 - raises ValueError for a port out of range or not a number
+    except ValueError as exc:
+        raise ActionRefused(f"attach: {url!r} is not a valid URL ({exc})") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ActionRefused(f"attach: {url!r} is not an http(s) URL of a `moectl serve`")
+    if parts.query or parts.fragment:
+        extra = "?" + parts.query if parts.query else "#" + parts.fragment
+        raise ActionRefused(f"attach: {url!r} has {extra!r}: give the server's address alone (e.g. http://host:8000)")
+    path = posixpath.normpath("/" + parts.path.lstrip("/")).rstrip("/")  # "/" and "" are the root
+    return urlunsplit((parts.scheme, parts.netloc, path, "", ""))
+
+
 class AttachSource(Source):
     """A remote `moectl serve`: records from its /v1/telemetry websocket, actions through its
     /v1/control endpoints (bearer token). Network I/O runs on a background thread with its own
@@ -274,9 +294,7 @@ class AttachSource(Source):
     mode = "attach"
 
     def __init__(self, url: str, token: str | None = None, timeout_s: float = 10.0):
-        self.url = url.rstrip("/")
-        if not self.url.startswith(("http://", "https://")):
-            raise ActionRefused(f"attach: {url!r} is not an http(s) URL")
+        self.url = server_url(url)
         self.token = token
         self._records: deque = deque(maxlen=RECORD_BUFFER)
         self._actions: deque = deque(maxlen=RECORD_BUFFER)
@@ -284,13 +302,15 @@ class AttachSource(Source):
         self._closed = False
         self._last_step, self._last_action_time = -1, -math.inf  # dedupe the catch-up on reconnect
         self._hello = threading.Event()
+        self._answered = threading.Event()  # the first connection's outcome: a hello, or a refusal
         self.header: dict = {}
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="moectl-attach", daemon=True)
         self._thread.start()
         self._session = self._call(self._open_session()).result(timeout_s)
         self._reader = asyncio.run_coroutine_threadsafe(self._read_telemetry(), self._loop)
-        if not self._hello.wait(timeout_s):
+        self._answered.wait(timeout_s)
+        if not self._hello.is_set():
             reason = self._error or f"no telemetry from {self.url} within {timeout_s:g} s"
             self.close()
             raise ActionRefused(f"attach: {reason}")
@@ -314,6 +334,9 @@ class AttachSource(Source):
                         if msg.type != aiohttp.WSMsgType.TEXT:
                             break
                         self._on_message(msg.json())
+            except aiohttp.WSServerHandshakeError as exc:  # an answer, not a network fault: no point waiting
+                self._error = f"telemetry: {self._refusal(exc.status)}"
+                self._answered.set()
             except Exception as exc:  # noqa: BLE001 - shown in the console; we reconnect
                 self._error = f"telemetry: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             if not self._closed:
@@ -321,6 +344,14 @@ class AttachSource(Source):
                     self._error = "telemetry: the server closed the stream"
 
                 await asyncio.sleep(1.0)
+
+    def _refusal(self, status: int) -> str:
+        if status == 401:
+            return ("the server refused the token (401)" if self.token else
+                    "the server needs its token (401): give --token")
+        if status == 403:
+            return "the server refused this client (403)"
+        return f"the server answered HTTP {status} to the telemetry stream (is {self.url} a `moectl serve`?)"
 
     def _on_message(self, message: dict) -> None:
         kind = message.get("type")
@@ -332,6 +363,7 @@ class AttachSource(Source):
             self._take_records(message.get("recent") or ())
             self._take_actions(message.get("actions") or ())
             self._hello.set()
+            self._answered.set()
         elif kind == "step":
             self._take_records([message["record"]])
         elif kind == "action":

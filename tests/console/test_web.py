@@ -99,10 +99,11 @@ def stop_tree(proc: subprocess.Popen) -> None:
 
 
 @contextmanager
-def moectl_web(*args):
-    """`moectl web ARGS` on a free port, in its own process group; yields (process, port) once it listens."""
+def moectl_web(*args, env: dict | None = None):
+    """`moectl web ARGS` on a free port, in its own process group; yields (process, port) once it
+    listens. env: variables set for it (TMPDIR: where its engine directory goes)."""
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    env = {k: v for k, v in {**os.environ, **(env or {})}.items() if k not in ("COLUMNS", "LINES")}
     proc = subprocess.Popen([sys.executable, "-m", "moectl.cli", "web", "--port", str(port), *map(str, args)],
                             cwd=REPO, env=env, start_new_session=True, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
@@ -127,9 +128,9 @@ def moectl_web(*args):
 # -- the console in a browser
 
 @contextmanager
-def console_page(port: int):
-    """Headless chromium on the console at port (token given once, in the URL); yields (page, shows),
-    shows(text) waiting until the terminal's screen holds text and returning the screen."""
+def console_page(port: int, token: str | None = TOKEN):
+    """Headless chromium on the console at port (the token, if any, given once, in the URL); yields
+    (page, shows), shows(text) waiting until the terminal's screen holds text and returning the screen."""
     chromium = chromium_or_skip()
     from playwright.sync_api import sync_playwright
 
@@ -142,7 +143,7 @@ def console_page(port: int):
             # hermetic: the page also links a web font; only this server is reachable (CI has no network)
             page.route("**/*", lambda route: route.continue_() if route.request.url.startswith(
                 f"http://127.0.0.1:{port}/") else route.abort())
-            page.goto(f"http://127.0.0.1:{port}/?token={TOKEN}")
+            page.goto(f"http://127.0.0.1:{port}/" + (f"?token={token}" if token else ""))
             assert "token" not in page.url  # kept in a cookie, which the websocket then carries
 
             def shows(text: str, *, regex: bool = False) -> str:
@@ -212,11 +213,12 @@ def _maps_torch(proc: psutil.Process) -> bool:
 
 
 def test_replay_in_a_browser():
+    """Without --token, as the README starts it: the browser is this user's, so it is served."""
     chromium_or_skip()
     trace = TRACES / "steady_rebalance.trace"
     with TraceReader(trace) as reader:
         name = reader.header["model"]["name"]
-    with moectl_web("--token", TOKEN, "--replay", trace) as (_, port), console_page(port) as (_, shows):
+    with moectl_web("--replay", trace) as (_, port), console_page(port, token=None) as (_, shows):
         shows(f"replay · {name}")
         screen = shows("Expert rows per device")
         assert "Play" in screen, screen  # the replay's transport bar
@@ -231,6 +233,8 @@ def test_token_is_required_on_every_request_and_accepted_in_each_form():
             assert status(port, path, {"Authorization": "Bearer wrong"}).status == 401, path
         assert status(port, "/?token=wrong").status == 401
         assert status(port, "/", {"Authorization": f"Bearer {TOKEN}"}).status == 200
+        for scheme in ("bearer", "BEARER", "beArer"):  # RFC 7235: the scheme in any case, as `serve` takes it
+            assert status(port, "/", {"Authorization": f"{scheme} {TOKEN}"}).status == 200, scheme
         moved = status(port, f"/?token={TOKEN}&fontsize=14")
         assert moved.status == 303 and moved.getheader("Location") == "/?fontsize=14"
         cookie = moved.getheader("Set-Cookie").split(";")[0]
@@ -262,6 +266,148 @@ def test_loopback_without_token_refuses_other_hosts_and_origins():
         assert status(port, "/", {"Origin": f"http://127.0.0.1:{port}"}).status == 200
 
 
+# A real client (aiohttp) in a process of its own, optionally as another user: it imports as
+# root (the interpreter is under /root), then drops to `uid` before it opens a socket, so the
+# connection is that user's. It prints the page's status and text, then the websocket's status.
+CLIENT = """
+import asyncio, os, sys
+import aiohttp
+port, uid = int(sys.argv[1]), int(sys.argv[2])
+if uid != os.getuid():
+    os.setgroups([]); os.setgid(uid); os.setuid(uid)
+
+async def main():
+    base = f"http://127.0.0.1:{port}"
+    async with aiohttp.ClientSession() as session:
+        async with session.get(base + "/") as page:
+            print(page.status, (await page.text()).splitlines()[0])
+        try:
+            async with session.ws_connect(base + "/ws", origin=base) as ws:
+                print(101)
+        except aiohttp.WSServerHandshakeError as exc:
+            print(exc.status)
+asyncio.run(main())
+"""
+NOBODY = 65534
+
+
+def client(port: int, uid: int) -> list[str]:
+    done = subprocess.run([sys.executable, "-c", CLIENT, str(port), str(uid)], capture_output=True, text=True,
+                          timeout=60, cwd="/")
+    assert done.returncode == 0, done.stderr
+    return done.stdout.splitlines()
+
+
+def test_loopback_without_token_serves_this_user_only():
+    """Another local user once completed the websocket handshake and got a console with the
+    engine's controls; the engine socket and `serve`'s controls refuse such users, and so does web."""
+    if os.getuid() != 0:
+        pytest.skip("making another user's client needs root")
+    with moectl_web("--replay", TRACES / "steady_rebalance.trace") as (_, port):
+        page, websocket = client(port, NOBODY)
+        assert page.startswith("403 ") and f"user id {NOBODY} refused" in page and "--token" in page, page
+        assert websocket == "403"
+        page, websocket = client(port, os.getuid())
+        assert page.startswith("200 ") and websocket == "101", (page, websocket)
+
+
+def test_with_a_token_any_user_who_holds_it_is_served():
+    if os.getuid() != 0:
+        pytest.skip("making another user's client needs root")
+    with moectl_web("--token", TOKEN, "--replay", TRACES / "steady_rebalance.trace") as (_, port):
+        assert client(port, NOBODY) == ["401 moectl web: this console needs its token: open /?token=T once, "
+                                        "or send Authorization: Bearer T", "401"]
+
+
+def test_sessions_are_capped_and_the_next_one_is_refused_until_one_ends():
+    """12 websockets once started 12 console processes (1.16 GB)."""
+    import asyncio
+
+    import aiohttp
+
+    async def scenario(port: int) -> None:
+        base = f"http://127.0.0.1:{port}"
+        async with aiohttp.ClientSession() as session:
+            first = await session.ws_connect(base + "/ws", origin=base)
+            with pytest.raises(aiohttp.WSServerHandshakeError) as refused:
+                await session.ws_connect(base + "/ws", origin=base)
+            assert refused.value.status == 503
+            async with session.get(base + "/") as page:  # the tab says why, in place of a console that fails
+                assert page.status == 503 and "--max-sessions 1" in await page.text()
+            await first.close()
+            deadline = time.monotonic() + 60
+            while True:  # its console ends, and its place is free again
+                try:
+                    await (await session.ws_connect(base + "/ws", origin=base)).close()
+                    return
+                except aiohttp.WSServerHandshakeError as exc:
+                    assert exc.status == 503 and time.monotonic() < deadline
+                    await asyncio.sleep(0.2)
+
+    with moectl_web("--replay", TRACES / "steady_rebalance.trace", "--max-sessions", "1") as (_, port):
+        asyncio.run(scenario(port))
+
+
+def console_processes(pid: int) -> list[psutil.Process]:
+    """The server's moectl processes, each with its command line as info_cmdline."""
+    processes = []
+    for process in psutil.Process(pid).children(recursive=True):
+        process.info_cmdline = process.cmdline()
+        if "moectl.cli" in process.info_cmdline:
+            processes.append(process)
+    return processes
+
+
+def open_a_tab_then_sigkill(server: subprocess.Popen, port: int, console: str) -> list[psutil.Process]:
+    """A websocket (a tab) on the server until its console (a process with `console` in its
+    command line) draws, then SIGKILL for the server: returns its moectl processes as they were.
+    (A console killed while it starts fails on its closed pipes anyway; one that has drawn
+    idles on, and outlived the server.)"""
+    import asyncio
+
+    import aiohttp
+
+    async def scenario() -> list[psutil.Process]:
+        base = f"http://127.0.0.1:{port}"
+        async with aiohttp.ClientSession() as session, session.ws_connect(base + "/ws", origin=base) as ws:
+            await ws.receive(timeout=BROWSER_WAIT_MS / 1000)  # its first screen
+            processes = console_processes(server.pid)
+            assert any(console in p.info_cmdline for p in processes), [p.info_cmdline for p in processes]
+            server.kill()
+            server.wait()
+            return processes
+    return asyncio.run(scenario())
+
+
+def test_a_sigkilled_server_takes_its_tabs_consoles_with_it():
+    """SIGKILL of `moectl web` with a tab open once left that tab's console running, reparented
+    to PID 1."""
+    with moectl_web("--replay", TRACES / "steady_rebalance.trace") as (server, port):
+        consoles = open_a_tab_then_sigkill(server, port, "replay")
+        assert consoles
+        _, alive = psutil.wait_procs(consoles, timeout=60)
+        assert not alive, f"still running after the server's SIGKILL: {[p.info_cmdline for p in alive]}"
+
+
+def test_a_sigkilled_server_takes_its_engine_and_the_engine_directory_with_it(tmp_path):
+    """... and the engine's directory (its token) in /tmp."""
+    with moectl_web("--threads", "1", env={"TMPDIR": str(tmp_path)}) as (server, port):
+        assert len(list(tmp_path.glob("moectl-engine-*"))) == 1
+        processes = open_a_tab_then_sigkill(server, port, "--engine")
+        assert {"engine-host", "run"} <= {word for p in processes for word in p.info_cmdline}
+        _, alive = psutil.wait_procs(processes, timeout=60)
+        assert not alive, f"still running after the server's SIGKILL: {[p.info_cmdline for p in alive]}"
+    assert not list(tmp_path.glob("moectl-engine-*"))  # the engine removed its directory as it went
+
+
+@pytest.mark.parametrize("hbm", ["0", "abc", "-5GiB", "2PiB", "1e999GiB"])
+def test_a_bad_engine_option_leaves_no_engine_directory(tmp_path, hbm):
+    done = subprocess.run([sys.executable, "-m", "moectl.cli", "web", "--hbm", hbm], capture_output=True, text=True,
+                          timeout=120, cwd=REPO, env={**os.environ, "TMPDIR": str(tmp_path)})
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and "--hbm" in done.stderr, done.stderr
+    assert not list(tmp_path.glob("moectl-engine-*"))
+
+
 # -- argument checks, before anything is served
 
 @pytest.mark.parametrize("args, option", [
@@ -273,6 +419,8 @@ def test_loopback_without_token_refuses_other_hosts_and_origins():
     (["--replay", "README.md"], "--replay"),
     (["--replay", TRACES / "steady_rebalance.trace", "--devices", "2"], "--devices"),
     (["--attach", "ftp://example"], "--attach"),
+    (["--attach", "http://h:8000/v1/../x?y=1"], "--attach"),
+    (["--max-sessions", "0"], "--max-sessions"),
     (["--attach-token", "t"], "--attach-token"),
     (["--workload", "rate=0"], "--workload"),
     (["--theme", "sepia"], "--theme"),
