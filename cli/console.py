@@ -210,12 +210,12 @@ def engine_host(
     import signal
 
     from moectl.engine.parallel.backends import Engines
-    from moectl.server.engine_host import EngineHost, die_with_parent
+    from moectl.server.engine_host import EngineHost, die_with_parent, starter_pid
     from moectl.server.protocol import SOCKET_NAME, read_token
 
     die_with_parent()
-    parent = os.environ.get("MOECTL_PARENT_PID")
-    if parent and os.getppid() != int(parent):  # it died before die_with_parent took effect
+    parent = starter_pid()
+    if parent is not None and os.getppid() != parent:  # it died before die_with_parent took effect
         raise typer.Exit(1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the console's to handle; it stops us
     refuse_sim_options(ctx, backend)
@@ -256,7 +256,7 @@ def engine_host(
         host.wait()
     finally:
         host.close()
-        if parent and os.getppid() != int(parent):  # its starter died (SIGKILL): nobody else will clean up
+        if parent is not None and os.getppid() != parent:  # its starter died (SIGKILL): nobody else will clean up
             import shutil
 
             shutil.rmtree(engine_dir, ignore_errors=True)

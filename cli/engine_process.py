@@ -28,14 +28,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from moectl.server.protocol import SOCKET_NAME, new_engine_dir
+from moectl.server.protocol import ENGINE_DIR_PREFIX, OWNER_NAME, PARENT_PID_ENV, SOCKET_NAME, new_engine_dir
 
 START_TIMEOUT_S = 600.0  # a large checkpoint's load
 STOP_TIMEOUT_S = 5.0
 LOG_TAIL = 3  # lines of the engine's stderr shown when it died under the console
 ERROR_PREFIX = "moectl: error: "
-OWNER_NAME = "owner.pid"  # in the engine's directory: the pid of the process that started it
-ENGINE_DIR_PREFIX = "moectl-engine-"  # new_engine_dir's
 # stack dumps in the engine's stderr: C++ frames (c10's "frame #3: ...", a rank's c10d error
 # after a peer died), Python's and faulthandler's tracebacks; the lines around them say what
 # happened, the frames only where
@@ -57,9 +55,8 @@ class EngineProcess:
     def __init__(self, options: list[str]):
         sweep_stale_engine_dirs()
         self.dir, _token = new_engine_dir()
-        (self.dir / OWNER_NAME).write_text(str(os.getpid()))
         self.log_path = self.dir / "engine.log"
-        env = dict(os.environ, MOECTL_PARENT_PID=str(os.getpid()))
+        env = {**os.environ, PARENT_PID_ENV: str(os.getpid())}
         with open(self.log_path, "wb") as log:  # the engine's stderr: warnings, and its error if it fails
             # its own session: a Ctrl-C typed at the console is the console's, which then stops it
             self.proc = subprocess.Popen([sys.executable, "-m", "moectl.cli", "engine-host", "--engine-dir",

@@ -32,6 +32,8 @@ MAX_HELLO = 4 << 10  # before the token is checked: a Hello is its token and a f
 CONNECT_WAIT_S = 10.0  # how long a client waits for room in a busy engine's queue of new connections
 ARRAY_EXT = 1
 SOCKET_NAME, TOKEN_NAME = "engine.sock", "token"
+OWNER_NAME = "owner.pid"  # the pid of the process that made the directory: a sweep's test of staleness
+ENGINE_DIR_PREFIX = "moectl-engine-"
 PARENT_PID_ENV = "MOECTL_PARENT_PID"  # how a starter names itself to its engine process: the owner's pid
 
 
@@ -226,13 +228,15 @@ def _read_exactly(sock: socket.socket, n: int, eof_ok: bool = False, deadline: f
 # -- where an engine listens
 
 def new_engine_dir() -> tuple[Path, str]:
-    """A fresh directory only this user can enter, holding the run's token (mode 0600); the
-    engine's socket goes beside it. Returns (directory, token)."""
-    path = Path(tempfile.mkdtemp(prefix="moectl-engine-"))  # mode 0700
+    """A fresh directory only this user can enter, holding the run's token (mode 0600) and the
+    pid of the process that made it (OWNER_NAME); the engine's socket goes beside them. Returns
+    (directory, token)."""
+    path = Path(tempfile.mkdtemp(prefix=ENGINE_DIR_PREFIX))  # mode 0700
     token = secrets.token_urlsafe(32)
-    fd = os.open(path / TOKEN_NAME, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(token)
+    for name, text in ((TOKEN_NAME, token), (OWNER_NAME, str(os.getpid()))):
+        fd = os.open(path / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
     return path, token
 
 
