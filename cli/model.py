@@ -29,7 +29,7 @@ def model_info(model: Path | None = MODEL_OPT, as_json: bool = JSON_OPT):
     from moectl.engine.models.config import ModelConfig
 
     path = model_dir(model, config_file=True)
-    cfg = ModelConfig.from_dir(path)
+    cfg = ModelConfig.from_dir(path, sizes_only=True)  # a quantized checkpoint too: no weight is read
     folder = path if path.is_dir() else path.parent
     info = {"path": str(path.resolve()), "architecture": cfg.hf_architecture, "layers": cfg.num_layers,
             "experts": cfg.num_experts, "top_k": cfg.top_k, **cfg.param_counts(),
@@ -38,7 +38,9 @@ def model_info(model: Path | None = MODEL_OPT, as_json: bool = JSON_OPT):
             "expert_intermediate_size": cfg.expert_intermediate_size,
             "shared_expert_intermediate_size": cfg.shared_expert_intermediate_size,
             "vocab_size": cfg.vocab_size, "max_position_embeddings": cfg.max_position_embeddings,
-            "dtype": str(cfg.dtype).removeprefix("torch."), "tokenizer": (folder / "tokenizer.json").is_file()}
+            "dtype": str(cfg.dtype).removeprefix("torch."),
+            "quantization": cfg.quantization.describe() if cfg.quantization else None,
+            "tokenizer": (folder / "tokenizer.json").is_file()}
     _print_facts(info, as_json, width=32)
 
 
@@ -90,15 +92,19 @@ def model_make_tiny(
     like: Path = typer.Option(..., "--like", help="config.json (or a checkpoint directory) whose architecture and "
                                                   "options to copy, e.g. docs/configs/k3-3t-1m.json."),
     out: Path = typer.Option(..., "--out", help="Directory to write the random checkpoint to."),
-    layers: int = typer.Option(4, "--layers", help="Decoder layers (dense first layers kept, at most one)."),
+    layers: int | None = typer.Option(None, "--layers", show_default=False,
+                                      help="Decoder layers (dense first layers kept, at most one) [default: 4, "
+                                           "or the config's when fewer]."),
     hidden: int = typer.Option(64, "--hidden", help="hidden_size (a multiple of 16)."),
-    experts: int = typer.Option(16, "--experts", help="Routed experts per MoE layer."),
+    experts: int | None = typer.Option(None, "--experts", show_default=False,
+                                       help="Routed experts per MoE layer [default: 16, or the config's when fewer]."),
     seed: int = typer.Option(0, "--seed"),
     as_json: bool = JSON_OPT,
 ):
     """Write a scaled-down random checkpoint with a config's layer kinds (attention, routing, RoPE
     scaling, shared and dense layers), with the sample model's tokenizer: runs in the engine,
-    the console and the server. Random weights: for plumbing and placement, not for text."""
+    the console and the server. Random weights: for plumbing and placement, not for text. A
+    quantized config (fp8, mxfp4) gives a float32 checkpoint: the engine runs no quantized weights."""
     from moectl.engine.tools.make_tiny import make_tiny
 
     check_seed(seed)

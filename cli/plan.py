@@ -16,9 +16,11 @@ from moectl.cli.common import (
     REDUNDANT_OPT,
     BadInput,
     check_output_file,
+    given,
     handles_errors,
     model_dir,
     open_trace,
+    option_flag,
     parse_cli_size,
     redundant_slots,
 )
@@ -30,6 +32,7 @@ plan_app = typer.Typer(no_args_is_help=True, help="Offline planning: expert reba
 # the [layers, experts] loads and the [layers, devices, slots] plan fit in memory
 MAX_LAYERS = 1024
 EXPORTS = ("sglang", "vllm")
+SYNTHETIC_ONLY = ("layers", "experts", "skew", "seed")  # plan rebalance's options that shape --synthetic loads
 
 
 def _check_range(option: str, value: int | None, lo: int, hi: int | None = None) -> None:
@@ -41,6 +44,7 @@ def _check_range(option: str, value: int | None, lo: int, hi: int | None = None)
 @plan_app.command("memory")
 @handles_errors
 def plan_memory_cmd(
+    ctx: typer.Context,
     model: Path = typer.Option(..., "--model", "-m", help="config.json, a directory holding one (no weights needed), "
                                                           "or a shipped model's name."),
     devices: int | None = DEVICES_OPT,
@@ -49,7 +53,9 @@ def plan_memory_cmd(
     ep: int | None = typer.Option(None, "--ep", help="Expert-parallel size (default: all devices)."),
     context: int = typer.Option(..., "--context", help="Tokens of context per sequence."),
     batch: int = typer.Option(1, "--batch", help="Concurrent sequences."),
-    dtype: str = typer.Option("bf16", "--dtype", help="Weight dtype: fp32, bf16, fp16 or fp8 (planning only)."),
+    dtype: str | None = typer.Option(None, "--dtype", help="Weight dtype: fp32, bf16, fp16, or fp8 or mxfp4 with "
+                                                         "their scales (planning only) [default: the config's "
+                                                         "quantization_config, else bf16]."),
     kv_dtype: str = typer.Option("auto", "--kv-dtype", help="auto (weight dtype) or int8."),
     offload: bool = typer.Option(False, "--offload", help="Plan the routed experts over three tiers: an HBM cache "
                                                           "per device, host memory per node (--host-mem), disk."),
@@ -64,6 +70,8 @@ def plan_memory_cmd(
     from moectl.engine.planning.offload_plan import plan_offload
 
     _check_range("--devices", devices, 1, MAX_DEVICES)
+    if not offload and given(ctx, "host_mem"):
+        raise BadInput("--host-mem: applies only with --offload (the experts' host-memory tier)")
     topo = Topology(num_devices=devices or DEFAULT_DEVICES, hbm_bytes=parse_cli_size(hbm, "--hbm"))
     kw = dict(tp=tp, ep=ep, context=context, batch=batch, dtype=dtype, kv_dtype=kv_dtype)
     model = model_dir(model, config_file=True)
@@ -87,6 +95,7 @@ def plan_memory_cmd(
 @plan_app.command("rebalance")
 @handles_errors
 def plan_rebalance_cmd(
+    ctx: typer.Context,
     loads_file: Path | None = typer.Argument(None, help="A recorded trace (moectl record), or per-layer x "
                                                            "per-expert loads (.npy or .json)."),
     synthetic: bool = typer.Option(False, "--synthetic", help="Plan for synthetic skewed (Zipf) loads."),
@@ -125,6 +134,10 @@ def plan_rebalance_cmd(
 
     if synthetic == (loads_file is not None):
         raise BadInput("give a TRACE or loads FILE, or --synthetic (one of them)")
+    if not synthetic:  # a trace or loads file has its own layers, experts and loads
+        for name in SYNTHETIC_ONLY:
+            if given(ctx, name):
+                raise BadInput(f"{option_flag(ctx, name)}: applies only to --synthetic loads, not to {loads_file}")
     _check_range("--layers", layers, 1, MAX_LAYERS)
     _check_range("--experts", experts, 1, MAX_EXPERTS)
     _check_range("--devices", devices, 1, MAX_DEVICES)  # 0 must not fall back to the default
@@ -147,15 +160,19 @@ def plan_rebalance_cmd(
 
             from moectl.engine.experts.placement_file import model_identity
             from moectl.engine.models.config import ModelConfig
+            from moectl.engine.planning.memory_plan import load_plan_model, weight_format
 
             path = model_dir(model, config_file=True)
-            cfg = ModelConfig.from_dir(path)
+            cfg = ModelConfig.from_dir(path, sizes_only=True)
             for option, given_value, value in (("--layers", layers, sum(cfg.sparse_layers)),
                                                ("--experts", experts, cfg.num_experts)):
                 if given_value is not None and given_value != value:
                     raise BadInput(f"{option}: --model {model} has {value}; give one or the other")
             planned_for = model_identity(cfg, (path.parent if path.is_file() else path).resolve().name)
-            size = 3 * cfg.hidden_size * cfg.expert_intermediate_size * cfg.dtype.itemsize
+            # an expert as the checkpoint stores it: quantized with its scales, else in its dtype
+            shape = load_plan_model(path)
+            size = shape.part_bytes("expert", weight_format(
+                None if cfg.quantization else str(cfg.dtype).removeprefix("torch."), shape))
             # a row for every layer, as a trace's plan has: the dense layers route nothing
             moe_loads = synthetic_loads(sum(cfg.sparse_layers), cfg.num_experts, seed=seed, skew=skew)
             loads = np.zeros((cfg.num_layers, cfg.num_experts), dtype=moe_loads.dtype)

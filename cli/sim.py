@@ -66,13 +66,19 @@ def sim(
     """Predict one step: its time, tokens per second (per device and per node), each device's
     utilisation, balancedness and a breakdown by part. Simulated from the config's shapes, the
     hardware profile's sourced figures and the routing: nothing here runs the model."""
-    from moectl.engine.experts.placement import Placement
     from moectl.engine.experts.placement_file import read_placement_file
     from moectl.engine.experts.rebalancer import plan_rebalance
     from moectl.engine.sim.hardware import load_profile
     from moectl.engine.sim.model_shape import load_sim_model
     from moectl.engine.sim.routing import routing_from
-    from moectl.engine.sim.step_model import SimSpec, compare_rebalance, memory_per_device, simulate
+    from moectl.engine.sim.step_model import (
+        SimSpec,
+        cluster_placement,
+        compare_rebalance,
+        memory_per_device,
+        moe_rows,
+        simulate,
+    )
 
     if ctx.invoked_subcommand is not None:
         return
@@ -96,17 +102,15 @@ def sim(
     shape = sim_model.shape
     recorded = recorded_routing(routing)
     loads, routing_line = routing_from(routing, shape.num_sparse, shape.num_experts, seed, recorded)
-    if placement is not None:
-        try:
-            chosen, _ = read_placement_file(placement)
-        except ValueError as exc:
-            raise BadInput(f"--placement: {placement}: {str(exc).removeprefix('placement: ')}") from None
-    else:
-        chosen = Placement.contiguous(shape.num_sparse, shape.num_experts, devices if ep is None else ep, spare)
+    try:  # the simulated backend's rule (step_model.cluster_placement): the file's, else the naive one
+        chosen, planned_for = read_placement_file(placement) if placement is not None else (None, None)
+        chosen = cluster_placement(shape, devices if ep is None else ep, spare, chosen, planned_for)
+    except ValueError as exc:
+        raise BadInput(f"--placement: {placement}: {str(exc).removeprefix('placement: ')}") from None
     spec = SimSpec(sim_model, load_profile(hardware), devices, loads, phase=phase,
                    tokens_per_device=(128 if batch_seqs is None else batch_seqs) if phase == "decode"
                    else (16384 if batch_tokens is None else batch_tokens),
-                   context=context, tp=tp, ep=ep, placement=chosen, overlap=overlap)
+                   context=context, tp=tp, ep=ep, placement=moe_rows(chosen, shape), overlap=overlap)
     if rebalance:  # from the naive placement to a planned one: what the rebalance is predicted to do
         planned = plan_rebalance(loads, spec.ep, spare).placement
         comparison, result = compare_rebalance(spec, planned)
@@ -125,6 +129,8 @@ def sim(
 
 
 def _print(r: dict) -> None:
+    from moectl.engine.core.topology import format_size
+
     unit = "output" if r["phase"] == "decode" else "prompt"
     typer.echo(f"SIMULATED: {r['model']} on {r['devices']} x {r['hardware_name']} ({r['nodes']} nodes), {r['phase']}, "
                f"{r['tokens_per_device']} {'sequences' if r['phase'] == 'decode' else 'tokens'} per device, context "
@@ -138,8 +144,8 @@ def _print(r: dict) -> None:
     typer.echo("breakdown (ms; parts overlap with --overlap two-batch): " + ", ".join(
         f"{k} {v:.2f}" for k, v in r["breakdown_ms"].items()))
     mem = r["memory"]
-    typer.echo(f"per device: weights {mem['weights_bytes'] / 1e9:.1f} GB + KV {mem['kv_bytes'] / 1e9:.1f} GB of "
-               f"{mem['hbm_bytes'] / 1e9:.0f} GB HBM" + ("" if mem["fits"] else " -- DOES NOT FIT"))
+    typer.echo(f"per device: weights {format_size(mem['weights_bytes'])} + KV {format_size(mem['kv_bytes'])} of "
+               f"{format_size(mem['hbm_bytes'])} HBM" + ("" if mem["fits"] else " -- DOES NOT FIT"))
     if "rebalance" in r:
         rb, mig = r["rebalance"], r["rebalance"]["migration"]
         pays = "never" if rb["break_even_steps"] is None else f"after {rb['break_even_steps']:,.1f} steps"

@@ -81,23 +81,25 @@ class SimEngines:
 
         check_seed(seed, "--sim-seed")
         recorded = recorded_routing(routing)
-        chosen = None
+        chosen, planned_for = None, None
         if placement is not None:
             from moectl.engine.experts.placement_file import read_placement_file
 
             try:
-                chosen, _ = read_placement_file(placement)
+                chosen, planned_for = read_placement_file(placement)
             except ValueError as exc:
                 raise BadInput(f"--placement: {placement}: {str(exc).removeprefix('placement: ')}") from None
         try:
             config = SimClusterConfig(model=model_dir(model, config_file=True), hardware=hardware,
                                       devices=256 if devices is None else devices, tp=tp, routing=routing,
                                       drift=drift, overlap=overlap, redundant_slots=redundant_slots(redundant),
-                                      placement=chosen, dtype=dtype, seed=seed,
+                                      placement=chosen, placement_model=planned_for, dtype=dtype, seed=seed,
                                       **({"knobs": knobs} if knobs is not None else {}))
             self.first = SimulatedEngine(config, recorded)
         except ValueError as exc:
             message = str(exc).splitlines()[0]
+            if message.startswith("--placement: "):  # fitted to the model in the engine: name the file
+                message = f"--placement: {placement}: {message.removeprefix('--placement: ')}"
             raise BadInput(message if message.startswith("--") else f"--backend simulated: {message}") from None
         self.recorded = recorded
         self._make = lambda: SimulatedEngine(config, recorded)

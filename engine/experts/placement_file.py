@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from moectl.engine.experts.placement import Placement, PlacementError
+from moectl.engine.experts.placement import MAX_EXPERTS, Placement, PlacementError
 from moectl.engine.models.config import ModelConfig
 
 # what makes a placement fit a model: these equal, a placement is about the same expert tables
@@ -50,22 +50,57 @@ def placement_document(placement: Placement, model: dict | None) -> dict:
 
 def read_placement_file(path) -> tuple[Placement, dict | None]:
     """(the placement, the model it was planned for or None) from a placement file or a
-    `plan rebalance --json` result. PlacementError names what is wrong, without the path."""
+    `plan rebalance --json` result. PlacementError names what is wrong and the field, without
+    the path."""
     try:
         raw = json.loads(Path(path).read_text())
     except FileNotFoundError:
         raise PlacementError("no such file") from None
     except IsADirectoryError:
         raise PlacementError("is a directory, not a placement file") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except RecursionError:
+        raise PlacementError("not JSON (nested too deeply)") from None
+    except (OSError, ValueError) as exc:  # ValueError: not UTF-8, not JSON, an integer of 5,000 digits
         raise PlacementError(f"not JSON ({exc})") from None
     if isinstance(raw, dict) and isinstance(raw.get("placement"), dict):
         raw = raw["placement"]  # a plan result
+    _check_ids(raw)
     placement = Placement.from_dict(raw)
     model = raw.get("model")
     if model is not None and (not isinstance(model, dict) or not isinstance(model.get("num_layers"), int)):
         raise PlacementError("placement: 'model' must be an object with num_layers (the model it was planned for)")
     return placement, model
+
+
+def _check_ids(raw) -> None:
+    """Every expert id in 'layers' and every pair in 'pinned' a JSON integer in range, before
+    numpy reads them: it would truncate 1.5 to 1, read "3" as 3 and overflow on 1e20. The error
+    names the field ('layers[0][2][1]')."""
+    if not isinstance(raw, dict):
+        return  # Placement.from_dict says what is wrong with it
+    experts = raw.get("num_experts")
+    if isinstance(experts, bool) or not isinstance(experts, int) or not 1 <= experts <= MAX_EXPERTS:
+        return  # ... and with this
+    layers = raw.get("layers")
+    if not isinstance(layers, list):
+        return
+    for li, layer in enumerate(layers):
+        for di, device in enumerate(layer if isinstance(layer, list) else [layer]):
+            for si, expert in enumerate(device if isinstance(device, list) else [device]):
+                _check_id(f"layers[{li}][{di}][{si}]", "expert", expert, -1, experts, " (-1: an empty slot)")
+    pinned = raw.get("pinned", [])
+    for i, pair in enumerate(pinned if isinstance(pinned, list) else []):
+        if isinstance(pair, list) and len(pair) == 2:
+            _check_id(f"pinned[{i}]", "layer", pair[0], 0, len(layers))
+            _check_id(f"pinned[{i}]", "expert", pair[1], 0, experts)
+
+
+def _check_id(field: str, what: str, value, low: int, upper: int, note: str = "") -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise PlacementError(f"placement: {field}: must be an integer {what} id in [{low}, {upper - 1}]{note}, "
+                             f"got {value!r}")
+    if not low <= value < upper:
+        raise PlacementError(f"placement: {field}: {what} {value} out of range [{low}, {upper - 1}]{note}")
 
 
 def fit_to_model(placement: Placement, planned_for: dict | None, model: dict) -> Placement:

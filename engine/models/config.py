@@ -37,6 +37,43 @@ class ConfigError(ValueError):
     """A config value this engine cannot run; the message names the field."""
 
 
+# The largest size each config.json field may give: far past every published model (DeepSeek-V3:
+# 61 layers, 256 experts, hidden 7168, vocabulary 129280; the 3T example: 80 layers x 512 experts,
+# hidden 8192, 1M positions), and small enough that what is built per layer, expert or head (the
+# layer kinds, routing tables, placements) fits in memory: beyond it a size is a typo or a corrupt file.
+MAX_LAYERS = 1024
+MAX_EXPERTS = 4096  # placement.MAX_EXPERTS: the most experts per layer anything plans for
+MAX_WIDTH = 1 << 20  # hidden, intermediate, head and latent widths
+SIZE_LIMITS = {
+    "num_hidden_layers": MAX_LAYERS, "first_k_dense_replace": MAX_LAYERS, "decoder_sparse_step": MAX_LAYERS,
+    "moe_layer_freq": MAX_LAYERS, "max_window_layers": MAX_LAYERS,
+    "num_local_experts": MAX_EXPERTS, "num_experts": MAX_EXPERTS, "n_routed_experts": MAX_EXPERTS,
+    "num_experts_per_tok": MAX_EXPERTS, "n_shared_experts": MAX_EXPERTS, "n_group": MAX_EXPERTS,
+    "topk_group": MAX_EXPERTS,
+    "num_attention_heads": 1 << 16, "num_key_value_heads": 1 << 16,
+    "hidden_size": MAX_WIDTH, "intermediate_size": MAX_WIDTH, "moe_intermediate_size": MAX_WIDTH,
+    "shared_expert_intermediate_size": MAX_WIDTH, "head_dim": MAX_WIDTH, "q_lora_rank": MAX_WIDTH,
+    "kv_lora_rank": MAX_WIDTH, "qk_nope_head_dim": MAX_WIDTH, "qk_rope_head_dim": MAX_WIDTH,
+    "v_head_dim": MAX_WIDTH,
+    "vocab_size": 1 << 24, "max_position_embeddings": 1 << 34, "sliding_window": 1 << 34,
+}
+
+
+# sizes that may be 0 (no dense first layers, no shared expert, no q LoRA)
+MAY_BE_ZERO = ("first_k_dense_replace", "n_shared_experts", "q_lora_rank", "sliding_window")
+
+
+def check_sizes(raw: dict) -> None:
+    """Every size config.json gives within SIZE_LIMITS, checked before anything is built from them
+    (a tuple of 10^9 layer kinds is a MemoryError, not an error naming the field). The lower
+    bounds and the types are checked where each field is read."""
+    for key, limit in SIZE_LIMITS.items():
+        value = raw.get(key)
+        if is_int(value) and value > limit:
+            low = 0 if key in MAY_BE_ZERO else 1
+            raise ConfigError(f"{key}: must be in [{low}, {limit:,}], got {value:,}")
+
+
 def is_int(value) -> bool:
     """A JSON integer: true/false are ints to Python, but a config that says `"hidden_size": true` is wrong."""
     return isinstance(value, int) and not isinstance(value, bool)
@@ -79,6 +116,51 @@ class RopeScaling:
         if self.mscale and self.mscale_all_dim:
             return self.yarn_mscale(self.factor, self.mscale) / self.yarn_mscale(self.factor, self.mscale_all_dim)
         return self.yarn_mscale(self.factor)
+
+
+QUANT_METHODS = ("fp8", "mxfp4")
+
+
+@dataclass(frozen=True)
+class Quantization:
+    """A checkpoint's quantization_config, as far as sizes go (the engine runs neither kind).
+
+    fp8: transformers' FineGrainedFP8 (integrations/finegrained_fp8.py): every nn.Linear but
+    lm_head and modules_to_not_convert holds e4m3 values and one fp32 scale (weight_scale_inv) per
+    block of block[0] x block[1] of its [out, in] weight. mxfp4: gpt-oss (integrations/mxfp4.py):
+    the routed experts hold 4-bit values, 16 bytes per 32 along the input, and one e8m0 byte of
+    scale per 32. Whatever neither converts stays in the config's dtype."""
+    method: str  # fp8 | mxfp4
+    block: tuple[int, int] = (128, 128)  # fp8: FineGrainedFP8Config's default weight_block_size
+    not_converted: tuple[str, ...] = ()  # modules_to_not_convert
+
+    def describe(self) -> str:
+        if self.method == "fp8":
+            return f"fp8 (e4m3, one fp32 scale per {self.block[0]}x{self.block[1]} block)"
+        return "mxfp4 (routed experts: 4-bit values, one e8m0 scale per 32)"
+
+
+def parse_quantization(raw: dict) -> Quantization | None:
+    """config.json's quantization_config (None when absent); a ConfigError names the field."""
+    quant = raw.get("quantization_config")
+    if not quant:
+        return None
+    if not isinstance(quant, dict):
+        raise ConfigError(f"quantization_config: must be an object, got {quant!r}")
+    method = quant.get("quant_method")
+    if method not in QUANT_METHODS:
+        raise ConfigError(f"quantization_config.quant_method: {method!r} cannot be read (fp8 or mxfp4)")
+    skip = quant.get("modules_to_not_convert") or []
+    if not isinstance(skip, list) or not all(isinstance(m, str) for m in skip):
+        raise ConfigError(f"quantization_config.modules_to_not_convert: must be a list of module names, got {skip!r}")
+    block = quant.get("weight_block_size") or (128, 128)
+    if method == "fp8" and (not isinstance(block, (list, tuple)) or len(block) != 2
+                            or not all(is_int(b) and 1 <= b <= MAX_WIDTH for b in block)):
+        raise ConfigError(f"quantization_config.weight_block_size: must be two integers in [1, {MAX_WIDTH:,}], "
+                          f"got {block!r}")
+    if method == "fp8":
+        return Quantization(method, tuple(block), tuple(skip))
+    return Quantization(method, not_converted=tuple(skip))
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
@@ -140,6 +222,7 @@ class ModelConfig:
     swiglu_limit: float | None = None
     swiglu_alpha: float = 1.702
     dtype: torch.dtype = torch.float32
+    quantization: Quantization | None = None  # read with sizes_only; the engine runs none
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     raw: dict = field(default_factory=dict, repr=False, compare=False)
@@ -315,13 +398,15 @@ class ModelConfig:
         return (ql + (ql if bias else 0) if ql else 0) + r + ((r + dr) if bias else 0) + (h if bias else 0)
 
     @classmethod
-    def from_dir(cls, path: str | Path, dtype: str | torch.dtype | None = None) -> ModelConfig:
-        """A checkpoint directory, or a config.json file on its own (sizes only, no weights)."""
+    def from_dir(cls, path: str | Path, dtype: str | torch.dtype | None = None, sizes_only: bool = False) -> ModelConfig:
+        """A checkpoint directory, or a config.json file on its own. sizes_only: for what needs
+        the shapes and not the weights (model info, planning), so a quantized checkpoint is read
+        (its quantization_config in .quantization) where the engine refuses it."""
         cfg_path = Path(path) if Path(path).is_file() else Path(path) / "config.json"
         path = cfg_path.parent
         if not cfg_path.is_file():
             raise ConfigError(f"config.json: not found in {path}")
-        cfg = cls.from_hf(read_config_json(cfg_path), dtype=dtype)
+        cfg = cls.from_hf(read_config_json(cfg_path), dtype=dtype, sizes_only=sizes_only)
         # generation_config.json may list more end-of-sequence ids (Qwen3 adds <|endoftext|>)
         gen_path = Path(path) / "generation_config.json"
         if gen_path.is_file():
@@ -335,14 +420,15 @@ class ModelConfig:
         return cfg
 
     @classmethod
-    def from_hf(cls, raw: dict, dtype: str | torch.dtype | None = None) -> ModelConfig:
+    def from_hf(cls, raw: dict, dtype: str | torch.dtype | None = None, sizes_only: bool = False) -> ModelConfig:
+        """sizes_only: see from_dir."""
         try:
-            return cls._from_hf(raw, dtype)
+            return cls._from_hf(raw, dtype, sizes_only)
         except (TypeError, AttributeError) as exc:  # a value of the wrong JSON type somewhere
             raise ConfigError(f"config.json: a value has the wrong type ({exc})") from None
 
     @classmethod
-    def _from_hf(cls, raw: dict, dtype: str | torch.dtype | None = None) -> ModelConfig:
+    def _from_hf(cls, raw: dict, dtype: str | torch.dtype | None, sizes_only: bool) -> ModelConfig:
         archs = raw.get("architectures") or []
         model_type = raw.get("model_type", "")
         arch_name = archs[0] if archs else MODEL_TYPES.get(MODEL_TYPE_ALIASES.get(model_type, model_type), model_type)
@@ -357,10 +443,12 @@ class ModelConfig:
             return raw[key]
 
         quant = raw.get("quantization_config")
-        if quant:
+        if quant and not sizes_only:
             method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
             raise ConfigError(f"quantization_config.quant_method: {method!r} checkpoints are not supported "
                               "(dequantise to bf16/fp16/fp32 first)")
+        quantization = parse_quantization(raw)
+        check_sizes(raw)
         rope_scaling = _rope_scaling(raw)
         if raw.get("hidden_act", "silu") != "silu":
             raise ConfigError(f"hidden_act: {raw['hidden_act']!r} is not supported (only silu)")
@@ -409,6 +497,7 @@ class ModelConfig:
             mlp_only = raw.get("mlp_only_layers") or []
             if not isinstance(mlp_only, list) or not all(is_int(i) for i in mlp_only):
                 raise ConfigError(f"mlp_only_layers: must be a list of layer indices, got {mlp_only!r}")
+            mlp_only = set(mlp_only)  # looked up once per layer
             if is_int(layers):
                 kw["sparse_layers"] = tuple(
                     i not in mlp_only and is_int(experts) and experts > 0 and (i + 1) % step == 0 for i in range(layers))
@@ -435,16 +524,19 @@ class ModelConfig:
             norm_topk_prob=norm_topk, rms_norm_eps=_number(raw, "rms_norm_eps", 1e-6),
             rope_theta=theta, max_position_embeddings=need("max_position_embeddings"),
             tie_word_embeddings=_flag(raw, "tie_word_embeddings", False), attention_bias=bias,
-            rope_scaling=rope_scaling, dtype=parse_dtype(load_dtype), bos_token_id=bos, eos_token_ids=eos_ids,
-            raw=raw, **kw)
+            rope_scaling=rope_scaling, dtype=parse_dtype(load_dtype), quantization=quantization, bos_token_id=bos,
+            eos_token_ids=eos_ids, raw=raw, **kw)
 
 
-def read_config_json(path: str | Path, what: str = "config.json") -> dict:
-    """A config.json file as a dict; a ConfigError that starts with `what` if it cannot be read,
-    is not JSON or is not an object."""
+def read_config_json(path: str | Path, what: str | None = None) -> dict:
+    """A config.json file as a dict; a ConfigError that starts with `what` (default: the file's
+    name) if it cannot be read, is not JSON or is not an object."""
+    what = what or Path(path).name
     try:
         raw = json.loads(Path(path).read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except RecursionError:
+        raise ConfigError(f"{what}: unreadable (JSON nested too deeply)") from None
+    except (OSError, ValueError) as exc:  # ValueError: not UTF-8, not JSON, an integer of 5,000 digits
         raise ConfigError(f"{what}: unreadable ({getattr(exc, 'strerror', None) or exc})") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{what}: top level must be an object")

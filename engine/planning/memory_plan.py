@@ -26,6 +26,7 @@ Kimi-K2-style configs with multi-head latent attention (MLA).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -38,8 +39,12 @@ from moectl.engine.models.config import (
     ARCHITECTURES,
     MODEL_TYPE_ALIASES,
     MODEL_TYPES,
+    QUANT_METHODS,
     ConfigError,
     ModelConfig,
+    Quantization,
+    check_sizes,
+    parse_quantization,
     read_config_json,
 )
 
@@ -49,12 +54,14 @@ MLA_ARCHITECTURES = {"DeepseekV2ForCausalLM": "deepseek_v2"}
 MLA_MODEL_TYPES = {"deepseek_v2": "DeepseekV2ForCausalLM"}
 PLANNABLE = tuple(ARCHITECTURES) + tuple(MLA_ARCHITECTURES)
 
-# weight dtypes the planner accepts: name -> (bytes per element, torch dtype of activations / auto KV)
+# weight dtypes the planner accepts: name -> (bytes per element of what is not quantized, torch
+# dtype of activations / auto KV). fp8 and mxfp4 (planning only: the engine runs neither) quantize
+# some linear layers (WeightFormat) and keep the rest in bf16, as the published checkpoints do
 WEIGHT_DTYPES = {
     "fp32": (4, torch.float32), "float32": (4, torch.float32),
     "bf16": (2, torch.bfloat16), "bfloat16": (2, torch.bfloat16),
     "fp16": (2, torch.float16), "float16": (2, torch.float16),
-    "fp8": (1, torch.bfloat16),  # planning only: the engine does not run fp8 weights
+    "fp8": (2, torch.bfloat16), "mxfp4": (2, torch.bfloat16),
 }
 KV_DTYPES = ("auto", "int8")
 ATTN_IMPLS = ("flash", "eager")
@@ -76,6 +83,80 @@ CATEGORY_LABELS = {
 
 class PlanError(ValueError):
     """A planning option out of range; the message names the option (`--tp`, `--ep`, ...)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# how the weights are stored
+
+# a layer's parts (PlanModel.part_tensors)
+PARTS = ("attention", "expert", "shared", "dense", "router", "embed", "lm_head", "norms")
+# Hugging Face's module names, under model.layers.*, where a family's differ from DeepSeek's and
+# Qwen's (mlp.experts.*.gate_proj, mlp.shared_experts.*, mlp.gate): modules_to_not_convert names them
+EXPERT_MODULES = {None: ("mlp.experts.*.gate_proj", "mlp.experts.*.up_proj", "mlp.experts.*.down_proj"),
+                  "mixtral": ("block_sparse_moe.experts.*.w1", "block_sparse_moe.experts.*.w3",
+                              "block_sparse_moe.experts.*.w2"),
+                  "gpt_oss": ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")}
+SHARED_MODULES = {"qwen2_moe": "mlp.shared_expert."}
+ROUTER_MODULES = {"mixtral": "block_sparse_moe.gate", "gpt_oss": "mlp.router"}
+# routers that are an nn.Linear, which FineGrainedFP8 converts (DeepSeek's and gpt-oss's are their own modules)
+LINEAR_ROUTERS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    """How a plan stores the weights: every tensor in `plain_bytes` per element, except the
+    linear layers `quantization` converts, in its values and scales (models/config.py
+    Quantization: transformers' FineGrainedFP8 and Mxfp4 formats)."""
+    name: str  # fp32 | bf16 | fp16 | fp8 | mxfp4
+    plain_bytes: int
+    quantization: Quantization | None = None
+
+    def converts(self, part: str, module: str, model: PlanModel) -> bool:
+        """Whether the quantization converts this linear layer (`module` under model.layers.*):
+        fp8 every nn.Linear, mxfp4 the routed experts; neither lm_head or what the config's
+        modules_to_not_convert names (a name with a layer's or an expert's index stands for all)."""
+        q = self.quantization
+        if q is None:
+            return False
+        if q.method == "fp8":
+            kind = part != "router" or model.family in LINEAR_ROUTERS
+        else:
+            kind = part == "expert"
+        name = "model.layers.*." + module
+        return kind and not any(re.search(rf"(^|\.){re.escape(re.sub(r'[0-9]+', '*', skip))}(\.|$)", name)
+                                for skip in q.not_converted)
+
+    def quantized_bytes(self, rows: int, cols: int) -> int:
+        """A converted [rows, cols] weight: fp8 one byte per value and an fp32 scale per block
+        (FP8Linear's weight_scale_inv, [ceil(rows / b0), ceil(cols / b1)]); mxfp4 16 bytes of
+        values and one e8m0 scale byte per 32 values along the input (Mxfp4GptOssExperts'
+        *_blocks [.., cols / 32, 16] and *_scales [.., cols / 32])."""
+        q = self.quantization
+        if q.method == "fp8":
+            return rows * cols + _cdiv(rows, q.block[0]) * _cdiv(cols, q.block[1]) * 4
+        return rows * _cdiv(cols, 32) * (16 + 1)
+
+    def describe(self) -> str:
+        return self.quantization.describe() if self.quantization else self.name
+
+
+# counts elements: a format of one byte per element, nothing quantized
+PARAMS = WeightFormat("params", 1)
+
+
+def weight_format(dtype: str | None, model: PlanModel) -> WeightFormat:
+    """--dtype's weights. None: the config's (its quantization_config, else bf16); fp8 or mxfp4:
+    the config's quantization when it is that one, else transformers' defaults for it (fp8:
+    128 x 128 blocks, every linear layer but lm_head); a plain dtype: every tensor in it."""
+    quant = model.quantization
+    if dtype is None:
+        dtype = quant.method if quant is not None else "bf16"
+    if dtype not in WEIGHT_DTYPES:
+        raise PlanError(f"--dtype: {dtype!r} is not supported (use fp32, bf16, fp16, fp8 or mxfp4)")
+    plain = WEIGHT_DTYPES[dtype][0]
+    if dtype not in QUANT_METHODS:
+        return WeightFormat(dtype, plain)
+    return WeightFormat(dtype, plain, quant if quant is not None and quant.method == dtype else Quantization(dtype))
 
 
 def _shard(n: int, parts: int, rank: int) -> int:
@@ -127,6 +208,7 @@ class PlanModel:
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
+    quantization: Quantization | None = None  # the config's quantization_config
     notes: list[str] = field(default_factory=list)
 
     # -- per-device parameter counts (tp, rank); with tp=1 these are the whole model's
@@ -138,53 +220,89 @@ class PlanModel:
         """GQA: KV heads split over TP where there are enough, else one (replicated) per device."""
         return self.num_kv_heads // tp if self.num_kv_heads >= tp else 1
 
-    def attention_params(self, tp: int = 1) -> int:
+    def part_tensors(self, part: str, tp: int = 1, rank: int = 0) -> tuple[list[tuple[str, int, int]], int]:
+        """One layer's `part` (PARTS) on TP rank `rank` of `tp`: its linear layers (the module, as
+        Hugging Face names it under model.layers.*, and its [out, in] weight: what a quantization
+        converts), and the elements of its other tensors (norms, biases, sinks; the embedding and
+        LM head, which no quantization converts)."""
+        h = self.hidden_size
+        if part == "attention":
+            return self._attention_tensors(tp)
+        if part == "expert":  # gate, up [I, H] and down [H, I] (and their biases)
+            i, names = self.expert_intermediate_size, EXPERT_MODULES.get(self.family, EXPERT_MODULES[None])
+            shapes = [(2 * i, h), (h, i)] if len(names) == 2 else [(i, h), (i, h), (h, i)]  # gpt-oss: gate_up fused
+            return [(n, r, c) for n, (r, c) in zip(names, shapes)], (2 * i + h if self.expert_bias else 0)
+        if part in ("shared", "dense"):  # split over TP by intermediate rows
+            size = self.shared_intermediate_size if part == "shared" else self.dense_intermediate_size
+            if not size:
+                return [], 0
+            i = _shard(size, tp, rank)
+            prefix = "mlp." if part == "dense" else SHARED_MODULES.get(self.family, "mlp.shared_experts.")
+            gate = [("mlp.shared_expert_gate", 1, h)] if part == "shared" and self.shared_gate else []  # Qwen2-MoE
+            return [(prefix + "gate_proj", i, h), (prefix + "up_proj", i, h), (prefix + "down_proj", h, i), *gate], 0
+        if part == "router":
+            return [(ROUTER_MODULES.get(self.family, "mlp.gate"), self.num_experts, h)], \
+                (self.num_experts if self.router_bias else 0)
+        if part in ("embed", "lm_head"):  # vocabulary-parallel; a tied LM head is the embedding
+            rows = 0 if part == "lm_head" and self.tie_word_embeddings else _shard(self.vocab_size, tp, rank)
+            return [], rows * h
+        if part == "norms":  # every layer's two
+            return [], 2 * h
+        raise ValueError(f"part: {part!r} is not one of {', '.join(PARTS)}")
+
+    def _attention_tensors(self, tp: int) -> tuple[list[tuple[str, int, int]], int]:
         h, hd = self.hidden_size, self.num_heads // tp
         if self.attention == "mla":
             qk = self.qk_nope_head_dim + self.qk_rope_head_dim
-            bias = self.attention_bias
-            n = 0
-            if self.q_lora_rank:  # q_a_proj (+ bias) and q_a_layernorm replicated, q_b_proj split by heads
-                n += h * self.q_lora_rank + (self.q_lora_rank if bias else 0) + self.q_lora_rank
-                n += self.q_lora_rank * hd * qk
-            else:
-                n += h * hd * qk
-            # kv_a_proj_with_mqa (+ bias) and kv_a_layernorm replicated, kv_b_proj split by heads
-            n += h * self.kv_latent_dim + (self.kv_latent_dim if bias else 0) + self.kv_lora_rank
-            n += self.kv_lora_rank * hd * (self.qk_nope_head_dim + self.v_head_dim)
-            n += hd * self.v_head_dim * h + (h if bias else 0)  # o_proj, its bias replicated
-            return n
-        q = hd * self.head_dim
-        kv = self.kv_heads_per_device(tp) * self.head_dim
-        n = h * (q + 2 * kv) + q * h
-        if self.attention_bias:
-            n += q + 2 * kv + (h if self.o_proj_bias else 0)
+            r, latent, bias = self.kv_lora_rank, self.kv_latent_dim, self.attention_bias
+            ql = self.q_lora_rank
+            # q_a_proj (+ bias, q_a_layernorm) replicated, q_b_proj split by heads; or one q_proj
+            q = [("q_a_proj", ql, h), ("q_b_proj", hd * qk, ql)] if ql else [("q_proj", hd * qk, h)]
+            other = (ql + (ql if bias else 0)) if ql else 0
+            # kv_a_proj_with_mqa (+ bias) and kv_a_layernorm replicated, kv_b_proj split by heads;
+            # o_proj (its bias replicated)
+            kv = [("kv_a_proj_with_mqa", latent, h), ("kv_b_proj", hd * (self.qk_nope_head_dim + self.v_head_dim), r),
+                  ("o_proj", h, hd * self.v_head_dim)]
+            other += (latent if bias else 0) + r + (h if bias else 0)
+            return [("self_attn." + n, rows, cols) for n, rows, cols in q + kv], other
+        q, kv = hd * self.head_dim, self.kv_heads_per_device(tp) * self.head_dim
+        other = q + 2 * kv + (h if self.o_proj_bias else 0) if self.attention_bias else 0
         if self.qk_norm == "per_head":
-            n += 2 * self.head_dim
+            other += 2 * self.head_dim
         elif self.qk_norm == "full":
-            n += q + kv
-        return n + (hd if self.attention_sinks else 0)
+            other += q + kv
+        projections = [("q_proj", q, h), ("k_proj", kv, h), ("v_proj", kv, h), ("o_proj", h, q)]
+        return [("self_attn." + n, r, c) for n, r, c in projections], other + (hd if self.attention_sinks else 0)
+
+    def part_params(self, part: str, tp: int = 1, rank: int = 0) -> int:
+        matrices, other = self.part_tensors(part, tp, rank)
+        return sum(r * c for _, r, c in matrices) + other
+
+    def part_bytes(self, part: str, weights: WeightFormat, tp: int = 1, rank: int = 0) -> int:
+        """One layer's `part` as `weights` stores it: each linear layer its quantization converts
+        in its values and scales, everything else in the plain dtype."""
+        matrices, other = self.part_tensors(part, tp, rank)
+        return sum(weights.quantized_bytes(r, c) if weights.converts(part, module, self) else r * c * weights.plain_bytes
+                   for module, r, c in matrices) + other * weights.plain_bytes
+
+    def attention_params(self, tp: int = 1) -> int:
+        return self.part_params("attention", tp)
 
     def expert_params(self) -> int:
         """One routed expert: gate/up [2I, H] and down [H, I] (and their biases)."""
-        n = 3 * self.hidden_size * self.expert_intermediate_size
-        return n + (2 * self.expert_intermediate_size + self.hidden_size if self.expert_bias else 0)
+        return self.part_params("expert")
 
     def shared_params(self, tp: int = 1, rank: int = 0) -> int:
-        if not self.shared_intermediate_size:
-            return 0
-        n = 3 * self.hidden_size * _shard(self.shared_intermediate_size, tp, rank)
-        return n + (self.hidden_size if self.shared_gate else 0)
+        return self.part_params("shared", tp, rank)
 
     def dense_params(self, tp: int = 1, rank: int = 0) -> int:
-        return 3 * self.hidden_size * _shard(self.dense_intermediate_size, tp, rank)
+        return self.part_params("dense", tp, rank)
 
     def router_params(self) -> int:
-        return self.num_experts * self.hidden_size + (self.num_experts if self.router_bias else 0)
+        return self.part_params("router")
 
     def embedding_params(self, tp: int = 1, rank: int = 0) -> int:
-        rows = _shard(self.vocab_size, tp, rank)
-        return rows * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+        return self.part_params("embed", tp, rank) + self.part_params("lm_head", tp, rank)
 
     @property
     def num_sparse(self) -> int:
@@ -194,18 +312,28 @@ class PlanModel:
     def num_dense(self) -> int:
         return self.num_layers - self.num_sparse
 
+    def weight_bytes(self, weights: WeightFormat, tp: int = 1, rank: int = 0,
+                     experts_local: int | None = None) -> dict[str, int]:
+        """Bytes by category on one device holding `experts_local` routed experts per MoE layer
+        (default: all of them): the one count of the weights the planner and the simulator use."""
+        e = self.num_experts if experts_local is None else experts_local
+
+        def part(name: str) -> int:
+            return self.part_bytes(name, weights, tp, rank)
+
+        return {
+            "attention": self.num_layers * part("attention"),
+            "experts": self.num_sparse * e * part("expert"),
+            "shared_experts": self.num_sparse * part("shared"),
+            "dense_mlp": self.num_dense * part("dense"),
+            "embeddings": part("embed") + part("lm_head"),
+            "norms_routers": self.num_layers * part("norms") + self.hidden_size * weights.plain_bytes
+            + self.num_sparse * part("router"),
+        }
+
     def weight_params(self, tp: int = 1, rank: int = 0, experts_local: int | None = None) -> dict[str, int]:
         """Parameters by category on one device holding `experts_local` routed experts per MoE layer."""
-        e = self.num_experts if experts_local is None else experts_local
-        h = self.hidden_size
-        return {
-            "attention": self.num_layers * self.attention_params(tp),
-            "experts": self.num_sparse * e * self.expert_params(),
-            "shared_experts": self.num_sparse * self.shared_params(tp, rank),
-            "dense_mlp": self.num_dense * self.dense_params(tp, rank),
-            "embeddings": self.embedding_params(tp, rank),
-            "norms_routers": self.num_layers * 2 * h + h + self.num_sparse * self.router_params(),
-        }
+        return self.weight_bytes(PARAMS, tp, rank, experts_local)
 
     def param_counts(self) -> dict[str, int]:
         full = self.weight_params()
@@ -255,7 +383,7 @@ def plan_model_of(cfg: ModelConfig, name: str, notes: list[str]) -> PlanModel:
         attention_bias=cfg.attention_bias, o_proj_bias=cfg.o_proj_bias, qk_norm=cfg.qk_norm,
         q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank, qk_nope_head_dim=cfg.qk_nope_head_dim,
         qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim, layer_windows=tuple(cfg.layer_windows),
-        notes=notes)
+        quantization=cfg.quantization, notes=notes)
 
 
 # keys the runtime refuses but that do not change any tensor's size
@@ -265,7 +393,7 @@ _RUNTIME_ONLY = ("rope_scaling", "rope_parameters", "hidden_act", "use_sliding_w
 def _parse_runnable(raw: dict, name: str) -> PlanModel:
     notes: list[str] = []
     try:
-        cfg = ModelConfig.from_hf(raw, dtype="float32")
+        cfg = ModelConfig.from_hf(raw, dtype="float32", sizes_only=True)
     except ConfigError as exc:
         field_name = str(exc).split(":", 1)[0].split(".", 1)[0]
         if field_name not in _RUNTIME_ONLY:
@@ -273,7 +401,7 @@ def _parse_runnable(raw: dict, name: str) -> PlanModel:
         stripped = {k: v for k, v in raw.items() if k not in _RUNTIME_ONLY}
         if field_name == "rope_parameters" and "rope_theta" in (raw.get("rope_parameters") or {}):
             stripped["rope_theta"] = raw["rope_parameters"]["rope_theta"]
-        cfg = ModelConfig.from_hf(stripped, dtype="float32")
+        cfg = ModelConfig.from_hf(stripped, dtype="float32", sizes_only=True)
         used = ", ".join(k for k in _RUNTIME_ONLY if raw.get(k))
         notes.append(f"config uses {used}, which the engine cannot run; sizes do not depend on it, "
                      "so it is planned as if absent")
@@ -294,6 +422,7 @@ def _parse_mla(raw: dict, arch: str, name: str) -> PlanModel:
 
     family = MLA_ARCHITECTURES[arch]
     notes: list[str] = []
+    check_sizes(raw)
     layers = need("num_hidden_layers")
     experts = need("n_routed_experts")
     top_k = need("num_experts_per_tok")
@@ -324,7 +453,8 @@ def _parse_mla(raw: dict, arch: str, name: str) -> PlanModel:
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)), attention="mla",
         attention_bias=bool(raw.get("attention_bias", False)), q_lora_rank=q_lora or 0,
         kv_lora_rank=need("kv_lora_rank"), qk_nope_head_dim=need("qk_nope_head_dim"),
-        qk_rope_head_dim=need("qk_rope_head_dim"), v_head_dim=need("v_head_dim"), notes=notes)
+        qk_rope_head_dim=need("qk_rope_head_dim"), v_head_dim=need("v_head_dim"),
+        quantization=parse_quantization(raw), notes=notes)
 
 
 def load_plan_model(config: str | Path | dict) -> PlanModel:
@@ -440,6 +570,7 @@ class MemoryPlan:
     attn_impl: str
     devices: list[DevicePlan]
     notes: list[str]
+    weights: WeightFormat = PARAMS  # how `dtype` stores them
 
     # -- summary
     @property
@@ -601,8 +732,8 @@ def _positive_int(option: str, value, lo: int = 1, hi: int | None = None) -> int
     return value
 
 
-def _validate(m: PlanModel, topo: Topology, tp, ep, context, batch, dtype, kv_dtype, mbt, block_size,
-              attn_impl, ep_capacity) -> None:
+def _validate(m: PlanModel, topo: Topology, tp, ep, context, batch, kv_dtype, mbt, block_size, attn_impl,
+              ep_capacity) -> None:
     if not isinstance(topo, Topology):
         raise PlanError(f"--devices: topology must be a Topology, got {type(topo).__name__}")
     n = topo.num_devices
@@ -623,8 +754,6 @@ def _validate(m: PlanModel, topo: Topology, tp, ep, context, batch, dtype, kv_dt
         raise PlanError(f"--context: {context} exceeds the model's max_position_embeddings "
                         f"{m.max_position_embeddings}")
     _positive_int("--batch", batch)
-    if dtype not in WEIGHT_DTYPES:
-        raise PlanError(f"--dtype: {dtype!r} is not supported (use fp32, bf16, fp16 or fp8)")
     if kv_dtype not in KV_DTYPES:
         raise PlanError(f"--kv-dtype: must be auto or int8, got {kv_dtype!r}")
     if mbt is not None:
@@ -702,7 +831,7 @@ def comm_buffers(m: PlanModel, *, tp: int, ep: int, tokens: int, recv_rows: int,
 
 
 def plan_memory(config: str | Path | dict | PlanModel, topology: Topology, *, tp: int = 1, ep: int | None = None,
-                context: int, batch: int = 1, dtype: str = "bf16", kv_dtype: str = "auto",
+                context: int, batch: int = 1, dtype: str | None = None, kv_dtype: str = "auto",
                 max_batched_tokens: int | None = None, block_size: int = 16, attn_impl: str = "flash",
                 ep_capacity: float = 1.0) -> MemoryPlan:
     """Per-device memory for `config` (config.json path/dir/dict) deployed on `topology`.
@@ -734,10 +863,11 @@ def plan_memory(config: str | Path | dict | PlanModel, topology: Topology, *, tp
     m = config if isinstance(config, PlanModel) else load_plan_model(config)
     n = topology.num_devices if isinstance(topology, Topology) else 0
     ep = n if ep is None and n else ep
-    _validate(m, topology, tp, ep, context, batch, dtype, kv_dtype, max_batched_tokens, block_size, attn_impl,
-              ep_capacity)
+    weights = weight_format(dtype, m)
+    dtype = weights.name
+    _validate(m, topology, tp, ep, context, batch, kv_dtype, max_batched_tokens, block_size, attn_impl, ep_capacity)
     dp = n // tp
-    wbytes, act_dtype = WEIGHT_DTYPES[dtype]
+    act_dtype = WEIGHT_DTYPES[dtype][1]
     a = torch.empty((), dtype=act_dtype).element_size()
     quantized = kv_dtype == "int8"
     mbt = max_batched_tokens or SchedulerKnobs().max_num_batched_tokens
@@ -757,23 +887,22 @@ def plan_memory(config: str | Path | dict | PlanModel, topology: Topology, *, tp
         tp_rank, dp_group, ep_rank = d % tp, d // tp, d % ep
         experts_local = _shard(m.num_experts, ep, ep_rank)
         seqs = _shard(batch, dp, dp_group)
-        params = m.weight_params(tp, tp_rank, experts_local)
         devices.append(DevicePlan(
             device=d, node=topology.node_of(d), tp_rank=tp_rank, dp_group=dp_group, ep_rank=ep_rank,
             experts_local=experts_local, sequences=seqs, kv_blocks=seqs * blocks_per_seq,
-            weights={c: params[c] * wbytes for c in CATEGORIES}, kv_cache=seqs * per_seq,
+            weights=m.weight_bytes(weights, tp, tp_rank, experts_local), kv_cache=seqs * per_seq,
             activations=sum(act.values()), comm_buffers=sum(comm.values()), hbm_bytes=topology.hbm_bytes,
             activation_detail=dict(act), comm_detail=dict(comm)))
 
-    notes = _notes(m, topology, tp, dp, ep, dtype, kv_dtype, kv_dtype_t, block_size, t, mbt, peak_stage,
+    notes = _notes(m, topology, tp, dp, ep, weights, kv_dtype, kv_dtype_t, block_size, t, mbt, peak_stage,
                    attn_impl, ep_capacity, batch, context)
     return MemoryPlan(model=m, topology=topology, tp=tp, dp=dp, ep=ep, context=context, batch=batch, dtype=dtype,
                       kv_dtype=kv_dtype, block_size=block_size, tokens_per_step=t, attn_impl=attn_impl,
-                      devices=devices, notes=notes)
+                      devices=devices, notes=notes, weights=weights)
 
 
-def _notes(m: PlanModel, topo: Topology, tp, dp, ep, dtype, kv_dtype, kv_t, block_size, t, mbt, peak_stage,
-           attn_impl, ep_capacity, batch, context) -> list[str]:
+def _notes(m: PlanModel, topo: Topology, tp, dp, ep, weights: WeightFormat, kv_dtype, kv_t, block_size, t, mbt,
+           peak_stage, attn_impl, ep_capacity, batch, context) -> list[str]:
     n = topo.num_devices
     kvn = str(kv_t).replace("torch.", "")
     notes = [
@@ -786,8 +915,7 @@ def _notes(m: PlanModel, topo: Topology, tp, dp, ep, dtype, kv_dtype, kv_t, bloc
         "routers, norms and MLA's down-projections (q_a, kv_a) are replicated on every device",
         "embeddings and LM head are vocabulary-parallel over TP (vocab rows split; no padding of the vocabulary)"
         + ("; tied: one matrix" if m.tie_word_embeddings else ""),
-        f"weights in {dtype}" + (" (planning only: the engine runs fp32/bf16/fp16; block scales not counted)"
-                                  if dtype == "fp8" else "") + "; no optimizer state, no weight offload to host",
+        _weights_note(m, weights) + "; no optimizer state, no weight offload to host",
         f"batch {batch} sequences dealt round-robin to the {dp} DP groups; each sequence's KV holds "
         f"ceil({context} / {block_size}) blocks of {block_size} tokens (the engine's paged layout)",
     ]
@@ -837,6 +965,18 @@ def _notes(m: PlanModel, topo: Topology, tp, dp, ep, dtype, kv_dtype, kv_t, bloc
     return m.notes + notes
 
 
+def _weights_note(m: PlanModel, weights: WeightFormat) -> str:
+    q = weights.quantization
+    if q is None:
+        return f"weights in {weights.name}"
+    source = "the config's quantization_config" if q == m.quantization else "transformers' defaults for it"
+    which = ("every linear layer but lm_head" + ("" if m.family in LINEAR_ROUTERS else " (the router is not one)")
+             if q.method == "fp8" else "the routed experts")
+    skipped = f", less modules_to_not_convert ({', '.join(q.not_converted)})" if q.not_converted else ""
+    return (f"weights in {q.describe()} ({source}): {which}{skipped}; everything else (embeddings, norms, "
+            f"biases, ...) in bf16; planning only: the engine runs fp32/bf16/fp16")
+
+
 # ---------------------------------------------------------------------------------------------
 # what would make it fit
 
@@ -863,7 +1003,7 @@ def fit_suggestions(config, topology: Topology, **options) -> list[dict]:
 
     if options.get("kv_dtype", "auto") != "int8":
         attempt("--kv-dtype int8", kv_dtype="int8")
-    if options.get("dtype", "bf16") != "fp8":
+    if base.dtype not in QUANT_METHODS:
         attempt("--dtype fp8 (weights)", dtype="fp8")
     n, ep = topology.num_devices, options.get("ep") or topology.num_devices
     factor = 2

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moectl.engine.core.topology import format_size
-from moectl.engine.planning.memory_plan import WEIGHT_DTYPES, MemoryPlan
+from moectl.engine.planning.memory_plan import MemoryPlan
 
 
 @dataclass
@@ -65,7 +65,7 @@ class OffloadPlan:
 
 def plan_offload(plan: MemoryPlan, host_bytes_per_node: int) -> OffloadPlan:
     m, topo = plan.model, plan.topology
-    expert_bytes = m.expert_params() * WEIGHT_DTYPES[plan.dtype][0]
+    expert_bytes = m.part_bytes("expert", plan.weights)
     tokens_moe = -(-plan.tokens_per_step // plan.tp)
     devices = []
     for d in plan.devices:

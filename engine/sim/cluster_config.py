@@ -23,7 +23,8 @@ class SimClusterConfig:
     drift: float = 0.0  # swaps of two experts' shares per expert and step (zipf and traces)
     overlap: str = "none"
     redundant_slots: int = 1
-    placement: object | None = None  # a Placement over every layer (dense ones unused)
+    placement: object | None = None  # a placement file's Placement (step_model.cluster_placement fits it)
+    placement_model: dict | None = None  # ... and the model it was planned for, when the file says
     dtype: str | None = None  # bf16 | fp8 (default: the config's quantization_config)
     knobs: SchedulerKnobs = field(default_factory=lambda: SchedulerKnobs(max_num_seqs=128,
                                                                        max_num_batched_tokens=4096,

@@ -34,14 +34,23 @@ import psutil
 from moectl.engine.core.commands import CommandQueue
 from moectl.engine.core.config import KnobError, SchedulerKnobs
 from moectl.engine.core.records import ENGINE_LANE, PROCESS_SAMPLE_S, device_lane
-from moectl.engine.core.topology import Topology
-from moectl.engine.experts.placement import Placement
+from moectl.engine.core.topology import Topology, format_size
+from moectl.engine.experts.placement import PlacementError
 from moectl.engine.sim.batching import ClusterBatcher, Scheduled
 from moectl.engine.sim.cluster_config import SimClusterConfig
 from moectl.engine.sim.hardware import load_profile
 from moectl.engine.sim.model_shape import load_sim_model
 from moectl.engine.sim.routing import routing_from
-from moectl.engine.sim.step_model import SimSpec, StepLoad, _capped, memory_per_device, simulate, window_classes
+from moectl.engine.sim.step_model import (
+    SimSpec,
+    StepLoad,
+    _capped,
+    cluster_placement,
+    memory_per_device,
+    moe_rows,
+    simulate,
+    window_classes,
+)
 
 ALL_LINKS_LANE = "links (all devices)"
 
@@ -77,12 +86,13 @@ class SimulatedEngine:
                                                  recorded_routing)
         self.shares = shares
         hw, D = self.hardware, config.devices
-        placement = config.placement or Placement.contiguous(shape.num_layers, shape.num_experts, D,
-                                                             -(-shape.num_experts // D) + config.redundant_slots)
+        try:
+            placement = cluster_placement(shape, D, config.redundant_slots, config.placement, config.placement_model)
+        except PlacementError as exc:
+            raise ValueError(f"--placement: {exc}") from None
         self.spec = SimSpec(self.sim_model, hw, D, shares, phase="decode", tokens_per_device=config.knobs.max_num_seqs,
                             context=min(self.max_model_len, shape.max_position_embeddings), tp=config.tp,
-                            placement=Placement(placement.slots[self.moe_layers], shape.num_experts),
-                            overlap=config.overlap)
+                            placement=moe_rows(placement, shape), overlap=config.overlap)
         topology = Topology(num_devices=D, devices_per_node=hw.gpus_per_node, hbm_bytes=hw.hbm_bytes,
                             intra_node_gbps=hw.intra_node_gbps or 0.0, inter_node_gbps=hw.inter_node_gbps or 0.0)
         from moectl.engine.sim.sim_experts import SimExperts
@@ -132,8 +142,8 @@ class SimulatedEngine:
         free = self.hardware.hbm_bytes * self.config.memory_fraction - weights - worst.activations - worst.comm_buffers
         self.blocks_per_group = int(free // self.block_bytes)
         if self.blocks_per_group < -(-knobs.long_prefill_token_threshold // self.config.block_size):
-            raise ValueError(f"--devices {D}: each device's {self.hardware.hbm_bytes / 2**30:.0f} GiB of HBM holds "
-                             f"{weights / 2**30:.1f} GiB of weights plus activations, leaving no room for a KV "
+            raise ValueError(f"--devices {D}: each device's {format_size(self.hardware.hbm_bytes)} of HBM holds "
+                             f"{format_size(weights)} of weights plus activations, leaving no room for a KV "
                              f"cache; give more devices")
 
     # -- requests (any thread)

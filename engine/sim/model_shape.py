@@ -2,10 +2,10 @@
 weight bytes of each part (attention projections, core attention, router, routed and shared
 experts, dense MLP, LM head), and the dtype its GEMMs run in.
 
-The shapes are the memory planner's (`planning.memory_plan.PlanModel`); a `quantization_config`
-sets the weights' bytes and the GEMM dtype: DeepSeek-V3's block-scaled fp8 (1 byte, FP8 GEMMs
-where the hardware has them), gpt-oss's mxfp4 (4.25 bits for the routed experts, BF16 GEMMs);
-`dtype` overrides both.
+The shapes and the weights' bytes are the memory planner's (`planning.memory_plan.PlanModel`,
+`WeightFormat`): a `quantization_config` stores them as it says, DeepSeek-V3's block-scaled fp8
+(one byte a value and an fp32 scale per 128 x 128 block: FP8 GEMMs where the hardware has them)
+or gpt-oss's mxfp4 (4.25 bits a routed expert's value: BF16 GEMMs); `dtype` overrides it.
 """
 
 from __future__ import annotations
@@ -14,18 +14,16 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from moectl.engine.planning.memory_plan import PlanModel, load_plan_model
+from moectl.engine.planning.memory_plan import PlanModel, WeightFormat, load_plan_model, weight_format
 
 DTYPES = ("bf16", "fp8", "fp32")  # fp32: what moectl's engine runs on a CPU (a calibrated profile)
-WEIGHT_BYTES = {"bf16": 2.0, "fp8": 1.0, "fp32": 4.0, "mxfp4": 4.25 / 8}
 
 
 @dataclass(frozen=True)
 class SimModel:
     shape: PlanModel
-    gemm_dtype: str  # bf16 | fp8: what the projections and experts multiply in
-    weight_bytes: float  # bytes per parameter of the dense weights (attention, shared, dense, head)
-    expert_weight_bytes: float  # ... of the routed experts
+    gemm_dtype: str  # bf16 | fp8 | fp32: what the projections and experts multiply in
+    weights: WeightFormat  # how the weights are stored (the planner's count of their bytes)
     kv_bytes: float = 2.0  # per KV value (BF16 cache)
 
     @property
@@ -34,9 +32,12 @@ class SimModel:
 
     @property
     def high_bytes(self) -> float:
-        """Bytes per value of what stays in high precision (router, embeddings, LM head): BF16,
-        or fp32 in an fp32 model."""
-        return 4.0 if self.gemm_dtype == "fp32" else 2.0
+        """Bytes per value of what stays in high precision (activations, embeddings, LM head):
+        BF16, or fp32 in an fp32 model."""
+        return float(self.weights.plain_bytes)
+
+    def part_bytes(self, part: str, tp: int = 1) -> float:
+        return float(self.shape.part_bytes(part, self.weights, tp))
 
     # -- per token, per layer, on a device holding 1/tp of the attention heads
     def attention_projection_macs(self, tp: int) -> float:
@@ -59,7 +60,7 @@ class SimModel:
         return heads * context * 2 * m.head_dim, context * 2 * kv_heads * m.head_dim * self.kv_bytes
 
     def attention_weight_bytes(self, tp: int) -> float:
-        return self.shape.attention_params(tp) * self.weight_bytes
+        return self.part_bytes("attention", tp)
 
     def router_macs(self) -> float:
         return float(self.shape.router_params())
@@ -69,7 +70,7 @@ class SimModel:
         return float(self.shape.expert_params())
 
     def expert_bytes(self) -> float:
-        return self.shape.expert_params() * self.expert_weight_bytes
+        return self.part_bytes("expert")
 
     def shared_macs(self, tp: int = 1) -> float:
         return float(self.shape.shared_params(tp))
@@ -90,26 +91,23 @@ def load_sim_model(config: str | Path, dtype: str | None = None) -> SimModel:
         raw = json.loads(path.read_text())
     except OSError as exc:
         raise ValueError(f"--model: cannot read {path} ({exc.strerror})") from None
+    except RecursionError:
+        raise ValueError(f"--model: {path} is not valid JSON (nested too deeply)") from None
     except ValueError as exc:
         raise ValueError(f"--model: {path} is not valid JSON ({exc})") from None
     if not isinstance(raw, dict):
         raise ValueError(f"--model: {path} must hold a JSON object")
-    quant = raw.get("quantization_config") or {}
-    # the shapes without the quantization, which the engine (and so the planner's parser) refuses
-    # to load but a simulation only has to price
-    unquantized = {k: v for k, v in raw.items() if k != "quantization_config"}
-    unquantized.setdefault("_name_or_path", path.parent.name if path.name == "config.json" else path.stem)
-    shape = load_plan_model(unquantized)
-    method = str(quant.get("quant_method") or "").lower()
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"--dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
-    if dtype is not None:
-        return SimModel(shape, dtype, WEIGHT_BYTES[dtype], WEIGHT_BYTES[dtype], kv_bytes=4.0 if dtype == "fp32" else 2.0)
-    if method == "fp8":
-        return SimModel(shape, "fp8", 1.0, 1.0)
-    if method == "mxfp4":  # the routed experts only (modules_to_not_convert keeps the rest in BF16)
-        return SimModel(shape, "bf16", 2.0, WEIGHT_BYTES["mxfp4"])
-    if method:
-        raise ValueError(f"quantization_config.quant_method: {method!r} is not simulated (fp8, mxfp4); "
-                         f"give --dtype bf16 or fp8")
-    return SimModel(shape, "bf16", 2.0, 2.0)
+    if dtype is not None:  # it replaces the config's quantization, which then need not be one this reads
+        raw = {k: v for k, v in raw.items() if k != "quantization_config"}
+    raw.setdefault("_name_or_path", path.parent.name if path.name == "config.json" else path.stem)
+    try:
+        shape = load_plan_model(raw)
+    except ValueError as exc:
+        message = str(exc)
+        raise ValueError(message + ("; give --dtype bf16 or fp8" if message.startswith("quantization_config.")
+                                    else "")) from None
+    weights = weight_format(dtype, shape)
+    gemm = {"fp8": "fp8", "fp32": "fp32"}.get(weights.name, "bf16")  # mxfp4 experts multiply in BF16
+    return SimModel(shape, gemm, weights, kv_bytes=4.0 if weights.name == "fp32" else 2.0)

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from moectl.engine.experts.placement import Placement
+from moectl.engine.experts.placement_file import fit_to_model, model_identity
 from moectl.engine.sim.hardware import HardwareProfile
 from moectl.engine.sim.model_shape import SimModel
 
@@ -96,6 +97,23 @@ class SimSpec:
             raise ValueError(f"--placement: is for {self.placement.num_devices} devices x {self.placement.num_layers} "
                              f"MoE layers x {self.placement.num_experts} experts, not {self.ep} x {m.num_sparse} x "
                              f"{m.num_experts} (one expert-parallel group)")
+
+
+def cluster_placement(shape, devices: int, redundant: int, chosen: Placement | None = None,
+                      planned_for: dict | None = None) -> Placement:
+    """The placement a simulated cluster runs, `moectl sim` and the simulated backend alike: a
+    row for every layer, a dense layer's unused. `chosen`: a placement file's, with the model it
+    was planned for (placement_file.fit_to_model refuses one for another model and widens rows
+    of the MoE layers only); else each MoE layer's experts contiguous over the devices with
+    `redundant` spare slots on each (Placement.contiguous)."""
+    if chosen is not None:
+        return fit_to_model(chosen, planned_for, model_identity(shape, shape.name))
+    return Placement.contiguous(shape.num_layers, shape.num_experts, devices, redundant)
+
+
+def moe_rows(placement: Placement, shape) -> Placement:
+    """The MoE layers' rows of a placement with a row for every layer: what SimSpec prices."""
+    return Placement(placement.slots[np.asarray(shape.sparse_layers)], placement.num_experts)
 
 
 class Roofline:
@@ -257,9 +275,9 @@ def layer_times(spec: SimSpec, load: StepLoad) -> LayerTimes:
                                            0 * load.tokens)
     attention = attention[group_of]
     # the router, embeddings and LM head stay BF16 in fp8 and mxfp4 checkpoints
-    router = roof.gemms(T, m.router_macs(), m.router_macs() * m.high_bytes, bf16=True)
-    shared = roof.gemms(T, m.shared_macs(), m.shared_macs() * m.weight_bytes)
-    dense = roof.gemms(T, m.dense_macs(), m.dense_macs() * m.weight_bytes)
+    router = roof.gemms(T, m.router_macs(), m.part_bytes("router"), bf16=True)
+    shared = roof.gemms(T, m.shared_macs(), m.part_bytes("shared"))
+    dense = roof.gemms(T, m.dense_macs(), m.part_bytes("dense"))
     lm_head = roof.gemms(load.sequences[group_of] / tp, m.head_macs(), m.head_macs() * m.high_bytes, bf16=True)
 
     # -- MoE layers: rows per device from the routed pairs and the placement, then the all-to-alls
@@ -361,14 +379,12 @@ def simulate(spec: SimSpec, load: StepLoad | None = None, detail: bool = False) 
 
 def memory_per_device(spec: SimSpec) -> dict:
     """Bytes one device holds: its weights (its share of attention, every shared and dense weight,
-    the embeddings and LM head, its expert slots) and its sequences' KV cache at --context;
-    activations and communication buffers are not counted."""
+    the embeddings and LM head, its expert slots: the planner's count, PlanModel.weight_bytes) and
+    its sequences' KV cache at --context; activations and communication buffers are not counted."""
     m, shape = spec.model, spec.model.shape
-    slots = spec.placement.slots_per_device
-    weights = shape.num_layers * m.attention_weight_bytes(spec.tp) \
-        + shape.num_sparse * (shape.shared_params() * m.weight_bytes + shape.router_params() * m.high_bytes) \
-        + shape.num_dense * shape.dense_params() * m.weight_bytes + shape.embedding_params() * m.high_bytes \
-        + shape.num_sparse * slots * m.expert_bytes()  # embeddings, head and router in BF16
+    parts = shape.weight_bytes(m.weights, experts_local=spec.placement.slots_per_device)
+    parts["attention"] = shape.num_layers * m.attention_weight_bytes(spec.tp)  # split over the TP group's heads
+    weights = sum(parts.values())
     # a TP group's devices each hold the KV of all the group's sequences (their share of the heads;
     # MLA's latent whole)
     tokens = spec.tokens_per_device * spec.tp

@@ -55,17 +55,36 @@ def _generic(raw: dict, cfg: ModelConfig, hidden: int, experts: int) -> dict:
     return out
 
 
-def tiny_config(raw: dict, *, layers: int = 4, hidden: int = 64, experts: int = 16, vocab_size: int,
-                max_positions: int = 4096) -> dict:
-    """config.json of the scaled-down model: the same architecture and options, small shapes."""
-    cfg = ModelConfig.from_hf(raw)  # refuses what the engine cannot run, naming the field
+DEFAULT_LAYERS, DEFAULT_EXPERTS = 4, 16  # or the config's, when it has fewer
+
+
+def check_options(layers: int | None, hidden: int, experts: int | None) -> None:
+    """The options as given, before any config is read: their errors come first, naming the value."""
+    if layers is not None and layers < 1:
+        raise ConfigError(f"--layers: must be at least 1, got {layers}")
     if hidden % 16 or hidden < 32:
         raise ConfigError(f"--hidden: must be a multiple of 16 and at least 32, got {hidden}")
-    if not 2 <= experts <= cfg.num_experts:
+    if experts is not None and experts < 2:
+        raise ConfigError(f"--experts: must be at least 2, got {experts}")
+
+
+def tiny_config(raw: dict, *, layers: int | None = None, hidden: int = 64, experts: int | None = None,
+                vocab_size: int, max_positions: int = 4096) -> dict:
+    """config.json of the scaled-down model: the same architecture and options, small shapes.
+    layers, experts None: DEFAULT_LAYERS and DEFAULT_EXPERTS, or the config's when fewer. A
+    quantization_config is dropped: the tiny model is float32, which the engine runs."""
+    check_options(layers, hidden, experts)
+    # refuses what the engine cannot run, naming the field; a quantized config is read for its shapes
+    cfg = ModelConfig.from_hf(raw, sizes_only=True)
+    if experts is not None and experts > cfg.num_experts:
         raise ConfigError(f"--experts: must be in 2..{cfg.num_experts} (the config's routed experts), got {experts}")
-    if not 1 <= layers <= cfg.num_layers:
-        raise ConfigError(f"--layers: must be in 1..{cfg.num_layers}, got {layers}")
-    out = {k: v for k, v in raw.items() if not k.startswith("_")}
+    if layers is not None and layers > cfg.num_layers:
+        raise ConfigError(f"--layers: must be in 1..{cfg.num_layers} (the config's layers), got {layers}")
+    if cfg.num_experts < 2:
+        raise ConfigError(f"--like: {cfg.num_experts} routed expert a layer; a tiny model of it needs at least 2")
+    layers = min(DEFAULT_LAYERS, cfg.num_layers) if layers is None else layers
+    experts = min(DEFAULT_EXPERTS, cfg.num_experts) if experts is None else experts
+    out = {k: v for k, v in raw.items() if not k.startswith("_") and k != "quantization_config"}
     out.update(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4, vocab_size=vocab_size,
                max_position_embeddings=min(cfg.max_position_embeddings, max_positions), dtype="float32")
     out.pop("torch_dtype", None)
@@ -87,8 +106,9 @@ def tiny_config(raw: dict, *, layers: int = 4, hidden: int = 64, experts: int = 
     dropped = sorted(key for key, value in out.items()
                      if key.endswith("_token_id") and not _token_ids_fit(value, vocab_size))
     out.update(dict.fromkeys(dropped, None))
-    ModelConfig.from_hf(out)  # the result must itself be a valid config
-    return {**out, "_dropped_token_ids": dropped}  # make_tiny reports them; not written to config.json
+    ModelConfig.from_hf(out)  # the result must itself be a valid config, one the engine runs
+    # make_tiny reports these; they are not written to config.json
+    return {**out, "_dropped_token_ids": dropped, "_quantization": cfg.quantization}
 
 
 def _token_ids_fit(value, vocab_size: int) -> bool:
@@ -96,15 +116,17 @@ def _token_ids_fit(value, vocab_size: int) -> bool:
     return all(i is None or (isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab_size) for i in ids)
 
 
-def make_tiny(like: str | Path, out_dir: str | Path, *, layers: int = 4, hidden: int = 64, experts: int = 16,
-              seed: int = 0, tokenizer_dir: str | Path) -> dict:
+def make_tiny(like: str | Path, out_dir: str | Path, *, layers: int | None = None, hidden: int = 64,
+              experts: int | None = None, seed: int = 0, tokenizer_dir: str | Path) -> dict:
     """Write a random checkpoint shaped like `like` (a config.json or a checkpoint directory) to
     out_dir, with the tokenizer of tokenizer_dir. Returns `model info`-style facts about it."""
     like, out_dir, tokenizer_dir = Path(like), Path(out_dir), Path(tokenizer_dir)
+    check_options(layers, hidden, experts)
     raw = read_config_json(like if like.is_file() else like / "config.json", what="--like")
     vocab = read_config_json(tokenizer_dir / "config.json")["vocab_size"]
     tiny = tiny_config(raw, layers=layers, hidden=hidden, experts=experts, vocab_size=vocab)
     dropped = tiny.pop("_dropped_token_ids", [])
+    quantization = tiny.pop("_quantization", None)
     model = MoEForCausalLM(ModelConfig.from_hf(tiny))
     # std 1/sqrt(hidden): activations keep their scale through the layers, so routing is not a near-tie
     model.init_weights(std=1.0 / math.sqrt(hidden), seed=seed)
@@ -123,4 +145,8 @@ def make_tiny(like: str | Path, out_dir: str | Path, *, layers: int = 4, hidden:
     return {"out": str(out_dir), "architecture": cfg.hf_architecture, "model_type": tiny.get("model_type"),
             "layers": cfg.num_layers, "dense_layers": cfg.num_layers - sum(cfg.sparse_layers),
             "experts": cfg.num_experts, "top_k": cfg.top_k, "attention": cfg.attention,
-            "rope": cfg.rope_scaling.kind, "token_ids_dropped": dropped, **cfg.param_counts()}
+            "rope": cfg.rope_scaling.kind, "token_ids_dropped": dropped, "dtype": str(cfg.dtype).removeprefix("torch."),
+            **({"quantization": f"--like's {quantization.describe()} not kept: this checkpoint is "
+                                f"{str(cfg.dtype).removeprefix('torch.')}, the engine runs no quantized weights"}
+               if quantization else {}),
+            **cfg.param_counts()}

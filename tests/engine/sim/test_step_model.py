@@ -78,10 +78,14 @@ def test_the_roofline_by_hand():
 
 
 def test_quantization_config_sets_the_dtypes():
-    assert (DSV3.gemm_dtype, DSV3.weight_bytes, DSV3.expert_weight_bytes) == ("fp8", 1.0, 1.0)
+    # fp8: a byte a value and an fp32 scale per 128 x 128 block of gate, up [2048, 7168] and down
+    assert (DSV3.gemm_dtype, DSV3.weights.name) == ("fp8", "fp8")
+    assert DSV3.expert_bytes() == 3 * 7168 * 2048 + 3 * (2048 // 128) * (7168 // 128) * 4
+    # mxfp4: the experts' 4.25 bits a value, their biases in bf16; BF16 GEMMs
     oss = load_sim_model(CONFIGS / "gpt-oss-120b.json")
-    assert oss.gemm_dtype == "bf16" and oss.expert_weight_bytes == pytest.approx(4.25 / 8)
-    assert load_sim_model(CONFIGS / "deepseek-v3.json", "bf16").weight_bytes == 2.0
+    assert oss.gemm_dtype == "bf16" and oss.expert_bytes() == 3 * 2880 * 2880 * 4.25 / 8 + 3 * 2880 * 2
+    bf16 = load_sim_model(CONFIGS / "deepseek-v3.json", "bf16")
+    assert bf16.weights.quantization is None and bf16.expert_bytes() == 3 * 7168 * 2048 * 2
     with pytest.raises(ValueError, match="--dtype"):
         load_sim_model(CONFIGS / "mixtral-8x7b.json", "fp4")
 
