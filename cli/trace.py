@@ -28,6 +28,7 @@ def trace_info(trace: Path = typer.Argument(..., help="A trace file."), as_json:
     from moectl.profiler.kineto_import import is_timeline
 
     with open_trace(trace, gpu_timeline=True) as reader:
+        reader.check_integrity()  # "complete" says its writer closed it, not that its pages are intact
         header = reader.header
         if is_timeline(header):
             return _timeline_info(trace, reader, as_json)

@@ -170,7 +170,9 @@ def _sglang_stat(dumps, ep_size) -> ImportedLoad:
     if len({b.shape[1:] for b in blocks}) > 1:
         raise SourceFormatError("logical_count: the files are for different [layers, experts] shapes")
     counts = np.concatenate(blocks)
-    kept = counts.reshape(len(counts), -1).any(1)
+    if not len(counts):  # SGLang dumped before its first forward pass
+        raise SourceFormatError(f"{dumps[0][0]}: logical_count holds no passes (shape {list(blocks[0].shape)})")
+    kept = counts.any(axis=(1, 2))
     notes = ["stat mode: rows are SGLang's buffered forward passes in ring-buffer order (its dump does not say "
              "where the ring starts, so the order is not chronological once the buffer wrapped)",
              f"{int((~kept).sum())} all-zero rows dropped (unfilled buffer slots, or passes that routed nothing)",
@@ -285,7 +287,9 @@ def read_vllm(paths: list[Path], ep_size: int | None = None) -> ImportedLoad:
     num_experts = _num_experts(p2l, f"{paths[0]}: physical_to_logical_map")  # vLLM gives each one a slot
     physical = np.sum(windows, axis=0)  # as EplbState.rearrange all-reduces the ranks' windows
     counts = _to_logical(physical, p2l, num_experts)
-    kept = counts.reshape(len(counts), -1).any(1)
+    if not len(counts):
+        raise SourceFormatError(f"{paths[0]}: the expert load window holds no rows (shape {list(windows[0].shape)})")
+    kept = counts.any(axis=(1, 2))
     notes += [f"{mode}: one record per vLLM step of the load window (oldest first), the {len(paths)} rank(s) "
               f"given added row by row", f"{int((~kept).sum())} all-zero rows dropped (window rows not yet written)",
               "vLLM notes the load is multiplied by dp_size with naive all-to-all (each DP rank counts the same tokens)",
@@ -362,21 +366,23 @@ def imported_record(step: int, routing: np.ndarray) -> dict:
 
 
 def write_imported_trace(load: ImportedLoad, out: Path, overwrite: bool = False) -> dict:
+    from moectl.profiler.trace_format import written_whole
     from moectl.profiler.trace_store import TraceError, TraceWriter
 
     if load.counts.size and load.counts.max() > MAX_COUNT:  # passes added up past the trace's 32-bit counts
         raise SourceFormatError(f"a count of {int(load.counts.max()):,} tokens (the ranks' passes added up) is "
                                 f"beyond the trace's counts (at most {MAX_COUNT:,})")
-    writer = TraceWriter(out, imported_header(load), overwrite=overwrite, str_keys=True)
-    try:
-        every = max(1, min(FLUSH_EVERY, FLUSH_BYTES // max(load.counts[0].size * 4, 1)))
-        for i, routing in enumerate(load.counts):
-            if i % every == every - 1:  # keep the backlog far below its bound: nothing is dropped
-                writer.flush()
-            if not writer.write_step(imported_record(i + 1, routing)):
-                raise TraceError(f"{out}: the trace writer dropped pass {i + 1}")
-    finally:
-        writer.close()
+    with written_whole(out, overwrite) as partial:  # a failed import leaves nothing behind
+        writer = TraceWriter(partial, imported_header(load), overwrite=True, str_keys=True)
+        try:
+            every = max(1, min(FLUSH_EVERY, FLUSH_BYTES // max(load.counts[0].size * 4, 1)))
+            for i, routing in enumerate(load.counts):
+                if i % every == every - 1:  # keep the backlog far below its bound: nothing is dropped
+                    writer.flush()
+                if not writer.write_step(imported_record(i + 1, routing)):
+                    raise TraceError(f"{out}: the trace writer dropped pass {i + 1}")
+        finally:
+            writer.close()
     _, L, E = load.counts.shape
     return {"output": str(out), "engine": load.engine, "mode": load.mode, "steps": len(load.counts), "layers": L,
             "experts": E, "devices": load.placement.num_devices if load.placement is not None else None,

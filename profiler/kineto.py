@@ -26,6 +26,14 @@ Per rank (`rank_figures`), on the rank's device lanes (streams):
 * unclassed: event names no rule matched, by their summed time.
 Across ranks the straggler is the rank with the most busy device time (the others wait for it at
 every collective).
+
+Limits, each a one-line error naming the file. On the bytes as they stream in (_Bounded): JSON
+nested deeper than MAX_DEPTH levels (a profiler's traces nest a few; ijson's memory grows with the
+square of the depth) and any string longer than MAX_STRING_BYTES (kernel names run to a few KiB;
+reading one of tens of MiB took minutes). On each event kept (see above): a ts or dur that is not
+a finite number, a negative dur, an args.correlation that is not an integer id (the figures would
+be wrong, or not numbers at all). A name's class is decided on its first CLASSIFIED_CHARS
+characters.
 """
 
 from __future__ import annotations
@@ -45,10 +53,108 @@ import numpy as np
 DEVICE_CATS = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
 COMM, MEMORY = "dispatch_combine", "memcpy_memset"
 UNCLASSED = "unclassed"
+MAX_DEPTH = 32  # JSON nesting: Kineto's deepest, an event's args holding lists of input shapes, is 6 or 7
+MAX_STRING_BYTES = 1 << 20  # any JSON string: kernel names run to a few KiB
+READ_BYTES = 1 << 16  # what ijson is handed at a time
+MAX_ID = 2**63 - 1  # correlation ids are int64 columns
+# a name's class is decided on its start (namespace, function, template arguments): a pattern
+# searched in a whole name of MAX_STRING_BYTES takes a second, per distinct name
+CLASSIFIED_CHARS = 16 << 10
 
 
 class KinetoError(ValueError):
     """A file that is not a readable Kineto / Chrome trace; the message says which and why."""
+
+
+_NOT_STRUCTURE = bytes(b for b in range(256) if b not in b'"[]{}')  # translate() deletes these
+_NESTING = np.zeros(256, dtype=np.int8)
+_NESTING[list(b"[{")], _NESTING[list(b"]}")] = 1, -1
+_QUOTE = ord('"')
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')  # a whole JSON string, escapes and all
+_STRING_BODY = re.compile(rb'[^"\\]*(?:\\.[^"\\]*)*')  # up to a string's closing quote (or a lone \)
+
+
+class _Bounded:
+    """A binary file, read for ijson, that refuses JSON nested deeper than MAX_DEPTH or holding a
+    string longer than MAX_STRING_BYTES before ijson sees the bytes: ijson keeps a path prefix
+    per level ("traceEvents.item.item...") whose length grows with the depth, and assembles a
+    string whole. Brackets count outside strings only; a chunk holding an escaped quote, or
+    ending on a backslash, takes the exact (slower) regular-expression path."""
+
+    def __init__(self, f, path: Path):
+        self.f, self.path = f, path
+        self.depth = 0
+        self.in_string = False  # the last chunk ended inside a string
+        self.escaped = False  # ... on a backslash, which escapes this chunk's first byte
+        self.string_bytes = 0  # of the string still open
+        self.offset = 0  # of the chunk being read, in the (decompressed) stream
+        self.size = 0  # of that chunk
+
+    def read(self, size: int = -1) -> bytes:
+        most = min(READ_BYTES, MAX_STRING_BYTES)  # a longer string then always spans chunks, where it is counted
+        chunk = self.f.read(most if size is None or size < 0 else min(size, most))
+        self.size = len(chunk)
+        if self.escaped or b'\\"' in chunk or chunk.endswith(b"\\"):
+            self._nesting(self._outside_strings(chunk), inside=False)
+        else:
+            inside = self.in_string
+            if inside:  # the open string runs to the first quote
+                first = chunk.find(b'"')
+                self._string(first if first >= 0 else len(chunk))
+            quotes = chunk.count(b'"')
+            self.in_string = (quotes + inside) % 2 == 1  # a string is left open at the end
+            if self.in_string and quotes:  # one that opened at the chunk's last quote
+                self.string_bytes = 0
+                self._string(len(chunk) - chunk.rfind(b'"') - 1)
+            self._nesting(chunk.translate(None, _NOT_STRUCTURE), inside)
+        self.offset += len(chunk)
+        return chunk
+
+    def _where(self) -> str:
+        return f"within bytes {self.offset:,}-{self.offset + self.size:,}"
+
+    def _string(self, more: int) -> None:
+        self.string_bytes += more
+        if self.string_bytes > MAX_STRING_BYTES:
+            raise KinetoError(f"{self.path}: a JSON string longer than {MAX_STRING_BYTES >> 20} MiB ({self._where()}):"
+                              f" not a trace a profiler writes (kernel names run to a few KiB)")
+
+    def _nesting(self, marks: bytes, inside: bool) -> None:
+        """The nesting after a chunk's quotes and brackets (in order; `inside`: the first is in a
+        string), refused past MAX_DEPTH."""
+        if not marks:
+            return
+        mark = np.frombuffer(marks, dtype=np.uint8)
+        quote = mark == _QUOTE
+        in_string = (np.cumsum(quote, dtype=np.int64) + inside) % 2 == 1  # a quote steps 0 either way
+        levels = np.cumsum(np.where(in_string, 0, _NESTING[mark]), dtype=np.int64) + self.depth
+        if levels.max() > MAX_DEPTH:
+            raise KinetoError(f"{self.path}: JSON nested more than {MAX_DEPTH} levels deep ({self._where()}): "
+                              f"not a trace a profiler writes (they nest a few levels)")
+        self.depth = int(levels[-1])
+
+    def _outside_strings(self, chunk: bytes) -> bytes:
+        """The chunk's bytes outside strings (escapes followed), the open string carried over."""
+        start = 0
+        if self.in_string:
+            start = 1 if self.escaped else 0
+            end = _STRING_BODY.match(chunk, start).end()
+            if end < len(chunk) and chunk[end] == _QUOTE:  # the open string closes here
+                self._string(end)
+                self.in_string, self.escaped, start = False, False, end + 1
+            else:
+                self._string(len(chunk))
+                self.escaped = end < len(chunk)  # stopped at a lone backslash, the chunk's last byte
+                return b""
+        outside = _STRING.sub(b"", chunk[start:])
+        opened = outside.find(b'"')  # a string left open: it runs to the end of the chunk
+        if opened >= 0:
+            tail = outside[opened + 1:]
+            self.in_string, self.string_bytes = True, 0
+            self.escaped = _STRING_BODY.match(tail).end() < len(tail)
+            self._string(len(tail))
+            outside = outside[:opened]
+        return outside
 
 
 @dataclass
@@ -83,7 +189,8 @@ class Rules:
     def classify(self, name: str) -> str:
         found = self._cache.get(name)
         if found is None:
-            found = self._cache[name] = next((c for c, p in self.rules if p.search(name)), UNCLASSED)
+            found = self._cache[name] = next((c for c, p in self.rules if p.search(name, 0, CLASSIFIED_CHARS)),
+                                             UNCLASSED)
         return found
 
     def layer_of(self, name: str) -> int:
@@ -170,6 +277,7 @@ def _rank_from_name(name: str) -> int | None:
 
 RUNTIME_CATS = frozenset({"cuda_runtime", "cuda_driver"})  # where a kernel's launch sits on the CPU
 RANGE_CATS = frozenset({"python_function", "user_annotation"})  # where a layer's annotation can be
+READ_CATS = DEVICE_CATS | RUNTIME_CATS | RANGE_CATS | {"cpu_op"}  # every other event is skipped unread
 
 
 def read_rank(path: Path, rules: Rules) -> RankTrace:
@@ -189,9 +297,9 @@ def read_rank(path: Path, rules: Rules) -> RankTrace:
     array_form = _first_byte(path) == b"["  # Chrome's JSON Array Format: events only, no header keys
     try:  # the rank, from the header keys before the events (Kineto writes distributedInfo first)
         with opener(path, "rb") as f:
-            for prefix, event, value in ([] if array_form else ijson.parse(f, use_float=True)):
+            for prefix, event, value in ([] if array_form else ijson.parse(_Bounded(f, path), use_float=True)):
                 if prefix == "distributedInfo.rank" and event == "number":
-                    rank = int(value)
+                    rank = _rank(value, path)
                 if prefix == "traceEvents":
                     break
     except (OSError, EOFError, gzip.BadGzipFile) as exc:
@@ -201,22 +309,28 @@ def read_rank(path: Path, rules: Rules) -> RankTrace:
     events_at = "item" if array_form else "traceEvents.item"
     try:
         with opener(path, "rb") as f:
-            for item in ijson.items(f, events_at, use_float=True):
+            for item in ijson.items(_Bounded(f, path), events_at, use_float=True):
                 if not isinstance(item, dict) or item.get("ph") != "X":
                     continue
                 cat = str(item.get("cat") or "")
+                if cat not in READ_CATS:
+                    continue
                 try:  # start in microseconds as written: seconds once the origin is known
                     ts, dur = float(item["ts"]), float(item.get("dur") or 0) * 1e-6
-                except (KeyError, TypeError, ValueError):
-                    continue
+                except KeyError:
+                    continue  # no start: nowhere to place it
+                except (TypeError, ValueError):
+                    raise KinetoError(_bad_time(path, item)) from None
+                if not (-math.inf < ts < math.inf and 0.0 <= dur < math.inf):  # NaN fails every comparison
+                    raise KinetoError(_bad_time(path, item))
                 name = str(item.get("name") or "?")
                 if cat in DEVICE_CATS:
                     lane = lanes_seen.setdefault(f"{item.get('pid', '?')}/stream {item.get('tid', '?')}", len(lanes_seen))
                     for column, value in zip(device, (lane, names.setdefault(name, len(names)), ts, dur)):
                         column.append(value)
-                    correlation.append(_correlation(item))
+                    correlation.append(_correlation(item, path))
                 elif cat in RUNTIME_CATS:
-                    corr = _correlation(item)
+                    corr = _correlation(item, path)
                     if corr >= 0:
                         thread = threads.setdefault(f"{item.get('pid', '?')}/thread {item.get('tid', '?')}", len(threads))
                         for column, value in zip(launches, (corr, thread, ts)):
@@ -266,10 +380,49 @@ def read_rank(path: Path, rules: Rules) -> RankTrace:
                      start, dur, layer, origin_us * 1e-6)
 
 
-def _correlation(item: dict) -> int:
+def _correlation(item: dict, path: Path) -> int:
+    """The event's args.correlation (its launch's id), -1 where it has none."""
     args = item.get("args")
     value = args.get("correlation") if isinstance(args, dict) else None
-    return int(value) if isinstance(value, (int, float)) else -1
+    if value is None:
+        return -1
+    whole = _whole(value)
+    if whole is None or not -MAX_ID - 1 <= whole <= MAX_ID:
+        raise KinetoError(f"{path}: event {_short(item.get('name'))} has args.correlation {_short(value)}: not an "
+                          f"id (an integer of at most {MAX_ID})")
+    return max(whole, -1)
+
+
+def _rank(value, path: Path) -> int:
+    whole = _whole(value)
+    if whole is None or not 0 <= whole <= MAX_ID:
+        raise KinetoError(f"{path}: distributedInfo.rank {_short(value)} is not a rank (an integer >= 0)")
+    return whole
+
+
+def _whole(value) -> int | None:
+    """A JSON number that is an integer (1.0 too), else None (1.5, inf, "1", true)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    if isinstance(value, float):
+        return int(value) if value.is_integer() else None
+    return value
+
+
+def _bad_time(path: Path, item: dict) -> str:
+    """What is wrong with a kept event's ts or dur, in words."""
+    try:
+        ts_ok = math.isfinite(float(item["ts"]))
+    except (TypeError, ValueError):
+        ts_ok = False
+    key, what = ("dur", "a finite number >= 0") if ts_ok else ("ts", "a finite number")
+    return (f"{path}: event {_short(item.get('name'))} (cat {item.get('cat')}) has {key} {_short(item.get(key))}: "
+            f"not a time in microseconds ({what})")
+
+
+def _short(value, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _column(c: array) -> np.ndarray:

@@ -40,7 +40,7 @@ def read_source(sources: list[Path], rules_file: Path | None = None) -> list[Ran
 
 
 def write_timeline(traces: list[RankTrace], out: Path, rules_file: Path | None, overwrite: bool = False) -> dict:
-    from moectl.profiler.trace_format import FORMAT_VERSION
+    from moectl.profiler.trace_format import FORMAT_VERSION, written_whole
     from moectl.profiler.trace_store import TraceError, TraceWriter
 
     header = {
@@ -58,29 +58,32 @@ def write_timeline(traces: list[RankTrace], out: Path, rules_file: Path | None, 
                              f"positions, not engine steps)",
               "absent": ABSENT},
     }
-    writer = TraceWriter(out, header, overwrite=overwrite, str_keys=True)
     step = 0
-    try:
-        for index, t in enumerate(traces):
-            for lo in range(0, len(t.dur), CHUNK_EVENTS):
-                part = slice(lo, lo + CHUNK_EVENTS)
-                start, dur = t.start[part], t.dur[part]
-                step += 1
-                record = {"step": step, "t_start": t.origin_s + float(start.min()),
-                          "t_end": t.origin_s + float((start + dur).max()),
-                          KEY: {"rank_index": index, "lane": t.lane[part], "name_id": t.name_id[part],
-                                "start_s": start, "dur_s": dur, "layer": t.layer[part]}}
-                if not writer.write_step(record):
-                    raise TraceError(f"{out}: the trace writer dropped record {step}")
-                writer.flush()  # a record is megabytes: keep the backlog to one
-    finally:
-        writer.close()
+    with written_whole(out, overwrite) as partial:  # a failed import leaves nothing behind
+        writer = TraceWriter(partial, header, overwrite=True, str_keys=True)
+        try:
+            for index, t in enumerate(traces):
+                for lo in range(0, len(t.dur), CHUNK_EVENTS):
+                    part = slice(lo, lo + CHUNK_EVENTS)
+                    start, dur = t.start[part], t.dur[part]
+                    step += 1
+                    record = {"step": step, "t_start": t.origin_s + float(start.min()),
+                              "t_end": t.origin_s + float((start + dur).max()),
+                              KEY: {"rank_index": index, "lane": t.lane[part], "name_id": t.name_id[part],
+                                    "start_s": start, "dur_s": dur, "layer": t.layer[part]}}
+                    if not writer.write_step(record):
+                        raise TraceError(f"{out}: the trace writer dropped record {step}")
+                    writer.flush()  # a record is megabytes: keep the backlog to one
+        finally:
+            writer.close()
     return {"output": str(out), "ranks": [t.rank for t in traces], "events": int(sum(len(t.dur) for t in traces)),
             "records": step, "source": traces[0].source}
 
 
 def read_timeline(reader, rules_file: Path | None = None) -> list[RankTrace]:
     """The ranks a GPU-timeline trace holds; --rules reclasses their names (layers stay as imported)."""
+    from moectl.profiler.trace_store import TraceError
+
     meta = reader.header[KEY]
     parts: dict[int, list[dict]] = {i: [] for i in range(len(meta["ranks"]))}
     for record in reader.steps():
@@ -90,10 +93,12 @@ def read_timeline(reader, rules_file: Path | None = None) -> list[RankTrace]:
     traces = []
     for index, rank in enumerate(meta["ranks"]):
         cols = parts[index]
+        if not cols:  # what an import that stopped part-way left, before imports were written whole
+            raise TraceError(f"{reader.path}: holds no events of rank {rank['rank']} ({rank['file']}): an import "
+                             f"that did not finish; import the source again")
 
         def joined(key, dtype, cols=cols):
-            return np.concatenate([np.asarray(c[key], dtype=dtype) for c in cols]) if cols else np.zeros(0, dtype)
-
+            return np.concatenate([np.asarray(c[key], dtype=dtype) for c in cols])
         names = list(rank["names"])
         classes = [rules.classify(n) for n in names] if rules is not None else list(rank["classes"])
         traces.append(RankTrace(Path(rank["file"]), rank["rank"], list(rank["lanes"]), rank["source"],

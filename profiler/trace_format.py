@@ -13,6 +13,7 @@ commits cost no fsync. `finish` folds the WAL back and leaves a single self-cont
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import sqlite3
@@ -55,6 +56,29 @@ CREATE TABLE meta (key TEXT PRIMARY KEY, value) WITHOUT ROWID;
 
 def sidecar(path, suffix: str) -> Path:
     return Path(f"{path}{suffix}")
+
+
+@contextlib.contextmanager
+def written_whole(path, overwrite: bool = False):
+    """A path beside `path` for a writer to make a whole trace at (an import): moved onto `path`
+    when the block ends, removed when it raises. So a failed write leaves no half-written trace,
+    one its closed writer made "complete", and replaces no trace that was there (a process
+    killed meanwhile leaves its "<name>.<pid>.partial" file, never a trace by the name asked for)."""
+    path = Path(path)
+    if path.exists() and not overwrite:
+        raise TraceError(f"{path} already exists (pass overwrite=True to replace it)")
+    partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+    try:
+        yield partial
+    except BaseException:
+        for p in (partial, *(sidecar(partial, s) for s in SIDECARS)):
+            p.unlink(missing_ok=True)
+        raise
+    for suffix in SIDECARS:  # an old trace's -wal beside the new file would be read as part of it
+        sidecar(path, suffix).unlink(missing_ok=True)
+    os.replace(partial, path)
+    for suffix in SIDECARS:  # what closing left beside the partial file (its -wal checkpointed, empty)
+        sidecar(partial, suffix).unlink(missing_ok=True)
 
 
 def file_sizes(path) -> dict[str, int]:

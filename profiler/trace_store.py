@@ -34,6 +34,7 @@ _STEP_PAGE_SQL = ("SELECT step, rowid, payload FROM steps WHERE (step, rowid) > 
                   "ORDER BY step, rowid LIMIT ?")
 _ACTION_PAGE_SQL = ("SELECT time, rowid, payload FROM actions WHERE (time, rowid) > (?, ?) AND time < ? "
                     "ORDER BY time, rowid LIMIT ?")
+_DAMAGED = ("SQLITE_CORRUPT", "SQLITE_NOTADB")  # SQLite's errors for a file whose pages are not what it wrote
 # the meta rows a writer keeps (trace_format.store_counts / finish) and what each must hold
 _META_COUNTS = ("dropped", "written", "failed")
 
@@ -173,6 +174,26 @@ class TraceReader:
             summary = "not closed cleanly (its writer stopped before closing it; every step it committed is readable)"
         return {"bytes": sum(sizes.values()), "files": sizes, "state": state, "summary": summary}
 
+    def check_integrity(self) -> None:
+        """SQLite's quick_check of every page and index of the file: a damaged one (pages
+        overwritten, or cut short) is a TraceError saying what SQLite found. It reads the whole
+        file (seconds for gigabytes); a record's payload damaged inside its page passes, and is
+        named when the record is read."""
+        def quick_check(conn):
+            try:
+                return [str(row[0]) for row in conn.execute("PRAGMA quick_check(1)").fetchall()]
+            except sqlite3.DatabaseError as e:  # a damaged page can stop the check itself
+                if getattr(e, "sqlite_errorname", "") not in _DAMAGED:
+                    raise
+                return [str(e)]
+
+        with self._lock:
+            found = self._query(quick_check)
+        if found != ["ok"]:
+            first = (found[0].strip().splitlines() or ["?"])[-1]  # past SQLite's "*** in database main ***" line
+            raise TraceError(f"{self.path}: damaged: SQLite's integrity check finds {first[:200]!r}, so its records "
+                             f"cannot all be read (a copy cut short, or overwritten?)")
+
     def _lost_its_wal(self) -> bool:
         """This WAL-mode file has no schema and no -wal beside it: a trace's writer had it open and
         nothing was checkpointed into it yet (a reader held a snapshot), and it was copied alone."""
@@ -254,7 +275,8 @@ class TraceReader:
         try:
             return fn(self._conn)
         except sqlite3.Error as e:
-            raise TraceError(f"{self.path}: cannot read trace ({e})") from None
+            damaged = getattr(e, "sqlite_errorname", "") in _DAMAGED
+            raise TraceError(f"{self.path}: {'damaged, ' if damaged else ''}cannot read trace ({e})") from None
 
     def _decode(self, payload, what) -> dict:
         try:

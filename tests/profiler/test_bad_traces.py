@@ -202,3 +202,24 @@ def test_a_cleanly_closed_trace_is_complete_and_its_size_is_the_file(tmp_path):
         status = reader.file_status()
     assert status == {"bytes": path.stat().st_size, "files": {"": path.stat().st_size}, "state": "complete",
                       "summary": "complete"}
+
+
+def test_a_trace_with_damaged_pages_is_not_called_complete(tmp_path):
+    # the steps table's root page overwritten: the header, meta rows and indexes `trace info`
+    # reads are intact, so only SQLite's integrity check finds it; report and export name the file
+    path = tmp_path / "damaged.trace"
+    write_trace(path, 300)
+    conn = sqlite3.connect(path)
+    root = conn.execute("SELECT rootpage FROM sqlite_master WHERE name = 'steps'").fetchone()[0]
+    page_size = conn.execute("PRAGMA page_size").fetchone()[0]
+    conn.close()
+    with open(path, "r+b") as f:
+        f.seek((root - 1) * page_size)
+        f.write(b"\xff" * page_size)
+    res = trace_info(path)
+    assert res.exit_code == 2 and "damaged: SQLite's integrity check finds" in res.output, res.output
+    assert "complete" not in res.output and len(res.output.strip().splitlines()) == 1
+    for args in (["report", str(path)], ["export", str(path), "-o", str(tmp_path / "out.json")]):
+        res = CliRunner().invoke(app, ["trace", *args])
+        assert res.exit_code == 2 and f"{path}: damaged" in res.output and "Traceback" not in res.output
+        assert len(res.output.strip().splitlines()) == 1

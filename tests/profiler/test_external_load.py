@@ -241,6 +241,9 @@ def test_an_sglang_dump_out_of_bounds_is_a_one_line_error_naming_file_and_field(
                            "last_physical_to_logical_map": torch.tensor(P2L)}, p), "counts are [2, 5]"),
     (lambda p: torch.save({"logical_count": torch.zeros(3, L, E)}, p), "logical_count must be a 3-d integer array"),
     (lambda p: p.write_bytes(b"not a torch file"), "not a torch.save file"),
+    # a stat dump taken before the first forward pass: once "cannot reshape array of size 0"
+    (lambda p: torch.save({"logical_count": torch.zeros(0, L, E, dtype=torch.int32)}, p),
+     "dump.pt: logical_count holds no passes (shape [0, 3, 8])"),
 ])
 def test_a_bad_sglang_dump_is_a_one_line_error(tmp_path, make, message):
     path = tmp_path / "dump.pt"
@@ -249,6 +252,13 @@ def test_a_bad_sglang_dump_is_a_one_line_error(tmp_path, make, message):
     assert res.exit_code == 2, res.output
     assert message in res.stderr and res.stderr.count("\n") == 1 and "Traceback" not in res.output
     assert not (tmp_path / "out.trace").exists()
+
+
+def test_a_vllm_window_of_no_rows_is_a_one_line_error_naming_the_file(tmp_path):
+    path = vllm_state(tmp_path, 0, np.zeros((0, L, P2L.shape[1]), np.int32), step=0)
+    res = run("trace", "import", path, "-o", tmp_path / "out.trace")
+    assert res.exit_code == 2 and res.stderr.count("\n") == 1, res.output
+    assert f"{path}: the expert load window holds no rows" in res.stderr
 
 
 def test_import_refuses_mismatched_ranks_and_a_bad_ep_size(tmp_path):
