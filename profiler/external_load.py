@@ -82,10 +82,14 @@ def _load(path: Path):
     with open(path, "rb") as f:
         if f.read(len(SQLITE_MAGIC)) == SQLITE_MAGIC:
             raise SourceFormatError(f"{path}: an SQLite file (a moectl trace?), not an engine's dump")
+    import warnings
+
     import torch
 
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # a failed load says why in its one line; torch's warnings (a
+            warnings.simplefilter("ignore")  # pickle protocol it did not expect) would print before it
+            return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - torch raises many kinds for a file that is not its own
         why = (str(exc).splitlines() or [""])[0][:160]
         raise SourceFormatError(f"{path}: not a torch.save file this importer can read "

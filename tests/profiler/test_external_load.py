@@ -311,3 +311,19 @@ def test_trace_diff_refuses_an_imported_trace_in_one_line(tmp_path):
         assert res.stderr.startswith(f"moectl: error: {out}: imported from sglang [per_pass]") and res.stderr.count("\n") == 1
         assert "no step times" in res.stderr and "Traceback" not in res.output and res.stdout == ""
     assert run("trace", "diff", recorded, recorded).exit_code == 0  # two recorded traces still diff
+
+
+def test_a_pickle_that_is_not_torch_save_is_one_line_with_no_torch_warning_before_it(tmp_path):
+    """torch.load warns about a plain pickle's protocol before it fails: in a real process (pytest
+    would catch the warning) stderr is the one error line alone."""
+    import pickle
+    import subprocess
+    import sys
+
+    path = tmp_path / "dump.pt"
+    with open(path, "wb") as f:
+        pickle.dump({"records": []}, f, protocol=4)
+    res = subprocess.run([sys.executable, "-m", "moectl.cli", "trace", "import", str(path), "--format", "sglang",
+                          "-o", str(tmp_path / "out.trace")], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2, res.stderr
+    assert res.stderr.count("\n") == 1 and str(path) in res.stderr, res.stderr
