@@ -77,7 +77,7 @@ def generate(
     from moectl.engine.core.sampling import SamplingParams
     from moectl.engine.parallel.backends import Engines
 
-    inputs: list = [_checked_text(i, p) for i, p in enumerate(prompts or [], 1)] + [parse_ids(s) for s in
+    inputs: list = [_checked_text(i, p) for i, p in enumerate(prompts or [], 1)] + [_checked_ids(s) for s in
                                                                                    (prompt_ids or [])]
     if not inputs:
         raise BadInput("give a PROMPT or --prompt-ids")
@@ -162,6 +162,15 @@ def _checked_text(n: int, text: str) -> str:
         raise BadInput(f"PROMPT: prompt {n} is not valid UTF-8 text (a lone surrogate or undecodable byte at "
                        f"character {exc.start})") from None
     return text
+
+
+def _checked_ids(spec: str) -> list[int]:
+    """A --prompt-ids value: parse_ids skips empty items, so a typo such as '1,,2' or '1,2,' would
+    run as a different prompt than the one meant."""
+    items = spec.replace(" ", "").split(",")
+    if len(items) > 1 and "" in items:
+        raise BadInput(f"--prompt-ids: {spec!r} has an empty item {items.index('') + 1} (give token ids as '1,2,3')")
+    return parse_ids(spec)
 
 
 def _print_device_stats(engine) -> None:

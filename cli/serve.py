@@ -47,9 +47,10 @@ def serve(
     """An OpenAI-compatible server as vLLM serves it (/v1/completions with logprobs, echo, n and
     best_of; /v1/chat/completions; /v1/models; /tokenize, /detokenize, /tokenizer_info; /health),
     Prometheus /metrics, the /v1/telemetry record stream, and /v1/control/* for operators."""
-    from moectl.engine.core import gc_heap
+    from moectl.engine.core import gc_heap, native_memory
 
     gc_heap.own_process()  # this process serves one engine for its life: its heap is frozen once built
+    native_memory.bound_kernel_caches()  # before any matmul: each batch shape's kernel is kept otherwise
     if not 0 < port < 65536:
         raise BadInput(f"--port: must be in 1-65535, got {port}")
     check_nproc(nproc, backend)  # the cheap checks before the server's imports

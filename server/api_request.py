@@ -9,11 +9,18 @@ surrogate such as "\\ud800" decodes from JSON but is no character, and the token
 from __future__ import annotations
 
 import json
+import logging
 import math
 
 from aiohttp import web
 
+log = logging.getLogger(__name__)
+
 MAX_JSON_DEPTH = 32
+IGNORED_HEADER = "X-Ignored-Fields"
+MAX_IGNORED_NAMED = 16  # names an ignored-fields header or log line lists (the rest are counted)
+MAX_IGNORED_NAME_CHARS = 64
+MAX_IGNORED_REMEMBERED = 1024  # names logged once each; past this many, every request's are logged
 _ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
                 413: "invalid_request_error", 415: "invalid_request_error"}
 
@@ -118,12 +125,14 @@ def number_field(body: dict, name: str, lo: float, hi: float, default: float, *,
     return float(value)
 
 
-def bool_field(body: dict, name: str, default: bool = False) -> bool:
+def bool_field(body: dict, name: str, default: bool = False, *, parent: str | None = None) -> bool:
+    """parent: the field `body` is the value of, when it is nested (errors name "parent.name")."""
     value = body.get(name)
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise ApiError(400, f"{name}: must be true or false, got {_short(value)}", param=name)
+        where = f"{parent}.{name}" if parent else name
+        raise ApiError(400, f"{where}: must be true or false, got {_short(value)}", param=parent or name)
     return value
 
 
@@ -141,3 +150,30 @@ def check_model(body: dict, served: str) -> None:
     if model != served:
         raise ApiError(400, f"model: {_short(model)} is not served here (this server serves {served!r})",
                        param="model", code="model_not_found")
+
+
+class IgnoredFields:
+    """What vLLM does with a request field it does not know (a typo such as "temprature", or
+    another server's extension that a client such as lm-eval passes through): it serves the
+    request and names the fields it dropped. Here they are named to the client on every response
+    (the X-Ignored-Fields header, a JSON list) and to the operator in a log line, once per name,
+    so a client that always sends one does not flood the log."""
+
+    def __init__(self):
+        self._logged: set[str] = set()
+
+    def headers(self, body: dict, known: frozenset[str], endpoint: str) -> dict[str, str]:
+        # cut short: a name may be most of a 1 MiB body, and the remembered ones stay
+        names = sorted({n if len(n) <= MAX_IGNORED_NAME_CHARS else n[:MAX_IGNORED_NAME_CHARS - 3] + "..."
+                        for n in set(body) - known})
+        if not names:
+            return {}
+        # ASCII JSON: a name with a newline or a non-Latin-1 character is escaped, never sent raw in a header
+        text = json.dumps(names[:MAX_IGNORED_NAMED])
+        if len(names) > MAX_IGNORED_NAMED:
+            text += f" and {len(names) - MAX_IGNORED_NAMED} more"
+        unlogged = [n for n in names if n not in self._logged]
+        if unlogged:
+            log.warning("%s: the following fields were present in the request but ignored: %s", endpoint, text)
+            self._logged.update(unlogged[:max(MAX_IGNORED_REMEMBERED - len(self._logged), 0)])
+        return {IGNORED_HEADER: text}

@@ -15,14 +15,19 @@ from pathlib import Path
 
 from aiohttp import web
 
-from moectl.server.api_request import ApiError, bool_field, check_model, is_int, read_json
+from moectl.server.api_request import ApiError, IgnoredFields, bool_field, check_model, is_int, read_json
 from moectl.server.prompts import PromptEncoder
 from moectl.server.state import ServerState
+
+TOKENIZE_FIELDS = frozenset(("model", "prompt", "messages", "add_generation_prompt", "add_special_tokens",
+                             "return_token_strs"))
+DETOKENIZE_FIELDS = frozenset(("model", "tokens"))
 
 
 class TokenizeApi:
     def __init__(self, state: ServerState, encoder: PromptEncoder):
         self.state, self.encoder = state, encoder
+        self.ignored = IgnoredFields()  # any other field is served without and named (as openai_api's)
 
     def routes(self) -> list:
         return [web.post("/tokenize", self.tokenize), web.post("/detokenize", self.detokenize),
@@ -30,6 +35,7 @@ class TokenizeApi:
 
     async def tokenize(self, request: web.Request) -> web.Response:
         body = await read_json(request, self.state.max_request_bytes)
+        ignored = self.ignored.headers(body, TOKENIZE_FIELDS, request.path)
         check_model(body, self.state.model_name)
         prompt, messages = body.get("prompt"), body.get("messages")
         if (prompt is None) == (messages is None):
@@ -45,10 +51,11 @@ class TokenizeApi:
         if bool_field(body, "return_token_strs"):
             strs = [engine.tokenizer.inner.id_to_token(i) for i in ids]
         return web.json_response({"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids,
-                                  "token_strs": strs})
+                                  "token_strs": strs}, headers=ignored)
 
     async def detokenize(self, request: web.Request) -> web.Response:
         body = await read_json(request, self.state.max_request_bytes)
+        ignored = self.ignored.headers(body, DETOKENIZE_FIELDS, request.path)
         check_model(body, self.state.model_name)
         ids = body.get("tokens")
         vocab = self.state.driver.engine.model_config.vocab_size
@@ -56,7 +63,7 @@ class TokenizeApi:
             raise ApiError(400, f"tokens: must be a list of integers in [0, {vocab})", param="tokens")
         if self.encoder.tokenizer is None:
             raise ApiError(400, "tokens: this checkpoint has no tokenizer.json to decode with", param="tokens")
-        return web.json_response({"prompt": self.state.driver.engine.decode(ids)})
+        return web.json_response({"prompt": self.state.driver.engine.decode(ids)}, headers=ignored)
 
     async def tokenizer_info(self, request: web.Request) -> web.Response:
         engine = self.state.driver.engine

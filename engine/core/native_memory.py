@@ -20,6 +20,13 @@ soak`) and still lets the smaller blocks fragment the heap.
 
 MOECTL_NATIVE_MEMORY=off leaves glibc alone (for before/after measurements). Everything is a
 no-op where the C library is not glibc.
+
+bound_kernel_caches() is the other native cost of a long-lived engine: oneDNN, which runs
+torch's bf16 and fp16 matmuls on CPU, JIT-compiles a kernel for every distinct (rows, in, out)
+shape and keeps the last 1,024, and ideep, torch's layer over it, keeps an LRU of its own as
+large. A server's batches have a new row count almost every step, so both fill, and that was
+most of `moectl serve`'s growth over its first bursts, levelling off once they were full
+(bench/serve_memory.py measures it; docs/serve_memory.md says what is where, and the trade).
 """
 
 from __future__ import annotations
@@ -39,6 +46,13 @@ M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD = 256 << 10
 TRIM_THRESHOLD = 1 << 20
+
+# oneDNN's kernel cache: a miss is a JIT compile, a kept kernel its code. 256 is the middle of the
+# trade bench/serve_memory.py --kernel-caches measures (docs/serve_memory.md): far less memory
+# than 1,024 for a little more CPU, where 64 costs much more CPU. ideep's LRU saved no time
+# there, so 1 (0 crashes torch 2.13). An operator's own setting of either variable wins.
+KERNEL_CACHES = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "256", "LRU_CACHE_CAPACITY": "1"}
+_KERNEL_CACHE_ALIASES = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "DNNL_PRIMITIVE_CACHE_CAPACITY"}  # oneDNN's older name
 
 _ENV = "MOECTL_NATIVE_MEMORY"  # trim (default) | mmap | off
 _lock = threading.Lock()
@@ -126,3 +140,16 @@ def after_step() -> None:
     _steps += 1
     if _steps % TRIM_EVERY_STEPS == 0:
         _LIBC.malloc_trim(0)
+
+
+def bound_kernel_caches() -> dict[str, str]:
+    """Bounds oneDNN's and ideep's kernel caches (KERNEL_CACHES) for this process and the ones it
+    starts. Only before the process's first matmul: both read their variable once, when their
+    first kernel is built. Returns the settings in force."""
+    in_force = {}
+    for name, value in KERNEL_CACHES.items():
+        given = [n for n in (name, _KERNEL_CACHE_ALIASES.get(name)) if n is not None and n in os.environ]
+        if not given:
+            os.environ[name] = value
+        in_force[name] = os.environ[given[0] if given else name]
+    return in_force
