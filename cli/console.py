@@ -219,9 +219,10 @@ def engine_host(
         raise typer.Exit(1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the console's to handle; it stops us
     refuse_sim_options(ctx, backend)
-    from moectl.engine.core import gc_heap
+    from moectl.engine.core import gc_heap, native_memory
 
     gc_heap.own_process()  # the engine process serves one engine for its life: its heap is frozen once built
+    native_memory.bound_kernel_caches()  # as serve does: a kernel kept per batch shape grows it for hours
     token = read_token(engine_dir)
     demo = None
     if backend == SIMULATED:

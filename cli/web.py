@@ -84,7 +84,8 @@ def web(
     Each browser tab runs its own console (live: all attached to one engine process), up to
     --max-sessions at once. Without --token: loopback only, for your own user only (another user's
     browser or script is refused); with --token: anyone who has it."""
-    from moectl.cli.web_server import ConsoleServer, can_tell_peer_users, is_loopback
+    from moectl.cli.web_server import ConsoleServer, can_tell_peer_users
+    from moectl.server.http_auth import is_loopback
 
     if token is not None and not token:
         raise BadInput("--token: empty")

@@ -34,21 +34,13 @@ from textual_serve.app_service import AppService
 from textual_serve.server import Server, to_int
 from yarl import URL
 
+from moectl.server.http_auth import bearer_token
 from moectl.server.protocol import token_matches
 
 log = logging.getLogger("textual-serve")  # textual-serve's own log, which serve() sets up
 QUIT_S = 15.0  # how long a console gets to quit (engine shutdown included) before it is killed
 PROC_NET_TCP = (Path("/proc/net/tcp"), Path("/proc/net/tcp6"))
 PR_SET_PDEATHSIG = 1
-
-
-def is_loopback(host: str) -> bool:
-    if host.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 def url_host(host: str) -> str:
@@ -59,12 +51,6 @@ def url_host(host: str) -> str:
 def loopback_host_headers(host: str, port: int) -> frozenset[str]:
     names = {"localhost", "127.0.0.1", "[::1]", url_host(host).lower()}
     return frozenset({f"{name}:{port}" for name in names} | (names if port == 80 else set()))
-
-
-def bearer_token(authorization: str) -> str | None:
-    """The credentials of an `Authorization: Bearer T` header; the scheme in any case (RFC 7235)."""
-    scheme, _, credentials = authorization.strip().partition(" ")
-    return (credentials.strip() or None) if scheme.lower() == "bearer" else None
 
 
 def can_tell_peer_users() -> bool:

@@ -17,8 +17,6 @@ loopback, serves the API, /metrics and /v1/telemetry openly, and refuses /v1/con
 from __future__ import annotations
 
 import asyncio
-import hmac
-import ipaddress
 import logging
 import socket
 import threading
@@ -33,9 +31,11 @@ from moectl.profiler.recorder import engine_header
 from moectl.server.api_request import ApiError, error_response
 from moectl.server.chat_template import ChatTemplate
 from moectl.server.control import ControlApi
+from moectl.server.http_auth import bearer_token, is_loopback
 from moectl.server.metrics import ServerMetrics
 from moectl.server.openai_api import OpenAIApi
 from moectl.server.prompts import PromptEncoder
+from moectl.server.protocol import token_matches
 from moectl.server.state import STATE, ServerState
 from moectl.server.streams import EngineBridge
 from moectl.server.telemetry import TelemetryHub
@@ -92,15 +92,6 @@ def make_app(driver: EngineDriver, *, token: str | None = None, model_name: str 
 
 
 # -- binding
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
 
 def _check_token(token) -> None:
     if token is not None and (not isinstance(token, str) or not token or token != token.strip()):
@@ -268,9 +259,8 @@ async def _auth(request: web.Request, handler):
 
 
 def _bearer_matches(request: web.Request, token: str) -> bool:
-    scheme, _, given = request.headers.get("Authorization", "").partition(" ")
-    # compare_digest: the time taken does not tell how much of a guess was right
-    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token.encode())
+    given = bearer_token(request.headers.get("Authorization", ""))
+    return given is not None and token_matches(given, token)  # in constant time
 
 
 # -- /health, /metrics, and the record consumer
