@@ -3,12 +3,15 @@
     models/     config parsing, the checkpoint loader, tokenizer, the decoder (attention, MoE)
     core/       the step loop (EngineCore), scheduler, block manager, KV cache, model runner,
                 sampling, records and spans, telemetry, and the driver that runs it on a thread
-    planning/   the memory planner (from config.json alone)
+    planning/   the memory planner and the offload plan (from config.json alone)
     experts/    topology-aware placement, rebalancing, placed experts, expert cache and prefetch,
-                the per-device memory ledger, and `engine.experts` (ExpertControl)
+                the disk tier, the per-device memory ledger, and `engine.experts` (ExpertControl)
     llm_engine  LLMEngine: EngineCore with its expert layer
+    sim/        the simulator: a step priced from a hardware profile and config.json, and the
+                simulated backend (`moectl sim`, `--backend simulated`; every figure simulated)
     parallel/   tensor and expert parallelism over torch.distributed ranks
-    tools/      benchmarks, verification against transformers, KV evaluation, workloads, training
+    tools/      benchmarks, verification against transformers, KV evaluation, workloads, training,
+                the simulator's calibration, fault injection
 
 The package also ships two sample models, found by name with `resolve_model` (`--model NAME`
 on every command, `moectl model list`): `sample` (sample_model/, Mixtral) and `sample-dsv3`
