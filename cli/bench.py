@@ -2,25 +2,14 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import typer
 
 from moectl.cli.common import (
-    BACKEND_OPT,
-    DEFAULT_DEVICES,
-    DEVICES_OPT,
-    DTYPE_OPT,
-    HOST_MEM_OPT,
     JSON_OPT,
-    MODEL_OPT,
-    NPROC_OPT,
-    REDUNDANT_OPT,
     BadInput,
     check_nproc,
     check_seed,
     emit_json,
-    given,
     handles_errors,
     model_dir,
     parse_cli_size,
@@ -28,16 +17,8 @@ from moectl.cli.common import (
     progress,
     redundant_slots,
 )
-from moectl.cli.sim_backend import (
-    DRIFT_OPT,
-    HARDWARE_OPT,
-    OVERLAP_OPT,
-    SIM_ROUTING_OPT,
-    SIM_SEED_OPT,
-    SIMULATED,
-    TP_OPT,
-    refuse_sim_options,
-)
+from moectl.cli.engine_options import ALL_OPTIONS, DEFAULT_DEVICES, DEFAULT_OPTIONS, EngineOptions, given, with_engine_options
+from moectl.cli.sim_backend import SIMULATED, refuse_sim_options
 
 # the options each suite reads: one given to a suite that would ignore it is refused, naming both
 SUITE_OPTIONS = {
@@ -50,7 +31,10 @@ SUITE_OPTIONS = {
     "limits": set(),
     "soak": {"backend", "requests", "devices", "seed"},
 }
-EVERY_SUITE = {"suite", "model", "dtype", "threads_opt", "as_json"}
+EVERY_SUITE = {"suite", "model", "dtype", "threads", "as_json"}
+# the engine options a benchmark reads: none loads a checkpoint with an HBM budget, an expert
+# cache or a placement file
+BENCH_OPTIONS = tuple(name for name in ALL_OPTIONS if name not in ("hbm", "placement", "expert_cache"))
 
 
 def check_suite_options(ctx: typer.Context, suite: str) -> None:
@@ -67,39 +51,25 @@ def check_suite_options(ctx: typer.Context, suite: str) -> None:
 
 
 @handles_errors
+@with_engine_options(*BENCH_OPTIONS)
 def bench(
     ctx: typer.Context,
     compare: str | None = typer.Option(None, "--compare", help="'hf': this engine vs transformers' generate."),
     suite: str | None = typer.Option(None, "--suite",
                                         help="compare-hf | serve | kv-int8 | profiler | rebalance | limits | soak "
                                              "(default: compare-hf)."),
-    model: Path | None = MODEL_OPT,
+    options: EngineOptions = DEFAULT_OPTIONS,
     workload: str | None = typer.Option(None, "--workload",
                                            help="serve suite: a JSONL file or 'rate=4,prompt=32-512,output=16-256,"
                                                 "requests=64,seed=0'."),
     requests: int = typer.Option(64, "--requests", help="compare-hf: number of requests, all arriving at once; "
                                                          "soak: requests run (10000 unless given)."),
-    dtype: str | None = DTYPE_OPT,
-    threads_opt: str | None = typer.Option(None, "--threads", help="torch threads for both sides: N, or auto (the "
-                                                                   "default: the engine's auto policy, transformers "
-                                                                   "torch's own)."),
-    backend: str = BACKEND_OPT,
-    nproc: int | None = NPROC_OPT,
-    devices: int | None = DEVICES_OPT,
     rounds: int = typer.Option(10, "--rounds", help="rebalance: rounds of one naive and one planned phase (a 95% "
                                                        "interval needs at least 2; 10 resolve a few percent on this "
                                                        "2-core machine, whose phases vary by 5-10%)."),
-    redundant: int | None = REDUNDANT_OPT,
     seed: int = typer.Option(0, "--seed"),
-    host_mem: str | None = HOST_MEM_OPT,
     contended: bool = typer.Option(False, "--contended", help="compare-hf: also run it with a busy process holding "
                                                                "one core, and the engine on a thread per core."),
-    hardware: str = HARDWARE_OPT,
-    routing: str = SIM_ROUTING_OPT,
-    drift: float = DRIFT_OPT,
-    tp: int = TP_OPT,
-    overlap: str = OVERLAP_OPT,
-    sim_seed: int = SIM_SEED_OPT,
     as_json: bool = JSON_OPT,
 ):
     """Benchmarks that print ratios against a baseline measured in the same run, and the share of
@@ -110,20 +80,21 @@ def bench(
         raise BadInput(f"--compare: only 'hf' is supported, got {compare!r}")
     name = suite or "compare-hf"
     check_suite_options(ctx, name)
-    refuse_sim_options(ctx, backend)
+    refuse_sim_options(options)
+    backend, nproc, devices, dtype, host_mem = (options.backend, options.nproc, options.devices, options.dtype,
+                                                options.host_mem)
     if backend == SIMULATED:
         if name != "rebalance":
             raise BadInput(f"--backend simulated: runs --suite rebalance, not {name}")
-        return _simulated_rebalance(ctx, model, devices, redundant, dtype, rounds, requests,
-                                    (hardware, routing, drift, tp, overlap, sim_seed), as_json)
+        return _simulated_rebalance(ctx, options, rounds, requests, as_json)
     check_seed(seed)
     check_nproc(nproc, backend)
-    threads = parse_threads(threads_opt)
-    threads = None if threads == "auto" else threads
+    threads = parse_threads(options.threads)
+    threads = None if threads == "auto" else threads  # auto: the engine's own policy, transformers torch's
     if threads is not None:
         torch.set_num_threads(threads)
     log = progress(as_json)
-    path = model_dir(model)
+    path = model_dir(options.model)
     if host_mem is not None and name != "serve":
         raise BadInput("--host-mem: only with --suite serve (the disk tier under a workload)")
     if contended and name != "compare-hf":
@@ -182,7 +153,7 @@ def bench(
         if not 1 <= count <= 64:
             raise BadInput(f"--{'nproc' if nproc is not None else 'devices'}: must be in 1-64, got {count}")
         result = run_rebalance_bench(path, backend=backend, devices=count, rounds=rounds,
-                                     redundant=redundant_slots(redundant),
+                                     redundant=redundant_slots(options.redundant),
                                      requests=48 if requests == 64 else requests, dtype=dtype, threads=threads, log=log)
     elif name == "limits":
         from moectl.engine.tools import machine_limits
@@ -209,7 +180,7 @@ def bench(
     emit_json(result, as_json)
 
 
-def _simulated_rebalance(ctx, model, devices, redundant, dtype, rounds, requests, sim, as_json: bool) -> None:
+def _simulated_rebalance(ctx, options: EngineOptions, rounds, requests, as_json: bool) -> None:
     """The rebalance suite on a simulated cluster (engine/tools/sim_rebalance.py): every figure simulated."""
     from moectl.cli.sim_backend import SimEngines
     from moectl.engine.tools.sim_rebalance import run_sim_rebalance
@@ -218,8 +189,7 @@ def _simulated_rebalance(ctx, model, devices, redundant, dtype, rounds, requests
         raise BadInput("--rounds: must be in 1-20")
     if given(ctx, "requests") and not 1 <= requests <= 1 << 20:
         raise BadInput("--requests: must be in 1-1048576")
-    hardware, routing, drift, tp, overlap, seed = sim
-    engines = SimEngines(model, devices, redundant, None, dtype, hardware, routing, drift, tp, overlap, seed)
+    engines = SimEngines(options)
     engine = engines.make_engine()
     result = run_sim_rebalance(engine.config, engines.recorded, rounds=3 if not given(ctx, "rounds") else rounds,
                                requests=requests if given(ctx, "requests") else None, log=progress(as_json))

@@ -1,5 +1,6 @@
-"""What every command shares: error handling, the common options, and the one translation of
-`--devices/--hbm/--backend/...` into an EngineConfig.
+"""What every command shares: error handling, checks of common option values, and the one
+translation of the engine options (engine_options.py: `--devices/--hbm/--backend/...`) into an
+EngineConfig.
 
 Exit codes: 0 success, 1 failure, 2 bad input. Errors are one line on stderr, never a traceback.
 """
@@ -10,17 +11,17 @@ import os
 import sys
 from functools import wraps
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 
-try:  # newer typer vendors click
-    from typer._click.core import ParameterSource
-except ImportError:
-    from click.core import ParameterSource
-
+from moectl.cli.engine_options import DEFAULT_DEVICES, DEFAULT_REDUNDANT, MAX_REDUNDANT
 from moectl.engine import resolve_model
 from moectl.engine.core.config import EngineConfig
 from moectl.engine.core.topology import MAX_DEVICES, Topology, parse_size
+
+if TYPE_CHECKING:
+    from moectl.cli.engine_options import EngineOptions
 
 BACKENDS = ("local", "multi-gpu", "distributed")
 MAX_SIZE_BYTES = 1 << 50  # 1 PiB: more than any one device or host has; beyond it a size is a typo
@@ -28,67 +29,12 @@ MAX_SEED = 2**63 - 1  # torch.manual_seed's and the engine's range
 # threads beyond a few per core only contend, and an absurd count crashes torch's thread pool (exit 139)
 MAX_THREADS = 4 * (os.cpu_count() or 1)
 
-MODEL_OPT = typer.Option(None, "--model", "-m", help="A Hugging Face-format checkpoint directory, or a shipped "
-                                                     "model's name: sample (the default) or sample-dsv3 (`moectl "
-                                                     "model list`).")
 JSON_OPT = typer.Option(False, "--json", help="Print machine-readable JSON (progress goes to stderr).")
-HBM_OPT = typer.Option("80GiB", "--hbm", help="HBM per device, e.g. 80GiB, 141GiB.")
-DTYPE_OPT = typer.Option(None, "--dtype", help="fp32, bf16 or fp16 (default: the checkpoint's dtype).")
 THEME_OPT = typer.Option("dark", "--theme", help="dark, light or high-contrast (switch live with 't').")
-HOST_MEM_OPT = typer.Option(None, "--host-mem", help="Host memory for routed experts, e.g. 8GiB: a checkpoint whose "
-                                                    "experts exceed it leaves them in its safetensors files (the disk "
-                                                    "tier), read on demand behind a host cache of this size.")
-EXPERT_CACHE_OPT = typer.Option(None, "--expert-cache", help="Tiered expert memory (with --devices): experts stay "
-                                                             "in host memory and each device caches this many in HBM.")
-BACKEND_OPT = typer.Option("local", "--backend", help="local (devices emulated in this process), multi-gpu (device "
-                                                      "d's experts on cuda:d), distributed (one process per "
-                                                      "device, torch.distributed; see --nproc) or, for run, record "
-                                                      "and bench, simulated (a cluster from a hardware profile and "
-                                                      "config.json; every figure simulated; see --hardware).")
-NPROC_OPT = typer.Option(None, "--nproc", help="distributed: processes, one per device (default: --devices).")
-THREADS_OPT = typer.Option("auto", "--threads", help="torch intra-op threads: N, or auto (the cores other processes "
-                                                    "leave free, re-measured every second; `bench --contended` "
-                                                    "measures why).")
-# The device options, declared once for every command that takes them (run, serve, record, web,
-# generate, bench, plan): one default each, documented here and nowhere else.
-DEFAULT_DEVICES = 4  # enough emulated devices for imbalance to show
-DEFAULT_REDUNDANT = 1  # a spare slot per device: room for a replica of a hot expert
-MAX_REDUNDANT = 64
-DEVICES_OPT = typer.Option(None, "--devices", "-d", show_default=False,
-                           help=f"Devices for the experts (emulated on the local backend) [default: {DEFAULT_DEVICES}; "
-                                "with --nproc, one per process; a command that reads a trace: the trace's].")
-REDUNDANT_OPT = typer.Option(None, "--redundant", show_default=False,
-                             help=f"Spare expert slots per device, room for replicas of hot experts (0: a rebalance "
-                                  f"only moves experts) [default: {DEFAULT_REDUNDANT}; a command that reads a trace "
-                                  "with a placement: that placement's].")
-PLACEMENT_OPT = typer.Option(None, "--placement", help="Initial expert placement: the placement file `plan rebalance "
-                                                       "--json` writes (any backend); one planned for another "
-                                                       "model is refused.")
-
-
-def given(ctx: typer.Context, name: str) -> bool:
-    """Whether the option `name` was given (command line or environment), not left at its default."""
-    return ctx.get_parameter_source(name) not in (ParameterSource.DEFAULT, None)
-
-
 def option_flag(ctx: typer.Context, name: str) -> str:
     """The long flag of one of the command's parameters (e.g. expert_cache -> --expert-cache)."""
     param = next(p for p in ctx.command.params if p.name == name)
     return max(param.opts, key=len)
-
-
-def forwarded_options(ctx: typer.Context | None, names) -> list[str]:
-    """The given ones of these options as flags and values for another moectl process (paths
-    absolute: it may run elsewhere); none when there is no context (a direct call)."""
-    args: list[str] = []
-    for name in names:
-        if ctx is None or not given(ctx, name):
-            continue
-        value = ctx.params[name]
-        if isinstance(value, Path) and value.exists():  # a model's name (sample-dsv3) stays a name
-            value = value.resolve()
-        args += [option_flag(ctx, name), str(value)]
-    return args
 
 
 class BadInput(ValueError):
@@ -266,24 +212,25 @@ def _check_ranks(model: Path | None, ranks: int, flag: str) -> None:
         raise BadInput(f"{flag}: {ranks} ranks exceed the model's {experts} experts (every rank must own at least one)")
 
 
-def engine_config(model: Path | None, *, devices: int | None = None, hbm: str = "80GiB", backend: str = "local",
-                  expert_cache: int | None = None, device: str = "cpu", nproc: int | None = None,
-                  placement: Path | None = None, host_mem: str | None = None, redundant: int | None = None,
-                  **options) -> EngineConfig:
-    """The EngineConfig the device options describe. devices None (not given): DEFAULT_DEVICES,
+def engine_config(options: EngineOptions, *, device: str = "cpu", **fields) -> EngineConfig:
+    """The EngineConfig the engine options describe. devices None (not given): DEFAULT_DEVICES,
     which --nproc replaces; redundant None: DEFAULT_REDUNDANT.
-    options: any other EngineConfig field (dtype, num_threads, ...)."""
+    fields: any other EngineConfig field (num_kv_blocks, kv_cache_dtype, ...)."""
+    fields["num_threads"] = parse_threads(options.threads)
+    fields["dtype"] = options.dtype
+    model, devices, backend, nproc = options.model, options.devices, options.backend, options.nproc
+    expert_cache, host_mem, placement = options.expert_cache, options.host_mem, options.placement
     if backend not in BACKENDS:
         raise BadInput(f"--backend: must be one of {', '.join(BACKENDS)}, got {backend!r}")
     check_nproc(nproc, backend)
-    hbm_bytes = parse_cli_size(hbm, "--hbm")  # checked even where no topology uses it
+    hbm_bytes = parse_cli_size(options.hbm, "--hbm")  # checked even where no topology uses it
     if backend != "multi-gpu":  # multi-gpu picks cuda:0 itself, checked below
         check_device(device)
     if devices is not None and devices < 1:
         raise BadInput(f"--devices: must be >= 1, got {devices}")
     devices_given = devices is not None
     devices = devices if devices_given else DEFAULT_DEVICES
-    options["redundant_slots"] = redundant_slots(redundant)
+    fields["redundant_slots"] = redundant_slots(options.redundant)
     count_flag = "--devices"
     if backend == "distributed":
         if expert_cache is not None:
@@ -300,9 +247,9 @@ def engine_config(model: Path | None, *, devices: int | None = None, hbm: str = 
     if host_mem is not None:
         if backend == "distributed":
             raise BadInput("--host-mem: not on the distributed backend (each rank loads its own experts)")
-        options["host_mem"] = parse_cli_size(host_mem, "--host-mem")
+        fields["host_mem"] = parse_cli_size(host_mem, "--host-mem")
     if placement is not None:
-        options["placement"] = read_placement(placement, model_dir(model), devices)
+        fields["placement"] = read_placement(placement, model_dir(model), devices)
     topology = Topology(num_devices=devices, hbm_bytes=hbm_bytes)
     if backend == "multi-gpu":
         import torch
@@ -310,10 +257,10 @@ def engine_config(model: Path | None, *, devices: int | None = None, hbm: str = 
         have = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if devices > have:
             raise BadInput(f"--backend multi-gpu: needs --devices N with N <= the {have} CUDA devices here")
-        options["expert_devices"] = tuple(f"cuda:{d}" for d in range(devices))
+        fields["expert_devices"] = tuple(f"cuda:{d}" for d in range(devices))
         device = "cuda:0"
     return EngineConfig(model=str(model_dir(model)), device=device, topology=topology,
-                        expert_cache_slots=expert_cache, **options)
+                        expert_cache_slots=expert_cache, **fields)
 
 
 def emit_json(result, as_json: bool) -> None:

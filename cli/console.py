@@ -8,38 +8,9 @@ from pathlib import Path
 
 import typer
 
-from moectl.cli.common import (
-    BACKEND_OPT,
-    DEVICES_OPT,
-    DTYPE_OPT,
-    EXPERT_CACHE_OPT,
-    HBM_OPT,
-    HOST_MEM_OPT,
-    MODEL_OPT,
-    NPROC_OPT,
-    PLACEMENT_OPT,
-    REDUNDANT_OPT,
-    THEME_OPT,
-    THREADS_OPT,
-    BadInput,
-    engine_config,
-    forwarded_options,
-    given,
-    handles_errors,
-    option_flag,
-    parse_threads,
-)
-from moectl.cli.sim_backend import (
-    DRIFT_OPT,
-    HARDWARE_OPT,
-    OVERLAP_OPT,
-    SIM_OPTIONS,
-    SIM_ROUTING_OPT,
-    SIM_SEED_OPT,
-    SIMULATED,
-    TP_OPT,
-    refuse_sim_options,
-)
+from moectl.cli.common import THEME_OPT, BadInput, engine_config, handles_errors
+from moectl.cli.engine_options import DEFAULT_OPTIONS, EngineOptions, given, with_engine_options
+from moectl.cli.sim_backend import SIMULATED, refuse_sim_options
 from moectl.themes import check_theme
 
 DEMO_WORKLOAD = "rate=4,prompt=32-256,output=32-128"
@@ -60,28 +31,19 @@ def demo_load(workload: str):
         raise BadInput(message if message.startswith("--workload") else f"--workload: {message}") from None
 
 
-def live_engine_config(model: Path | None, devices: int | None, hbm: str, redundant: int | None, expert_cache: int | None,
-                       dtype: str | None, threads: int | str, backend: str = "local", nproc: int | None = None,
-                       placement: Path | None = None, host_mem: str | None = None):
+def live_engine_config(options: EngineOptions):
     """The live engine's EngineConfig from run's options (checked: BadInput names the flag)."""
-    return engine_config(model, devices=devices, hbm=hbm, expert_cache=expert_cache, host_mem=host_mem, dtype=dtype,
-                         redundant=redundant, num_threads=parse_threads(threads), backend=backend, nproc=nproc,
-                         placement=placement,
-                         reserved_cores=1)  # a core for the console's process
+    return engine_config(options, reserved_cores=1)  # a core for the console's process
 
 
-def live_source(model: Path | None, devices: int | None, hbm: str, redundant: int | None, expert_cache: int | None,
-                workload: str, dtype: str | None, threads: int | str, backend: str = "local", nproc: int | None = None,
-                placement: Path | None = None, host_mem: str | None = None):
+def live_source(options: EngineOptions, workload: str = DEMO_WORKLOAD):
     """The engine on a thread of this process (console/live_source.py): the baseline that
     bench/console_bench.py measures the engine process against."""
     from moectl.console.live_source import LiveSource
     from moectl.engine.parallel.backends import Engines
 
     load = demo_load(workload)
-    config = live_engine_config(model, devices, hbm, redundant, expert_cache, dtype, threads, backend, nproc,
-                                placement, host_mem)
-    engines = Engines(config, backend)
+    engines = Engines(live_engine_config(options), options.backend)
     try:
         return LiveSource(engines.make_engine, load, on_close=engines.close)
     except BaseException:
@@ -89,36 +51,25 @@ def live_source(model: Path | None, devices: int | None, hbm: str, redundant: in
         raise
 
 
-# run's options that configure its engine: run hands the given ones to its engine process, and
-# `web` to the one engine its tabs share
-ENGINE_OPTIONS = ("model", "devices", "hbm", "redundant", "backend", "nproc", "placement", "expert_cache",
-                  "host_mem", "workload", "dtype", "threads", *SIM_OPTIONS)
 ENGINE_DIR_OPT = typer.Option(None, "--engine", hidden=True,
                               help="Attach to the engine process in this directory (its socket and token) "
                                    "instead of starting one: how `moectl web`'s tabs share one engine.")
 
 
+def host_config(ctx: typer.Context | None, options: EngineOptions, workload: str):
+    """The engine process's config from run's (or web's) options: the demo workload only where
+    it was given, as the simulated backend's default differs."""
+    from moectl.cli.engine_process import EngineHostConfig
+
+    return EngineHostConfig(options, workload if ctx is not None and given(ctx, "workload") else None)
+
+
 @handles_errors
+@with_engine_options()
 def run(
     ctx: typer.Context,
-    model: Path | None = MODEL_OPT,
-    devices: int | None = DEVICES_OPT,
-    hbm: str = HBM_OPT,
-    redundant: int | None = REDUNDANT_OPT,
-    backend: str = BACKEND_OPT,
-    nproc: int | None = NPROC_OPT,
-    placement: Path | None = PLACEMENT_OPT,
-    expert_cache: int | None = EXPERT_CACHE_OPT,
-    host_mem: str | None = HOST_MEM_OPT,
+    options: EngineOptions = DEFAULT_OPTIONS,
     workload: str = DEMO_WORKLOAD_OPT,
-    dtype: str | None = DTYPE_OPT,
-    threads: str = THREADS_OPT,
-    hardware: str = HARDWARE_OPT,
-    routing: str = SIM_ROUTING_OPT,
-    drift: float = DRIFT_OPT,
-    tp: int = TP_OPT,
-    overlap: str = OVERLAP_OPT,
-    sim_seed: int = SIM_SEED_OPT,
     theme: str = THEME_OPT,
     engine: Path | None = ENGINE_DIR_OPT,
     check_only: bool = typer.Option(False, "--check-only", hidden=True,
@@ -135,15 +86,15 @@ def run(
     from moectl.engine.core.actions import ActionRefused
 
     check_theme(theme)
-    refuse_sim_options(ctx, backend)
+    refuse_sim_options(options)
+    config = host_config(ctx, options, workload)
     process = None
     if engine is not None:
-        for name in ENGINE_OPTIONS:
-            if ctx is not None and given(ctx, name):
-                raise BadInput(f"{option_flag(ctx, name)}: an option of the engine; --engine attaches to one "
-                               "already running")
+        given_options = options.given_flags() + (["--workload"] if config.workload is not None else [])
+        if given_options:
+            raise BadInput(f"{given_options[0]}: an option of the engine; --engine attaches to one already running")
     else:
-        process = EngineProcess(forwarded_options(ctx, ENGINE_OPTIONS))
+        process = EngineProcess(config)
         engine = process.dir
     try:
         from moectl.console.app import MoectlApp  # imported while the engine loads
@@ -179,36 +130,15 @@ def run(
 
 @handles_errors
 def engine_host(
-    ctx: typer.Context,
-    engine_dir: Path = typer.Option(..., "--engine-dir", help="The run's private directory (token; the socket "
-                                                               "goes there)."),
-    model: Path | None = MODEL_OPT,
-    devices: int | None = DEVICES_OPT,
-    hbm: str = HBM_OPT,
-    redundant: int | None = REDUNDANT_OPT,
-    backend: str = BACKEND_OPT,
-    nproc: int | None = NPROC_OPT,
-    placement: Path | None = PLACEMENT_OPT,
-    expert_cache: int | None = EXPERT_CACHE_OPT,
-    host_mem: str | None = HOST_MEM_OPT,
-    workload: str = DEMO_WORKLOAD_OPT,
-    dtype: str | None = DTYPE_OPT,
-    threads: str = THREADS_OPT,
-    hardware: str = HARDWARE_OPT,
-    routing: str = SIM_ROUTING_OPT,
-    drift: float = DRIFT_OPT,
-    tp: int = TP_OPT,
-    overlap: str = OVERLAP_OPT,
-    sim_seed: int = SIM_SEED_OPT,
-    inject_fault: int | None = typer.Option(None, "--inject-fault", hidden=True,
-                                            help="Testing: the first engine's forward fails from this step on, as a "
-                                                 "device fault would; a restart builds one without it."),
+    engine_dir: Path = typer.Option(..., "--engine-dir", help="The run's private directory (token, the engine "
+                                                               "options; the socket goes there)."),
 ):
     """The engine process of `run` and `web` (server/engine_host.py): not for direct use."""
     import json
     import os
     import signal
 
+    from moectl.cli.engine_process import EngineHostConfig
     from moectl.engine.parallel.backends import Engines
     from moectl.server.engine_host import EngineHost, die_with_parent, starter_pid
     from moectl.server.protocol import SOCKET_NAME, read_token
@@ -218,33 +148,32 @@ def engine_host(
     if parent is not None and os.getppid() != parent:  # it died before die_with_parent took effect
         raise typer.Exit(1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the console's to handle; it stops us
-    refuse_sim_options(ctx, backend)
+    config = EngineHostConfig.read(engine_dir)
+    options = config.options
+    refuse_sim_options(options)
     from moectl.engine.core import gc_heap, native_memory
 
     gc_heap.own_process()  # the engine process serves one engine for its life: its heap is frozen once built
     native_memory.bound_kernel_caches()  # as serve does: a kernel kept per batch shape grows it for hours
     token = read_token(engine_dir)
     demo = None
-    if backend == SIMULATED:
+    if options.backend == SIMULATED:
         from moectl.cli.sim_backend import SimEngines, refuse_real_engine_options, sim_load
         from moectl.engine.tools.sim_workload import SimWorkload
 
-        refuse_real_engine_options(ctx)
-        engines = SimEngines(model, devices, redundant, placement, dtype, hardware, routing, drift, tp, overlap,
-                             sim_seed)
-        load, _ = sim_load(workload if given(ctx, "workload") else None, engines.first.max_model_len)
-        demo = SimWorkload(load, seed=sim_seed)
+        refuse_real_engine_options(options)
+        engines = SimEngines(options)
+        load, _ = sim_load(config.workload, engines.first.max_model_len)
+        demo = SimWorkload(load, seed=options.sim_seed)
     else:
-        load = demo_load(workload)
-        config = live_engine_config(model, devices, hbm, redundant, expert_cache, dtype, threads, backend, nproc,
-                                    placement, host_mem)
-        engines = Engines(config, backend)
+        load = demo_load(config.workload or DEMO_WORKLOAD)
+        engines = Engines(live_engine_config(options), options.backend)
     try:
         make_engine = engines.make_engine
-        if inject_fault is not None:
+        if config.inject_fault is not None:
             from moectl.engine.tools.fault_injection import first_engine_faulty
 
-            make_engine = first_engine_faulty(make_engine, inject_fault)
+            make_engine = first_engine_faulty(make_engine, config.inject_fault)
         host = EngineHost(engine_dir, token, make_engine=make_engine, load=load, on_close=engines.close,
                           workload=demo)
     except BaseException:

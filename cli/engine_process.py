@@ -2,9 +2,10 @@
 
 `moectl run` and `moectl web` run the engine as `moectl engine-host` in a process of its own, so
 that only that process loads torch and the console's rendering never shares a GIL with the
-engine. The engine checks its own options (engine_config) before it loads anything and answers
-on its stdout with one line: ready, or the one-line error its command would print, which the
-starting command then prints as its own, with the same exit code.
+engine. Its options go to it as JSON (EngineHostConfig, a file in its private directory), not
+as flags parsed again. The engine checks them (engine_config) before it loads anything and
+answers on its stdout with one line: ready, or the one-line error its command would print, which
+the starting command then prints as its own, with the same exit code.
 
 The directory (token, socket, the engine's log) goes when the engine stops: stop() removes it,
 the engine removes it itself when its starter died (engine-host), and a new EngineProcess sweeps
@@ -26,9 +27,18 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
+import typer
+
+from moectl.cli.engine_options import DEFAULT_OPTIONS, EngineOptions, with_engine_options
 from moectl.server.protocol import ENGINE_DIR_PREFIX, OWNER_NAME, PARENT_PID_ENV, SOCKET_NAME, new_engine_dir
+
+try:  # newer typer vendors click
+    from typer._click.exceptions import UsageError
+except ImportError:
+    from click.exceptions import UsageError
 
 START_TIMEOUT_S = 600.0  # a large checkpoint's load
 STOP_TIMEOUT_S = 5.0
@@ -39,6 +49,61 @@ ERROR_PREFIX = "moectl: error: "
 # happened, the frames only where
 STACK_LINE = re.compile(r"frame #\d+: |<omitting python frames>$|.*\(most recent call (first|last)\):$"
                         r'|\s+File ".*", line \d+|\s{4}')
+CONFIG_NAME = "engine-options.json"  # the engine process's EngineHostConfig, in its directory
+
+
+@dataclass(frozen=True)
+class EngineHostConfig:
+    """What `moectl engine-host` runs: the engine options, the demo workload (None: the default
+    for the backend) and, for tests, the step from which the first engine's forward fails."""
+
+    options: EngineOptions = DEFAULT_OPTIONS
+    workload: str | None = None
+    inject_fault: int | None = None
+
+    def write(self, engine_dir: Path) -> None:
+        """Into the engine's private directory, readable by this user only (it may name files)."""
+        text = json.dumps({"options": self.options.absolute().to_dict(), "workload": self.workload,
+                           "inject_fault": self.inject_fault})
+        fd = os.open(Path(engine_dir) / CONFIG_NAME, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+
+    @classmethod
+    def read(cls, engine_dir: Path) -> EngineHostConfig:
+        """The config write() left, checked: a damaged one is bad input (ValueError) naming the file."""
+        path = Path(engine_dir) / CONFIG_NAME
+        try:
+            values = json.loads(path.read_text())
+        except OSError as exc:
+            raise ValueError(f"{path}: no engine options here ({exc.strerror or exc})") from None
+        except ValueError as exc:
+            raise ValueError(f"{path}: not JSON ({exc})") from None
+        if not isinstance(values, dict) or set(values) != {"options", "workload", "inject_fault"}:
+            raise ValueError(f"{path}: must be an object of options, workload and inject_fault")
+        workload, inject_fault = values["workload"], values["inject_fault"]
+        if workload is not None and not isinstance(workload, str):
+            raise ValueError(f"{path}: workload: must be text or null, got {workload!r}")
+        if inject_fault is not None and type(inject_fault) is not int:
+            raise ValueError(f"{path}: inject_fault: must be an integer or null, got {inject_fault!r}")
+        return cls(EngineOptions.from_dict(values["options"], str(path)), workload, inject_fault)
+
+
+def config_from_flags(args: list[str]) -> EngineHostConfig:
+    """`run`'s engine flags (and --inject-fault) as an EngineHostConfig: how tests and benchmarks
+    describe the engine they start. A flag that does not parse is bad input (ValueError)."""
+    @with_engine_options()
+    def parse(options: EngineOptions = DEFAULT_OPTIONS,
+              workload: str | None = typer.Option(None, "--workload"),
+              inject_fault: int | None = typer.Option(None, "--inject-fault")) -> EngineHostConfig:
+        return EngineHostConfig(options, workload, inject_fault)
+
+    app = typer.Typer(add_completion=False)
+    app.command()(parse)
+    try:
+        return typer.main.get_command(app).main(list(args), prog_name="engine-host", standalone_mode=False)
+    except UsageError as exc:
+        raise ValueError(exc.format_message().splitlines()[0]) from None
 
 
 class EngineStartFailed(Exception):
@@ -50,17 +115,21 @@ class EngineStartFailed(Exception):
 
 
 class EngineProcess:
-    """`moectl engine-host` with `options` (run's option flags), in a private directory."""
+    """`moectl engine-host` on `config` (or on `run`'s engine flags: config_from_flags), in a
+    private directory."""
 
-    def __init__(self, options: list[str]):
+    def __init__(self, config: EngineHostConfig | list[str]):
+        if not isinstance(config, EngineHostConfig):
+            config = config_from_flags(config)
         sweep_stale_engine_dirs()
         self.dir, _token = new_engine_dir()
+        config.write(self.dir)
         self.log_path = self.dir / "engine.log"
         env = {**os.environ, PARENT_PID_ENV: str(os.getpid())}
         with open(self.log_path, "wb") as log:  # the engine's stderr: warnings, and its error if it fails
             # its own session: a Ctrl-C typed at the console is the console's, which then stops it
             self.proc = subprocess.Popen([sys.executable, "-m", "moectl.cli", "engine-host", "--engine-dir",
-                                          str(self.dir), *options], stdin=subprocess.DEVNULL,
+                                          str(self.dir)], stdin=subprocess.DEVNULL,
                                          stdout=subprocess.PIPE, stderr=log, env=env, start_new_session=True)
         self.pid = self.proc.pid
         self.log_tail: list[str] = []

@@ -11,39 +11,19 @@ from pathlib import Path
 
 import typer
 
-from moectl.cli.common import (
-    BACKEND_OPT,
-    DEVICES_OPT,
-    DTYPE_OPT,
-    EXPERT_CACHE_OPT,
-    HBM_OPT,
-    HOST_MEM_OPT,
-    JSON_OPT,
-    MODEL_OPT,
-    NPROC_OPT,
-    PLACEMENT_OPT,
-    REDUNDANT_OPT,
-    THREADS_OPT,
-    BadInput,
-    check_seed,
-    engine_config,
-    given,
-    handles_errors,
-    option_flag,
-    parse_ids,
-    parse_threads,
-)
+from moectl.cli.common import JSON_OPT, BadInput, check_seed, engine_config, handles_errors, option_flag, parse_ids
+from moectl.cli.engine_options import DEFAULT_OPTIONS, REAL_ENGINE_OPTIONS, EngineOptions, given, with_engine_options
 from moectl.engine.core.topology import format_size
 
 
 @handles_errors
+@with_engine_options(*REAL_ENGINE_OPTIONS)
 def generate(
     ctx: typer.Context,
     prompts: list[str] | None = typer.Argument(None, help="Prompt text(s); one completion each."),
     prompt_ids: list[str] | None = typer.Option(None, "--prompt-ids",
                                                 help="Token ids '1,2,3' (repeatable) for checkpoints without a "
                                                      "tokenizer."),
-    model: Path | None = MODEL_OPT,
     max_tokens: int = typer.Option(64, "--max-tokens", help="Tokens to generate per prompt."),
     temperature: float = typer.Option(0.0, help="0 is greedy."),
     top_p: float = typer.Option(1.0, "--top-p"),
@@ -51,18 +31,9 @@ def generate(
     seed: int | None = typer.Option(None, help="Sampling seed: the same seed gives the same text."),
     stop: list[str] | None = typer.Option(None, "--stop", help="Stop string (repeatable)."),
     ignore_eos: bool = typer.Option(False, "--ignore-eos"),
-    dtype: str | None = DTYPE_OPT,
-    threads: str = THREADS_OPT,
     kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype", help="auto or int8."),
     device: str = typer.Option("cpu", help="Torch device, e.g. cpu or cuda:0."),
-    devices: int | None = DEVICES_OPT,
-    hbm: str = HBM_OPT,
-    expert_cache: int | None = EXPERT_CACHE_OPT,
-    host_mem: str | None = HOST_MEM_OPT,
-    backend: str = BACKEND_OPT,
-    nproc: int | None = NPROC_OPT,
-    redundant: int | None = REDUNDANT_OPT,
-    placement: Path | None = PLACEMENT_OPT,
+    options: EngineOptions = DEFAULT_OPTIONS,
     engine: Path | None = typer.Option(None, "--engine", help="Send the prompts to a running engine (the directory "
                                                              "`moectl serve` prints, or a console's: its header shows "
                                                              "it) instead of starting one; its consoles show them."),
@@ -85,12 +56,10 @@ def generate(
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                             seed=seed, stop=tuple(stop or ()), ignore_eos=ignore_eos)
     if engine is not None:
-        _generate_on(ctx, engine, inputs, params, as_json)
+        _generate_on(ctx, options, engine, inputs, params, as_json)
         return
-    config = engine_config(model, devices=devices, hbm=hbm, backend=backend, expert_cache=expert_cache, host_mem=host_mem,
-                           device=device, dtype=dtype, kv_cache_dtype=kv_cache_dtype, nproc=nproc,
-                           redundant=redundant, placement=placement, num_threads=parse_threads(threads))
-    engines = Engines(config, backend)
+    config = engine_config(options, device=device, kv_cache_dtype=kv_cache_dtype)
+    engines = Engines(config, options.backend)
     try:
         engine = engines.make_engine()
         outputs = engine.generate(inputs, params)
@@ -111,12 +80,13 @@ def generate(
 
 OUTPUT_TIMEOUT_S = 600.0  # --engine: the longest wait for a request's next output before giving up
 
-# what configures an engine this command would start: meaningless with --engine
-ENGINE_OPTIONS = ("model", "dtype", "threads", "kv_cache_dtype", "device", "devices", "hbm", "expert_cache", "host_mem",
-                  "backend", "nproc", "redundant", "placement", "device_stats")
+# generate's own options that configure an engine it would start: meaningless with --engine, as
+# are the engine options
+OWN_ENGINE_OPTIONS = ("kv_cache_dtype", "device", "device_stats")
 
 
-def _generate_on(ctx: typer.Context | None, engine_dir: Path, inputs: list, params, as_json: bool) -> None:
+def _generate_on(ctx: typer.Context | None, options: EngineOptions, engine_dir: Path, inputs: list, params,
+                 as_json: bool) -> None:
     """The prompts on a running engine, over its client protocol (server/protocol.py Generate):
     they run beside what it serves, and every console attached to it shows them."""
     from dataclasses import asdict
@@ -124,9 +94,10 @@ def _generate_on(ctx: typer.Context | None, engine_dir: Path, inputs: list, para
     from moectl.console.engine_client import EngineSource
     from moectl.engine.core.actions import ActionRefused
 
-    for name in ENGINE_OPTIONS:
-        if ctx is not None and given(ctx, name):
-            raise BadInput(f"{option_flag(ctx, name)}: configures an engine; --engine sends to one already running")
+    given_flags = options.given_flags() + [option_flag(ctx, name) for name in OWN_ENGINE_OPTIONS
+                                           if ctx is not None and given(ctx, name)]
+    if given_flags:
+        raise BadInput(f"{given_flags[0]}: configures an engine; --engine sends to one already running")
     try:
         source = EngineSource(engine_dir, client="generate", records=False)
     except ActionRefused as exc:

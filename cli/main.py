@@ -10,6 +10,7 @@ import sys
 import typer
 
 from moectl.cli import bench, console, generate, record, serve, verify, web
+from moectl.cli.engine_options import DEFAULT_OPTIONS
 from moectl.cli.model import model_app
 from moectl.cli.plan import plan_app
 from moectl.cli.sim import sim_app
@@ -42,10 +43,8 @@ def _default(ctx: typer.Context,
                                                                     "light, high-contrast).")) -> None:
     """With no command, `moectl` opens the live console (`moectl run` with its defaults)."""
     if ctx.invoked_subcommand is None:
-        console.run(ctx=None, model=None, devices=None, hbm="80GiB", redundant=1, backend="local", nproc=None,
-                    placement=None, expert_cache=None, host_mem=None, workload=console.DEMO_WORKLOAD, dtype=None,
-                    threads="auto", hardware="h800", routing="sample", drift=0.0, tp=1, overlap="none", sim_seed=0,
-                    theme=theme or "dark", engine=None, check_only=False)
+        console.run(ctx=None, options=DEFAULT_OPTIONS, workload=console.DEMO_WORKLOAD, theme=theme or "dark",
+                    engine=None, check_only=False)
     elif theme is not None:
         raise typer.BadParameter("--theme: give it after the command, e.g. `moectl replay T --theme light`")
 

@@ -7,16 +7,8 @@ from pathlib import Path
 
 import typer
 
-from moectl.cli.common import (
-    JSON_OPT,
-    MODEL_OPT,
-    BadInput,
-    check_seed,
-    emit_json,
-    handles_errors,
-    model_dir,
-    progress,
-)
+from moectl.cli.common import JSON_OPT, BadInput, check_seed, emit_json, handles_errors, model_dir, progress
+from moectl.cli.engine_options import MODEL_OPT
 from moectl.engine import SAMPLE_MODELS, sample_model_dir
 
 model_app = typer.Typer(no_args_is_help=True, help="Inspect or train models.")

@@ -8,15 +8,9 @@ from pathlib import Path
 import typer
 
 from moectl.cli.common import (
-    DEFAULT_DEVICES,
-    DEFAULT_REDUNDANT,
-    DEVICES_OPT,
-    HBM_OPT,
     JSON_OPT,
-    REDUNDANT_OPT,
     BadInput,
     check_output_file,
-    given,
     handles_errors,
     model_dir,
     open_trace,
@@ -24,6 +18,7 @@ from moectl.cli.common import (
     parse_cli_size,
     redundant_slots,
 )
+from moectl.cli.engine_options import DEFAULT_DEVICES, DEFAULT_REDUNDANT, DEVICES_OPT, HBM_OPT, REDUNDANT_OPT, given
 from moectl.engine.core.topology import MAX_DEVICES
 from moectl.engine.experts.placement import MAX_EXPERTS
 

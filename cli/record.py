@@ -10,34 +10,9 @@ from pathlib import Path
 
 import typer
 
-from moectl.cli.common import (
-    BACKEND_OPT,
-    DEVICES_OPT,
-    DTYPE_OPT,
-    EXPERT_CACHE_OPT,
-    HBM_OPT,
-    HOST_MEM_OPT,
-    JSON_OPT,
-    MODEL_OPT,
-    NPROC_OPT,
-    PLACEMENT_OPT,
-    REDUNDANT_OPT,
-    THREADS_OPT,
-    BadInput,
-    engine_config,
-    handles_errors,
-    parse_threads,
-)
-from moectl.cli.sim_backend import (
-    DRIFT_OPT,
-    HARDWARE_OPT,
-    OVERLAP_OPT,
-    SIM_ROUTING_OPT,
-    SIM_SEED_OPT,
-    SIMULATED,
-    TP_OPT,
-    refuse_sim_options,
-)
+from moectl.cli.common import JSON_OPT, BadInput, engine_config, handles_errors
+from moectl.cli.engine_options import DEFAULT_OPTIONS, EngineOptions, with_engine_options
+from moectl.cli.sim_backend import SIMULATED, refuse_sim_options
 from moectl.engine.core.actions import Action
 
 DEFAULT_RECORD_WORKLOAD = "rate=6,prompt=32-256,output=32-128,duration=86400"
@@ -49,20 +24,13 @@ MAX_CAPTURE_STEPS = 1000  # the engine's own limit on a deep capture
 
 
 @handles_errors
+@with_engine_options()
 def record(
     ctx: typer.Context,
     trace: Path = typer.Argument(..., help="Trace file to write (SQLite)."),
     steps: int | None = typer.Option(None, "--steps", help="Stop after this many engine steps."),
     seconds: float | None = typer.Option(None, "--seconds", help="Stop after this many seconds."),
-    model: Path | None = MODEL_OPT,
-    devices: int | None = DEVICES_OPT,
-    hbm: str = HBM_OPT,
-    backend: str = BACKEND_OPT,
-    nproc: int | None = NPROC_OPT,
-    placement: Path | None = PLACEMENT_OPT,
-    expert_cache: int | None = EXPERT_CACHE_OPT,
-    host_mem: str | None = HOST_MEM_OPT,
-    redundant: int | None = REDUNDANT_OPT,
+    options: EngineOptions = DEFAULT_OPTIONS,
     workload: str = typer.Option(DEFAULT_RECORD_WORKLOAD, "--workload",
                                  help="key=value list (rate, prompt, output, requests, duration, seed) or a "
                                       ".jsonl file; arrivals in real time (simulated backend: in simulated "
@@ -73,15 +41,7 @@ def record(
                                                                          "rebalance (an operator action)."),
     capture: int | None = typer.Option(None, "--capture", help="Deep capture (torch.profiler) of this many "
                                                                "steps at the start."),
-    dtype: str | None = DTYPE_OPT,
-    threads: str = THREADS_OPT,
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing trace file."),
-    hardware: str = HARDWARE_OPT,
-    routing: str = SIM_ROUTING_OPT,
-    drift: float = DRIFT_OPT,
-    tp: int = TP_OPT,
-    overlap: str = OVERLAP_OPT,
-    sim_seed: int = SIM_SEED_OPT,
     as_json: bool = JSON_OPT,
 ):
     """Run the engine headless on a workload and record every step and action to TRACE."""
@@ -93,41 +53,36 @@ def record(
     from moectl.engine.tools.workload import WorkloadSpec
 
     _check_options(trace, steps, seconds, overwrite, capture, rebalance_at, kv_blocks)
-    refuse_sim_options(ctx, backend)
-    if backend == SIMULATED:
-        return _record_simulated(ctx, trace, steps, seconds, model, devices, redundant, placement, dtype, workload,
-                                 rebalance_at, capture, kv_blocks, overwrite, as_json,
-                                 (hardware, routing, drift, tp, overlap, sim_seed))
+    refuse_sim_options(options)
+    if options.backend == SIMULATED:
+        return _record_simulated(ctx, options, trace, steps, seconds, workload, rebalance_at, capture, kv_blocks,
+                                 overwrite, as_json)
     spec = WorkloadSpec.from_option(workload)
-    config = engine_config(model, devices=devices,
-                           hbm=hbm, expert_cache=expert_cache, host_mem=host_mem, dtype=dtype,
-                           redundant=redundant, num_kv_blocks=kv_blocks, backend=backend, nproc=nproc,
-                           placement=placement, num_threads=parse_threads(threads))
-    engines = Engines(config, backend)
+    config = engine_config(options, num_kv_blocks=kv_blocks)
+    engines = Engines(config, options.backend)
     try:
         return _record(engines, trace, steps, seconds, spec, rebalance_at, capture, overwrite, as_json)
     finally:
         engines.close()
 
 
-def _record_simulated(ctx, trace, steps, seconds, model, devices, redundant, placement, dtype, workload,
-                      rebalance_at, capture, kv_blocks, overwrite, as_json, sim):
+def _record_simulated(ctx, options: EngineOptions, trace, steps, seconds, workload, rebalance_at, capture, kv_blocks,
+                      overwrite, as_json):
     """record --backend simulated: the simulated cluster on its simulated clock (--seconds is wall
     time still: how long to record); the workload's requests and duration count in it."""
-    from moectl.cli.common import given
+    from moectl.cli.engine_options import given
     from moectl.cli.sim_backend import SimEngines, refuse_real_engine_options, sim_load
     from moectl.engine.core.driver import EngineDriver
     from moectl.engine.tools.sim_workload import SimWorkload
 
-    refuse_real_engine_options(ctx)
+    refuse_real_engine_options(options)
     if capture is not None:
         raise BadInput("--capture: a simulated cluster runs no kernels to profile (its spans are all modeled)")
     if kv_blocks is not None:
         raise BadInput("--kv-blocks: the simulated backend's KV pool is what the memory plan leaves")
-    hardware, routing, drift, tp, overlap, seed = sim
-    engines = SimEngines(model, devices, redundant, placement, dtype, hardware, routing, drift, tp, overlap, seed)
+    engines = SimEngines(options)
     load, spec = sim_load(workload if given(ctx, "workload") else None, engines.first.max_model_len)
-    feed = SimWorkload(load, seed=spec.seed or seed, num_requests=spec.num_requests, duration_s=spec.duration_s)
+    feed = SimWorkload(load, seed=spec.seed or options.sim_seed, num_requests=spec.num_requests, duration_s=spec.duration_s)
     driver = EngineDriver(engines.make_engine, feed=feed, buffer_records=False, start=False, name="moectl-record")
     engine = driver.engine
     biggest = spec.prompt_dist.hi + spec.output_dist.hi

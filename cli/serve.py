@@ -2,47 +2,20 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import typer
 
-from moectl.cli.common import (
-    BACKEND_OPT,
-    DEVICES_OPT,
-    DTYPE_OPT,
-    EXPERT_CACHE_OPT,
-    HBM_OPT,
-    HOST_MEM_OPT,
-    MODEL_OPT,
-    NPROC_OPT,
-    PLACEMENT_OPT,
-    REDUNDANT_OPT,
-    THREADS_OPT,
-    BadInput,
-    check_nproc,
-    engine_config,
-    handles_errors,
-    parse_threads,
-)
+from moectl.cli.common import BadInput, check_nproc, engine_config, handles_errors
+from moectl.cli.engine_options import DEFAULT_OPTIONS, REAL_ENGINE_OPTIONS, EngineOptions, with_engine_options
 
 
 @handles_errors
+@with_engine_options(*REAL_ENGINE_OPTIONS)
 def serve(
     host: str = typer.Option("127.0.0.1", "--host", help="Address to bind; anything but loopback needs --token."),
     port: int = typer.Option(8000, "--port"),
     token: str | None = typer.Option(None, "--token", help="Bearer token for /v1/control/* (and required for "
                                                            "a non-loopback bind)."),
-    model: Path | None = MODEL_OPT,
-    devices: int | None = DEVICES_OPT,
-    hbm: str = HBM_OPT,
-    redundant: int | None = REDUNDANT_OPT,
-    backend: str = BACKEND_OPT,
-    nproc: int | None = NPROC_OPT,
-    placement: Path | None = PLACEMENT_OPT,
-    expert_cache: int | None = EXPERT_CACHE_OPT,
-    host_mem: str | None = HOST_MEM_OPT,
-    dtype: str | None = DTYPE_OPT,
-    threads: str = THREADS_OPT,
+    options: EngineOptions = DEFAULT_OPTIONS,
 ):
     """An OpenAI-compatible server as vLLM serves it (/v1/completions with logprobs, echo, n and
     best_of; /v1/chat/completions; /v1/models; /tokenize, /detokenize, /tokenizer_info; /health),
@@ -53,24 +26,21 @@ def serve(
     native_memory.bound_kernel_caches()  # before any matmul: each batch shape's kernel is kept otherwise
     if not 0 < port < 65536:
         raise BadInput(f"--port: must be in 1-65535, got {port}")
-    check_nproc(nproc, backend)  # the cheap checks before the server's imports
+    check_nproc(options.nproc, options.backend)  # the cheap checks before the server's imports
     from moectl.engine.core.driver import EngineDriver
     from moectl.engine.parallel.backends import Engines
     from moectl.server.app import check_bind, listen, run_server
 
     check_bind(host, token)  # before loading anything: a public bind without a token is refused
     # the option checks come before the port is taken; neither loads the model
-    config = engine_config(model, devices=devices,
-                           hbm=hbm, expert_cache=expert_cache, host_mem=host_mem, dtype=dtype,
-                           redundant=redundant, num_threads=parse_threads(threads), backend=backend, nproc=nproc,
-                           placement=placement)
+    config = engine_config(options)
     try:
         sock = listen(host, port)  # and a port in use is said at once, not after the model loads
     except OSError as exc:
         typer.echo(f"moectl: error: {exc}", err=True)
         raise typer.Exit(1) from None
     try:
-        engines = Engines(config, backend)
+        engines = Engines(config, options.backend)
     except BaseException:
         sock.close()
         raise

@@ -8,10 +8,7 @@ from pathlib import Path
 import typer
 
 from moectl.cli.common import (
-    DEFAULT_DEVICES,
-    DEVICES_OPT,
     JSON_OPT,
-    REDUNDANT_OPT,
     BadInput,
     check_seed,
     emit_json,
@@ -20,7 +17,8 @@ from moectl.cli.common import (
     progress,
     redundant_slots,
 )
-from moectl.cli.sim_backend import ROUTING_HINT, recorded_routing
+from moectl.cli.engine_options import DEFAULT_DEVICES, DEVICES_OPT, REDUNDANT_OPT, ROUTING_HINT
+from moectl.cli.sim_backend import recorded_routing
 
 sim_app = typer.Typer(invoke_without_command=True, no_args_is_help=False,
                       help="Predict one step at scale (SIMULATED); `moectl sim calibrate` measures this machine's "

@@ -1,30 +1,18 @@
-"""`--backend simulated` for run, record and bench: the options that describe the simulated
-cluster, declared once, and the engine factory they build (engine/sim/cluster_engine.py)."""
+"""`--backend simulated` for run, record and bench: the engine factory that the simulated
+cluster's options (engine_options.py) build (engine/sim/cluster_engine.py), and their checks."""
 
 from __future__ import annotations
 
 from pathlib import Path
-
-import typer
+from typing import TYPE_CHECKING
 
 from moectl.cli.common import BadInput, check_seed, model_dir, open_trace, redundant_slots
+from moectl.cli.engine_options import SIM_OPTIONS, refuse_given
+
+if TYPE_CHECKING:
+    from moectl.cli.engine_options import EngineOptions
 
 SIMULATED = "simulated"
-ROUTING_HINT = ("balanced, zipf:S, sample (what moectl recorded on sample-dsv3, scaled), or a moectl trace "
-                "(recorded, or imported with `moectl trace import`)")
-HARDWARE_OPT = typer.Option("h800", "--hardware", help="simulated backend: a shipped hardware profile (h100, h800, "
-                                                       "h200, a100, mi300x, ascend-910b) or a profile JSON file.")
-SIM_ROUTING_OPT = typer.Option("sample", "--routing", help=f"simulated backend: expert loads, {ROUTING_HINT}.")
-DRIFT_OPT = typer.Option(0.0, "--drift", help="simulated backend: swaps of two experts' shares per expert and step "
-                                              "(which experts are hot wanders; the skew stays).")
-TP_OPT = typer.Option(1, "--tp", help="simulated backend: attention tensor-parallel size (1: data-parallel "
-                                      "attention, each device its own batch).")
-OVERLAP_OPT = typer.Option("none", "--overlap", help="simulated backend: none | two-batch (one half's all-to-all "
-                                                     "behind the other's compute).")
-SIM_SEED_OPT = typer.Option(0, "--sim-seed", help="simulated backend: the routing draws and the workload's seed.")
-# the options only the simulated backend reads (run forwards them to its engine process)
-SIM_OPTIONS = ("hardware", "routing", "drift", "tp", "overlap", "sim_seed")
-SIM_DEFAULTS = {"hardware": "h800", "routing": "sample", "drift": 0.0, "tp": 1, "overlap": "none", "sim_seed": 0}
 # the simulated demo's default load: long requests (a model with a short context: scaled to it),
 # at the rate that keeps the cluster busy
 SIM_WORKLOAD = "prompt=1024-4096,output=256-1024"
@@ -48,39 +36,29 @@ def recorded_routing(routing: str):
         return trace_routing(reader)[0]
 
 
-def refuse_sim_options(ctx: typer.Context | None, backend: str) -> None:
+def refuse_sim_options(options: EngineOptions) -> None:
     """A simulated-backend option given with another backend is bad input, not ignored."""
-    from moectl.cli.common import given, option_flag
-
-    if ctx is None or backend == SIMULATED:
-        return
-    for name in SIM_OPTIONS:
-        if any(p.name == name for p in ctx.command.params) and given(ctx, name):
-            raise BadInput(f"{option_flag(ctx, name)}: only with --backend simulated")
+    if options.backend != SIMULATED:
+        refuse_given(options, SIM_OPTIONS, "only with --backend simulated")
 
 
-def refuse_real_engine_options(ctx: typer.Context) -> None:
+def refuse_real_engine_options(options: EngineOptions) -> None:
     """Options of a real engine that a simulated cluster has no use for: bad input, not ignored."""
-    from moectl.cli.common import given, option_flag
-
-    for name in ("hbm", "nproc", "expert_cache", "host_mem", "threads"):
-        if given(ctx, name):
-            raise BadInput(f"{option_flag(ctx, name)}: not on the simulated backend (its devices are the hardware "
-                           f"profile's)")
+    refuse_given(options, ("hbm", "nproc", "expert_cache", "host_mem", "threads"),
+                 "not on the simulated backend (its devices are the hardware profile's)")
 
 
 class SimEngines:
     """Engines' interface (make_engine, close) for the simulated backend; everything is checked
     here, before the first engine is built (BadInput names the flag)."""
 
-    def __init__(self, model: Path | None, devices: int | None, redundant: int | None, placement: Path | None,
-                 dtype: str | None, hardware: str, routing: str, drift: float, tp: int, overlap: str, seed: int,
-                 knobs=None):
+    def __init__(self, options: EngineOptions, knobs=None):
         from moectl.engine.sim.cluster_config import SimClusterConfig
         from moectl.engine.sim.cluster_engine import SimulatedEngine
 
-        check_seed(seed, "--sim-seed")
-        recorded = recorded_routing(routing)
+        check_seed(options.sim_seed, "--sim-seed")
+        recorded = recorded_routing(options.routing)
+        placement = options.placement
         chosen, planned_for = None, None
         if placement is not None:
             from moectl.engine.experts.placement_file import read_placement_file
@@ -90,10 +68,11 @@ class SimEngines:
             except ValueError as exc:
                 raise BadInput(f"--placement: {placement}: {str(exc).removeprefix('placement: ')}") from None
         try:
-            config = SimClusterConfig(model=model_dir(model, config_file=True), hardware=hardware,
-                                      devices=256 if devices is None else devices, tp=tp, routing=routing,
-                                      drift=drift, overlap=overlap, redundant_slots=redundant_slots(redundant),
-                                      placement=chosen, placement_model=planned_for, dtype=dtype, seed=seed,
+            config = SimClusterConfig(model=model_dir(options.model, config_file=True), hardware=options.hardware,
+                                      devices=256 if options.devices is None else options.devices, tp=options.tp,
+                                      routing=options.routing, drift=options.drift, overlap=options.overlap,
+                                      redundant_slots=redundant_slots(options.redundant), placement=chosen,
+                                      placement_model=planned_for, dtype=options.dtype, seed=options.sim_seed,
                                       **({"knobs": knobs} if knobs is not None else {}))
             self.first = SimulatedEngine(config, recorded)
         except ValueError as exc:

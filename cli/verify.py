@@ -7,7 +7,8 @@ from pathlib import Path
 
 import typer
 
-from moectl.cli.common import JSON_OPT, MODEL_OPT, BadInput, handles_errors, model_dir
+from moectl.cli.common import JSON_OPT, BadInput, handles_errors, model_dir
+from moectl.cli.engine_options import MODEL_OPT
 
 
 @handles_errors

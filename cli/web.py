@@ -19,26 +19,9 @@ from pathlib import Path
 
 import typer
 
-from moectl.cli.common import (
-    BACKEND_OPT,
-    DEVICES_OPT,
-    DTYPE_OPT,
-    EXPERT_CACHE_OPT,
-    HBM_OPT,
-    HOST_MEM_OPT,
-    MODEL_OPT,
-    NPROC_OPT,
-    PLACEMENT_OPT,
-    REDUNDANT_OPT,
-    THEME_OPT,
-    THREADS_OPT,
-    BadInput,
-    forwarded_options,
-    given,
-    handles_errors,
-    option_flag,
-)
-from moectl.cli.console import DEMO_WORKLOAD_OPT, ENGINE_OPTIONS
+from moectl.cli.common import THEME_OPT, BadInput, handles_errors
+from moectl.cli.console import DEMO_WORKLOAD_OPT, host_config
+from moectl.cli.engine_options import DEFAULT_OPTIONS, REAL_ENGINE_OPTIONS, EngineOptions, given, with_engine_options
 from moectl.themes import check_theme
 
 DEFAULT_MAX_SESSIONS = 8  # browser tabs at once: each runs a console process, and its memory
@@ -46,6 +29,7 @@ MAX_SESSIONS = 256
 
 
 @handles_errors
+@with_engine_options(*REAL_ENGINE_OPTIONS)
 def web(
     ctx: typer.Context,
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on. Without --token: loopback only, "
@@ -66,18 +50,8 @@ def web(
                                                              "instead of the live console."),
     attach_token: str | None = typer.Option(None, "--attach-token", help="With --attach: the server's bearer token "
                                                                          "(`moectl attach --token`)."),
-    model: Path | None = MODEL_OPT,
-    devices: int | None = DEVICES_OPT,
-    hbm: str = HBM_OPT,
-    redundant: int | None = REDUNDANT_OPT,
-    backend: str = BACKEND_OPT,
-    nproc: int | None = NPROC_OPT,
-    placement: Path | None = PLACEMENT_OPT,
-    expert_cache: int | None = EXPERT_CACHE_OPT,
-    host_mem: str | None = HOST_MEM_OPT,
+    options: EngineOptions = DEFAULT_OPTIONS,
     workload: str = DEMO_WORKLOAD_OPT,
-    dtype: str | None = DTYPE_OPT,
-    threads: str = THREADS_OPT,
     theme: str = THEME_OPT,
 ):
     """The console in a browser: live (the `moectl run` options), --replay TRACE or --attach URL.
@@ -96,10 +70,10 @@ def web(
         raise BadInput("--token: needed here: without one only your own user may connect, and this system "
                        "cannot tell a connection's user (no /proc/net/tcp)")
     check_theme(theme)
-    live = {name: value for name, value in ctx.params.items() if name in ENGINE_OPTIONS}
+    config = host_config(ctx, options, workload)
     if replay is not None or attach is not None:
         mode = "--replay" if replay is not None else "--attach"
-        live_given = [option_flag(ctx, name) for name in live if given(ctx, name)]
+        live_given = options.given_flags() + (["--workload"] if given(ctx, "workload") else [])
         if replay is not None and attach is not None:
             raise BadInput("--replay, --attach: give one of them, not both")
         if live_given:
@@ -113,7 +87,7 @@ def web(
     elif attach is not None:
         args, what = attach_args(attach, attach_token), f"console attached to {attach}"
     else:  # one engine process, started (and its options checked) before serving; every tab attaches to it
-        engine = start_engine(ctx)
+        engine = start_engine(config)
         args, what = ["run", "--engine", str(engine.dir)], "live console"
     # textual-serve runs it through the shell; exec, so that the process it holds is the console itself
     command = "exec " + shlex.join([sys.executable, "-m", "moectl.cli", *args, "--theme", theme])
@@ -124,11 +98,12 @@ def web(
             engine.terminate()
 
 
-def start_engine(ctx: typer.Context):
-    """The live console's engine process with web's engine options; its one-line error is ours."""
+def start_engine(config):
+    """The live console's engine process on web's engine options (an EngineHostConfig); its
+    one-line error is ours."""
     from moectl.cli.engine_process import EngineProcess, EngineStartFailed
 
-    engine = EngineProcess(forwarded_options(ctx, ENGINE_OPTIONS))
+    engine = EngineProcess(config)
     try:
         engine.wait_ready()
     except EngineStartFailed as exc:  # the engine is gone, and so is its directory

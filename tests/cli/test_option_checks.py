@@ -99,13 +99,13 @@ def _options_by_flag(command, path=()) -> dict[str, list[tuple[str, object]]]:
     return found
 
 
-@pytest.mark.parametrize("flag, least", [("--devices", 9), ("--redundant", 7)])
+@pytest.mark.parametrize("flag, least", [("--devices", 8), ("--redundant", 7)])
 def test_each_device_option_is_declared_once_with_one_default(flag, least):
     """--devices and --redundant mean the same on every command: one declaration (help, default)."""
     import typer
 
     params = _options_by_flag(typer.main.get_command(app))[flag]
-    assert len(params) >= least, [p for p, _ in params]  # run, serve, record, web, engine-host, generate, bench, plan
+    assert len(params) >= least, [p for p, _ in params]  # run, serve, record, web, generate, bench, plan, sim
     declared = {(p.help, p.default, p.show_default) for _, p in params}
     assert len(declared) == 1, {path: (p.help, p.default) for path, p in params}
 
