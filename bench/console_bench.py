@@ -419,8 +419,10 @@ class _OwnedEngine:
         self.process = None
         if in_process:
             from moectl.cli.console import live_source
+            from moectl.cli.engine_options import EngineOptions
 
-            self.source = live_source(LIVE_MODEL, 4, "80GiB", 1, None, workload, None, 1)
+            model = Path(LIVE_MODEL) if LIVE_MODEL is not None else None
+            self.source = live_source(EngineOptions(model=model, devices=4, redundant=1, threads="1"), workload)
             return
         from moectl.cli.engine_process import EngineProcess
         from moectl.console.engine_client import EngineSource
