@@ -31,8 +31,8 @@ from moectl.console.panels import (
 from moectl.console.sources import ActionRefused, ReplaySource, counterfactual_plan
 from moectl.console.state import ConsoleState
 from moectl.console.widgets import HeatMap
-from moectl.engine.core.actions import Action
 from moectl.themes import HEATMAP_SCALE, STYLES, THEMES
+from moectl.wire.actions import Action
 
 REFRESH_S = 1 / 15  # 15 Hz: at least 10 screen updates a second while records arrive
 ALERT_EVERY_S = 2.0
@@ -195,7 +195,7 @@ class MoectlApp(App):
     # a fixed description: Textual would otherwise repr() the arguments (the whole window) on the UI thread
     @work(thread=True, exclusive=True, group="alerts", description="alerts")
     def compute_alerts(self, records: list[dict], placement, asked: int = 0) -> None:
-        from moectl.engine.core.topology import Topology
+        from moectl.placement.topology import Topology
         from moectl.profiler.analysis import alerts
 
         devices = self.state.header.get("devices") or {}

@@ -1,4 +1,4 @@
-"""The console's side of the engine process: a Source over server/protocol.py.
+"""The console's side of the engine process: a Source over wire/protocol.py.
 
 EngineSource connects to an engine's directory (its Unix socket and token), takes the catch-up,
 then a reader thread files every record as it arrives, so the console's tick only drains
@@ -22,8 +22,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from moectl.console.sources import RECORD_BUFFER, RemotePlan, Source
-from moectl.engine.core.actions import Action, ActionRefused
-from moectl.server.protocol import (
+from moectl.wire.actions import Action, ActionRefused
+from moectl.wire.protocol import (
     Act,
     Alerts,
     Bye,

@@ -5,7 +5,7 @@ records that arrived since the last call; `act(kind, **args)` asks for an operat
 returns its result, or raises ActionRefused with a one-line reason when this source cannot do it.
 
 * EngineSource (engine_client.py): the engine in a process of its own (server/engine_host.py),
-  over server/protocol.py; what `moectl run` and `moectl web` attach to.
+  over wire/protocol.py; what `moectl run` and `moectl web` attach to.
 * LiveSource (server/live_source.py): the engine on a thread of this process; benchmarks compare
   it with the engine process. It is the one source that loads torch, and the console never
   imports it.
@@ -29,14 +29,14 @@ import aiohttp
 import numpy as np
 
 from moectl.console.state import WINDOW_STEPS
-from moectl.engine.core.actions import ACTIONS, Action, ActionRefused
-from moectl.engine.core.records import RECORD_BUFFER
-from moectl.engine.core.topology import Topology
-from moectl.engine.experts.rebalancer import plan_rebalance
-from moectl.engine.experts.step_time import predict_from_records
+from moectl.placement.rebalancer import plan_rebalance
+from moectl.placement.step_time import predict_from_records
+from moectl.placement.topology import Topology
 from moectl.profiler.analysis import alerts
 from moectl.profiler.trace_queries import placement_timeline
 from moectl.profiler.trace_store import TraceError, TraceReader
+from moectl.wire.actions import ACTIONS, Action, ActionRefused
+from moectl.wire.records import RECORD_BUFFER
 
 
 class Source:

@@ -11,8 +11,8 @@ from collections import Counter, OrderedDict, deque
 
 import numpy as np
 
-from moectl.engine.experts.placement import Placement
-from moectl.engine.experts.rebalancer import LOAD_WINDOW_STEPS, LoadWindow
+from moectl.placement.placement import Placement
+from moectl.placement.rebalancer import LOAD_WINDOW_STEPS, LoadWindow
 from moectl.profiler.analysis import utilisation as device_utilisation
 
 WINDOW_STEPS = LOAD_WINDOW_STEPS  # the moving window behind the heat map, loads, balancedness and throughput

@@ -2,7 +2,7 @@
 
 `moectl run` starts it (`moectl engine-host`, cli/console.py) and attaches a console; `moectl
 web` starts one and attaches every browser tab's console to it; `moectl serve` hosts the same
-protocol beside its HTTP API, for any number of consoles (`moectl run --engine DIR`). Clients speak server/protocol.py
+protocol beside its HTTP API, for any number of consoles (`moectl run --engine DIR`). Clients speak wire/protocol.py
 over a Unix socket in the run's private directory. The engine computes every figure; clients
 get the records and draw them.
 
@@ -36,12 +36,12 @@ from pathlib import Path
 
 import msgspec
 
-from moectl.engine.core.actions import Action, ActionRefused
 from moectl.engine.core.driver import EngineDriver
 from moectl.engine.tools.demo_workload import DemoLoad, DemoWorkload
 from moectl.profiler.recorder import engine_header
-from moectl.server import protocol
-from moectl.server.protocol import (
+from moectl.wire import protocol
+from moectl.wire.actions import Action, ActionRefused
+from moectl.wire.protocol import (
     Act,
     Alerts,
     Bye,

@@ -31,7 +31,6 @@ from moectl.engine.core.config import EngineConfig, KnobError, SchedulerKnobs
 from moectl.engine.core.kv_cache import KVCache
 from moectl.engine.core.model_runner import ModelRunner
 from moectl.engine.core.outputs import EngineLost, RequestOutput, RequestStream, StepFailed, describe_error
-from moectl.engine.core.records import StepStats
 from moectl.engine.core.sampling import PenaltyHistory, SamplingParams, _GeneratorFactory, sample, token_logprobs
 from moectl.engine.core.scheduler import ScheduledBatch, Scheduler
 from moectl.engine.core.sequence import Sequence
@@ -41,6 +40,7 @@ from moectl.engine.models.config import ModelConfig
 from moectl.engine.models.decoder import MoEForCausalLM
 from moectl.engine.models.loader import load_model
 from moectl.engine.models.tokenizer import Tokenizer
+from moectl.wire.records import StepStats
 
 MAX_FAILED_STEPS = 3  # failed steps in a row that mean the engine, not a request, is broken
 

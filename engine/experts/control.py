@@ -15,13 +15,13 @@ import threading
 import time
 from concurrent.futures import Future
 
-from moectl.engine.core.actions import Action, PlacementEdit
 from moectl.engine.core.config import AutoRebalancePolicy
 from moectl.engine.experts.cluster import LocalCluster
 from moectl.engine.experts.memory_ledger import MemoryLedger
-from moectl.engine.experts.placement import Placement
 from moectl.engine.experts.prefetch import CachePrefetcher, CoactivationPredictor, RouterPredictor
-from moectl.engine.experts.rebalancer import RebalancePlan
+from moectl.placement.placement import Placement
+from moectl.placement.rebalancer import RebalancePlan
+from moectl.wire.actions import Action, PlacementEdit
 
 EDITS = tuple(e.value for e in PlacementEdit)
 # each edit's arguments, all integers (the HBM check of a replica is the cluster's, not the caller's)

@@ -33,9 +33,6 @@ import psutil
 
 from moectl.engine.core.commands import CommandQueue
 from moectl.engine.core.config import KnobError, SchedulerKnobs
-from moectl.engine.core.records import ENGINE_LANE, PROCESS_SAMPLE_S, device_lane
-from moectl.engine.core.topology import Topology, format_size
-from moectl.engine.experts.placement import PlacementError
 from moectl.engine.sim.batching import ClusterBatcher, Scheduled
 from moectl.engine.sim.cluster_config import SimClusterConfig
 from moectl.engine.sim.hardware import load_profile
@@ -51,6 +48,9 @@ from moectl.engine.sim.step_model import (
     simulate,
     window_classes,
 )
+from moectl.placement.placement import PlacementError
+from moectl.placement.topology import Topology, format_size
+from moectl.wire.records import ENGINE_LANE, PROCESS_SAMPLE_S, device_lane
 
 ALL_LINKS_LANE = "links (all devices)"
 

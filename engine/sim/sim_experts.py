@@ -12,14 +12,14 @@ from dataclasses import replace
 
 import numpy as np
 
-from moectl.engine.core.actions import Action
 from moectl.engine.core.config import AutoRebalancePolicy
-from moectl.engine.core.topology import Topology
 from moectl.engine.experts.cluster import window_figures
 from moectl.engine.experts.control import EDITS, _check_edit_args
-from moectl.engine.experts.placement import Placement
-from moectl.engine.experts.rebalancer import LOAD_WINDOW_STEPS, LoadWindow, plan_rebalance
 from moectl.engine.sim.step_model import migration_stall, simulate
+from moectl.placement.placement import Placement
+from moectl.placement.rebalancer import LOAD_WINDOW_STEPS, LoadWindow, plan_rebalance
+from moectl.placement.topology import Topology
+from moectl.wire.actions import Action
 
 OUTCOME_STEPS = 32  # steps after an apply that its simulated outcome compares
 
