@@ -342,7 +342,7 @@ class MoectlApp(App):
         self.query_one(TabbedContent).active = tab
 
     def action_rebalance_preview(self) -> None:
-        self.run_action_request("rebalance_preview", {})
+        self.run_action_request(Action.REBALANCE_PREVIEW, {})
 
     def action_rebalance_apply(self) -> None:
         self.run_action_request(Action.REBALANCE_APPLY, {})
@@ -390,17 +390,17 @@ class MoectlApp(App):
         cmds += [("Preview rebalance", "plan for the window's routing; nothing changes", self.action_rebalance_preview),
                  ("Apply rebalance", "apply the previewed plan between steps", self.action_rebalance_apply),
                  ("Auto rebalance on", "rebalance when balancedness falls below 0.9",
-                  lambda: self.run_action_request("auto_rebalance", {"enabled": True, "threshold": 0.9})),
+                  lambda: self.run_action_request(Action.AUTO_REBALANCE, {"enabled": True, "threshold": 0.9})),
                  ("Auto rebalance off", "operator rebalances only",
-                  lambda: self.run_action_request("auto_rebalance", {"enabled": False})),
+                  lambda: self.run_action_request(Action.AUTO_REBALANCE, {"enabled": False})),
                  ("Deep capture 2 steps", "torch.profiler kernels into the timeline",
-                  lambda: self.run_action_request("capture", {"steps": 2})),
+                  lambda: self.run_action_request(Action.CAPTURE, {"steps": 2})),
                  ("Pause workload", "stop adding demo requests",
-                  lambda: self.run_action_request("workload", {"paused": True})),
+                  lambda: self.run_action_request(Action.WORKLOAD, {"paused": True})),
                  ("Resume workload", "add demo requests again",
-                  lambda: self.run_action_request("workload", {"paused": False})),
+                  lambda: self.run_action_request(Action.WORKLOAD, {"paused": False})),
                  ("Restart engine", "a fresh engine with the same configuration",
-                  lambda: self.run_action_request("restart", {})),
+                  lambda: self.run_action_request(Action.RESTART, {})),
                  ("Help", "keys and what they do", self.action_help)]
         cmds += [(f"Theme: {k}", f"switch to the {k} theme", lambda k=k: self.apply_theme(k)) for k in THEMES]
         if self.replay:

@@ -14,6 +14,7 @@ from concurrent.futures import Future
 from moectl.engine.core.driver import EngineDriver
 from moectl.engine.tools.demo_workload import DemoLoad, DemoWorkload
 from moectl.profiler.recorder import engine_header
+from moectl.wire.actions import Action
 from moectl.wire.interfaces import ConsoleSource
 
 
@@ -53,7 +54,7 @@ class LiveSource(ConsoleSource):
     def act(self, kind: str, **args) -> Future:
         """The engine's actions go to the driver (validated there, ActionRefused); the demo
         workload's own are handled here."""
-        if kind != "workload":
+        if kind != Action.WORKLOAD:
             return self.driver.act(kind, **args)
         return self.workload.steer(self.driver, **args)
 

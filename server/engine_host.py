@@ -316,7 +316,7 @@ class EngineHost:
                 raise ActionRefused("rebalance_apply: preview a plan first (or that preview is gone)")
             return self.driver.act(kind, plan=plan)
         future = self.driver.act(kind, **args)
-        if kind != "rebalance_preview":
+        if kind != Action.REBALANCE_PREVIEW:
             return future
         answer: Future = Future()
 

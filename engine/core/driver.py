@@ -132,7 +132,7 @@ class EngineDriver:
             self._refreeze = True  # by the loop, once no frame holds the old engine (see _loop)
             self._error = None
             return {"restarted": True}
-        return self.call(swap, "restart")
+        return self.call(swap, Action.RESTART)
 
     def act(self, kind: str, **args) -> Future:
         """An operator action. Validated now (ActionRefused); carried out between steps."""

@@ -78,7 +78,7 @@ class SimExperts:
         plan = plan_rebalance(totals, self.topology, self.redundant_slots, current=self.placement,
                               expert_bytes=self.expert_bytes, target=self.auto.target)
         plan.prediction = self.predict_change(plan.placement)
-        self._engine.record_action("rebalance_preview", {}, plan.summary())
+        self._engine.record_action(Action.REBALANCE_PREVIEW, {}, plan.summary())
         return plan
 
     def predict_change(self, placement: Placement) -> dict | None:
@@ -125,9 +125,9 @@ class SimExperts:
     def set_auto(self, policy: AutoRebalancePolicy) -> Future:
         def set_policy() -> dict:
             self.auto = policy
-            self._engine.record_action("auto_rebalance", policy.as_dict(), {})
+            self._engine.record_action(Action.AUTO_REBALANCE, policy.as_dict(), {})
             return {"mode": policy.mode}
-        return self._engine.submit(set_policy, "auto_rebalance")
+        return self._engine.submit(set_policy, Action.AUTO_REBALANCE)
 
     def check_knobs(self, knobs) -> None:
         """Simulated devices hold what the memory plan gives them; knobs change only the batch."""
