@@ -97,8 +97,8 @@ SPAN_NAMES = ["attention", "router", "experts", "all_to_all dispatch", "all_to_a
 # -- 1. the synthetic trace ----------------------------------------------------------------------
 
 def synthetic_header(expert_bytes: int = 44 << 20) -> dict:
-    from moectl.engine.core.topology import Topology
-    from moectl.engine.experts.placement import Placement
+    from moectl.placement.placement import Placement
+    from moectl.placement.topology import Topology
 
     topology = Topology(num_devices=DEVICES, hbm_bytes=141 << 30)
     return {
@@ -142,7 +142,7 @@ def _spans(rng: np.random.Generator) -> dict:
 
 def synthetic_records(n: int, header: dict, seed: int = 0, pool: int = 16) -> list[dict]:
     """n step records (profiler/records.py format 1); `pool` distinct payloads reused round robin."""
-    from moectl.engine.experts.placement import Placement
+    from moectl.placement.placement import Placement
 
     rng = np.random.default_rng(seed)
     placement = Placement.from_dict(header["devices"]["placement"])

@@ -27,7 +27,7 @@ import json, resource, sys
 import torch
 from moectl.engine.core.config import EngineConfig
 from moectl.engine.core.sampling import SamplingParams
-from moectl.engine.core.topology import Topology
+from moectl.placement.topology import Topology
 from moectl.engine.llm_engine import LLMEngine
 mode, path, host_mem, slots = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 torch.set_num_threads(1)
@@ -83,7 +83,7 @@ def child(mode: str, path: Path, host_mem: int, slots: int) -> dict:
 
 
 def main() -> None:
-    from moectl.engine.core.topology import format_size, parse_size
+    from moectl.placement.topology import format_size, parse_size
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size", default="16MiB", help="--host-mem of the disk run")

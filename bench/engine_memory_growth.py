@@ -29,9 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from moectl.engine.core import native_memory  # noqa: E402
 from moectl.engine.core.config import EngineConfig  # noqa: E402
-from moectl.engine.core.topology import Topology  # noqa: E402
 from moectl.engine.llm_engine import LLMEngine  # noqa: E402
 from moectl.engine.tools.workload import WorkloadSpec, run_workload, workload_for_engine  # noqa: E402
+from moectl.placement.topology import Topology  # noqa: E402
 
 
 class _Enough(Exception):

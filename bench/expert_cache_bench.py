@@ -41,12 +41,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from moectl.engine.core.config import EngineConfig, SchedulerKnobs  # noqa: E402
-from moectl.engine.core.topology import Topology  # noqa: E402
 from moectl.engine.experts.expert_cache import ExpertCache, moe_host_tier, replay  # noqa: E402
-from moectl.engine.experts.placement import Placement  # noqa: E402
 from moectl.engine.experts.prefetch import CoactivationPredictor, RouterPredictor, RoutingRecorder  # noqa: E402
 from moectl.engine.llm_engine import LLMEngine  # noqa: E402
 from moectl.engine.tools.workload import WorkloadSpec, make_workload, run_workload  # noqa: E402
+from moectl.placement.placement import Placement  # noqa: E402
+from moectl.placement.topology import Topology  # noqa: E402
 
 TARGET = 0.9
 ROOT = Path(__file__).resolve().parent.parent

@@ -44,7 +44,7 @@ from typer.testing import CliRunner  # noqa: E402
 
 from moectl.cli.main import app  # noqa: E402
 from moectl.engine.experts.physical_map import physical_map  # noqa: E402
-from moectl.engine.experts.placement import Placement  # noqa: E402
+from moectl.placement.placement import Placement  # noqa: E402
 from moectl.profiler.trace_queries import placement_in_force  # noqa: E402
 from moectl.profiler.trace_store import TraceError, TraceReader  # noqa: E402
 
@@ -254,7 +254,7 @@ def reference(trace: Path, work: Path, routing: np.ndarray, placement: Placement
     engines (`trace report --placement`, a counterfactual on the same routing), and the plan
     from that placement (the planner starts from the placement in force; `plan rebalance TRACE`
     starts from the recorded one, empty slots and all, so its moves differ where slots were filled)."""
-    from moectl.engine.experts.rebalancer import run_plan_rebalance
+    from moectl.placement.rebalancer import run_plan_rebalance
 
     path = work / "engine_placement.json"
     path.write_text(json.dumps(placement.to_dict()))

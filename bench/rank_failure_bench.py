@@ -19,8 +19,8 @@ from moectl.engine import sample_model_dir
 from moectl.engine.core.config import EngineConfig
 from moectl.engine.core.driver import EngineDriver
 from moectl.engine.core.sampling import SamplingParams
-from moectl.engine.core.topology import Topology
 from moectl.engine.parallel.group import RankGroup
+from moectl.placement.topology import Topology
 
 BOUND_S = 10.0
 

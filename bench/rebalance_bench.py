@@ -25,14 +25,14 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from moectl.engine.core.topology import Topology, format_size  # noqa: E402
-from moectl.engine.experts.rebalancer import (  # noqa: E402
+from moectl.placement.rebalancer import (  # noqa: E402
     DEFAULT_EXPERT_BYTES,
     load_loads_file,
     plan_rebalance,
     run_plan_rebalance,
     synthetic_loads,
 )
+from moectl.placement.topology import Topology, format_size  # noqa: E402
 
 TARGET_MS = 100.0
 

@@ -17,8 +17,8 @@ import time
 
 import torch
 
-from moectl.engine.experts.placement import Placement
 from moectl.engine.experts.replica_routing import POLICIES, RoutingState, assign_replicas
+from moectl.placement.placement import Placement
 
 
 def time_call(placement: Placement, ids: torch.Tensor, home: torch.Tensor, policy: str, repeat: int) -> float:

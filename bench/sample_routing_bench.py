@@ -17,10 +17,10 @@ import argparse
 import json
 
 from moectl.engine import sample_model_dir
-from moectl.engine.core.topology import Topology
-from moectl.engine.experts.rebalancer import run_plan_rebalance
 from moectl.engine.llm_engine import EngineConfig, LLMEngine
 from moectl.engine.tools.workload import WorkloadSpec, run_workload, workload_for_engine
+from moectl.placement.rebalancer import run_plan_rebalance
+from moectl.placement.topology import Topology
 
 EXPERT_BYTES = 3 * 256 * 96 * 4  # one fp32 expert of the sample model
 

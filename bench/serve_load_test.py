@@ -43,7 +43,7 @@ SERVER_CODE = textwrap.dedent("""
     from moectl.engine.core.driver import EngineDriver
     from moectl.engine.core.config import EngineConfig
     from moectl.engine.llm_engine import LLMEngine
-    from moectl.engine.core.topology import Topology
+    from moectl.placement.topology import Topology
     from moectl.server.app import run_server
     from moectl.engine.core import gc_heap
 

@@ -43,12 +43,12 @@ def moectl(*args) -> str:
 
 
 def price(trace: Path, profile: Path) -> list[dict]:
-    from moectl.engine.experts.placement import Placement
     from moectl.engine.sim.hardware import load_profile
     from moectl.engine.sim.model_shape import load_sim_model
     from moectl.engine.sim.routing import balanced
     from moectl.engine.sim.step_model import SimSpec, simulate
     from moectl.engine.sim.trace_load import load_from_record, mean_prompt
+    from moectl.placement.placement import Placement
     from moectl.profiler.trace_queries import placement_timeline
     from moectl.profiler.trace_store import TraceReader
 

@@ -70,7 +70,7 @@ def eplb_placement(loads, devices: int, num_experts: int):
     that 256 + 32 experts need, every spare one filled with a replica of a hot expert (moectl's
     planner). Slots per device are whole, so at EP128 that is 3 a device: 384 slots, 128
     replicas, more than the deployment's 32."""
-    from moectl.engine.experts.rebalancer import plan_rebalance
+    from moectl.placement.rebalancer import plan_rebalance
 
     slots = -(-(num_experts + REDUNDANT_EXPERTS) // devices)
     return plan_rebalance(loads, devices, slots - -(-num_experts // devices)).placement

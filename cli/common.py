@@ -18,7 +18,7 @@ import typer
 from moectl.cli.engine_options import DEFAULT_DEVICES, DEFAULT_REDUNDANT, MAX_REDUNDANT
 from moectl.engine import resolve_model
 from moectl.engine.core.config import EngineConfig
-from moectl.engine.core.topology import MAX_DEVICES, Topology, parse_size
+from moectl.placement.topology import MAX_DEVICES, Topology, parse_size
 
 if TYPE_CHECKING:
     from moectl.cli.engine_options import EngineOptions
@@ -185,12 +185,12 @@ def parse_ids(spec: str) -> list[int]:
 
 
 def read_placement(path: Path, model: Path, devices: int) -> dict:
-    """The --placement file (engine/experts/placement_file.py: a placement or a `plan rebalance
+    """The --placement file (placement/placement_file.py: a placement or a `plan rebalance
     --json` result) fitted to the checkpoint's config.json and checked against the device count,
     before anything is loaded, so the error names the option."""
-    from moectl.engine.experts.placement import PlacementError
-    from moectl.engine.experts.placement_file import fit_to_model, model_identity, read_placement_file
     from moectl.engine.models.config import ModelConfig
+    from moectl.placement.placement import PlacementError
+    from moectl.placement.placement_file import fit_to_model, model_identity, read_placement_file
 
     try:
         placement, planned_for = read_placement_file(path)

@@ -83,7 +83,7 @@ def run(
     gc_heap.own_process()  # this process serves one engine for its life: its heap is frozen once built
     from moectl.cli.engine_process import EngineProcess, EngineStartFailed, exit_lines
     from moectl.console.engine_client import EngineSource
-    from moectl.engine.core.actions import ActionRefused
+    from moectl.wire.actions import ActionRefused
 
     check_theme(theme)
     refuse_sim_options(options)
@@ -141,7 +141,7 @@ def engine_host(
     from moectl.cli.engine_process import EngineHostConfig
     from moectl.engine.parallel.backends import Engines
     from moectl.server.engine_host import EngineHost, die_with_parent, starter_pid
-    from moectl.server.protocol import SOCKET_NAME, read_token
+    from moectl.wire.protocol import SOCKET_NAME, read_token
 
     die_with_parent()
     parent = starter_pid()

@@ -33,7 +33,7 @@ from pathlib import Path
 import typer
 
 from moectl.cli.engine_options import DEFAULT_OPTIONS, EngineOptions, with_engine_options
-from moectl.server.protocol import ENGINE_DIR_PREFIX, OWNER_NAME, PARENT_PID_ENV, SOCKET_NAME, new_engine_dir
+from moectl.wire.protocol import ENGINE_DIR_PREFIX, OWNER_NAME, PARENT_PID_ENV, SOCKET_NAME, new_engine_dir
 
 try:  # newer typer vendors click
     from typer._click.exceptions import UsageError

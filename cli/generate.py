@@ -13,7 +13,7 @@ import typer
 
 from moectl.cli.common import JSON_OPT, BadInput, check_seed, engine_config, handles_errors, option_flag, parse_ids
 from moectl.cli.engine_options import DEFAULT_OPTIONS, REAL_ENGINE_OPTIONS, EngineOptions, given, with_engine_options
-from moectl.engine.core.topology import format_size
+from moectl.placement.topology import format_size
 
 
 @handles_errors
@@ -87,12 +87,12 @@ OWN_ENGINE_OPTIONS = ("kv_cache_dtype", "device", "device_stats")
 
 def _generate_on(ctx: typer.Context | None, options: EngineOptions, engine_dir: Path, inputs: list, params,
                  as_json: bool) -> None:
-    """The prompts on a running engine, over its client protocol (server/protocol.py Generate):
+    """The prompts on a running engine, over its client protocol (wire/protocol.py Generate):
     they run beside what it serves, and every console attached to it shows them."""
     from dataclasses import asdict
 
     from moectl.console.engine_client import EngineSource
-    from moectl.engine.core.actions import ActionRefused
+    from moectl.wire.actions import ActionRefused
 
     given_flags = options.given_flags() + [option_flag(ctx, name) for name in OWN_ENGINE_OPTIONS
                                            if ctx is not None and given(ctx, name)]

@@ -19,8 +19,8 @@ from moectl.cli.common import (
     redundant_slots,
 )
 from moectl.cli.engine_options import DEFAULT_DEVICES, DEFAULT_REDUNDANT, DEVICES_OPT, HBM_OPT, REDUNDANT_OPT, given
-from moectl.engine.core.topology import MAX_DEVICES
-from moectl.engine.experts.placement import MAX_EXPERTS
+from moectl.placement.placement import MAX_EXPERTS
+from moectl.placement.topology import MAX_DEVICES
 
 plan_app = typer.Typer(no_args_is_help=True, help="Offline planning: expert rebalancing and device memory.")
 # --synthetic's sizes: past any MoE model (DeepSeek-V3: 61 x 256, Kimi K2: 61 x 384), and small enough that
@@ -60,9 +60,9 @@ def plan_memory_cmd(
     """The operator-level memory table for each device: weights by category, KV cache, activations
     at peak, communication buffers and headroom; whether it fits and, if not, by how much. With
     --offload, also the experts' three tiers (HBM cache, host, disk)."""
-    from moectl.engine.core.topology import Topology
     from moectl.engine.planning.memory_plan import fit_suggestions, plan_memory
     from moectl.engine.planning.offload_plan import plan_offload
+    from moectl.placement.topology import Topology
 
     _check_range("--devices", devices, 1, MAX_DEVICES)
     if not offload and given(ctx, "host_mem"):
@@ -120,7 +120,7 @@ def plan_rebalance_cmd(
     (by node when there are nodes), and report balancedness before/after and bytes moved. From a
     trace, the loads are its recorded routing and "before" is the placement it was recorded with
     (exact: routing does not depend on placement)."""
-    from moectl.engine.experts.rebalancer import (
+    from moectl.placement.rebalancer import (
         DEFAULT_EXPERT_BYTES,
         load_loads_file,
         run_plan_rebalance,
@@ -153,9 +153,9 @@ def plan_rebalance_cmd(
         if model is not None:
             import numpy as np
 
-            from moectl.engine.experts.placement_file import model_identity
             from moectl.engine.models.config import ModelConfig
             from moectl.engine.planning.memory_plan import load_plan_model, weight_format
+            from moectl.placement.placement_file import model_identity
 
             path = model_dir(model, config_file=True)
             cfg = ModelConfig.from_dir(path, sizes_only=True)
@@ -190,7 +190,7 @@ def plan_rebalance_cmd(
             timeline = placement_timeline(reader)
             final = timeline[-1][1] if timeline else None
             header = reader.header
-            from moectl.engine.experts.placement_file import identity_from_header
+            from moectl.placement.placement_file import identity_from_header
 
             planned_for = identity_from_header(header)
         size = trace_bytes or size
@@ -212,8 +212,8 @@ def plan_rebalance_cmd(
         result["predicted"] = None
         result["predicted_absent"] = f"{imported['engine']}'s dump has no step times to predict them from"
     elif final is not None:  # a trace with devices: predict from its last steps
-        from moectl.engine.experts.placement import Placement
-        from moectl.engine.experts.step_time import predict_from_records
+        from moectl.placement.placement import Placement
+        from moectl.placement.step_time import predict_from_records
 
         result["predicted"] = predict_from_records(recent, final, Placement.from_dict(result["placement"]))
     if export is not None:
@@ -240,7 +240,7 @@ def plan_rebalance_cmd(
 def _fill_for_export(result: dict, loads, current) -> None:
     """Fill the plan's empty slots (physical_map.fill_empty_slots) and redo the figures that change."""
     from moectl.engine.experts.physical_map import fill_empty_slots
-    from moectl.engine.experts.placement import Placement
+    from moectl.placement.placement import Placement
 
     plan = Placement.from_dict(result["placement"])
     filled, slots = fill_empty_slots(plan, loads)
@@ -258,7 +258,7 @@ def _export(engine: str, output: Path, result: dict, loads, header: dict) -> dic
     """The plan in the file `engine` reads (engine/experts/physical_map.py). Layers: SGLang's map
     has one row per model layer, vLLM's one per MoE layer, so the trace's layer indexing decides."""
     from moectl.engine.experts.physical_map import write_sglang_location, write_vllm_placement
-    from moectl.engine.experts.placement import Placement, PlacementError
+    from moectl.placement.placement import Placement, PlacementError
 
     placement = Placement.from_dict(result["placement"])
     per_moe_layer = (header.get("imported") or {}).get("layer_indexing") == "moe"

@@ -13,7 +13,7 @@ import typer
 from moectl.cli.common import JSON_OPT, BadInput, engine_config, handles_errors
 from moectl.cli.engine_options import DEFAULT_OPTIONS, EngineOptions, with_engine_options
 from moectl.cli.sim_backend import SIMULATED, refuse_sim_options
-from moectl.engine.core.actions import Action
+from moectl.wire.actions import Action
 
 DEFAULT_RECORD_WORKLOAD = "rate=6,prompt=32-256,output=32-128,duration=86400"
 # The trace file keeps every step; the engine's own in-memory step log (4096 records of ~25 KB

@@ -65,7 +65,7 @@ def serve_consoles(driver):
     import shutil
 
     from moectl.server.engine_host import EngineHost
-    from moectl.server.protocol import new_engine_dir
+    from moectl.wire.protocol import new_engine_dir
 
     engine_dir, token = new_engine_dir()
     host = EngineHost(engine_dir, token, driver=driver, name="moectl serve",

@@ -64,8 +64,6 @@ def sim(
     """Predict one step: its time, tokens per second (per device and per node), each device's
     utilisation, balancedness and a breakdown by part. Simulated from the config's shapes, the
     hardware profile's sourced figures and the routing: nothing here runs the model."""
-    from moectl.engine.experts.placement_file import read_placement_file
-    from moectl.engine.experts.rebalancer import plan_rebalance
     from moectl.engine.sim.hardware import load_profile
     from moectl.engine.sim.model_shape import load_sim_model
     from moectl.engine.sim.routing import routing_from
@@ -77,6 +75,8 @@ def sim(
         moe_rows,
         simulate,
     )
+    from moectl.placement.placement_file import read_placement_file
+    from moectl.placement.rebalancer import plan_rebalance
 
     if ctx.invoked_subcommand is not None:
         return
@@ -127,7 +127,7 @@ def sim(
 
 
 def _print(r: dict) -> None:
-    from moectl.engine.core.topology import format_size
+    from moectl.placement.topology import format_size
 
     unit = "output" if r["phase"] == "decode" else "prompt"
     typer.echo(f"SIMULATED: {r['model']} on {r['devices']} x {r['hardware_name']} ({r['nodes']} nodes), {r['phase']}, "

@@ -61,7 +61,7 @@ class SimEngines:
         placement = options.placement
         chosen, planned_for = None, None
         if placement is not None:
-            from moectl.engine.experts.placement_file import read_placement_file
+            from moectl.placement.placement_file import read_placement_file
 
             try:
                 chosen, planned_for = read_placement_file(placement)

@@ -163,7 +163,7 @@ def trace_report(
     alerts with a suggested action; with --placement, what the same routing does under it.
     A Kineto trace: time per kernel class per rank, GPU idle time, communication overlapped by
     computation, the straggler rank and the kernels no rule classes."""
-    from moectl.engine.core.topology import Topology
+    from moectl.placement.topology import Topology
     from moectl.profiler import analysis
     from moectl.profiler.kineto import is_kineto
     from moectl.profiler.kineto_import import is_timeline
@@ -230,8 +230,8 @@ def trace_report(
 def _placement_for_trace(path: Path, header: dict):
     """--placement of trace report: the placement file every command reads, fitted to the model
     the trace recorded (the routing's layers and experts, where the header names no model)."""
-    from moectl.engine.experts.placement import PlacementError
-    from moectl.engine.experts.placement_file import fit_to_model, identity_from_header, read_placement_file
+    from moectl.placement.placement import PlacementError
+    from moectl.placement.placement_file import fit_to_model, identity_from_header, read_placement_file
 
     try:
         placement, planned_for = read_placement_file(path)

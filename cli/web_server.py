@@ -35,7 +35,7 @@ from textual_serve.server import Server, to_int
 from yarl import URL
 
 from moectl.server.http_auth import bearer_token
-from moectl.server.protocol import token_matches
+from moectl.wire.protocol import token_matches
 
 log = logging.getLogger("textual-serve")  # textual-serve's own log, which serve() sets up
 QUIT_S = 15.0  # how long a console gets to quit (engine shutdown included) before it is killed

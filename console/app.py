@@ -31,8 +31,8 @@ from moectl.console.panels import (
 from moectl.console.sources import ActionRefused, ReplaySource, counterfactual_plan
 from moectl.console.state import ConsoleState
 from moectl.console.widgets import HeatMap
-from moectl.engine.core.actions import Action
 from moectl.themes import HEATMAP_SCALE, STYLES, THEMES
+from moectl.wire.actions import Action
 
 REFRESH_S = 1 / 15  # 15 Hz: at least 10 screen updates a second while records arrive
 ALERT_EVERY_S = 2.0
@@ -195,7 +195,7 @@ class MoectlApp(App):
     # a fixed description: Textual would otherwise repr() the arguments (the whole window) on the UI thread
     @work(thread=True, exclusive=True, group="alerts", description="alerts")
     def compute_alerts(self, records: list[dict], placement, asked: int = 0) -> None:
-        from moectl.engine.core.topology import Topology
+        from moectl.placement.topology import Topology
         from moectl.profiler.analysis import alerts
 
         devices = self.state.header.get("devices") or {}
@@ -342,7 +342,7 @@ class MoectlApp(App):
         self.query_one(TabbedContent).active = tab
 
     def action_rebalance_preview(self) -> None:
-        self.run_action_request("rebalance_preview", {})
+        self.run_action_request(Action.REBALANCE_PREVIEW, {})
 
     def action_rebalance_apply(self) -> None:
         self.run_action_request(Action.REBALANCE_APPLY, {})
@@ -390,17 +390,17 @@ class MoectlApp(App):
         cmds += [("Preview rebalance", "plan for the window's routing; nothing changes", self.action_rebalance_preview),
                  ("Apply rebalance", "apply the previewed plan between steps", self.action_rebalance_apply),
                  ("Auto rebalance on", "rebalance when balancedness falls below 0.9",
-                  lambda: self.run_action_request("auto_rebalance", {"enabled": True, "threshold": 0.9})),
+                  lambda: self.run_action_request(Action.AUTO_REBALANCE, {"enabled": True, "threshold": 0.9})),
                  ("Auto rebalance off", "operator rebalances only",
-                  lambda: self.run_action_request("auto_rebalance", {"enabled": False})),
+                  lambda: self.run_action_request(Action.AUTO_REBALANCE, {"enabled": False})),
                  ("Deep capture 2 steps", "torch.profiler kernels into the timeline",
-                  lambda: self.run_action_request("capture", {"steps": 2})),
+                  lambda: self.run_action_request(Action.CAPTURE, {"steps": 2})),
                  ("Pause workload", "stop adding demo requests",
-                  lambda: self.run_action_request("workload", {"paused": True})),
+                  lambda: self.run_action_request(Action.WORKLOAD, {"paused": True})),
                  ("Resume workload", "add demo requests again",
-                  lambda: self.run_action_request("workload", {"paused": False})),
+                  lambda: self.run_action_request(Action.WORKLOAD, {"paused": False})),
                  ("Restart engine", "a fresh engine with the same configuration",
-                  lambda: self.run_action_request("restart", {})),
+                  lambda: self.run_action_request(Action.RESTART, {})),
                  ("Help", "keys and what they do", self.action_help)]
         cmds += [(f"Theme: {k}", f"switch to the {k} theme", lambda k=k: self.apply_theme(k)) for k in THEMES]
         if self.replay:

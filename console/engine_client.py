@@ -1,4 +1,4 @@
-"""The console's side of the engine process: a Source over server/protocol.py.
+"""The console's side of the engine process: a ConsoleSource (wire/interfaces.py) over wire/protocol.py.
 
 EngineSource connects to an engine's directory (its Unix socket and token), takes the catch-up,
 then a reader thread files every record as it arrives, so the console's tick only drains
@@ -21,9 +21,10 @@ from concurrent.futures import Future
 from pathlib import Path
 from types import SimpleNamespace
 
-from moectl.console.sources import RECORD_BUFFER, RemotePlan, Source
-from moectl.engine.core.actions import Action, ActionRefused
-from moectl.server.protocol import (
+from moectl.console.sources import RECORD_BUFFER, RemotePlan
+from moectl.wire.actions import Action, ActionRefused
+from moectl.wire.interfaces import ConsoleSource
+from moectl.wire.protocol import (
     Act,
     Alerts,
     Bye,
@@ -85,7 +86,7 @@ class RequestHandle:
             raise ActionRefused(f"cancel: not sent ({exc})") from None
 
 
-class EngineSource(Source):
+class EngineSource(ConsoleSource):
     """An engine process's records and actions. owner: this console started the engine, which
     stops when this source closes (or this process dies); the engine grants it only to the process
     that started it, and refuses anyone else's claim (ActionRefused here)."""
@@ -191,7 +192,7 @@ class EngineSource(Source):
         else:
             future.set_result(result.value)
 
-    # -- Source
+    # -- ConsoleSource
     @property
     def error(self) -> str | None:
         return self._lost or self._status.error

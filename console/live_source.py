@@ -1,4 +1,4 @@
-"""The engine on a thread of the console's own process, as a Source (sources.py).
+"""The engine on a thread of the console's own process, as a ConsoleSource (wire/interfaces.py).
 
 `moectl run` puts the engine in a process of its own (server/engine_host.py) and the console
 attaches to it (engine_client.py); this in-process source is what that design is measured
@@ -11,13 +11,14 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 
-from moectl.console.sources import Source
 from moectl.engine.core.driver import EngineDriver
 from moectl.engine.tools.demo_workload import DemoLoad, DemoWorkload
 from moectl.profiler.recorder import engine_header
+from moectl.wire.actions import Action
+from moectl.wire.interfaces import ConsoleSource
 
 
-class LiveSource(Source):
+class LiveSource(ConsoleSource):
     """The embedded engine on its driver's thread, fed by the demo workload."""
 
     mode = "live"
@@ -53,7 +54,7 @@ class LiveSource(Source):
     def act(self, kind: str, **args) -> Future:
         """The engine's actions go to the driver (validated there, ActionRefused); the demo
         workload's own are handled here."""
-        if kind != "workload":
+        if kind != Action.WORKLOAD:
             return self.driver.act(kind, **args)
         return self.workload.steer(self.driver, **args)
 

@@ -1,12 +1,13 @@
 """Where the console's records come from, and where its actions go.
 
-One interface, several sources (../shared/DESIGN.md): `poll()` hands over the step and action
-records that arrived since the last call; `act(kind, **args)` asks for an operator action and
-returns its result, or raises ActionRefused with a one-line reason when this source cannot do it.
+One interface, several sources (ConsoleSource, wire/interfaces.py): `poll()` hands over the step
+and action records that arrived since the last call; `act(kind, **args)` asks for an operator
+action and returns its result, or raises ActionRefused with a one-line reason when this source
+cannot do it.
 
 * EngineSource (engine_client.py): the engine in a process of its own (server/engine_host.py),
-  over server/protocol.py; what `moectl run` and `moectl web` attach to.
-* LiveSource (server/live_source.py): the engine on a thread of this process; benchmarks compare
+  over wire/protocol.py; what `moectl run` and `moectl web` attach to.
+* LiveSource (live_source.py): the engine on a thread of this process; benchmarks compare
   it with the engine process. It is the one source that loads torch, and the console never
   imports it.
 * ReplaySource: a trace file with a transport (play, pause, speed, step, seek). Its rebalance
@@ -29,37 +30,19 @@ import aiohttp
 import numpy as np
 
 from moectl.console.state import WINDOW_STEPS
-from moectl.engine.core.actions import ACTIONS, Action, ActionRefused
-from moectl.engine.core.records import RECORD_BUFFER
-from moectl.engine.core.topology import Topology
-from moectl.engine.experts.rebalancer import plan_rebalance
-from moectl.engine.experts.step_time import predict_from_records
+from moectl.placement.rebalancer import plan_rebalance
+from moectl.placement.step_time import predict_from_records
+from moectl.placement.topology import Topology
 from moectl.profiler.analysis import alerts
 from moectl.profiler.trace_queries import placement_timeline
 from moectl.profiler.trace_store import TraceError, TraceReader
-
-
-class Source:
-    mode = "?"
-    header: dict = {}
-
-    def poll(self) -> tuple[list[dict], list[dict]]:
-        raise NotImplementedError
-
-    def act(self, kind: str, **args):
-        raise NotImplementedError
-
-    def close(self) -> None:
-        pass
-
-    @property
-    def error(self) -> str | None:
-        return None
-
+from moectl.wire.actions import ACTIONS, Action, ActionRefused
+from moectl.wire.interfaces import ConsoleSource
+from moectl.wire.records import RECORD_BUFFER
 
 # -- replay
 
-class ReplaySource(Source):
+class ReplaySource(ConsoleSource):
     mode = "replay"
     MAX_PER_POLL = 256  # records handed over per poll when playing fast
 
@@ -286,7 +269,7 @@ def server_url(url: str) -> str:
     return urlunsplit((parts.scheme, parts.netloc, path, "", ""))
 
 
-class AttachSource(Source):
+class AttachSource(ConsoleSource):
     """A remote `moectl serve`: records from its /v1/telemetry websocket, actions through its
     /v1/control endpoints (bearer token). Network I/O runs on a background thread with its own
     event loop, so the console's loop never waits on the network."""

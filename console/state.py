@@ -11,9 +11,10 @@ from collections import Counter, OrderedDict, deque
 
 import numpy as np
 
-from moectl.engine.experts.placement import Placement
-from moectl.engine.experts.rebalancer import LOAD_WINDOW_STEPS, LoadWindow
+from moectl.placement.placement import Placement
+from moectl.placement.rebalancer import LOAD_WINDOW_STEPS, LoadWindow
 from moectl.profiler.analysis import utilisation as device_utilisation
+from moectl.wire.actions import Action
 
 WINDOW_STEPS = LOAD_WINDOW_STEPS  # the moving window behind the heat map, loads, balancedness and throughput
 HISTORY_STEPS = 600  # curves over time
@@ -106,9 +107,9 @@ class ConsoleState:
         if result.get("placement") is not None:
             self.placement = Placement.from_dict(result["placement"])
             self.counterfactual = None
-        if action["kind"] == "knobs":
+        if action["kind"] == Action.KNOBS:
             self.knobs = dict(result)
-        if action["kind"] == "rebalance_preview":
+        if action["kind"] == Action.REBALANCE_PREVIEW:
             self.preview = dict(result)
         if action["kind"] == "rebalance_outcome":  # a simulated cluster's: the same batches under both placements
             self.sim_outcome = dict(result)

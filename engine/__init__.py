@@ -2,16 +2,20 @@
 
     models/     config parsing, the checkpoint loader, tokenizer, the decoder (attention, MoE)
     core/       the step loop (EngineCore), scheduler, block manager, KV cache, model runner,
-                sampling, records and spans, telemetry, and the driver that runs it on a thread
+                sampling, spans, telemetry, and the driver that runs it on a thread
     planning/   the memory planner and the offload plan (from config.json alone)
-    experts/    topology-aware placement, rebalancing, placed experts, expert cache and prefetch,
-                the disk tier, the per-device memory ledger, and `engine.experts` (ExpertControl)
+    experts/    placed experts on emulated devices, expert cache and prefetch, the disk tier,
+                the per-device memory ledger, and `engine.experts` (ExpertControl)
     llm_engine  LLMEngine: EngineCore with its expert layer
     sim/        the simulator: a step priced from a hardware profile and config.json, and the
                 simulated backend (`moectl sim`, `--backend simulated`; every figure simulated)
     parallel/   tensor and expert parallelism over torch.distributed ranks
     tools/      benchmarks, verification against transformers, KV evaluation, workloads, training,
                 the simulator's calibration, fault injection
+
+What it shares with every layer above it is below it, torch-free: moectl.placement (topology,
+placement, the placement file, the rebalancer, the step-time model) and moectl.wire (actions,
+records, the engine process's protocol, and the Protocols EngineCore and SimulatedEngine satisfy).
 
 The package also ships two sample models, found by name with `resolve_model` (`--model NAME`
 on every command, `moectl model list`): `sample` (sample_model/, Mixtral) and `sample-dsv3`

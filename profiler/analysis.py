@@ -23,11 +23,11 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from moectl.engine.core.records import ENGINE_LANE
-from moectl.engine.core.topology import Topology
-from moectl.engine.experts.placement import Placement
-from moectl.engine.experts.placement import balancedness as _balance
-from moectl.engine.experts.rebalancer import plan_rebalance
+from moectl.placement.placement import Placement
+from moectl.placement.placement import balancedness as _balance
+from moectl.placement.rebalancer import plan_rebalance
+from moectl.placement.topology import Topology
+from moectl.wire.records import ENGINE_LANE
 
 # ---- alert thresholds ------------------------------------------------------------------------
 BALANCEDNESS_WARN = 0.8  # window balancedness below this: imbalance alert

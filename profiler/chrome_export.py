@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from moectl.engine.core.records import ENGINE_LANE
+from moectl.wire.records import ENGINE_LANE
 
 ENGINE_PID = 1
 _TIDS_PER_PID = 1000

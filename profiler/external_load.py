@@ -31,10 +31,10 @@ from pathlib import Path
 
 import numpy as np
 
-from moectl.engine.core.records import FORMAT_VERSION
 from moectl.engine.experts.physical_map import placement_from_physical_map
-from moectl.engine.experts.placement import MAX_EXPERTS, Placement, PlacementError
+from moectl.placement.placement import MAX_EXPERTS, Placement, PlacementError
 from moectl.profiler.trace_format import SQLITE_MAGIC
+from moectl.wire.records import FORMAT_VERSION
 
 ENGINES = ("sglang", "vllm")
 MAX_COUNT = 2**31 - 1  # a trace's routing counts are int32: beyond it a count would wrap (2^62 read as 0)

@@ -28,9 +28,9 @@ import numpy as np
 
 from moectl.engine.core.config import EngineConfig
 from moectl.engine.core.sampling import SamplingParams
-from moectl.engine.core.topology import Topology
 from moectl.engine.llm_engine import LLMEngine
 from moectl.engine.tools.workload import WorkloadSpec, run_workload, workload_for_engine
+from moectl.placement.topology import Topology
 from moectl.profiler import overhead_cost
 
 TARGET_OVERHEAD = 0.01

@@ -12,8 +12,8 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from moectl.engine.core.records import FORMAT_VERSION
 from moectl.profiler.trace_store import TraceWriter
+from moectl.wire.records import FORMAT_VERSION
 
 
 def engine_header(engine) -> dict:

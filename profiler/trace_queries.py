@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from moectl.engine.experts.placement import Placement
+from moectl.placement.placement import Placement
 from moectl.profiler import analysis
 
 

@@ -35,11 +35,11 @@ from moectl.server.http_auth import bearer_token, is_loopback
 from moectl.server.metrics import ServerMetrics
 from moectl.server.openai_api import OpenAIApi
 from moectl.server.prompts import PromptEncoder
-from moectl.server.protocol import token_matches
 from moectl.server.state import STATE, ServerState
 from moectl.server.streams import EngineBridge
 from moectl.server.telemetry import TelemetryHub
 from moectl.server.tokenize_api import TokenizeApi
+from moectl.wire.protocol import token_matches
 
 log = logging.getLogger(__name__)
 

@@ -29,10 +29,10 @@ from pathlib import Path
 
 from aiohttp import web
 
-from moectl.engine.core.actions import Action
 from moectl.profiler.codec import TraceError
 from moectl.server.api_request import ApiError, is_int, param_of, read_json
 from moectl.server.state import ServerState
+from moectl.wire.actions import Action
 
 log = logging.getLogger(__name__)
 

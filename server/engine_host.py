@@ -2,7 +2,7 @@
 
 `moectl run` starts it (`moectl engine-host`, cli/console.py) and attaches a console; `moectl
 web` starts one and attaches every browser tab's console to it; `moectl serve` hosts the same
-protocol beside its HTTP API, for any number of consoles (`moectl run --engine DIR`). Clients speak server/protocol.py
+protocol beside its HTTP API, for any number of consoles (`moectl run --engine DIR`). Clients speak wire/protocol.py
 over a Unix socket in the run's private directory. The engine computes every figure; clients
 get the records and draw them.
 
@@ -36,12 +36,12 @@ from pathlib import Path
 
 import msgspec
 
-from moectl.engine.core.actions import Action, ActionRefused
 from moectl.engine.core.driver import EngineDriver
 from moectl.engine.tools.demo_workload import DemoLoad, DemoWorkload
 from moectl.profiler.recorder import engine_header
-from moectl.server import protocol
-from moectl.server.protocol import (
+from moectl.wire import protocol
+from moectl.wire.actions import Action, ActionRefused
+from moectl.wire.protocol import (
     Act,
     Alerts,
     Bye,
@@ -316,7 +316,7 @@ class EngineHost:
                 raise ActionRefused("rebalance_apply: preview a plan first (or that preview is gone)")
             return self.driver.act(kind, plan=plan)
         future = self.driver.act(kind, **args)
-        if kind != "rebalance_preview":
+        if kind != Action.REBALANCE_PREVIEW:
             return future
         answer: Future = Future()
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Summary
 
-from moectl.engine.experts.placement import Placement
+from moectl.placement.placement import Placement
 
 VLLM_QUANTILES = (("min", None), ("p50", 0.5), ("p90", 0.1), ("avg", None))
 SGLANG_EPSILON = 1e-5  # SGLang's, so that an idle layer counts 1

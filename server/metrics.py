@@ -24,9 +24,9 @@ import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.process_collector import ProcessCollector
 
-from moectl.engine.core.actions import PLACEMENT_RECORDS, Action, PlacementEdit
-from moectl.engine.experts.rebalancer import LOAD_WINDOW_STEPS
+from moectl.placement.rebalancer import LOAD_WINDOW_STEPS
 from moectl.server.eplb_metrics import EplbMetrics
+from moectl.wire.actions import PLACEMENT_RECORDS, Action, PlacementEdit
 
 log = logging.getLogger(__name__)
 

@@ -1,11 +1,11 @@
-"""Synthetic step records and span tables, following moectl/engine/core/records.py, whose
+"""Synthetic step records and span tables, following moectl/wire/records.py, whose
 numbers can be worked out by hand."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from moectl.engine.experts.placement import Placement
+from moectl.placement.placement import Placement
 
 # L=2 layers, E=4 experts. Under the contiguous placement on 2 devices (E0,E1 | E2,E3):
 #   layer 0 -> device loads 8 | 4 (balancedness 6/8), layer 1 -> 6 | 2 (4/6); overall 10/14.

@@ -1,6 +1,6 @@
 """The docs point at what exists: every relative Markdown link in README.md and the docs resolves
 to a file (and its #anchor to a heading there), and every repository path the prose names
-(docs/sim.md, engine/core/records.py, ...) is there."""
+(docs/sim.md, wire/records.py, ...) is there."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ import pytest
 
 from moectl.console.app import MoectlApp
 from moectl.console.sources import ReplaySource
-from moectl.engine.experts.placement import Placement
+from moectl.placement.placement import Placement
 from moectl.profiler import analysis
 from moectl.profiler.trace_store import TraceReader
 from tests.paths import TRACES

@@ -48,7 +48,7 @@ def _text_shape(content, width: int) -> tuple[int, int] | None:
 
 
 class ActionRequested(Message):
-    """A panel asks the app for an operator action (kind as in Source.act, with its arguments)."""
+    """A panel asks the app for an operator action (kind as in ConsoleSource.act, with its arguments)."""
 
     def __init__(self, kind: str, **args):
         super().__init__()

@@ -11,7 +11,7 @@ from moectl.console.panels.common import ActionRequested, ShowsOnChange
 from moectl.console.widgets import ColourLegend, HeatMap
 from moectl.console.widgets.bars import StackedBars
 from moectl.console.widgets.chart import Chart
-from moectl.engine.core.actions import Action
+from moectl.wire.actions import Action
 
 EDITS = ("move", "replicate", "drop_replica", "pin", "unpin")
 SEGMENT_STYLES = ("bold #4EA8DE", "bold #F4A261", "bold #52B788", "bold #B08BD9", "bold #E5614E", "bold #E9C46A")

@@ -9,7 +9,7 @@ from textual.widgets import Button, Static
 from moectl.console.panels import gpu
 from moectl.console.panels.common import ActionRequested, ShowsOnChange, fmt_bytes, fmt_s
 from moectl.console.widgets.bars import Bars
-from moectl.engine.core.actions import Action
+from moectl.wire.actions import Action
 
 SIMULATED_HBM = "HBM per device (simulated: weights, KV blocks in use, the memory plan's activations and buffers)"
 

@@ -12,7 +12,7 @@ from textual.widgets import Button, DataTable, Input, Label, Select, Static, Swi
 from moectl.console.panels.common import ActionRequested, ShowsOnChange, absent_in_import, fmt_s
 from moectl.console.widgets.chart import Chart
 from moectl.console.widgets.line_cache import LineCacheMixin
-from moectl.engine.core.actions import Action
+from moectl.wire.actions import Action
 
 KNOBS = (("max_num_seqs", "max seqs"), ("max_num_batched_tokens", "max batched tokens"),
          ("long_prefill_token_threshold", "prefill chunk"))

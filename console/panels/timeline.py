@@ -10,8 +10,8 @@ from textual.widgets import Button, Input, Label, Static
 
 from moectl.console.panels.common import ShowsOnChange, absent_in_import
 from moectl.console.widgets import Timeline
-from moectl.engine.core.actions import Action
 from moectl.profiler.analysis import step_breakdown
+from moectl.wire.actions import Action
 
 KINDS = ["span", "kernel"]
 

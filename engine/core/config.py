@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields, replace
 
-from moectl.engine.core.topology import Topology
+from moectl.placement.topology import Topology
 
 POLICIES = ("fcfs", "priority")  # scheduling order
 ROUTING_POLICIES = ("locality", "least_loaded", "round_robin")  # how a token picks among an expert's replicas

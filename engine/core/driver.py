@@ -27,12 +27,12 @@ from collections.abc import Callable
 from concurrent.futures import Future
 
 from moectl.engine.core import gc_heap
-from moectl.engine.core.actions import ACTIONS, Action, ActionRefused, action
 from moectl.engine.core.config import AutoRebalancePolicy
 from moectl.engine.core.outputs import StepFailed, describe_error
-from moectl.engine.core.records import RECORD_BUFFER
+from moectl.wire.actions import ACTIONS, Action, ActionRefused, action
+from moectl.wire.records import RECORD_BUFFER
 
-__all__ = ["RECORD_BUFFER", "ActionRefused", "EngineDriver", "done"]  # ActionRefused: core/actions.py
+__all__ = ["RECORD_BUFFER", "ActionRefused", "EngineDriver", "done"]  # ActionRefused: wire/actions.py
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +132,7 @@ class EngineDriver:
             self._refreeze = True  # by the loop, once no frame holds the old engine (see _loop)
             self._error = None
             return {"restarted": True}
-        return self.call(swap, "restart")
+        return self.call(swap, Action.RESTART)
 
     def act(self, kind: str, **args) -> Future:
         """An operator action. Validated now (ActionRefused); carried out between steps."""

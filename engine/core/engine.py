@@ -31,7 +31,6 @@ from moectl.engine.core.config import EngineConfig, KnobError, SchedulerKnobs
 from moectl.engine.core.kv_cache import KVCache
 from moectl.engine.core.model_runner import ModelRunner
 from moectl.engine.core.outputs import EngineLost, RequestOutput, RequestStream, StepFailed, describe_error
-from moectl.engine.core.records import StepStats
 from moectl.engine.core.sampling import PenaltyHistory, SamplingParams, _GeneratorFactory, sample, token_logprobs
 from moectl.engine.core.scheduler import ScheduledBatch, Scheduler
 from moectl.engine.core.sequence import Sequence
@@ -41,6 +40,8 @@ from moectl.engine.models.config import ModelConfig
 from moectl.engine.models.decoder import MoEForCausalLM
 from moectl.engine.models.loader import load_model
 from moectl.engine.models.tokenizer import Tokenizer
+from moectl.wire.actions import Action
+from moectl.wire.records import StepStats
 
 MAX_FAILED_STEPS = 3  # failed steps in a row that mean the engine, not a request, is broken
 
@@ -171,7 +172,7 @@ class EngineCore:
                 except ValueError as exc:
                     raise KnobError(str(exc)) from None
             self._pending_knobs = new
-            self.commands.submit(lambda: self._set_knobs(new, changes), "knobs")
+            self.commands.submit(lambda: self._set_knobs(new, changes), Action.KNOBS)
         return new
 
     @property
@@ -182,7 +183,7 @@ class EngineCore:
         """Deep capture: torch.profiler over the next `steps` steps; their records carry `kernels`."""
         if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= 1000:
             raise ValueError(f"capture: steps must be an integer in [1, 1000], got {steps!r}")
-        return self.commands.submit(lambda: self._start_capture(steps), "capture")
+        return self.commands.submit(lambda: self._start_capture(steps), Action.CAPTURE)
 
     def submit(self, fn, kind: str = "call") -> Future:
         """Run fn() on the engine thread between steps; its result or exception in the Future."""
@@ -390,11 +391,11 @@ class EngineCore:
         self.scheduler.knobs = knobs
         if self.experts is not None:
             self.experts.knobs = knobs
-        self.record_action("knobs", dict(changes), knobs.as_dict())
+        self.record_action(Action.KNOBS, dict(changes), knobs.as_dict())
 
     def _start_capture(self, steps: int) -> None:
         self.telemetry.capture = DeepCapture(steps)
-        self.record_action("capture", {"steps": steps}, {})
+        self.record_action(Action.CAPTURE, {"steps": steps}, {})
 
     # -- conveniences
     def fail_all(self, reason: str = "error", error: str | None = None) -> list[RequestOutput]:

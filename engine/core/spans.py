@@ -13,7 +13,7 @@ import time
 import numpy as np
 import torch
 
-from moectl.engine.core.records import lanes_for
+from moectl.wire.records import lanes_for
 
 _now = time.monotonic  # the engine clock: step and request times use it too
 

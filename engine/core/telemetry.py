@@ -20,9 +20,9 @@ import psutil
 import torch
 
 from moectl.engine.core.gpu_stats import GpuSampler
-from moectl.engine.core.records import PROCESS_SAMPLE_S, StepStats
 from moectl.engine.core.spans import SpanRecorder
 from moectl.engine.models.tracing import NULL_TRACER
+from moectl.wire.records import PROCESS_SAMPLE_S, StepStats
 
 log = logging.getLogger(__name__)
 

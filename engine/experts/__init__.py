@@ -1,3 +1,3 @@
-"""Expert parallelism in one process: placement, rebalancing, emulated devices and their clusters,
-the parallel step-time model, tiered expert memory (cache, prefetch, disk), the memory ledger,
-and `engine.experts` (ExpertControl)."""
+"""Expert parallelism in one process: emulated devices and their clusters, replica routing,
+tiered expert memory (cache, prefetch, disk), the memory ledger, and `engine.experts`
+(ExpertControl). Placement, rebalancing and the step-time model are moectl.placement."""

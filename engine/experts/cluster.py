@@ -19,15 +19,15 @@ import numpy as np
 import torch
 
 from moectl.engine.core.config import AutoRebalancePolicy
-from moectl.engine.core.topology import Topology, format_size
 from moectl.engine.experts.memory_ledger import MemoryLedger
 from moectl.engine.experts.placed_experts import PlacedExperts, StepDeviceStats
-from moectl.engine.experts.placement import Placement, PlacementError, migration_in
-from moectl.engine.experts.rebalancer import LOAD_WINDOW_STEPS, LoadWindow, RebalancePlan, plan_rebalance
 from moectl.engine.experts.replica_routing import RoutingState
-from moectl.engine.experts.step_time import ExpertCostModel, change, parallel_step, predict_step_times
 from moectl.engine.models.decoder import MoEForCausalLM
 from moectl.engine.models.moe import MoEBlock
+from moectl.placement.placement import Placement, PlacementError, migration_in
+from moectl.placement.rebalancer import LOAD_WINDOW_STEPS, LoadWindow, RebalancePlan, plan_rebalance
+from moectl.placement.step_time import ExpertCostModel, change, parallel_step, predict_step_times
+from moectl.placement.topology import Topology, format_size
 
 # The window's figures move slowly (a window of LOAD_WINDOW_STEPS steps) and cost more than the
 # rest of the devices record: a real cluster recomputes them every this many steps, and at once

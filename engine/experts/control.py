@@ -15,13 +15,13 @@ import threading
 import time
 from concurrent.futures import Future
 
-from moectl.engine.core.actions import Action, PlacementEdit
 from moectl.engine.core.config import AutoRebalancePolicy
 from moectl.engine.experts.cluster import LocalCluster
 from moectl.engine.experts.memory_ledger import MemoryLedger
-from moectl.engine.experts.placement import Placement
 from moectl.engine.experts.prefetch import CachePrefetcher, CoactivationPredictor, RouterPredictor
-from moectl.engine.experts.rebalancer import RebalancePlan
+from moectl.placement.placement import Placement
+from moectl.placement.rebalancer import RebalancePlan
+from moectl.wire.actions import Action, PlacementEdit
 
 EDITS = tuple(e.value for e in PlacementEdit)
 # each edit's arguments, all integers (the HBM check of a replica is the cluster's, not the caller's)
@@ -109,7 +109,7 @@ class ExpertControl:
         """A plan for the recent routing window: predicted balancedness before/after, bytes to move.
         Nothing changes; the preview is recorded as an action."""
         plan = self.cluster.preview()
-        self._engine.record_action("rebalance_preview", {}, plan.summary())
+        self._engine.record_action(Action.REBALANCE_PREVIEW, {}, plan.summary())
         return plan
 
     def apply(self, placement: Placement, kind: str = "placement") -> Future:
@@ -136,9 +136,9 @@ class ExpertControl:
     def set_auto(self, policy: AutoRebalancePolicy) -> Future:
         def set_policy() -> dict:
             self.cluster.auto = policy
-            self._engine.record_action("auto_rebalance", policy.as_dict(), {})
+            self._engine.record_action(Action.AUTO_REBALANCE, policy.as_dict(), {})
             return {"mode": policy.mode}
-        return self._engine.submit(set_policy, "auto_rebalance")
+        return self._engine.submit(set_policy, Action.AUTO_REBALANCE)
 
     def check_knobs(self, knobs) -> None:
         """Refuse (ValueError) knobs whose largest step would not fit next to what the devices hold."""

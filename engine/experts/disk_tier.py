@@ -26,10 +26,10 @@ from pathlib import Path
 
 import torch
 
-from moectl.engine.core.topology import format_size
 from moectl.engine.models.config import ConfigError, ModelConfig
 from moectl.engine.models.decoder import MoEForCausalLM
 from moectl.engine.models.loader import CheckpointError, expert_tensor_names, load_model, read_experts, shard_map
+from moectl.placement.topology import format_size
 
 HALF_LIFE = 4096  # host-tier lookups after which every expert's use count is halved
 

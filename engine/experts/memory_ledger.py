@@ -21,9 +21,9 @@ from __future__ import annotations
 
 from torch import nn
 
-from moectl.engine.core.topology import Topology, format_size
-from moectl.engine.experts.placement import PlacementError
 from moectl.engine.planning.memory_plan import PlanModel, comm_buffers, plan_model_of, step_activations
+from moectl.placement.placement import PlacementError
+from moectl.placement.topology import Topology, format_size
 
 # the planner's weight categories -> the names the step records use
 WEIGHT_CATEGORIES = {

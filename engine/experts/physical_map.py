@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from moectl.engine.experts.placement import Placement, PlacementError
+from moectl.placement.placement import Placement, PlacementError
 
 
 def placement_from_physical_map(physical_to_logical, num_experts: int, num_devices: int) -> Placement:

@@ -19,10 +19,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from moectl.engine.experts.placement import Placement
 from moectl.engine.experts.replica_routing import RoutingState, assign_replicas, traffic_matrix
 from moectl.engine.models.moe import StackedExperts, combine, grouped_offsets, grouped_swiglu
 from moectl.engine.models.tracing import NULL_TRACER
+from moectl.placement.placement import Placement
 
 
 class StepDeviceStats:

@@ -36,9 +36,9 @@ import torch
 
 from moectl.engine.core.model_runner import RoutingProbe
 from moectl.engine.experts.expert_cache import belady, simulate
-from moectl.engine.experts.placement import Placement
 from moectl.engine.experts.replica_routing import RoutingState, assign_replicas
 from moectl.engine.models.moe import MoEBlock
+from moectl.placement.placement import Placement
 
 
 def _moe_layers(model) -> list[int]:

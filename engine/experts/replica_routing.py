@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from moectl.engine.core.config import ROUTING_POLICIES as POLICIES
-from moectl.engine.experts.placement import Placement, PlacementError, _count, _index
+from moectl.placement.placement import Placement, PlacementError, _count, _index
 
 
 def replica_table(placement: Placement, layer: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,12 +16,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from moectl.engine.core.topology import Topology, format_size
 from moectl.engine.experts.cluster import ClusterBase
 from moectl.engine.experts.memory_ledger import non_expert_weight_bytes
-from moectl.engine.experts.placement import Placement, PlacementError
-from moectl.engine.experts.rebalancer import LOAD_WINDOW_STEPS
 from moectl.engine.parallel.rank_experts import RankExperts, RankStepStats, migrate, unpack
+from moectl.placement.placement import Placement, PlacementError
+from moectl.placement.rebalancer import LOAD_WINDOW_STEPS
+from moectl.placement.topology import Topology, format_size
 
 
 class GatheredStats:

@@ -53,9 +53,7 @@ from moectl.engine.core.model_runner import ModelRunner
 from moectl.engine.core.outputs import EngineLost
 from moectl.engine.core.paged_attention import DecodeGroup, PagedContext, PrefillSlice
 from moectl.engine.core.sampling import SamplingParams
-from moectl.engine.core.topology import Topology
 from moectl.engine.experts.control import ExpertControl
-from moectl.engine.experts.placement import Placement
 from moectl.engine.llm_engine import LLMEngine
 from moectl.engine.models.config import ModelConfig
 from moectl.engine.models.loader import load_model
@@ -68,6 +66,8 @@ from moectl.engine.parallel.sharding import (
     check_tp_size,
     local_kv_heads,
 )
+from moectl.placement.placement import Placement
+from moectl.placement.topology import Topology
 
 COLLECTIVE_TIMEOUT_S = 300.0  # a compute collective that waits longer than this fails the launch
 IDLE_TIMEOUT_S = 7 * 24 * 3600.0  # workers wait this long for rank 0's next step (an idle server)

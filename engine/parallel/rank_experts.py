@@ -38,10 +38,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moectl.engine.experts.placement import Placement, migration_in
 from moectl.engine.experts.replica_routing import RoutingState, assign_replicas
 from moectl.engine.models.moe import SWIGLU, ExpertFFN, MoEBlock, grouped_offsets, grouped_swiglu
 from moectl.engine.models.tracing import NULL_TRACER
+from moectl.placement.placement import Placement, migration_in
 
 MEMORY_SAMPLE_S = 0.5  # RSS is read at most this often (psutil costs tens of microseconds)
 _SCALARS = ("wait_s", "combine_s", "rss_bytes", "cuda_allocated", "cuda_reserved",

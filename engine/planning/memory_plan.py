@@ -34,7 +34,6 @@ import torch
 
 from moectl.engine.core.config import SchedulerKnobs
 from moectl.engine.core.kv_cache import KVCache
-from moectl.engine.core.topology import Topology, format_size
 from moectl.engine.models.config import (
     ARCHITECTURES,
     MODEL_TYPE_ALIASES,
@@ -47,6 +46,7 @@ from moectl.engine.models.config import (
     parse_quantization,
     read_config_json,
 )
+from moectl.placement.topology import Topology, format_size
 
 # architectures[0] -> planner family, beyond the runtime's four
 # plannable, not runnable (DeepSeek-V3 / Kimi-K2 are runnable: ModelConfig reads them)

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moectl.engine.core.topology import format_size
 from moectl.engine.planning.memory_plan import MemoryPlan
+from moectl.placement.topology import format_size
 
 
 @dataclass

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from moectl.engine.core.config import SchedulerKnobs
-from moectl.engine.core.topology import MAX_DEVICES
 from moectl.engine.sim.step_model import OVERLAPS
+from moectl.placement.topology import MAX_DEVICES
 
 MAX_DRIFT = 1.0
 

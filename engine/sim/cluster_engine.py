@@ -33,9 +33,6 @@ import psutil
 
 from moectl.engine.core.commands import CommandQueue
 from moectl.engine.core.config import KnobError, SchedulerKnobs
-from moectl.engine.core.records import ENGINE_LANE, PROCESS_SAMPLE_S, device_lane
-from moectl.engine.core.topology import Topology, format_size
-from moectl.engine.experts.placement import PlacementError
 from moectl.engine.sim.batching import ClusterBatcher, Scheduled
 from moectl.engine.sim.cluster_config import SimClusterConfig
 from moectl.engine.sim.hardware import load_profile
@@ -51,6 +48,10 @@ from moectl.engine.sim.step_model import (
     simulate,
     window_classes,
 )
+from moectl.placement.placement import PlacementError
+from moectl.placement.topology import Topology, format_size
+from moectl.wire.actions import Action
+from moectl.wire.records import ENGINE_LANE, PROCESS_SAMPLE_S, device_lane
 
 ALL_LINKS_LANE = "links (all devices)"
 
@@ -192,13 +193,13 @@ class SimulatedEngine:
             if new.long_prefill_token_threshold > new.max_num_batched_tokens:
                 raise KnobError("long_prefill_token_threshold: above max_num_batched_tokens, no chunk could run")
             self._pending_knobs = new
-            self.commands.submit(lambda: self._set_knobs(new, changes), "knobs")
+            self.commands.submit(lambda: self._set_knobs(new, changes), Action.KNOBS)
         return new
 
     def _set_knobs(self, knobs: SchedulerKnobs, changes: dict) -> dict:
         self.batcher.knobs = knobs
         self.spec = replace(self.spec, tokens_per_device=knobs.max_num_seqs)
-        self.record_action("knobs", changes, knobs.as_dict())
+        self.record_action(Action.KNOBS, changes, knobs.as_dict())
         return knobs.as_dict()
 
     @property

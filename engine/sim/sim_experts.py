@@ -12,14 +12,14 @@ from dataclasses import replace
 
 import numpy as np
 
-from moectl.engine.core.actions import Action
 from moectl.engine.core.config import AutoRebalancePolicy
-from moectl.engine.core.topology import Topology
 from moectl.engine.experts.cluster import window_figures
 from moectl.engine.experts.control import EDITS, _check_edit_args
-from moectl.engine.experts.placement import Placement
-from moectl.engine.experts.rebalancer import LOAD_WINDOW_STEPS, LoadWindow, plan_rebalance
 from moectl.engine.sim.step_model import migration_stall, simulate
+from moectl.placement.placement import Placement
+from moectl.placement.rebalancer import LOAD_WINDOW_STEPS, LoadWindow, plan_rebalance
+from moectl.placement.topology import Topology
+from moectl.wire.actions import Action
 
 OUTCOME_STEPS = 32  # steps after an apply that its simulated outcome compares
 
@@ -78,7 +78,7 @@ class SimExperts:
         plan = plan_rebalance(totals, self.topology, self.redundant_slots, current=self.placement,
                               expert_bytes=self.expert_bytes, target=self.auto.target)
         plan.prediction = self.predict_change(plan.placement)
-        self._engine.record_action("rebalance_preview", {}, plan.summary())
+        self._engine.record_action(Action.REBALANCE_PREVIEW, {}, plan.summary())
         return plan
 
     def predict_change(self, placement: Placement) -> dict | None:
@@ -125,9 +125,9 @@ class SimExperts:
     def set_auto(self, policy: AutoRebalancePolicy) -> Future:
         def set_policy() -> dict:
             self.auto = policy
-            self._engine.record_action("auto_rebalance", policy.as_dict(), {})
+            self._engine.record_action(Action.AUTO_REBALANCE, policy.as_dict(), {})
             return {"mode": policy.mode}
-        return self._engine.submit(set_policy, "auto_rebalance")
+        return self._engine.submit(set_policy, Action.AUTO_REBALANCE)
 
     def check_knobs(self, knobs) -> None:
         """Simulated devices hold what the memory plan gives them; knobs change only the batch."""

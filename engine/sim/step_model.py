@@ -27,10 +27,10 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from moectl.engine.experts.placement import Placement
-from moectl.engine.experts.placement_file import fit_to_model, model_identity
 from moectl.engine.sim.hardware import HardwareProfile
 from moectl.engine.sim.model_shape import SimModel
+from moectl.placement.placement import Placement
+from moectl.placement.placement_file import fit_to_model, model_identity
 
 MAX_SIM_DEVICES = 1024
 PHASES = ("prefill", "decode")

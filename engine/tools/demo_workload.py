@@ -8,8 +8,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, replace
 
-from moectl.engine.core.actions import ActionRefused
 from moectl.engine.tools.workload import WorkloadSpec, make_workload
+from moectl.wire.actions import ActionRefused
 
 
 @dataclass(frozen=True)

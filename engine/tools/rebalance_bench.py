@@ -35,12 +35,12 @@ import time
 
 import numpy as np
 
-from moectl.engine.core.actions import Action
 from moectl.engine.core.config import EngineConfig, SchedulerKnobs
 from moectl.engine.core.sampling import SamplingParams
-from moectl.engine.core.topology import Topology
-from moectl.engine.experts.step_time import predict_from_records
 from moectl.engine.parallel.backends import Engines
+from moectl.placement.step_time import predict_from_records
+from moectl.placement.topology import Topology
+from moectl.wire.actions import Action
 
 MODULES = ["os", "sys", "re", "json", "time", "math", "collections", "itertools", "functools", "typing",
            "pathlib", "logging", "subprocess", "threading", "socket", "struct", "random", "string", "shutil",

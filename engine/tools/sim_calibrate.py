@@ -158,13 +158,13 @@ def engine_overheads(model_dir, dtype: str, ranks: int, profile_for, steps: int 
     what the prefill step adds beyond both, per prompt token, the per-prompt-token one (the CPU
     prefill path's attention, masks and copies beyond what the kernels above price). attach(engine):
     what runs beside the engine as `moectl record` runs it (its trace writer), returning its close."""
-    from moectl.engine.core.topology import Topology
     from moectl.engine.llm_engine import EngineConfig, SamplingParams
     from moectl.engine.parallel.backends import Engines
     from moectl.engine.sim.model_shape import load_sim_model
     from moectl.engine.sim.routing import balanced
     from moectl.engine.sim.step_model import SimSpec, simulate
     from moectl.engine.sim.trace_load import ranks_load
+    from moectl.placement.topology import Topology
 
     sim_model = load_sim_model(model_dir, "fp32" if dtype == "float32" else "bf16")
     shape = sim_model.shape

@@ -15,9 +15,9 @@ from dataclasses import replace
 
 import numpy as np
 
-from moectl.engine.core.actions import ActionRefused
 from moectl.engine.tools.demo_workload import DemoLoad
 from moectl.engine.tools.workload import LengthDist
+from moectl.wire.actions import ActionRefused
 
 STEER_STEPS = 20  # steps between two adjustments of an auto rate
 MAX_RATE = 1e6  # requests per simulated second: a 1,024-device cluster's short requests stay below it

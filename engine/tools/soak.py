@@ -36,9 +36,9 @@ import psutil
 from moectl.engine import sample_model_dir
 from moectl.engine.core import native_memory
 from moectl.engine.core.sampling import SamplingParams
-from moectl.engine.core.topology import Topology
 from moectl.engine.llm_engine import EngineConfig, LLMEngine
 from moectl.engine.tools.workload import LengthDist
+from moectl.placement.topology import Topology
 
 TARGET_GROWTH_RATIO = 0.05  # RSS at the end over RSS after warm-up, minus 1, at most
 PROMPT_LEN = "lognormal:96,1.2,1,1024"  # median 96 tokens, from 1 to 1024

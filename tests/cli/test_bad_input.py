@@ -14,11 +14,11 @@ import pytest
 
 from moectl.cli.common import MAX_THREADS
 from moectl.engine import sample_model_dir
-from moectl.engine.core.records import StepStats
 from moectl.engine.llm_engine import EngineConfig, LLMEngine
 from moectl.engine.tools.bench import MAX_BENCH_REQUESTS
 from moectl.engine.tools.workload import WorkloadSpec, make_workload, run_workload
 from moectl.profiler.trace_store import TraceReader
+from moectl.wire.records import StepStats
 from tests.checkpoints import tiny_checkpoint
 from tests.cli.test_cli import run
 

@@ -1,4 +1,4 @@
-"""One placement file for every command (engine/experts/placement_file.py): `plan rebalance --json`
+"""One placement file for every command (placement/placement_file.py): `plan rebalance --json`
 writes a placement, with the model it was planned for, that `record`/`generate`/`run --placement`
 start the engine with and `trace report --placement` replays a trace on. A bad placement file,
 or one planned for another model, is a one-line error (exit 2).
@@ -13,7 +13,7 @@ import pytest
 from typer.testing import CliRunner
 
 from moectl.cli.main import app
-from moectl.engine.experts.placement import Placement
+from moectl.placement.placement import Placement
 from moectl.profiler.trace_store import TraceReader
 from tests.checkpoints import tiny_checkpoint
 from tests.paths import TRACES

@@ -1,4 +1,4 @@
-"""A placement file's expert ids are JSON integers in range (engine/experts/placement_file.py):
+"""A placement file's expert ids are JSON integers in range (placement/placement_file.py):
 numpy once read them for us, truncating 1.5 to 1, taking "3" for 3, overflowing on 1e20 (exit 1)
 and a deeply nested file hit Python's recursion limit (exit 1). Each is a one-line error, exit 2,
 naming the file and the field."""
@@ -11,7 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from moectl.cli.main import app
-from moectl.engine.experts.placement import Placement
+from moectl.placement.placement import Placement
 from tests.paths import TRACES
 
 runner = CliRunner()

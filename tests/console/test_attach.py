@@ -13,8 +13,8 @@ from moectl.console.app import MoectlApp
 from moectl.console.sources import ActionRefused, AttachSource
 from moectl.engine.core.config import EngineConfig
 from moectl.engine.core.driver import EngineDriver
-from moectl.engine.core.topology import Topology
 from moectl.engine.llm_engine import LLMEngine
+from moectl.placement.topology import Topology
 from moectl.server.app import ServerThread
 from tests.checkpoints import tiny_checkpoint
 from tests.pilot import run_app, text_of, until

@@ -9,8 +9,8 @@ from moectl.cli.main import app
 from moectl.console.sources import ActionRefused, AttachSource, server_url
 from moectl.engine.core.config import EngineConfig
 from moectl.engine.core.driver import EngineDriver
-from moectl.engine.core.topology import Topology
 from moectl.engine.llm_engine import LLMEngine
+from moectl.placement.topology import Topology
 from moectl.server.app import ServerThread
 from tests.checkpoints import tiny_checkpoint
 

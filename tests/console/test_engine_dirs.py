@@ -22,7 +22,7 @@ from moectl.cli.engine_process import (
     meaningful_lines,
     sweep_stale_engine_dirs,
 )
-from moectl.server.protocol import SOCKET_NAME, TOKEN_NAME
+from moectl.wire.protocol import SOCKET_NAME, TOKEN_NAME
 from tests.checkpoints import tiny_checkpoint
 from tests.console.test_engine_process import WORKLOAD, wait_gone
 from tests.paths import REPO

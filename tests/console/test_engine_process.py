@@ -1,5 +1,5 @@
 """The engine in a process of its own (server/engine_host.py) and consoles attached to it over
-server/protocol.py: the console drives a real engine process through Pilot, its process never
+wire/protocol.py: the console drives a real engine process through Pilot, its process never
 loads torch, and the process table is checked after a kill -9 of either side and after q."""
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import pytest
 from moectl.cli.engine_process import EngineProcess, EngineStartFailed
 from moectl.console.app import MoectlApp
 from moectl.console.engine_client import EngineSource
-from moectl.engine.core.actions import ActionRefused
-from moectl.server import protocol
+from moectl.wire import protocol
+from moectl.wire.actions import ActionRefused
 from tests.checkpoints import tiny_checkpoint
 from tests.paths import REPO
 from tests.pilot import run_app, text_of, until
@@ -112,7 +112,7 @@ def test_a_client_without_the_token_is_refused(ckpt):
 _INTRUDER = textwrap.dedent("""
     import sys
     from pathlib import Path
-    from moectl.server import protocol
+    from moectl.wire import protocol
     engine_dir = Path(sys.argv[1])
     token = protocol.read_token(engine_dir)
     with protocol.connect(engine_dir) as sock:  # claims the engine: refused
@@ -396,8 +396,8 @@ def test_requests_travel_over_the_protocol_beside_the_record_stream(ckpt, single
     its steps in the records; a refused one, a cancelled one and a client that leaves end cleanly."""
     from moectl.engine.core.config import EngineConfig
     from moectl.engine.core.sampling import SamplingParams
-    from moectl.engine.core.topology import Topology
     from moectl.engine.llm_engine import LLMEngine
+    from moectl.placement.topology import Topology
 
     prompt = [5, 9, 14, 3, 7]
     local = LLMEngine(EngineConfig(model=str(ckpt), topology=Topology(num_devices=4), redundant_slots=1,

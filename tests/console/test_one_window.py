@@ -1,4 +1,4 @@
-"""One routing window (engine/experts/rebalancer.py LoadWindow, LOAD_WINDOW_STEPS), kept by the
+"""One routing window (placement/rebalancer.py LoadWindow, LOAD_WINDOW_STEPS), kept by the
 engine: its figures travel in every step record (devices.window), and the console and /metrics
 draw them instead of recomputing. There were three windows, each with its own bookkeeping."""
 
@@ -9,10 +9,10 @@ import numpy as np
 from moectl.console.state import ConsoleState
 from moectl.engine.core.config import EngineConfig
 from moectl.engine.core.sampling import SamplingParams
-from moectl.engine.core.topology import Topology
 from moectl.engine.experts.cluster import WINDOW_FIGURES_EVERY
-from moectl.engine.experts.rebalancer import LOAD_WINDOW_STEPS
 from moectl.engine.llm_engine import LLMEngine
+from moectl.placement.rebalancer import LOAD_WINDOW_STEPS
+from moectl.placement.topology import Topology
 from moectl.profiler.recorder import engine_header
 from moectl.server.metrics import ServerMetrics
 from tests.checkpoints import prompts, tiny_checkpoint
@@ -63,7 +63,7 @@ def test_the_console_and_the_metrics_window_is_the_engines(tmp_path, single_thre
 def test_a_replay_what_if_is_the_consoles_own_estimate(tmp_path, single_thread):
     """A counterfactual placement (replay's what-if) is not the engine's: the console estimates it
     from the routing window, and says so (loads_estimated)."""
-    from moectl.engine.experts.placement import Placement
+    from moectl.placement.placement import Placement
 
     config = EngineConfig(model=str(tiny_checkpoint(tmp_path / "ckpt")), topology=Topology(num_devices=4),
                           redundant_slots=1, num_threads=1)

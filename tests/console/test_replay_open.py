@@ -10,7 +10,7 @@ import pytest
 from moectl.console.app import MoectlApp
 from moectl.console.sources import ReplaySource
 from moectl.console.state import WINDOW_STEPS, ConsoleState
-from moectl.engine.core.topology import Topology
+from moectl.placement.topology import Topology
 from moectl.profiler.analysis import alerts
 from moectl.profiler.trace_queries import placement_in_force
 from tests.paths import TRACES

@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from moectl.engine.core.records import ENGINE_LANE, device_lane, link_lane
-from moectl.engine.core.topology import Topology
-from moectl.engine.experts.placement import Placement
-from moectl.engine.experts.rebalancer import plan_rebalance
+from moectl.placement.placement import Placement
+from moectl.placement.rebalancer import plan_rebalance
+from moectl.placement.topology import Topology
 from moectl.profiler import analysis
+from moectl.wire.records import ENGINE_LANE, device_lane, link_lane
 from tests.records import BALANCED, CONTIGUOUS, ROUTING, make_record
 
 

@@ -7,8 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from moectl.engine.core.records import ENGINE_LANE, device_lane, link_lane
 from moectl.profiler import chrome_export
+from moectl.wire.records import ENGINE_LANE, device_lane, link_lane
 from tests.records import make_record, make_spans
 
 SPANS = [

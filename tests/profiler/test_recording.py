@@ -12,8 +12,8 @@ from typer.testing import CliRunner
 from moectl.cli.main import app
 from moectl.engine.core.config import EngineConfig
 from moectl.engine.core.sampling import SamplingParams
-from moectl.engine.core.topology import Topology
 from moectl.engine.llm_engine import LLMEngine
+from moectl.placement.topology import Topology
 from moectl.profiler.recorder import TraceRecorder
 from moectl.profiler.trace_format import FORMAT_VERSION
 from moectl.profiler.trace_store import TraceReader

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from moectl.engine.experts.placement import Placement
+from moectl.placement.placement import Placement
 from moectl.profiler import analysis
 from moectl.profiler.trace_store import TraceError, TraceReader
 from tests.paths import TRACES

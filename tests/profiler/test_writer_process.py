@@ -19,8 +19,8 @@ import torch
 
 from moectl.engine.core.config import EngineConfig
 from moectl.engine.core.sampling import SamplingParams
-from moectl.engine.core.topology import Topology
 from moectl.engine.llm_engine import LLMEngine
+from moectl.placement.topology import Topology
 from moectl.profiler import codec, overhead_cost, trace_writer
 from moectl.profiler.overhead_bench import bootstrap_ci, verdict
 from moectl.profiler.recorder import TraceRecorder

@@ -1,4 +1,4 @@
-"""The engine socket's trust and limits (server/engine_host.py, server/protocol.py): ownership is
+"""The engine socket's trust and limits (server/engine_host.py, wire/protocol.py): ownership is
 the starting process's, not a client's claim; many clients connecting at once all get in (or are
 told the engine is busy); a connection that has not shown the token costs neither memory nor time.
 
@@ -19,14 +19,15 @@ from contextlib import contextmanager
 import pytest
 
 from moectl.console.engine_client import EngineSource
-from moectl.engine.core.actions import ActionRefused
 from moectl.engine.core.config import EngineConfig
 from moectl.engine.core.driver import EngineDriver
-from moectl.engine.core.topology import Topology
 from moectl.engine.llm_engine import LLMEngine
-from moectl.server import engine_host, protocol
+from moectl.placement.topology import Topology
+from moectl.server import engine_host
 from moectl.server.engine_host import EngineHost
-from moectl.server.protocol import PARENT_PID_ENV
+from moectl.wire import protocol
+from moectl.wire.actions import ActionRefused
+from moectl.wire.protocol import PARENT_PID_ENV
 from tests.checkpoints import tiny_checkpoint
 
 

@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from moectl.console.engine_client import EngineSource
-from moectl.engine.core.actions import ActionRefused
+from moectl.wire.actions import ActionRefused
 from tests.checkpoints import tiny_checkpoint
 from tests.paths import REPO
 

@@ -25,9 +25,9 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 from moectl.engine.core.config import EngineConfig  # noqa: E402
 from moectl.engine.core.driver import EngineDriver  # noqa: E402
-from moectl.engine.core.topology import Topology  # noqa: E402
-from moectl.engine.experts.placement import Placement  # noqa: E402
 from moectl.engine.llm_engine import LLMEngine, RequestOutput, RequestStream  # noqa: E402
+from moectl.placement.placement import Placement  # noqa: E402
+from moectl.placement.topology import Topology  # noqa: E402
 from moectl.server.app import STATE, ServerThread, check_bind, run_server  # noqa: E402
 from moectl.server.metrics import ServerMetrics  # noqa: E402
 from moectl.server.streams import EngineBridge, TextDeltas  # noqa: E402

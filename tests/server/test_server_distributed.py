@@ -16,8 +16,8 @@ openai = pytest.importorskip("openai")
 
 from moectl.engine.core.config import EngineConfig  # noqa: E402
 from moectl.engine.core.driver import EngineDriver  # noqa: E402
-from moectl.engine.core.topology import Topology  # noqa: E402
 from moectl.engine.parallel.group import RankGroup  # noqa: E402
+from moectl.placement.topology import Topology  # noqa: E402
 from moectl.server.app import STATE, ServerThread  # noqa: E402
 from tests.checkpoints import tiny_checkpoint  # noqa: E402
 from tests.server.test_server import PROMPT, TOKEN, client, http, sample, scrape, wait_until  # noqa: E402

@@ -16,9 +16,9 @@ openai = pytest.importorskip("openai")
 from moectl.engine.core.config import EngineConfig  # noqa: E402
 from moectl.engine.core.driver import EngineDriver  # noqa: E402
 from moectl.engine.core.engine import MAX_FAILED_STEPS  # noqa: E402
-from moectl.engine.core.topology import Topology  # noqa: E402
 from moectl.engine.llm_engine import LLMEngine  # noqa: E402
 from moectl.engine.parallel import distributed, group  # noqa: E402
+from moectl.placement.topology import Topology  # noqa: E402
 from moectl.server.app import STATE, ServerThread  # noqa: E402
 from tests.checkpoints import tiny_checkpoint  # noqa: E402
 from tests.engine.core.test_step_faults import CAUSE, FaultyRun  # noqa: E402

@@ -1,15 +1,15 @@
-"""Every operator action defined once (engine/core/actions.py): the driver, the control API's
+"""Every operator action defined once (wire/actions.py): the driver, the control API's
 routes and the consoles name them by Action; a recorded action's kind is its plain name."""
 
 from __future__ import annotations
 
 import pytest
 
-from moectl.engine.core.actions import ACTIONS, PLACEMENT_RECORDS, Action, ActionRefused, PlacementEdit, action
 from moectl.engine.core.config import EngineConfig
 from moectl.engine.core.driver import EngineDriver
-from moectl.engine.core.topology import Topology
 from moectl.engine.llm_engine import LLMEngine
+from moectl.placement.topology import Topology
+from moectl.wire.actions import ACTIONS, PLACEMENT_RECORDS, Action, ActionRefused, PlacementEdit, action
 from tests.checkpoints import tiny_checkpoint
 
 

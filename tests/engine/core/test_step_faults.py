@@ -16,9 +16,9 @@ from moectl.engine.core.driver import EngineDriver
 from moectl.engine.core.engine import MAX_FAILED_STEPS
 from moectl.engine.core.outputs import StepFailed
 from moectl.engine.core.sampling import SamplingParams
-from moectl.engine.core.topology import Topology
 from moectl.engine.llm_engine import LLMEngine
 from moectl.engine.parallel.group import RankGroup
+from moectl.placement.topology import Topology
 from tests.checkpoints import prompts, reference_greedy
 
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)

@@ -8,10 +8,10 @@ import torch
 
 from moectl.engine.core.config import EngineConfig
 from moectl.engine.core.sampling import SamplingParams
-from moectl.engine.core.topology import Topology
-from moectl.engine.experts.placement import Placement, PlacementError
-from moectl.engine.experts.rebalancer import plan_rebalance
 from moectl.engine.llm_engine import LLMEngine
+from moectl.placement.placement import Placement, PlacementError
+from moectl.placement.rebalancer import plan_rebalance
+from moectl.placement.topology import Topology
 from tests.checkpoints import prompts, tiny_checkpoint
 
 GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)

@@ -8,11 +8,11 @@ import pytest
 
 from moectl.engine.core.config import EngineConfig
 from moectl.engine.core.sampling import SamplingParams
-from moectl.engine.core.topology import Topology
 from moectl.engine.experts.disk_tier import DiskExperts, SafetensorsFiles, one_expert_bytes
 from moectl.engine.llm_engine import LLMEngine
 from moectl.engine.models.config import ConfigError, ModelConfig
 from moectl.engine.models.loader import CheckpointError
+from moectl.placement.topology import Topology
 from tests.checkpoints import prompts, tiny_checkpoint
 
 pytestmark = pytest.mark.usefixtures("single_thread")

@@ -21,11 +21,11 @@ from moectl.engine.experts.expert_cache import (
     replay,
     simulate,
 )
-from moectl.engine.experts.placement import Placement
 from moectl.engine.experts.prefetch import CachePrefetcher, CoactivationPredictor, RouterPredictor, RoutingRecorder
 from moectl.engine.llm_engine import LLMEngine
 from moectl.engine.models.config import ModelConfig
 from moectl.engine.models.decoder import MoEForCausalLM
+from moectl.placement.placement import Placement
 from tests.checkpoints import TINY_MIXTRAL, tiny_checkpoint
 
 pytestmark = pytest.mark.usefixtures("single_thread")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from moectl.engine.core.topology import Topology
 from moectl.engine.experts.cluster import LocalCluster
+from moectl.placement.topology import Topology
 
 
 @pytest.mark.parametrize("per_node", [8, 4])

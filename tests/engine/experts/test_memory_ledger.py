@@ -7,11 +7,11 @@ import pytest
 
 from moectl.engine.core.config import EngineConfig, KnobError
 from moectl.engine.core.sampling import SamplingParams
-from moectl.engine.core.topology import Topology
 from moectl.engine.experts.memory_ledger import WEIGHT_CATEGORIES
-from moectl.engine.experts.placement import PlacementError
 from moectl.engine.llm_engine import LLMEngine
 from moectl.engine.planning.memory_plan import plan_memory
+from moectl.placement.placement import PlacementError
+from moectl.placement.topology import Topology
 from tests.checkpoints import prompts, tiny_checkpoint
 
 GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)

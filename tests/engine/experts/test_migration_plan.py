@@ -10,10 +10,10 @@ import pytest
 
 from moectl.engine.core.config import EngineConfig
 from moectl.engine.core.sampling import SamplingParams
-from moectl.engine.core.topology import Topology
-from moectl.engine.experts.placement import MIGRATION_FIELDS, Placement
 from moectl.engine.parallel.backends import Engines
 from moectl.engine.parallel.rank_experts import migration_plan
+from moectl.placement.placement import MIGRATION_FIELDS, Placement
+from moectl.placement.topology import Topology
 from tests.checkpoints import prompts, tiny_checkpoint
 
 

@@ -7,14 +7,14 @@ import json
 import pytest
 import torch
 
-from moectl.engine.experts.placement import (
+from moectl.engine.experts.replica_routing import RoutingState, assign_replicas, device_token_load, traffic_matrix
+from moectl.placement.placement import (
     Move,
     Placement,
     PlacementError,
     balancedness,
     expert_nbytes,
 )
-from moectl.engine.experts.replica_routing import RoutingState, assign_replicas, device_token_load, traffic_matrix
 
 
 def small() -> Placement:

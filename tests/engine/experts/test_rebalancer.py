@@ -8,9 +8,8 @@ import numpy as np
 import pytest
 
 from moectl.engine.core.config import AutoRebalancePolicy, KnobError
-from moectl.engine.core.topology import Topology
-from moectl.engine.experts.placement import Placement
-from moectl.engine.experts.rebalancer import (
+from moectl.placement.placement import Placement
+from moectl.placement.rebalancer import (
     LoadWindow,
     RebalanceError,
     load_loads_file,
@@ -18,6 +17,7 @@ from moectl.engine.experts.rebalancer import (
     run_plan_rebalance,
     synthetic_loads,
 )
+from moectl.placement.topology import Topology
 
 L, E, D = 4, 64, 8
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 
 from moectl.console.state import ConsoleState
-from moectl.engine.experts.placement import Placement
-from moectl.engine.experts.step_time import device_work
+from moectl.placement.placement import Placement
+from moectl.placement.step_time import device_work
 from moectl.profiler import analysis
 
 

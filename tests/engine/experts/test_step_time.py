@@ -8,16 +8,16 @@ import pytest
 
 from moectl.engine.core.config import EngineConfig
 from moectl.engine.core.sampling import SamplingParams
-from moectl.engine.core.topology import Topology
-from moectl.engine.experts.placement import Placement
-from moectl.engine.experts.step_time import (
+from moectl.engine.llm_engine import LLMEngine
+from moectl.placement.placement import Placement
+from moectl.placement.step_time import (
     ExpertCostModel,
     device_work,
     parallel_step,
     predict_from_records,
     predict_step_times,
 )
-from moectl.engine.llm_engine import LLMEngine
+from moectl.placement.topology import Topology
 from tests.checkpoints import tiny_checkpoint
 
 

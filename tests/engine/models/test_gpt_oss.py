@@ -152,8 +152,8 @@ def test_plan_memory_bounds_the_sliding_layers_kv_like_the_engine(tiny_hf_checkp
     engine's KV in use on one long sequence never exceeds the plan."""
     from moectl.engine.core.config import SchedulerKnobs
     from moectl.engine.core.sampling import SamplingParams
-    from moectl.engine.core.topology import Topology
     from moectl.engine.planning.memory_plan import plan_memory
+    from moectl.placement.topology import Topology
 
     raw = _raw(tiny_hf_checkpoint)
     context, bs, mbt = 80, 4, 8

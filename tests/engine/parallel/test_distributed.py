@@ -275,7 +275,7 @@ def _scrambled_placement(num_layers: int, num_experts: int) -> dict:
     """Two ranks, one spare slot each: experts interleaved (not contiguous), expert 0 replicated."""
     import numpy as np
 
-    from moectl.engine.experts.placement import Placement
+    from moectl.placement.placement import Placement
 
     half = num_experts // 2
     row = np.full((2, half + 1), -1)
@@ -293,7 +293,7 @@ class MigrationJob:
         self.placement = placement
 
     def __call__(self, engine):
-        from moectl.engine.experts.placement import Placement
+        from moectl.placement.placement import Placement
 
         streams = [engine.add_request(p, PARAMS, stream=True) for p in PROMPTS]
         for _ in range(4):
@@ -330,7 +330,7 @@ class PlacedSessions:
 
 
 def _topology():
-    from moectl.engine.core.topology import Topology
+    from moectl.placement.topology import Topology
 
     return Topology(num_devices=2)
 

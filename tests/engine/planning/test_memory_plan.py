@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from moectl.engine.core.kv_cache import KVCache
-from moectl.engine.core.topology import Topology
 from moectl.engine.models.config import ModelConfig
 from moectl.engine.models.decoder import MoEForCausalLM
 from moectl.engine.planning.memory_plan import CATEGORIES, fit_suggestions, load_plan_model, plan_memory
+from moectl.placement.topology import Topology
 from tests.checkpoints import SPECS
 from tests.paths import DOCS
 

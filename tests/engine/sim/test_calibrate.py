@@ -11,13 +11,13 @@ import pytest
 from typer.testing import CliRunner
 
 from moectl.cli.main import app
-from moectl.engine.experts.placement import Placement
 from moectl.engine.sim.hardware import load_profile
 from moectl.engine.sim.model_shape import load_sim_model
 from moectl.engine.sim.routing import balanced
 from moectl.engine.sim.step_model import SimSpec, allreduce_seconds, simulate
 from moectl.engine.sim.trace_load import load_from_record, mean_prompt
 from moectl.engine.tools.sim_calibrate import OVERHEAD_FLOOR_US
+from moectl.placement.placement import Placement
 from moectl.profiler.trace_queries import placement_timeline
 from moectl.profiler.trace_store import TraceReader
 from tests.paths import TRACES

@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 
 from moectl.engine.core.config import SchedulerKnobs
-from moectl.engine.experts.rebalancer import plan_rebalance
 from moectl.engine.sim.batching import ClusterBatcher
 from moectl.engine.sim.cluster_config import SimClusterConfig
 from moectl.engine.sim.cluster_engine import ALL_LINKS_LANE, SimulatedEngine
 from moectl.engine.tools.demo_workload import DemoLoad
 from moectl.engine.tools.sim_workload import SimWorkload
+from moectl.placement.rebalancer import plan_rebalance
 from moectl.profiler.recorder import engine_header
 from tests.paths import DOCS
 

@@ -11,11 +11,11 @@ import pytest
 from typer.testing import CliRunner
 
 from moectl.cli.main import app
-from moectl.engine.experts.rebalancer import plan_rebalance
 from moectl.engine.sim.hardware import load_profile
 from moectl.engine.sim.model_shape import load_sim_model
 from moectl.engine.sim.routing import balanced, routing_from, scaled, zipf
 from moectl.engine.sim.step_model import PARTS, Roofline, SimSpec, simulate
+from moectl.placement.rebalancer import plan_rebalance
 from tests.paths import DOCS, TRACES
 
 CONFIGS = DOCS / "configs"
@@ -168,8 +168,8 @@ def test_the_array_roofline_is_the_scalar_one():
 
 
 def test_a_simulated_rebalance_says_what_it_wins_what_moving_costs_and_when_it_pays():
-    from moectl.engine.experts.placement import Placement
     from moectl.engine.sim.step_model import compare_rebalance, migration_stall
+    from moectl.placement.placement import Placement
 
     shape = DSV3.shape
     hot = zipf(shape.num_sparse, shape.num_experts, 1.2, seed=3)

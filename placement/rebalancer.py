@@ -29,8 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
-from moectl.engine.core.topology import Topology
-from moectl.engine.experts.placement import Move, Placement, PlacementError, _count, as_loads, balancedness
+from moectl.placement.placement import Move, Placement, PlacementError, _count, as_loads, balancedness
+from moectl.placement.topology import Topology
 
 # how much above the least-loaded bin an item may land to stay where it is, as a fraction of the
 # ideal bin load; the swap search after packing takes most of it back (see _pack)

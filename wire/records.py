@@ -1,6 +1,6 @@
 """The one record stream: what the engine emits per step, and per operator action.
 
-The engine builds a StepStats per step (core/telemetry.py) and `as_record()` turns it into the
+The engine builds a StepStats per step (engine/core/telemetry.py) and `as_record()` turns it into the
 step record below. Every consumer reads these plain dicts: the live console, the trace file
 (moectl.profiler.trace_store), replay, the server's telemetry stream, benchmarks and analyses
 (moectl.profiler.analysis). Leaves are JSON values or numpy arrays, so the codec can store arrays

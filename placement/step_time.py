@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from moectl.engine.experts.placement import Placement
+from moectl.placement.placement import Placement
 
 CALIBRATION_DECAY = 0.98  # per step: a sample half a minute old at 20 steps/s weighs almost nothing
 # The fit moves slowly (its samples decay over ~50 steps): each step's record and error use the

@@ -13,16 +13,32 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Protocol
 
-from moectl.engine.experts.placement import MAX_EXPERTS, Placement, PlacementError
-from moectl.engine.models.config import ModelConfig
+from moectl.placement.placement import MAX_EXPERTS, Placement, PlacementError
 
 # what makes a placement fit a model: these equal, a placement is about the same expert tables
 # (the name is only for messages: a checkpoint copied elsewhere is the same model)
 IDENTITY_KEYS = ("architecture", "num_experts", "top_k", "hidden_size", "sparse_layers")
 
 
-def model_identity(cfg: ModelConfig, name: str | None = None) -> dict:
+class ModelShape(Protocol):
+    """What model_identity reads of a model: the engine's ModelConfig, or the simulator's shape."""
+    @property
+    def hf_architecture(self) -> str: ...
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def num_experts(self) -> int: ...
+    @property
+    def top_k(self) -> int: ...
+    @property
+    def hidden_size(self) -> int: ...
+    @property
+    def sparse_layers(self) -> tuple[bool, ...]: ...
+
+
+def model_identity(cfg: ModelShape, name: str | None = None) -> dict:
     return {"name": name, "architecture": cfg.hf_architecture, "num_layers": cfg.num_layers,
             "num_experts": cfg.num_experts, "top_k": cfg.top_k, "hidden_size": cfg.hidden_size,
             "sparse_layers": list(cfg.sparse_layers)}
