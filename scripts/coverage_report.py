@@ -14,7 +14,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 JSON_REPORT = REPO / "build" / "coverage" / "coverage.json"
 
-# Each floor is what the full suite reached (.ci/run, CPU only, 2025-12: the figure in brackets),
+# Each floor is what the full suite reached (.ci/run, CPU only, 2026-12: the figure in brackets),
 # rounded down, less a point: the processes the tests start are measured too, and one killed
 # before it saves (SIGKILL) or a path taken only when a machine is slow moves a figure by a few
 # tenths between runs. A change that drops tested code, or the tests of it, fails CI. The issue's
@@ -26,6 +26,8 @@ FLOORS = {
     "console": 91,  # [92.3]
     "cli": 89,  # [90.4]
     "themes": 99,  # [100]
+    "placement": 90,  # moved out of engine/ (issue 34); its own figure is measured with the next full run
+    "wire": 90,  # as placement
 }
 # the total's floor is coverage's own `[tool.coverage.report] fail_under` (pyproject.toml), so
 # `coverage report` alone holds it too
