@@ -37,7 +37,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -47,6 +46,7 @@ from pathlib import Path
 
 import aiohttp
 import psutil
+from serve_load_test import free_port, log, wait_ready  # beside this file: the same server's start-up
 
 ROOT = Path(__file__).resolve().parent.parent
 MIB = 1 << 20
@@ -157,16 +157,6 @@ PROBE_CODE = textwrap.dedent("""
 PROMPT_SOURCE = (Path(asyncio.__file__).parent / "base_events.py").read_text()  # stdlib Python: what the model knows
 
 
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def mixed_requests(n: int, seed: int) -> list[tuple[str, dict]]:
     """(path, body) for n requests, mixed as the module docstring says."""
     rng = random.Random(seed)
@@ -241,22 +231,6 @@ async def wait_idle(session: aiohttp.ClientSession, url: str, timeout_s: float =
         await asyncio.sleep(0.1)
 
 
-async def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 180.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    async with aiohttp.ClientSession() as session:
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {proc.returncode}")
-            try:
-                async with session.get(url + "/health") as r:
-                    if r.status == 200:
-                        return
-            except aiohttp.ClientError:
-                pass
-            await asyncio.sleep(0.2)
-    raise RuntimeError("the server did not come up")
-
-
 def probe(proc: subprocess.Popen, path: Path, trim: bool, traced: bool) -> dict:
     """The server's report on itself (PROBE_CODE), taken while it is idle."""
     path.unlink(missing_ok=True)
@@ -298,7 +272,7 @@ def run(args, setting: str) -> dict:
     proc = subprocess.Popen(command, cwd=workdir, env=env, stdout=server_log, stderr=subprocess.STDOUT)
     points, bursts = [], []
     try:
-        asyncio.run(wait_ready(url, proc))
+        asyncio.run(wait_ready(url, proc, timeout=180.0))
         points.append({"after": "start", **probe(proc, probe_path, args.trim_probe, args.tracemalloc)})
         log(f"[{setting}] start: RSS {points[-1]['rss'] / MIB:.0f} MiB")
         server = psutil.Process(proc.pid)
