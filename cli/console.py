@@ -140,12 +140,11 @@ def engine_host(
 
     from moectl.cli.engine_process import EngineHostConfig
     from moectl.engine.parallel.backends import Engines
-    from moectl.server.engine_host import EngineHost, die_with_parent, starter_pid
-    from moectl.wire.protocol import SOCKET_NAME, read_token
+    from moectl.server.engine_host import EngineHost, starter_pid
+    from moectl.wire.protocol import SOCKET_NAME, die_with_parent, read_token
 
-    die_with_parent()
     parent = starter_pid()
-    if parent is not None and os.getppid() != parent:  # it died before die_with_parent took effect
+    if not die_with_parent(parent):  # its starter died before the signal was set
         raise typer.Exit(1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the console's to handle; it stops us
     config = EngineHostConfig.read(engine_dir)

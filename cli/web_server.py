@@ -18,11 +18,9 @@ refused with 503 until one ends. Each console dies with the server, even a SIGKI
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import ipaddress
 import logging
 import os
-import signal
 import sys
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -35,12 +33,11 @@ from textual_serve.server import Server, to_int
 from yarl import URL
 
 from moectl.server.http_auth import bearer_token
-from moectl.wire.protocol import token_matches
+from moectl.wire.protocol import die_with_parent, token_matches
 
 log = logging.getLogger("textual-serve")  # textual-serve's own log, which serve() sets up
 QUIT_S = 15.0  # how long a console gets to quit (engine shutdown included) before it is killed
 PROC_NET_TCP = (Path("/proc/net/tcp"), Path("/proc/net/tcp6"))
-PR_SET_PDEATHSIG = 1
 
 
 def url_host(host: str) -> str:
@@ -100,22 +97,6 @@ def peer_uid(peer, local) -> int | None:
     return None
 
 
-try:  # loaded here, not in die_with_server: a forked child should do as little as it can
-    _libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
-except OSError:
-    _libc = None
-
-
-def die_with_server(server_pid: int) -> None:
-    """A console's preexec_fn: SIGTERM it when the server dies, however it dies (Linux; a SIGKILLed
-    server once left its tabs' consoles running). The engine process does the same for its starter
-    (server/engine_host.py), from inside; a console is any command, so it is set here, in the fork."""
-    if _libc is not None:
-        _libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    if os.getppid() != server_pid:  # the server died before the prctl took effect
-        os._exit(1)
-
-
 def same_origin_path(path: str, query) -> str:
     """A redirect target on this server only: `//host/x` (or `/\\host`, or their %2F forms, which
     arrive decoded) would be another origin to a browser, so the path keeps one leading slash."""
@@ -126,15 +107,16 @@ class ConsoleSession(AppService):
     """One browser tab's console: textual-serve's AppService, whose stop also waits for the
     console's process to end, so that no console outlives the server (and no pipe of one
     outlives the event loop: asyncio reports those as errors at exit); and whose process dies
-    with the server's (die_with_server)."""
+    with the server's (die_with_parent, in the fork)."""
 
     async def _open_app_process(self, width: int = 80, height: int = 24) -> asyncio.subprocess.Process:
-        """textual-serve's, with die_with_server in the child."""
+        """textual-serve's, with die_with_parent in the child: a console is any command, so the
+        signal is set in the fork, and the child exits if the server is already gone."""
         server_pid = os.getpid()
         self._process = process = await asyncio.create_subprocess_shell(
             self.command, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE, env=self._build_environment(width=width, height=height),
-            preexec_fn=lambda: die_with_server(server_pid))
+            preexec_fn=lambda: die_with_parent(server_pid) or os._exit(1))
         self._stdin = process.stdin
         return process
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import signal
 import socket
 import struct
 import threading
@@ -545,15 +544,3 @@ def peer_pid(sock: socket.socket) -> int | None:
         return None
     pid, _uid, _gid = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, option, _PEERCRED.size))
     return pid
-
-
-def die_with_parent() -> None:
-    """SIGTERM this process when the one that started it dies (Linux; elsewhere the owner
-    client's closed connection is what stops the engine)."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass

@@ -13,11 +13,14 @@ Torch-free, like everything a console process imports.
 
 from __future__ import annotations
 
+import ctypes
 import hmac
 import os
 import secrets
+import signal
 import socket
 import struct
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -226,6 +229,23 @@ def _read_exactly(sock: socket.socket, n: int, eof_ok: bool = False, deadline: f
 
 
 # -- where an engine listens
+
+try:  # loaded once, here: die_with_parent may run in a forked child, which should do as little as it can
+    _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+except OSError:
+    _LIBC = None
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(parent_pid: int | None) -> bool:
+    """SIGTERM this process when its parent dies, however it dies (Linux's PR_SET_PDEATHSIG;
+    elsewhere a no-op). False when parent_pid is no longer the parent: it died before the signal
+    was set, so the caller should exit. Used by the engine process (for its starter) and by web's
+    tab consoles (a preexec_fn, for the server)."""
+    if _LIBC is not None:
+        _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    return parent_pid is None or os.getppid() == parent_pid
+
 
 def new_engine_dir() -> tuple[Path, str]:
     """A fresh directory only this user can enter, holding the run's token (mode 0600) and the
