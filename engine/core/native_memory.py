@@ -50,7 +50,8 @@ TRIM_THRESHOLD = 1 << 20
 # oneDNN's kernel cache: a miss is a JIT compile, a kept kernel its code. 256 is the middle of the
 # trade bench/serve_memory.py --kernel-caches measures (docs/serve_memory.md): far less memory
 # than 1,024 for a little more CPU, where 64 costs much more CPU. ideep's LRU saved no time
-# there, so 1 (0 crashes torch 2.13). An operator's own setting of either variable wins.
+# there (`--kernel-caches 256/1,256/1024`), so 1 (0 crashes torch 2.13). An operator's own
+# setting of either variable wins.
 KERNEL_CACHES = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "256", "LRU_CACHE_CAPACITY": "1"}
 _KERNEL_CACHE_ALIASES = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "DNNL_PRIMITIVE_CACHE_CAPACITY"}  # oneDNN's older name
 
