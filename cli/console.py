@@ -228,8 +228,11 @@ def replay(trace: Path = typer.Argument(..., help="A trace recorded by `moectl r
                        "or its import)")
     from moectl.console.app import MoectlApp
     from moectl.console.sources import ReplaySource
+    from moectl.profiler.recorder import with_memory_plan
 
-    MoectlApp(ReplaySource(trace), theme=theme).run()
+    source = ReplaySource(trace)
+    source.header = with_memory_plan(source.header)  # planned here for a trace from before engines sent it
+    MoectlApp(source, theme=theme).run()
 
 
 def _gpu_timeline(traces, source: Path, theme: str) -> None:

@@ -8,7 +8,6 @@ tells the visible panel to show the state (attributes down). Panels ask for acti
 from __future__ import annotations
 
 import gc
-import time
 
 from textual import work
 from textual.app import App, ComposeResult
@@ -31,11 +30,11 @@ from moectl.console.panels import (
 from moectl.console.sources import ActionRefused, ReplaySource, counterfactual_plan
 from moectl.console.state import ConsoleState
 from moectl.console.widgets import HeatMap
+from moectl.profiler.alert_feed import AlertCadence, window_alerts
 from moectl.themes import HEATMAP_SCALE, STYLES, THEMES
 from moectl.wire.actions import Action
 
 REFRESH_S = 1 / 15  # 15 Hz: at least 10 screen updates a second while records arrive
-ALERT_EVERY_S = 2.0
 TABS = ("overview", "experts", "memory", "timeline", "requests")
 
 
@@ -100,7 +99,7 @@ class MoectlApp(App):
         self.theme_key = theme
         self.plan = None
         self.replay = isinstance(source, ReplaySource)
-        self._alerts_at = 0.0
+        self._alert_cadence = AlertCadence()  # replay and in-process live: no engine process computes them
         self._alerts_running = False
         self._alerts_asked = 0  # alert computations started: only the latest one's answer is shown
         self._shown_version, self._shown_error = -1, None
@@ -168,13 +167,12 @@ class MoectlApp(App):
                 self.query_one(TransportBar).show(self.source)
             return  # nothing new: leave the UI thread to the keyboard
         # after a seek at once: the replay opens on a full window, so the alerts computed then would
-        # otherwise stay on screen for ALERT_EVERY_S after the operator seeks elsewhere
+        # otherwise stay on screen for ALERT_EVERY_S (profiler/alert_feed.py) after the operator seeks elsewhere
         if self._alerts_from_engine:
             self.refresh_panels()
             return
-        due = time.monotonic() - self._alerts_at > ALERT_EVERY_S and not self._alerts_running
+        due = not self._alerts_running and self._alert_cadence.due(self.state.steps_seen)
         if self.state.window and (due or moved):
-            self._alerts_at = time.monotonic()
             self._alerts_running = True
             self._alerts_asked += 1
             self.compute_alerts(list(self.state.window), self.state.placement_shown, self._alerts_asked)
@@ -195,17 +193,7 @@ class MoectlApp(App):
     # a fixed description: Textual would otherwise repr() the arguments (the whole window) on the UI thread
     @work(thread=True, exclusive=True, group="alerts", description="alerts")
     def compute_alerts(self, records: list[dict], placement, asked: int = 0) -> None:
-        from moectl.placement.topology import Topology
-        from moectl.profiler.analysis import alerts
-
-        devices = self.state.header.get("devices") or {}
-        topology = Topology.from_mapping(devices["topology"]) if devices.get("topology") else None
-        try:
-            found = alerts(records, placement, topology, devices.get("expert_bytes"),
-                           devices.get("redundant_slots") or None)
-        except Exception as exc:  # noqa: BLE001 - an analysis bug must not take the console down
-            found = [{"kind": "analysis", "severity": "error", "message": f"alerts failed: {exc}", "action": "-",
-                      "predicted": {}}]
+        found = window_alerts(records, placement, self.state.header.get("devices"))
         self.call_from_thread(self._set_alerts, found, asked)
 
     def _set_alerts(self, found: list[dict], asked: int = 0) -> None:

@@ -23,6 +23,7 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import Future
+from functools import partial
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
@@ -30,7 +31,8 @@ import aiohttp
 import numpy as np
 
 from moectl.console.state import WINDOW_STEPS
-from moectl.placement.rebalancer import plan_rebalance
+from moectl.placement.placement import PlacementError
+from moectl.placement.rebalancer import preview_plan
 from moectl.placement.step_time import predict_from_records
 from moectl.placement.topology import Topology
 from moectl.profiler.analysis import alerts
@@ -216,18 +218,14 @@ def counterfactual_plan(state, redundant: int | None = None):
     topology = (state.header.get("devices") or {}).get("topology")
     if not topology or state.placement is None:
         raise ActionRefused("rebalance: this trace was recorded without devices")
-    loads = state.routing_window()
-    if not loads.any():
-        raise ActionRefused("rebalance: no routing in the window yet")
-    slots = state.placement.slots_per_device
-    spare = slots - -(-state.num_experts // state.num_devices)
-    plan = plan_rebalance(loads, Topology.from_mapping(topology), spare if redundant is None else redundant,
-                          current=state.placement, expert_bytes=state.expert_bytes or 0)
     # a simulated trace's step times are the step model's: the replay has no model of that cluster to
     # predict with (the simulated engine's own preview does, live), so it predicts balancedness only
-    plan.prediction = None if state.simulated else predict_from_records(list(state.window), state.placement,
-                                                                         plan.placement)
-    return plan
+    predict = None if state.simulated else partial(predict_from_records, list(state.window), state.placement)
+    try:
+        return preview_plan(state.routing_window(), Topology.from_mapping(topology), state.placement,
+                            expert_bytes=state.expert_bytes or 0, redundant=redundant, predict=predict)
+    except PlacementError as exc:
+        raise ActionRefused(str(exc)) from None
 
 
 # -- attach

@@ -158,6 +158,22 @@ def plan_rebalance(loads, topology: Topology | int, redundant_per_device: int,
                          time.perf_counter() - t0, kept, int((~over_link).sum()) * expert_bytes)
 
 
+def preview_plan(loads, topology: Topology, current: Placement, *, expert_bytes: int = 0,
+                 redundant: int | None = None, target: float | None = None, predict=None) -> RebalancePlan:
+    """The rebalance preview every front end shows (live, simulated and replayed engines): a plan
+    for the window's loads from the placement in force, keeping its slot count unless `redundant`
+    spare slots per device are asked for, with `predict(new_placement)` (a dict, or None where the
+    caller has no model to price it with) as its prediction. Nothing changes."""
+    W = np.asarray(loads)
+    if not W.any():
+        raise PlacementError("rebalance: no routing observed yet")
+    if redundant is None:
+        redundant = current.slots_per_device - -(-current.num_experts // topology.num_devices)
+    plan = plan_rebalance(W, topology, redundant, current=current, expert_bytes=expert_bytes, target=target)
+    plan.prediction = predict(plan.placement) if predict is not None else None
+    return plan
+
+
 def _repair(W: np.ndarray, cur: np.ndarray, E: int, pin_mask: np.ndarray, target: float):
     """repair_to_target on the placement in force -> (slots, device loads, layers kept), or None."""
     L = cur.shape[0]

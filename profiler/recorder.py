@@ -43,10 +43,17 @@ def engine_header(engine) -> dict:
         header.update(simulated())
         header["memory_plan"] = engine.memory_plan_table()
         return header
-    from moectl.engine.planning.memory_plan import plan_for_header
+    return with_memory_plan(header)  # computed with the engine: consoles only draw it
 
-    header["memory_plan"] = plan_for_header(header)  # computed with the engine: consoles only draw it
-    return header
+
+def with_memory_plan(header: dict) -> dict:
+    """The header with its engine's per-device memory plan ("memory_plan"): the one it carries,
+    else planned now from the model's config.json (a trace recorded before engines put it there)."""
+    if isinstance(header.get("memory_plan"), dict):
+        return header
+    from moectl.engine.planning.memory_plan import plan_for_header  # torch: only for such old traces
+
+    return {**header, "memory_plan": plan_for_header(header)}
 
 
 class TraceRecorder:

@@ -29,6 +29,7 @@ import struct
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import asdict
 from pathlib import Path
@@ -37,9 +38,11 @@ import msgspec
 
 from moectl.engine.core.driver import EngineDriver
 from moectl.engine.tools.demo_workload import DemoLoad, DemoWorkload
+from moectl.profiler.alert_feed import AlertCadence, window_alerts
 from moectl.profiler.recorder import engine_header
 from moectl.wire import protocol
 from moectl.wire.actions import Action, ActionRefused
+from moectl.wire.interfaces import Engine
 from moectl.wire.protocol import (
     Act,
     Alerts,
@@ -63,7 +66,6 @@ log = logging.getLogger(__name__)
 
 PUMP_S = 0.02  # records reach clients this often: 50 a second, faster than any console redraws
 RECENT_STEPS, RECENT_ACTIONS = 64, 256  # a new client's catch-up, and the alerts' window (a console's)
-ALERT_EVERY_S = 2.0  # alerts are recomputed this often while a client is attached and steps arrive
 CLIENT_QUEUE = 256  # messages waiting per client before its oldest are dropped
 HELLO_TIMEOUT_S = 5.0  # for the whole Hello, however slowly it trickles in
 BACKLOG = socket.SOMAXCONN  # clients connecting at once wait in this queue (Linux caps it at net.core.somaxconn)
@@ -76,7 +78,8 @@ class EngineHost:
     builds the engine's driver and owns it; `moectl serve` hands in its own driver (no workload:
     its requests come through the API) and keeps it."""
 
-    def __init__(self, engine_dir: Path, token: str, *, make_engine=None, load: DemoLoad | None = None,
+    def __init__(self, engine_dir: Path, token: str, *, make_engine: Callable[[], Engine] | None = None,
+                 load: DemoLoad | None = None,
                  driver: EngineDriver | None = None, on_close=None, name: str = "moectl engine", workload=None):
         """workload: the demo workload itself, in place of a DemoWorkload of `load` (a simulated
         cluster's, on its simulated clock: engine/tools/sim_workload.py)."""
@@ -99,8 +102,7 @@ class EngineHost:
         self._recent_actions: deque = deque(maxlen=RECENT_ACTIONS)
         self._status = self._current_status()
         self._alerts: Alerts | None = None
-        self._alerts_at = 0.0
-        self._alerts_steps = 0  # steps seen when the alerts were last computed
+        self._alert_cadence = AlertCadence()
         self._steps_seen = 0
         self.stop_reason: str | None = None
         self.signalled: str | None = None  # set by on_signal, from a signal handler
@@ -271,27 +273,17 @@ class EngineHost:
                 client.offer(frame)
 
     def _due_alerts(self) -> Alerts | None:
-        """The alerts over the recent window, every ALERT_EVERY_S while steps arrive; computed
-        here, once, so no console recomputes them (or shares its UI thread with the work)."""
-        now = time.monotonic()
-        if now - self._alerts_at < ALERT_EVERY_S or self._steps_seen == self._alerts_steps:
+        """The alerts over the recent window when due (AlertCadence); computed here, once, so no
+        console recomputes them (or shares its UI thread with the work)."""
+        if not self._alert_cadence.due(self._steps_seen):
             return None
-        from moectl.profiler.analysis import alerts
-
-        self._alerts_at, self._alerts_steps = now, self._steps_seen
         with self._lock:
             window = list(self._recent_steps)
         if not window:
             return None
         experts = self.driver.engine.experts
-        devices = experts.header() if experts is not None else {}  # not header(): no memory plan every 2 s
-        try:
-            found = alerts(window, experts.placement if experts is not None else None,
-                           experts.topology if experts is not None else None, devices.get("expert_bytes"),
-                           devices.get("redundant_slots") or None)
-        except Exception as exc:  # noqa: BLE001 - an analysis bug must not stop the stream
-            found = [{"kind": "analysis", "severity": "error", "message": f"alerts failed: {exc}", "action": "-",
-                      "predicted": {}}]
+        devices = experts.header() if experts is not None else None  # not header(): no memory plan every 2 s
+        found = window_alerts(window, experts.placement if experts is not None else None, devices)
         self._alerts = Alerts(step=int(window[-1]["step"]), alerts=found)
         return self._alerts
 

@@ -143,11 +143,9 @@ class MemoryPanel(ShowsOnChange, VerticalScroll):
 
     @staticmethod
     def _plan(state) -> str:
-        """The plan the engine computed (its header's memory_plan); a trace recorded before the
-        engine put it there is planned here from the model's config.json (replay only)."""
+        """The plan the engine computed (its header's memory_plan; `moectl replay` fills it in for a
+        trace recorded before engines put it there: profiler/recorder.py with_memory_plan)."""
         plan = state.header.get("memory_plan")
         if not isinstance(plan, dict):
-            from moectl.engine.planning.memory_plan import plan_for_header
-
-            plan = plan_for_header(state.header)
+            return "[dim]not available: the engine sent no memory plan[/]"
         return plan["table"] if "table" in plan else f"[dim]not available: {plan.get('absent')}[/]"

@@ -30,6 +30,7 @@ from moectl.engine.core import gc_heap
 from moectl.engine.core.config import AutoRebalancePolicy
 from moectl.engine.core.outputs import StepFailed, describe_error
 from moectl.wire.actions import ACTIONS, Action, ActionRefused, action
+from moectl.wire.interfaces import Engine
 from moectl.wire.records import RECORD_BUFFER
 
 __all__ = ["RECORD_BUFFER", "ActionRefused", "EngineDriver", "done"]  # ActionRefused: wire/actions.py
@@ -46,7 +47,7 @@ def done(result) -> Future:
 
 
 class EngineDriver:
-    def __init__(self, make_engine: Callable, *, feed: Callable | None = None, buffer_records: bool = True,
+    def __init__(self, make_engine: Callable[[], Engine], *, feed: Callable | None = None, buffer_records: bool = True,
                  start: bool = True, name: str = "moectl-engine"):
         """make_engine(): a fresh engine (also used by restart). feed(engine): called on the engine
         thread before every step, to add requests that are due (a workload). buffer_records: keep
@@ -59,7 +60,7 @@ class EngineDriver:
         self._stop = threading.Event()
         self._error: str | None = None
         self._refreeze = False  # a restart asks the loop to freeze the heap again (gc_heap)
-        self.engine = make_engine()
+        self.engine: Engine = make_engine()
         self._attach(self.engine)
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         if start:
@@ -69,7 +70,7 @@ class EngineDriver:
         self._thread.start()
         return self
 
-    def _attach(self, engine) -> None:
+    def _attach(self, engine: Engine) -> None:
         if self._buffer:
             engine.add_listener(on_step=lambda stats: self._records.append(stats.as_record()),
                                 on_action=self._actions.append)

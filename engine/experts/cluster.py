@@ -25,7 +25,7 @@ from moectl.engine.experts.replica_routing import RoutingState
 from moectl.engine.models.decoder import MoEForCausalLM
 from moectl.engine.models.moe import MoEBlock
 from moectl.placement.placement import Placement, PlacementError, migration_in
-from moectl.placement.rebalancer import LOAD_WINDOW_STEPS, LoadWindow, RebalancePlan, plan_rebalance
+from moectl.placement.rebalancer import LOAD_WINDOW_STEPS, LoadWindow, RebalancePlan, preview_plan
 from moectl.placement.step_time import ExpertCostModel, change, parallel_step, predict_step_times
 from moectl.placement.topology import Topology, format_size
 
@@ -106,12 +106,8 @@ class ClusterBase:
     def preview(self) -> RebalancePlan:
         """A plan for the windowed loads that keeps this cluster's slot count, with its predicted
         step time before and after; nothing changes."""
-        if not len(self.window):
-            raise PlacementError("rebalance: no routing observed yet")
-        plan = plan_rebalance(self.window.loads(), self.topology, self.redundant_slots, current=self.placement,
-                              expert_bytes=self.expert_bytes, target=self.auto.target)
-        plan.prediction = self.predict_change(plan.placement)
-        return plan
+        return preview_plan(self.window.loads(), self.topology, self.placement, expert_bytes=self.expert_bytes,
+                            target=self.auto.target, predict=self.predict_change)
 
     def observe(self, routing) -> dict:
         """Adds a step's routing (and its devices' measured work, from end_step) to the load

@@ -17,7 +17,7 @@ from moectl.engine.experts.cluster import window_figures
 from moectl.engine.experts.control import EDITS, _check_edit_args
 from moectl.engine.sim.step_model import migration_stall, simulate
 from moectl.placement.placement import Placement
-from moectl.placement.rebalancer import LOAD_WINDOW_STEPS, LoadWindow, plan_rebalance
+from moectl.placement.rebalancer import LOAD_WINDOW_STEPS, LoadWindow, preview_plan
 from moectl.placement.topology import Topology
 from moectl.wire.actions import Action
 
@@ -72,12 +72,8 @@ class SimExperts:
     # -- operator actions (any thread)
     def preview(self):
         """A plan for the window's routing, its predicted step on the batch just run (simulated)."""
-        totals = self.window.totals()
-        if not totals.any():
-            raise ValueError("rebalance: no routing observed yet")
-        plan = plan_rebalance(totals, self.topology, self.redundant_slots, current=self.placement,
-                              expert_bytes=self.expert_bytes, target=self.auto.target)
-        plan.prediction = self.predict_change(plan.placement)
+        plan = preview_plan(self.window.totals(), self.topology, self.placement, expert_bytes=self.expert_bytes,
+                            target=self.auto.target, predict=self.predict_change)
         self._engine.record_action(Action.REBALANCE_PREVIEW, {}, plan.summary())
         return plan
 

@@ -23,6 +23,7 @@ pytest.importorskip("pytest_textual_snapshot")
 from moectl.console.app import MoectlApp  # noqa: E402
 from moectl.console.sources import ReplaySource  # noqa: E402
 from moectl.engine import sample_model_dir
+from moectl.profiler.recorder import with_memory_plan  # noqa: E402
 from tests.paths import TRACES
 
 TRACE = TRACES / "steady_rebalance.trace"
@@ -41,6 +42,7 @@ def replay_app(theme: str) -> MoectlApp:
     model = source.header.get("model")
     if isinstance(model, dict):
         model["path"] = str(SAMPLE_MODEL)
+    source.header = with_memory_plan(source.header)  # as `moectl replay` does for a trace without one
     return MoectlApp(source, theme=theme)
 
 

@@ -168,7 +168,7 @@ def test_the_console_drives_an_engine_process(ckpt):
         assert app.state.header["model"]["num_layers"] > 0 and "emulated" in text_of(app, "#ov-title")
         # the alerts are the engine's, computed there for every client: the console computes none
         await until(pilot, lambda: source.alerts_version > 0 and app.state.alerts == source.alerts, timeout=30)
-        assert app._alerts_at == 0.0 and not app._alerts_running
+        assert app._alert_cadence.computed == 0 and not app._alerts_running
         before = app.state.placement
         await pilot.press("2")
         await pilot.press("r")

@@ -14,7 +14,7 @@ from moectl.engine.core.config import EngineConfig
 from moectl.engine.core.sampling import SamplingParams
 from moectl.engine.llm_engine import LLMEngine
 from moectl.placement.topology import Topology
-from moectl.profiler.recorder import TraceRecorder
+from moectl.profiler.recorder import TraceRecorder, engine_header, with_memory_plan
 from moectl.profiler.trace_format import FORMAT_VERSION
 from moectl.profiler.trace_store import TraceReader
 from tests.checkpoints import prompts, tiny_checkpoint
@@ -214,3 +214,14 @@ def test_trace_report_sums_the_caches_of_a_range():
     assert kv["expert_cache_hit_rate"] is None
     offload = json.loads(run("trace", "report", traces / "offload_prefetch.trace", "--json").stdout)["caches"]
     assert 0.5 < offload["expert_cache_hit_rate"] < 1 and offload["expert_prefetches"] > 0
+
+
+def test_a_header_without_a_memory_plan_gets_one_planned_from_its_model(ckpt):
+    header = engine_header(engine(ckpt, max_model_len=256))
+    assert "table" in header["memory_plan"]
+    old = {k: v for k, v in header.items() if k != "memory_plan"}  # as traces before the plan was recorded
+    filled = with_memory_plan(old)
+    assert filled["memory_plan"] == header["memory_plan"] and "memory_plan" not in old
+    assert with_memory_plan(header) is header  # one it carries is kept as it is
+    moved = {**old, "model": {**old["model"], "path": "/nonexistent/model"}}
+    assert "config.json" in with_memory_plan(moved)["memory_plan"]["absent"]

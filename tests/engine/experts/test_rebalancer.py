@@ -8,12 +8,13 @@ import numpy as np
 import pytest
 
 from moectl.engine.core.config import AutoRebalancePolicy, KnobError
-from moectl.placement.placement import Placement
+from moectl.placement.placement import Placement, PlacementError
 from moectl.placement.rebalancer import (
     LoadWindow,
     RebalanceError,
     load_loads_file,
     plan_rebalance,
+    preview_plan,
     run_plan_rebalance,
     synthetic_loads,
 )
@@ -245,3 +246,26 @@ def test_bench_runs_small(capsys):
                  "--repeat", "1", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["balancedness_after"] >= out["balancedness_before"] and out["ratio_to_target"] > 0
+
+
+def test_the_one_preview_keeps_the_slot_count_and_prices_the_plan_it_made(zipf):
+    current = Placement.contiguous(L, E, D, redundant_slots_per_device=1)
+    seen = []
+
+    def predict(placement):
+        seen.append(placement)
+        return {"gain": 0.5}
+
+    plan = preview_plan(zipf, Topology(num_devices=D), current, expert_bytes=10, predict=predict)
+    assert plan.placement.slots_per_device == current.slots_per_device
+    assert seen == [plan.placement] and plan.summary()["predicted"] == {"gain": 0.5}
+    same = plan_rebalance(zipf, Topology(num_devices=D), 1, current=current, expert_bytes=10)
+    assert (plan.placement.slots == same.placement.slots).all() and plan.bytes_moved == same.bytes_moved
+    # spare slots asked for; no model to price with
+    wider = preview_plan(zipf, Topology(num_devices=D), current, redundant=2)
+    assert wider.placement.slots_per_device == E // D + 2 and wider.prediction is None
+
+
+def test_the_one_preview_refuses_a_window_without_routing():
+    with pytest.raises(PlacementError, match="no routing observed yet"):
+        preview_plan(np.zeros((L, E)), Topology(num_devices=D), Placement.contiguous(L, E, D))
