@@ -361,8 +361,47 @@ def rebalance_suite(label: str, issue_22: bool = False):
                      f"ms{' (measured on every rank)' if measured else ''}")
         if issue_22:
             text += f" (issue 22's target, +15% measured: {_met(measured and r['gain'] >= 0.15)})"
+        if r.get("gate_reason"):  # the step-time planner's runs (issue 35): its interval and the gate's verdict
+            text += (f"; the preview's 90% interval {r['predicted_gain_low']:+.1%} to {r['predicted_gain_high']:+.1%}, "
+                     f"{r['plan_moves']} copies, the gate {'acts' if r['gate_acts'] else 'holds'} ({r['gate_reason']}); "
+                     f"prediction within max(1 point, 20%) of the {r['gain_is']} gain: "
+                     f"{_met(bool(r['prediction_within_bar']))}"
+                     + ("" if r.get("sign_right_rounds") is None else
+                        f", its sign right in {_pct(r['sign_right_rounds'])} of the rounds"))
         return [(label, text)]
     return rows
+
+
+def replica_routing(r: dict) -> list[tuple[str, str]]:
+    worst = max((v, k) for k, v in r["us"].items() if " replicas/" in k)
+    floor = r["us"][worst[1].replace(" replicas/", " naive/")]
+    return [(f"choosing a replica per routed token (`assign_replicas`, {r['tokens']} tokens a layer call, "
+             f"{r['devices']} devices, a replica of a quarter of the experts)",
+             f"worst case {worst[0]:.0f} us a layer call ({worst[1]}), {worst[0] / floor:.1f}x the single-replica "
+             f"gather's {floor:.0f} us (target <= {r['target_us']:.0f} us: {_met(worst[0] <= r['target_us'])})")]
+
+
+def planner(r: dict) -> list[tuple[str, str]]:
+    out = []
+    for row in r["rows"]:
+        out.append((f"step-time planner, {r['layers']} layers x {r['experts']} experts x {r['devices']} devices, "
+                    f"{row['regime']} window, {row['model']} cost shape (fixed coefficients, synthetic routing)",
+                    f"planned in {row['planner_s'] * 1e3:.0f} ms (target <= {r['target_s'] * 1e3:.0f} ms: "
+                    f"{_met(row['planner_s'] <= r['target_s'])}; the token balancer {row['token_balancer_s'] * 1e3:.0f} "
+                    f"ms); predicted expert time {row['planned_gain']:+.1%} with {row['planned_copies']} copies, the "
+                    f"token balancer's plan {row['token_balanced_gain']:+.1%} with {row['token_balanced_copies']}"))
+    return out
+
+
+def cost_model(r: dict) -> list[tuple[str, str]]:
+    return [(f"cost model, held out: fitted on one window, predicting the next, {r['model']}, {r['regime']} "
+             f"regime, {r['devices']} emulated devices ({r['steps_predicted']} steps, {r['clock']})",
+             f"median error: expert critical path {_pct(r['median_critical_error'])} (target <= "
+             f"{_pct(r['target_critical'])}: {_met(r['median_critical_error'] <= r['target_critical'])}), step "
+             f"{_pct(r['median_step_error'])} with the previous window's other time (target <= "
+             f"{_pct(r['target_step'])}: {_met(r['median_step_error'] <= r['target_step'])}), "
+             f"{_pct(r['median_step_error_own_other'])} with the step's own (what a preview compares); the measured "
+             f"critical path strays {_pct(r['noise_floor_critical'])} from its batch shape's median (noise floor)")]
 
 
 def step_breakdown(r: dict) -> list[tuple[str, str]]:
@@ -468,6 +507,20 @@ BENCHES = {
                         "--nproc", "2", "--redundant", "0", "--json"],
                        rebalance_suite("rebalance, 2 distributed ranks, sample-dsv3 (its routed experts: the "
                                        "`expert-share` row), re-hash", issue_22=True)),
+    "rebalance-dsv3-decode": (["moectl", "bench", "--suite", "rebalance", "--model", "sample-dsv3", "--backend",
+                               "distributed", "--nproc", "2", "--redundant", "1", "--regime", "decode", "--rounds", "6",
+                               "--json"],
+                              rebalance_suite("rebalance by predicted step time, 2 distributed ranks, sample-dsv3, "
+                                              "decode regime (short prompts), 1 spare slot")),
+    "rebalance-dsv3-prefill": (["moectl", "bench", "--suite", "rebalance", "--model", "sample-dsv3", "--backend",
+                                "distributed", "--nproc", "2", "--redundant", "1", "--regime", "prefill", "--rounds",
+                                "6", "--json"],
+                               rebalance_suite("rebalance by predicted step time, 2 distributed ranks, sample-dsv3, "
+                                               "prefill regime (1-2K-token prompts), 1 spare slot")),
+    "replica-routing": (["python", "bench/replica_routing_bench.py", "--json"], replica_routing),
+    "planner": (["python", "bench/planner_bench.py", "--json"], planner),
+    "cost-model-decode": (["python", "bench/cost_model_validation.py", "--regime", "decode", "--json"], cost_model),
+    "cost-model-prefill": (["python", "bench/cost_model_validation.py", "--regime", "prefill", "--json"], cost_model),
     "step-breakdown": (["python", "bench/step_breakdown.py", "--backend", "distributed", "--nproc", "2", "--json"],
                        step_breakdown),
     "rank-telemetry": (["moectl", "bench", "--suite", "profiler", "--backend", "distributed", "--json"], rank_telemetry),

@@ -27,7 +27,7 @@ SUITE_OPTIONS = {
     "kv-int8": set(),
     "profiler": {"backend", "nproc"},
     "rebalance": {"backend", "nproc", "devices", "rounds", "redundant", "requests", "hardware", "routing", "drift",
-                  "tp", "overlap", "sim_seed"},
+                  "tp", "overlap", "sim_seed", "regime", "workload"},
     "limits": set(),
     "soak": {"backend", "requests", "devices", "seed"},
 }
@@ -61,7 +61,12 @@ def bench(
     options: EngineOptions = DEFAULT_OPTIONS,
     workload: str | None = typer.Option(None, "--workload",
                                            help="serve suite: a JSONL file or 'rate=4,prompt=32-512,output=16-256,"
-                                                "requests=64,seed=0'."),
+                                                "requests=64,seed=0'; rebalance suite: the same (JSONL lines of "
+                                                "{\"prompt\", \"max_tokens\"}), every other request planned on, "
+                                                "the rest measured."),
+    regime: str | None = typer.Option(None, "--regime",
+                                      help="rebalance suite: decode (short prompts, the console's demo), prefill "
+                                           "(1-2K-token prompts, a few output tokens) or mixed; default decode."),
     requests: int = typer.Option(64, "--requests", help="compare-hf: number of requests, all arriving at once; "
                                                          "soak: requests run (10000 unless given)."),
     rounds: int = typer.Option(10, "--rounds", help="rebalance: rounds of one naive and one planned phase (a 95% "
@@ -86,6 +91,9 @@ def bench(
     if backend == SIMULATED:
         if name != "rebalance":
             raise BadInput(f"--backend simulated: runs --suite rebalance, not {name}")
+        for flag, value in (("--regime", regime), ("--workload", workload)):
+            if value is not None:
+                raise BadInput(f"{flag}: the simulated cluster's rebalance suite replays its recorded workload")
         return _simulated_rebalance(ctx, options, rounds, requests, as_json)
     check_seed(seed)
     check_nproc(nproc, backend)
@@ -152,9 +160,24 @@ def bench(
         count = nproc if nproc is not None else (DEFAULT_DEVICES if devices is None else devices)
         if not 1 <= count <= 64:
             raise BadInput(f"--{'nproc' if nproc is not None else 'devices'}: must be in 1-64, got {count}")
+        from moectl.engine.tools.rebalance_bench import REGIMES
+
+        if regime is not None and regime not in REGIMES:
+            raise BadInput(f"--regime: must be one of {', '.join(REGIMES)}, got {regime!r}")
+        if regime is not None and workload is not None:
+            raise BadInput("--regime, --workload: give one (a workload brings its own requests)")
+        spec = None
+        if workload is not None:
+            from moectl.engine.tools.workload import WorkloadSpec
+
+            try:
+                spec = WorkloadSpec.from_option(workload)
+            except ValueError as exc:
+                raise BadInput(f"--workload: {exc}") from None
         result = run_rebalance_bench(path, backend=backend, devices=count, rounds=rounds,
                                      redundant=redundant_slots(options.redundant),
-                                     requests=48 if requests == 64 else requests, dtype=dtype, threads=threads, log=log)
+                                     requests=48 if requests == 64 else requests, dtype=dtype, threads=threads,
+                                     regime=regime or "decode", spec=spec, log=log)
     elif name == "limits":
         from moectl.engine.tools import machine_limits
 

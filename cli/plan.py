@@ -201,9 +201,18 @@ def plan_rebalance_cmd(
     # as many spare slots as the source had: fewer would lower the balance it reached
     redundant = redundant_slots(redundant, current.slots_per_device - -(-current.num_experts // current.num_devices)
                                 if current else DEFAULT_REDUNDANT)
-    result = run_plan_rebalance(loads, devices or DEFAULT_DEVICES, redundant, devices_per_node=devices_per_node,
-                                expert_bytes=size if expert_bytes is None else parse_cli_size(expert_bytes, "--expert-bytes"),
-                                current=current, target=target)
+    size = size if expert_bytes is None else parse_cli_size(expert_bytes, "--expert-bytes")
+    timed = None
+    if final is not None and target is None and not header.get("imported") and devices == trace_devices:
+        from moectl.placement.decision import basis_from_records
+
+        timed = basis_from_records(recent)
+    if timed is not None:  # step times recorded: the plan that minimises the predicted step, gated
+        result = _plan_step_time(timed, final, header, size)
+    else:
+        result = run_plan_rebalance(loads, devices or DEFAULT_DEVICES, redundant, devices_per_node=devices_per_node,
+                                    expert_bytes=size, current=current, target=target)
+        result["objective"] = "token balance"
     if export is not None:  # the engines fill every slot: so does the plan they get (and its figures)
         _fill_for_export(result, loads, current)
     imported = header.get("imported")
@@ -211,7 +220,7 @@ def plan_rebalance_cmd(
         result["imported"] = {k: imported.get(k) for k in ("engine", "engine_version", "mode")}
         result["predicted"] = None
         result["predicted_absent"] = f"{imported['engine']}'s dump has no step times to predict them from"
-    elif final is not None:  # a trace with devices: predict from its last steps
+    elif final is not None and timed is None:  # a trace with devices: predict from its last steps
         from moectl.placement.placement import Placement
         from moectl.placement.step_time import predict_from_records
 
@@ -224,17 +233,52 @@ def plan_rebalance_cmd(
         typer.echo(json.dumps(result, default=str))
         return
     typer.echo(f"balancedness {result['balancedness_before']:.4f} -> {result['balancedness_after']:.4f}, "
-               f"{result['bytes_moved']:,} bytes moved, planned in {result['seconds'] * 1e3:.1f} ms")
+               f"{result['bytes_moved']:,} bytes moved, planned in {result['seconds'] * 1e3:.1f} ms "
+               f"(objective: {result['objective']})")
     predicted = result.get("predicted")
     if predicted:
         typer.echo(f"predicted step {predicted['step_s_before'] * 1e3:.2f} -> {predicted['step_s_after'] * 1e3:.2f} ms, "
                    f"throughput {predicted['throughput_before']:,.0f} -> {predicted['throughput_after']:,.0f} tok/s "
                    f"({predicted['gain']:+.1%}; {predicted['model']})")
+        if "reason" in predicted:
+            typer.echo(f"{'apply it' if predicted['acts'] else 'keep the placement'}: {predicted['reason']}")
     elif result.get("predicted_absent"):
         typer.echo(f"predicted step time: absent ({result['predicted_absent']})")
     if "export" in result:
         typer.echo(f"{result['export']['file']}: the plan for {export} ({result['export']['layers']} layers, "
                    f"{result['export']['physical_experts']} physical experts); start it with {result['export']['flags']}")
+
+
+def _plan_step_time(timed, final, header: dict, expert_bytes: int) -> dict:
+    """`plan rebalance TRACE` where the trace carries step times: the planner's best plan for its
+    last steps, from the placement in force at its end, with the gate's verdict (decision.py)."""
+    from moectl.placement.decision import MIN_GAIN, decide
+    from moectl.placement.replica_policy import POLICIES
+    from moectl.placement.step_planner import StepCost
+    from moectl.placement.topology import Topology
+
+    basis, model, modeled = timed
+    devices = header.get("devices") or {}
+    topology = Topology.from_mapping(devices["topology"])
+    policy = devices.get("routing_policy") if devices.get("routing_policy") in POLICIES else "round_robin"
+    link_bytes_per_s = 1e9 * (topology.inter_node_gbps if topology.num_nodes > 1 else topology.intra_node_gbps)
+    cost = StepCost(model, policy, copy_s=expert_bytes / link_bytes_per_s, horizon_steps=len(basis.other_s))
+    decision = decide(basis, final, topology, cost, expert_bytes=expert_bytes, residuals=model.residuals(),
+                      min_gain=MIN_GAIN)
+    totals = basis.step_loads.sum(0)
+    spare = final.slots_per_device - -(-final.num_experts // final.num_devices)
+    from moectl.placement.rebalancer import plan_dict
+
+    result = plan_dict(decision.plan, totals, topology, spare, expert_bytes)
+    tokens = float(basis.tokens.mean())
+    result["objective"] = "predicted step time"
+    result["predicted"] = {**decision.prediction(),
+                           "throughput_before": tokens / decision.step_s_before,
+                           "throughput_after": tokens / decision.step_s_after,
+                           "calibration": model.summary(),
+                           "model": "recorded per-expert costs; " + ("modeled" if modeled else "measured")
+                                    + " parallel step; copies at the topology's link bandwidth (modeled)"}
+    return result
 
 
 def _fill_for_export(result: dict, loads, current) -> None:

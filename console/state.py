@@ -7,13 +7,14 @@ fills). Panels only read this object; nothing here touches the engine.
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict, deque
+from collections import OrderedDict, deque
 
 import numpy as np
 
 from moectl.placement.placement import Placement
 from moectl.placement.rebalancer import LOAD_WINDOW_STEPS, LoadWindow
 from moectl.profiler.analysis import utilisation as device_utilisation
+from moectl.profiler.outcome import matched_outcome, step_timing
 from moectl.wire.actions import Action
 
 WINDOW_STEPS = LOAD_WINDOW_STEPS  # the moving window behind the heat map, loads, balancedness and throughput
@@ -118,8 +119,8 @@ class ConsoleState:
             # "before": the steps under the placement this apply replaced, started before it (a
             # step that started after the apply but arrived first belongs to "after")
             at = action["time"]
-            before = [t for t in self.step_times if self._placed_at <= t[4] < at]
-            after = [t for t in self.step_times if t[4] >= at]
+            before = [t for t in self.step_times if self._placed_at <= t.t_start < at]
+            after = [t for t in self.step_times if t.t_start >= at]
             self.last_apply = ({"time": at, "predicted": result["predicted"], "before": before, "after": after}
                                if result.get("predicted") else None)
             self.sim_outcome = None
@@ -224,27 +225,25 @@ class ConsoleState:
         return self._routing_cache[1]
 
     def apply_outcome(self, min_steps: int = 8) -> dict | None:
-        """The last apply's prediction beside what the steps on either side of it ran: tokens per
-        second of the devices' parallel step (modeled on emulated devices, measured on ranks) over
-        the batch shapes both sides ran (`same_shape_throughput`), so a change of traffic across
-        the apply is not read as the placement's doing. Before `min_steps` steps match, only
-        how many have ("matched", with "outcome" None). None without an apply, or when no step
-        before it is in view (a replay seeked past it)."""
+        """The last apply's prediction (the preview's own) beside what the steps on either side of
+        it ran, on the population both sides ran (profiler/outcome.py: batch shape and context),
+        so a change of traffic across the apply is not read as the placement's doing. "outcome"
+        stays None until `min_steps` steps match and the gain's interval resolves the prediction
+        (or OUTCOME_STEPS steps have run after the apply: then shown as unresolved); meanwhile
+        "so_far" holds the estimate. None without an apply, or when no step before it is in view
+        (a replay seeked past it)."""
         last = self.last_apply
         if last is None or not last["before"]:
             return None
         key = (id(last), len(last["after"]), min_steps)
         if self._outcome_cache[0] == key:
             return self._outcome_cache[1]
-        matched = same_shape_throughput(last["before"], last["after"])
+        matched = matched_outcome(last["before"], last["after"], last["predicted"])
         steps = matched["steps"] if matched else 0
         result = {"predicted": last["predicted"], "steps_after": len(last["after"]), "matched": steps,
-                  "min_steps": min_steps, "outcome": None}
-        if matched is not None and steps >= min_steps:
-            experts_only = matched["after_experts_only"]
-            result["outcome"] = {**matched, "gain": matched["after"] / matched["before"] - 1,
-                                 "gain_experts_only": None if experts_only is None
-                                 else experts_only / matched["before"] - 1}
+                  "min_steps": min_steps, "outcome": None, "so_far": matched}
+        if matched is not None and steps >= min_steps and (matched["resolved"] or len(last["after"]) >= OUTCOME_STEPS):
+            result["outcome"] = matched
         self._outcome_cache = (key, result)
         return result
 
@@ -367,44 +366,3 @@ class ConsoleState:
         return list(((self.latest or {}).get("devices") or {}).get("memory") or [])
 
 
-def step_timing(record: dict) -> tuple | None:
-    """(batch shape: prompt and decode tokens, the devices' parallel step seconds, whether they
-    are modeled, the busiest devices' expert seconds in it (None in records without it), the
-    step's start) of a step record; None without a step time."""
-    step_time = (record.get("devices") or {}).get("step_time")
-    if not step_time or step_time["step_s"] <= 0:
-        return None
-    batch = record["batch"]
-    critical = step_time.get("expert_critical_s")
-    return ((batch["prefill_tokens"], batch["decode_tokens"]), float(step_time["step_s"]),
-            bool(step_time.get("modeled")), None if critical is None else float(critical), record["t_start"])
-
-
-def same_shape_throughput(before: list[tuple], after: list[tuple]) -> dict | None:
-    """Tokens per second of the devices' parallel step on either side (`step_timing` tuples),
-    over the batch shapes both sides ran: each shared shape counts min(n_before, n_after) steps
-    at each side's mean step time for it, so both figures are over the same tokens. Also the
-    same with only the experts' critical path taken from after ("after_experts_only"): the rest
-    of the step held at its time before, so a drift of the machine's speed in attention or
-    scheduling across the apply is not counted (None when the records lack the critical path).
-    None when no shape is shared."""
-    def by_shape(timings):
-        shapes: dict[tuple[int, int], list[tuple[float, float]]] = {}
-        for shape, step_s, _, critical_s, _ in timings:
-            shapes.setdefault(shape, []).append((step_s, critical_s or 0.0))
-        return {shape: np.mean(values, axis=0) for shape, values in shapes.items()}
-
-    b, a = by_shape(before), by_shape(after)
-    counts_b, counts_a = Counter(t[0] for t in before), Counter(t[0] for t in after)
-    shared = [(shape, min(counts_b[shape], counts_a[shape])) for shape in b.keys() & a.keys() if sum(shape)]
-    if not shared:
-        return None
-    tokens = sum(sum(shape) * n for shape, n in shared)
-    seconds_before = sum(float(b[shape][0]) * n for shape, n in shared)
-    seconds_after = sum(float(a[shape][0]) * n for shape, n in shared)
-    critical_change = sum(float(a[shape][1] - b[shape][1]) * n for shape, n in shared)
-    has_critical = all(t[3] is not None for t in (*before, *after))
-    return {"before": tokens / seconds_before, "after": tokens / seconds_after,
-            "after_experts_only": tokens / (seconds_before + critical_change) if has_critical else None,
-            "modeled": before[0][2],
-            "steps": sum(n for _, n in shared), "shapes": len(shared)}

@@ -755,9 +755,15 @@ def run_plan_rebalance(loads, devices: int, redundant: int, devices_per_node: in
     topo = Topology(num_devices=devices, devices_per_node=devices_per_node)
     plan = plan_rebalance(W, topo, redundant, current=current, expert_bytes=expert_bytes,
                           hbm_budget_bytes=hbm_budget_bytes, target=target)
+    return plan_dict(plan, W, topo, redundant, expert_bytes)
+
+
+def plan_dict(plan: RebalancePlan, W: np.ndarray, topo: Topology, redundant: int, expert_bytes: int) -> dict:
+    """A plan as `plan rebalance --json` reports it."""
     counts = plan.placement.replica_counts()
     return {
-        "layers": W.shape[0], "experts": W.shape[1], "devices": devices, "devices_per_node": devices_per_node,
+        "layers": W.shape[0], "experts": W.shape[1], "devices": topo.num_devices,
+        "devices_per_node": topo.devices_per_node,
         "nodes": topo.num_nodes, "redundant_per_device": redundant,
         "slots_per_device": plan.placement.slots_per_device, "expert_bytes": expert_bytes,
         "balancedness_before": plan.balancedness_before.overall,

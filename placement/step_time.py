@@ -13,94 +13,157 @@ the distributed backend the ranks really run at once and the step is measured: o
 the per-layer critical path.
 
 A prediction for another placement needs each device's expert time under loads it never ran,
-so a cost model is calibrated from what the devices did measure: per (device, layer),
+so a cost model is calibrated from what the devices did measure: per (device, layer) call,
 
-    busy = per_expert_s * active experts + per_row_s * (token, choice) rows
+    busy = per_call_s + per_expert_s * active experts + per_row_s * rows
 
-fitted by least squares over recent steps (exponentially forgotten), so it follows a machine
-whose speed drifts. The calibration error against the measurements is reported with it.
+where per_row_s is the grouped GEMM's from `switch_rows` rows up and the per-expert loop's below
+(the kernel the engine picks: engine/models/moe.py), fitted by non-negative least squares over
+recent steps (exponentially forgotten), so it follows a machine whose speed drifts. Its features
+come from the runtime's own replica rule (replica_policy.expected_work), not an even split. The
+calibration error against the measurements is reported with it.
 """
 
 from __future__ import annotations
 
+from collections import deque
+from itertools import combinations
+
 import numpy as np
 
 from moectl.placement.placement import Placement
+from moectl.placement.replica_policy import expected_work
 
 CALIBRATION_DECAY = 0.98  # per step: a sample half a minute old at 20 steps/s weighs almost nothing
 # The fit moves slowly (its samples decay over ~50 steps): each step's record and error use the
 # coefficients refitted at most this many observed steps ago; predictions refit first.
 REFIT_EVERY = 8
+RESIDUAL_STEPS = 64  # steps of residuals kept (a window's worth)
+RESIDUAL_QUANTILES = np.linspace(0, 1, 21)  # what a record carries of them: 5% steps
+COEFFICIENTS = ("per_call_s", "per_expert_s", "per_row_s", "per_row_loop_s")
 
 
 class ExpertCostModel:
-    """busy ~ per_expert_s * active + per_row_s * rows, calibrated from measured (device, layer) samples."""
+    """busy ~ per_call_s + per_expert_s * active + per_row_s * rows (per_row_loop_s under the
+    kernel switch), calibrated from measured (device, layer) samples.
 
-    def __init__(self, decay: float = CALIBRATION_DECAY):
+    switch_rows: the rows of one call from which the grouped GEMM runs; None: the kernel never
+    switches (one per-row term, per_row_s)."""
+
+    def __init__(self, decay: float = CALIBRATION_DECAY, switch_rows: int | None = None):
         self.decay = decay
+        self.switch_rows = switch_rows
         self._fixed: np.ndarray | None = None  # coefficients taken from a record (`fixed`), not fitted
-        self._gram = np.zeros((2, 2))  # decayed sums of x x^T, x = (active, rows)
-        self._xy = np.zeros(2)  # decayed sums of x * busy
+        n = len(COEFFICIENTS)
+        self._gram = np.zeros((n, n))  # decayed sums of x x^T
+        self._xy = np.zeros(n)  # decayed sums of x * busy
         self._abs_err = 0.0  # decayed sum of |predicted - measured| per sample (with the coefficients then)
         self._busy = 0.0  # decayed sum of measured busy
         self.samples = 0
         self._coef: np.ndarray | None = None  # the last fit (refitted every REFIT_EVERY observed steps)
         self._observed_since_fit = 0
+        # (measured - predicted) / predicted of recent samples, with the coefficients then: the
+        # error a prediction carries (decision.py's interval draws from it)
+        self._residuals: deque[np.ndarray] = deque(maxlen=RESIDUAL_STEPS)
+        self._fixed_residuals: np.ndarray | None = None
 
     @classmethod
-    def fixed(cls, per_expert_s: float, per_row_s: float) -> ExpertCostModel:
+    def fixed(cls, per_expert_s: float, per_row_s: float, per_call_s: float = 0.0,
+              per_row_loop_s: float | None = None, switch_rows: int | None = None) -> ExpertCostModel:
         """A model with these coefficients (from a record), not calibrated further."""
-        model = cls()
-        model._fixed = np.array([per_expert_s, per_row_s], dtype=np.float64)
-        model.samples = int(per_expert_s > 0 or per_row_s > 0)
+        model = cls(switch_rows=switch_rows)
+        model._fixed = np.array([per_call_s, per_expert_s, per_row_s,
+                                 per_row_s if per_row_loop_s is None else per_row_loop_s], dtype=np.float64)
+        model.samples = int((model._fixed > 0).any())
         return model
+
+    @classmethod
+    def from_summary(cls, summary: dict) -> ExpertCostModel:
+        """The model a record's "cost_model" (summary()) describes."""
+        model = cls.fixed(summary.get("per_expert_s", 0.0), summary.get("per_row_s", 0.0),
+                          summary.get("per_call_s", 0.0), summary.get("per_row_loop_s"), summary.get("switch_rows"))
+        if summary.get("residuals"):
+            model._fixed_residuals = np.asarray(summary["residuals"], dtype=np.float64)
+        return model
+
+    def residuals(self) -> np.ndarray:
+        """Relative errors of recent predictions ((measured - predicted) / predicted): the samples
+        themselves, or from a record the quantiles it carries."""
+        if self._fixed_residuals is not None:
+            return self._fixed_residuals
+        return np.concatenate(list(self._residuals)) if self._residuals else np.zeros(0)
+
+    def features(self, rows: np.ndarray, active: np.ndarray) -> np.ndarray:
+        """[4, ...]: (a call, active experts, rows on the grouped kernel, rows on the loop)."""
+        rows = np.asarray(rows, dtype=np.float64)
+        called = (rows > 0).astype(np.float64)
+        grouped = rows >= self.switch_rows if self.switch_rows is not None else np.ones(rows.shape, bool)
+        return np.stack([called, np.asarray(active, dtype=np.float64) * called, np.where(grouped, rows, 0.0),
+                         np.where(grouped, 0.0, rows)])
 
     def observe(self, rows: np.ndarray, active: np.ndarray, busy: np.ndarray) -> None:
         """One step's per (device, layer) rows computed, distinct experts run and measured seconds."""
-        mask = rows > 0
+        mask = np.asarray(rows) > 0
         if not mask.any():
             return
-        x = np.stack([active[mask], rows[mask]]).astype(np.float64)
+        x = self.features(np.asarray(rows)[mask], np.asarray(active)[mask])
         y = np.asarray(busy, dtype=np.float64)[mask]
         if self.samples:
-            self._abs_err = self.decay * self._abs_err + float(np.abs(self.coefficients() @ x - y).sum())
+            predicted = self.coefficients() @ x
+            self._abs_err = self.decay * self._abs_err + float(np.abs(predicted - y).sum())
             self._busy = self.decay * self._busy + float(y.sum())
+            ok = predicted > 0
+            self._residuals.append((y[ok] - predicted[ok]) / predicted[ok])
         self._gram = self.decay * self._gram + x @ x.T
         self._xy = self.decay * self._xy + x @ y
         self.samples += int(mask.sum())
         self._observed_since_fit += 1
 
     def coefficients(self) -> np.ndarray:
-        """(per_expert_s, per_row_s), both >= 0 (a per-row or per-expert cost is never negative),
-        as last fitted: at most REFIT_EVERY observed steps old (the engine thread's; see predict)."""
+        """COEFFICIENTS' values, all >= 0 (no cost is negative), as last fitted: at most
+        REFIT_EVERY observed steps old (the engine thread's; see predict)."""
         if self._fixed is not None:
             return self._fixed
         if not self.samples:
-            return np.zeros(2)
+            return np.zeros(len(COEFFICIENTS))
         if self._coef is None or self._observed_since_fit >= REFIT_EVERY:
             self._coef = self._fit()
             self._observed_since_fit = 0
         return self._coef
 
     def _fit(self) -> np.ndarray:
-        gram = self._gram + np.eye(2) * 1e-12 * max(np.trace(self._gram), 1.0)
-        coef = np.linalg.solve(gram, self._xy)
-        if (coef < 0).any():  # then the one term whose fit alone explains most (largest xy^2 / xx)
-            diag = np.diag(gram)
-            i = int(np.argmax(self._xy ** 2 / diag))
-            coef = np.zeros(2)
-            coef[i] = max(self._xy[i] / diag[i], 0.0)
-        return coef
+        """Non-negative least squares on the decayed normal equations: the best of the least-squares
+        fits over every subset of the terms whose coefficients all come out non-negative (16
+        subsets of 4 terms: exact, where an active-set method iterates)."""
+        n = len(COEFFICIENTS)
+        gram = self._gram + np.eye(n) * 1e-12 * max(np.trace(self._gram), 1e-30)
+        best, best_loss = np.zeros(n), 0.0  # all zero: loss 0 relative to sum y^2
+        for size in range(1, n + 1):
+            for subset in combinations(range(n), size):
+                idx = list(subset)
+                if not np.diag(self._gram)[idx].all():
+                    continue  # a term never seen (no loop-kernel calls, say) stays 0
+                coef = np.linalg.solve(gram[np.ix_(idx, idx)], self._xy[idx])
+                if (coef < 0).any():
+                    continue
+                loss = float(coef @ gram[np.ix_(idx, idx)] @ coef - 2 * coef @ self._xy[idx])
+                if loss < best_loss:
+                    best, best_loss = np.zeros(n), loss
+                    best[idx] = coef
+        return best
 
     def predict(self, rows: np.ndarray, active: np.ndarray) -> np.ndarray:
         # a fit of every sample so far, not cached: predictions run on operator threads too, and
         # the cache (read by the engine thread's records) is the engine thread's alone
-        per_expert, per_row = self._fixed if self._fixed is not None else (self._fit() if self.samples else np.zeros(2))
-        return np.where(rows > 0, per_expert * active + per_row * rows, 0.0)
+        coef = self._fixed if self._fixed is not None else (self._fit() if self.samples else np.zeros(len(COEFFICIENTS)))
+        return np.tensordot(coef, self.features(rows, active), axes=1)
 
     def summary(self) -> dict:
-        per_expert, per_row = self.coefficients()
-        return {"per_expert_s": float(per_expert), "per_row_s": float(per_row), "samples": self.samples,
+        coef = self.coefficients()
+        residuals = self.residuals()
+        return {**{name: float(v) for name, v in zip(COEFFICIENTS, coef)}, "switch_rows": self.switch_rows,
+                "samples": self.samples,
+                "residuals": np.quantile(residuals, RESIDUAL_QUANTILES).tolist() if residuals.size else [],
                 "relative_error": (self._abs_err / self._busy) if self._busy > 0 else None}
 
 
@@ -120,35 +183,39 @@ def parallel_step(wall_s: float, busy_layer: np.ndarray, link_s: float, measured
             "modeled": not measured_parallel}
 
 
-def device_work(placement: Placement, step_loads: np.ndarray, moe_layers: list[int]) -> tuple[np.ndarray, np.ndarray]:
+def device_work(placement: Placement, step_loads: np.ndarray, moe_layers: list[int],
+                policy: str = "locality") -> tuple[np.ndarray, np.ndarray]:
     """(rows, active experts) per [step, device, layer] that `placement` gives these per-step
-    [S, L, E] routing counts, over the MoE layers only."""
-    share = placement.replica_shares()[moe_layers]  # [M, E, D]: the one replica rule
-    loads = np.asarray(step_loads, dtype=np.float64)[:, moe_layers]  # [S, M, E]
-    rows = np.einsum("sme,med->sdm", loads, share)
-    active = np.einsum("sme,med->sdm", (loads > 0).astype(np.float64), (share > 0).astype(np.float64))
+    [S, L, E] routing counts under the runtime's replica rule, over the MoE layers only."""
+    rows, active, _ = expected_work(placement, step_loads, moe_layers, policy)
     return rows, active
 
 
 def predict_step_times(model: ExpertCostModel, placement: Placement, step_loads: np.ndarray, moe_layers: list[int],
-                       other_s: float, link_s: float, tokens_per_step: float) -> dict:
+                       other_s: float, link_s: float, tokens_per_step: float, policy: str = "locality",
+                       link_basis: Placement | None = None) -> dict:
     """Predicted mean step time and throughput under `placement` for recorded per-step routing.
 
-    other_s and link_s: the mean non-expert and link time of the same steps (kept as measured or
-    modeled: a new placement moves expert work, not attention)."""
+    other_s: the mean time no placement changes (attention, sampler, the rest), kept as measured.
+    link_s: the mean link time of the same steps under `link_basis` (the placement they ran
+    under; None: `placement`), scaled by the entries that cross a link under each."""
     if len(step_loads) == 0:
         raise ValueError("predict: no routing observed yet")
-    rows, active = device_work(placement, step_loads, moe_layers)
+    rows, active, remote = expected_work(placement, step_loads, moe_layers, policy)
+    if link_basis is not None and link_basis is not placement and link_s > 0:
+        _, _, basis_remote = expected_work(link_basis, step_loads, moe_layers, policy)
+        link_s *= float(remote.sum() / basis_remote.sum()) if basis_remote.sum() > 0 else 1.0
     busy = model.predict(rows, active)  # [S, D, M]
     critical = busy.max(1).sum(1)  # per step
     step_s = other_s + float(critical.mean()) + link_s
     device_busy = busy.sum(2).mean(0)
     return {"step_s": step_s, "throughput_tok_s": tokens_per_step / step_s if step_s > 0 else 0.0,
-            "expert_critical_s": float(critical.mean()),
+            "expert_critical_s": float(critical.mean()), "link_s": link_s,
             "utilisation": (device_busy / step_s).tolist() if step_s > 0 else [0.0] * len(device_busy)}
 
 
-def predict_from_records(records: list[dict], before: Placement, after: Placement) -> dict | None:
+def predict_from_records(records: list[dict], before: Placement, after: Placement,
+                         policy: str = "locality") -> dict | None:
     """The preview's prediction (ClusterBase.predict_change) from recorded step records: their
     routing, their step-time split and the cost model's coefficients as the engine had calibrated
     them. None when the records carry no step time (older traces, no devices)."""
@@ -157,7 +224,7 @@ def predict_from_records(records: list[dict], before: Placement, after: Placemen
         return None
     last = timed[-1]["devices"]["step_time"]
     coef = last.get("cost_model") or {}
-    model = ExpertCostModel.fixed(coef.get("per_expert_s", 0.0), coef.get("per_row_s", 0.0))
+    model = ExpertCostModel.from_summary(coef)
     if not model.samples:
         return None
     loads = np.stack([np.asarray(r["routing"], dtype=np.float64) for r in timed])
@@ -166,8 +233,9 @@ def predict_from_records(records: list[dict], before: Placement, after: Placemen
     other = float(np.mean([s["other_s"] for s in splits]))
     link = 0.0 if not last.get("modeled") else float(np.mean([s["link_s"] for s in splits]))
     tokens = float(np.mean([r["batch"]["prefill_tokens"] + r["batch"]["decode_tokens"] for r in timed]))
-    return change(predict_step_times(model, before, loads, moe_layers, other, link, tokens),
-                  predict_step_times(model, after, loads, moe_layers, other, link, tokens), coef,
+    return change(predict_step_times(model, before, loads, moe_layers, other, link, tokens, policy),
+                  predict_step_times(model, after, loads, moe_layers, other, link, tokens, policy, link_basis=before),
+                  coef,
                   "recorded per-expert costs; " + ("modeled" if last.get("modeled") else "measured") + " parallel step")
 
 

@@ -24,7 +24,7 @@ def window_alerts(records: list[dict], placement: Placement | None, devices: dic
     try:
         topology = Topology.from_mapping(devices["topology"]) if devices.get("topology") else None
         return alerts(records, placement, topology, devices.get("expert_bytes"),
-                      devices.get("redundant_slots") or None)
+                      devices.get("redundant_slots") or None, devices.get("routing_policy") or "locality")
     except Exception as exc:  # noqa: BLE001 - see the docstring
         return [{"kind": "analysis", "severity": "error", "message": f"alerts failed: {exc}", "action": "-",
                  "predicted": {}}]

@@ -23,9 +23,12 @@ from collections.abc import Iterable
 
 import numpy as np
 
+from moectl.placement.decision import MIN_GAIN, basis_from_records, decide
 from moectl.placement.placement import Placement
 from moectl.placement.placement import balancedness as _balance
 from moectl.placement.rebalancer import plan_rebalance
+from moectl.placement.replica_policy import POLICIES
+from moectl.placement.step_planner import StepCost
 from moectl.placement.topology import Topology
 from moectl.wire.records import ENGINE_LANE
 
@@ -474,7 +477,7 @@ def _spare_slots(placement: Placement) -> int:
     return max(placement.slots_per_device - -(-placement.num_experts // placement.num_devices), 0)
 
 
-def _imbalance_alert(records, placement, topology, expert_bytes, redundant) -> dict | None:
+def _imbalance_alert(records, placement, topology, expert_bytes, redundant, policy="locality") -> dict | None:
     bal = balancedness(records, placement)
     overall = bal["overall"]
     if overall is None or overall >= BALANCEDNESS_WARN:
@@ -508,6 +511,9 @@ def _imbalance_alert(records, placement, topology, expert_bytes, redundant) -> d
             predicted["experts"] = [[h["layer"], h["expert"]] for h in hot]
             predicted["experts_share"] = share
     parts.append(waiting)
+    timed = basis_from_records(records) if placement is not None and topology is not None else None
+    if timed is not None:
+        return _decided_alert(timed, records, placement, topology, expert_bytes, overall, parts, predicted, policy)
     action = "preview a rebalance"
     if topology is not None and routing is not None:
         slots = redundant if redundant is not None else (_spare_slots(placement) if placement is not None else 0)
@@ -521,10 +527,44 @@ def _imbalance_alert(records, placement, topology, expert_bytes, redundant) -> d
                              bytes_moved=s["bytes_moved"], moves=s["moves"], redundant_per_device=slots)
             parts.append(f"; rebalancing with {slots} redundant slot{'s' if slots != 1 else ''} per device is "
                          f"predicted to raise balancedness from {s['balancedness_before']:.2f} to "
-                         f"{s['balancedness_after']:.2f}")
+                         f"{s['balancedness_after']:.2f} (token balance only: these records carry no step times)")
             action = f"rebalance ({s['moves']} expert moves)"
     severity = "critical" if overall < BALANCEDNESS_CRITICAL else "warning"
     return _alert("imbalance", severity, "".join(parts) + ".", action, predicted)
+
+
+ALERT_PLAN_DEADLINE_S = 0.05  # the alert's plan search: its local search stops at this (previews have none)
+ALERT_BOOTSTRAP_ROUNDS = 100
+
+
+def _decided_alert(timed, records, placement, topology, expert_bytes, overall, parts, predicted, policy) -> dict:
+    """The imbalance alert where the records carry step times: it proposes a rebalance only when
+    the planner's best plan clears the gate (decision.py), and otherwise says that nothing pays
+    and why. The copies are priced at the topology's link bandwidth (modeled), over the window."""
+    basis, model, _ = timed
+    policy = policy if policy in POLICIES else "round_robin"  # a simulated engine's "even": the even split
+    t = topology
+    link_bytes_per_s = 1e9 * (t.inter_node_gbps if t.num_nodes > 1 else t.intra_node_gbps)
+    cost = StepCost(model, policy, copy_s=(expert_bytes or 0) / link_bytes_per_s, horizon_steps=len(basis.other_s))
+    try:
+        # the engine process runs this every few seconds beside the engine: a bounded search, fewer rounds
+        decision = decide(basis, placement, topology, cost, expert_bytes=expert_bytes or 0,
+                          residuals=model.residuals(), min_gain=MIN_GAIN, rounds=ALERT_BOOTSTRAP_ROUNDS,
+                          deadline_s=ALERT_PLAN_DEADLINE_S)
+    except ValueError as exc:  # a mismatched topology or placement: say so, as the token path does
+        predicted["error"] = str(exc)
+        return _alert("imbalance", "warning", "".join(parts) + ".", "preview a rebalance", predicted)
+    predicted.update(decision.prediction(), moves=len(decision.plan.move_array),
+                     bytes_moved=decision.plan.bytes_moved,
+                     balancedness_before=decision.plan.balancedness_before.overall,
+                     balancedness_after=decision.plan.balancedness_after.overall)
+    if not decision.acts:
+        return _alert("imbalance", "info", f"balancedness {overall:.2f}, but {decision.reason}.",
+                      "none: keep the placement", predicted)
+    parts.append(f"; {decision.reason}")
+    severity = "critical" if overall < BALANCEDNESS_CRITICAL else "warning"
+    return _alert("imbalance", severity, "".join(parts) + ".", f"rebalance ({len(decision.plan.move_array)} expert copies)",
+                  predicted)
 
 
 def _kv_alert(records) -> dict | None:
@@ -591,20 +631,23 @@ def _ttft_alert(records) -> dict | None:
 
 
 def alerts(records: Iterable[dict], placement: Placement | None = None, topology: Topology | None = None,
-           expert_bytes: int | None = None, redundant: int | None = None) -> list[dict]:
+           expert_bytes: int | None = None, redundant: int | None = None, policy: str = "locality") -> list[dict]:
     """Plain-language alerts over the range: [{"kind", "severity", "message", "action", "predicted"}].
 
     imbalance: balancedness (see balancedness()) below BALANCEDNESS_WARN; names the busiest device,
-      and with a placement the experts that load it. With a topology the prediction is the real
-      plan_rebalance on the window's summed routing from `placement` (contiguous when None) with
-      `redundant` slots per device (default: the placement's spare slots, else 0).
+      and with a placement the experts that load it. Where the records carry step times (and a
+      placement and topology are given) the planner's best plan for the window is priced and
+      gated (placement/decision.py): a warning proposes it when it pays, an "info" alert says
+      why nothing does. Otherwise the prediction is plan_rebalance's token balance on the window's
+      summed routing from `placement` with `redundant` slots per device (default: the
+      placement's spare slots, else 0), and says so.
     kv_pressure: peak KV usage above KV_USAGE_WARN with preemptions in the window.
     expert_cache: tiered expert cache hit rate below CACHE_HIT_RATE_WARN.
     memory_leak: memory_growth()'s leak rule.
     ttft_tail: p99 TTFT above TTFT_TAIL_RATIO x p50 (at least TTFT_TAIL_MIN_REQUESTS requests).
     """
     records = list(records)
-    checks = (lambda: _imbalance_alert(records, placement, topology, expert_bytes, redundant),
+    checks = (lambda: _imbalance_alert(records, placement, topology, expert_bytes, redundant, policy),
               lambda: _kv_alert(records), lambda: _cache_alert(records), lambda: _leak_alert(records),
               lambda: _ttft_alert(records))
     return [a for a in (check() for check in checks) if a is not None]

@@ -10,7 +10,9 @@ ValueError such as a PlacementError) is a 400 with its one-line reason.
     POST /rebalance/preview     -> {"plan_id", "summary"}; the plan stays here (the newest MAX_PLANS)
     POST /rebalance/apply       {"plan_id"} -> {"plan_id", "summary"}
     POST /auto_rebalance        {"enabled": bool, "every_k_steps"?: int, "threshold"?: float|null,
-                                 "target"?: float|null (plans move only as much as reaching it takes)}
+                                 "target"?: float|null (token plans move only as much as reaching it
+                                 takes), "min_gain"?: float (the gate, default 0.03), "objective"?:
+                                 "step_time" (default) | "balance"}
     POST /edit                  {"edit": move|swap|replicate|drop_replica|pin|unpin, "layer", ...}
                                 (Placement's arguments) -> {"edit", "placement"}
     POST /capture               {"steps": n} -> deep capture of the next n steps
@@ -38,7 +40,7 @@ log = logging.getLogger(__name__)
 
 MAX_PLANS = 8  # previewed plans kept for /rebalance/apply
 ACTION_TIMEOUT_S = 60.0  # an action waits for the engine thread at most this long
-AUTO_REBALANCE_ARGS = ("enabled", "every_k_steps", "threshold", "target")
+AUTO_REBALANCE_ARGS = ("enabled", "every_k_steps", "threshold", "target", "min_gain", "objective")
 
 
 class ControlApi:

@@ -42,7 +42,9 @@ class EngineExperts(Protocol):
 
     def preview(self) -> RebalancePlan: ...
 
-    def apply(self, placement: Placement, kind: str = "placement") -> Future: ...
+    def apply(self, placement: Placement, kind: str = "placement", predicted: dict | None = None) -> Future:
+        """Applied between steps; `predicted`: the previewed plan's own prediction, which the
+        outcome is then compared with (None: priced at the apply)."""
 
     def edit(self, edit: str, **args) -> Placement: ...
 

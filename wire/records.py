@@ -53,8 +53,12 @@ Step record (format 1):
                                  step), "other_s", "expert_critical_s", "link_s",
                                  "utilisation": [busy_s / step_s], "wait_s": [per device, waiting
                                  for the slowest device at the layers' synchronisation points],
-                                 "cost_model": {"per_expert_s", "per_row_s", "samples",
-                                 "relative_error"} (calibrated from the measured busy times)},
+                                 "cost_model": {"per_call_s", "per_expert_s", "per_row_s" (grouped
+                                 GEMM), "per_row_loop_s" (under "switch_rows" rows a call),
+                                 "switch_rows", "samples", "relative_error", "residuals": [21
+                                 quantiles of (measured - predicted) / predicted]} (calibrated
+                                 from the measured busy times; older traces carry the first two
+                                 per-expert and per-row terms only)},
                    "telemetry_s": float (distributed: rank 0's time in the per-step gather),
                    "process": [{"rss_bytes", "cuda"}] (distributed: each rank's, measured),
                    "traffic_bytes": int64 [D, D] (emulated: the modeled all-to-all's dispatch bytes src x dst,
@@ -86,10 +90,14 @@ Step record (format 1):
 
 Action record: {"time": float (engine clock), "step": int (the last finished step),
 "kind": str, "args": dict, "result": dict}. An applied placement's result has "bytes_moved",
-"seconds", "placement", "predicted" (step time and throughput before/after, or None) and, on
+"seconds", "placement", "predicted" (step time and throughput before/after, the gain with its 90%
+interval "gain_low"/"gain_high", the gate's "acts" and "reason", "parts" by part before/after: the
+preview's own when a previewed plan was applied; or None) and, on
 ranks, "migration": {"per_rank": [{"bytes_sent", "bytes_received", "bytes_local", "seconds"}],
 "bytes_transferred", "seconds_max", "measured": true}. Kinds: knobs, rebalance_preview, rebalance_apply,
-placement, move, swap, replicate, drop_replica, pin, unpin, auto_rebalance_plan, capture,
+placement, move, swap, replicate, drop_replica, pin, unpin, auto_rebalance_plan, auto_rebalance_held
+(auto mode looked and the gate held the plan back: {"gain", "gain_low", "gain_high", "reason",
+"step_s_before", "step_s_after", "moves"}), capture,
 record_start, record_stop, and "<kind>_failed" with {"error": str}.
 
 The simulated backend (engine/sim/cluster_engine.py) writes the same records, every figure the

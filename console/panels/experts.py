@@ -11,6 +11,7 @@ from moectl.console.panels.common import ActionRequested, ShowsOnChange
 from moectl.console.widgets import ColourLegend, HeatMap
 from moectl.console.widgets.bars import StackedBars
 from moectl.console.widgets.chart import Chart
+from moectl.profiler.outcome import PART_LABELS
 from moectl.wire.actions import Action
 
 EDITS = ("move", "replicate", "drop_replica", "pin", "unpin")
@@ -134,27 +135,39 @@ class ExpertsPanel(ShowsOnChange, VerticalScroll):
             self.put("#ex-apply-outcome", "")
             return
         predicted, outcome = result["predicted"], result["outcome"]
+        interval = (f" ({predicted['gain_low']:+.1%} to {predicted['gain_high']:+.1%})"
+                    if "gain_low" in predicted else "")
         if outcome is None:
+            so_far = result["so_far"]
+            progress = ("" if so_far is None else f"; so far {so_far['gain']:+.1%} ({so_far['gain_low']:+.1%} to "
+                        f"{so_far['gain_high']:+.1%}), resolved at +-{so_far['resolution_needed']:.1%}")
             self.put("#ex-apply-outcome",
-                     f"after the apply: predicted {predicted['gain']:+.1%}; the outcome waits for steps of the batch "
-                     f"shapes run before it ({result['matched']} of {result['min_steps']} matched in "
-                     f"{result['steps_after']} steps)")
+                     f"after the apply: predicted {predicted['gain']:+.1%}{interval}; the outcome waits for steps of "
+                     f"the batch shapes and contexts run before it ({result['matched']} of at least "
+                     f"{result['min_steps']} matched in {result['steps_after']} steps){progress}")
             return
         clock = "simulated" if state.simulated else "modeled" if outcome["modeled"] else "measured"
-        shapes = "1 batch shape" if outcome["shapes"] == 1 else f"{outcome['shapes']} batch shapes"
+        shapes = "1 population" if outcome["shapes"] == 1 else f"{outcome['shapes']} populations"
         experts_only = ("" if outcome["gain_experts_only"] is None else
                         f"; the experts' critical path alone {outcome['gain_experts_only']:+.1%} (the rest of the "
                         f"step held at its time before)")
-        # the prediction on the outcome's basis: its gain applied to the recorded "before" (its own
-        # absolute figures come from the cost model, another basis, shown apart)
-        expected = outcome["before"] * (1 + predicted["gain"])
-        self.put(
-            "#ex-apply-outcome",
-            f"after the apply: {outcome['before']:,.0f} -> {outcome['after']:,.0f} tok/s {clock} "
-            f"({outcome['gain']:+.1%}; prompt+output per parallel step, on the {shapes} both sides ran, "
-            f"{outcome['steps']} steps each){experts_only}; predicted "
-            f"{predicted['gain']:+.1%}, {expected:,.0f} on this basis (the cost model's own: "
-            f"{predicted['throughput_before']:,.0f} -> {predicted['throughput_after']:,.0f})")
+        unresolved = "" if outcome["resolved"] else " [b]not resolved[/b] in the steps kept;"
+        lines = [f"after the apply: {outcome['before']:,.0f} -> {outcome['after']:,.0f} tok/s {clock} "
+                 f"({outcome['gain']:+.1%}, 90% interval {outcome['gain_low']:+.1%} to {outcome['gain_high']:+.1%};"
+                 f"{unresolved} prompt+output per parallel step, on the {shapes} (batch shape, context) both sides "
+                 f"ran, {outcome['steps']} steps each){experts_only}; predicted {predicted['gain']:+.1%}{interval} "
+                 f"by the preview, {outcome['before'] * (1 + predicted['gain']):,.0f} tok/s on this basis"]
+        predicted_parts = predicted.get("parts") or {}
+        for part, label in PART_LABELS.items():
+            got = outcome["parts"].get(part)
+            if got is None:
+                continue
+            forecast = predicted_parts.get(part) or (predicted_parts.get("other_s") if part == "rest_s" else None)
+            said = (f", predicted {forecast[0] * 1e3:.2f} -> {forecast[1] * 1e3:.2f}" if forecast else
+                    ", predicted unchanged" if part == "dispatch_s" else "")
+            lines.append(f"  {label}: {got['before_s'] * 1e3:.2f} -> {got['after_s'] * 1e3:.2f} ms a step "
+                         f"({got['change_low_s'] * 1e3:+.2f} to {got['change_high_s'] * 1e3:+.2f}){said}")
+        self.put("#ex-apply-outcome", "\n".join(lines))
 
     def _show_simulated_outcome(self, state) -> None:
         """A simulated cluster's engine runs the steps after an apply under both placements
@@ -184,9 +197,14 @@ class ExpertsPanel(ShowsOnChange, VerticalScroll):
                 f"({summary['moves']} moves)")
         predicted = summary.get("predicted")
         if predicted:
+            interval = (f", 90% interval {predicted['gain_low']:+.1%} to {predicted['gain_high']:+.1%}"
+                        if "gain_low" in predicted else "")
             text += (f"\npredicted step {predicted['step_s_before'] * 1e3:.1f} -> {predicted['step_s_after'] * 1e3:.1f} ms, "
                      f"throughput {predicted['throughput_before']:,.0f} -> {predicted['throughput_after']:,.0f} tok/s "
-                     f"(prompt+output per predicted parallel step) ({predicted['gain']:+.1%}; {predicted['model']})")
+                     f"(prompt+output per predicted parallel step) ({predicted['gain']:+.1%}{interval}; "
+                     f"{predicted['model']})")
+            if predicted.get("reason"):  # the gate's verdict (placement/decision.py): A still applies it
+                text += f"\n{'it pays' if predicted['acts'] else 'it does not pay'}: {predicted['reason']}"
             if predicted.get("simulated"):
                 text = "SIMULATED: " + text + (f"; the migration stalls one step by "
                                                f"{predicted.get('migration_stall_s', 0) * 1e3:.1f} ms")

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields, replace
 
+from moectl.placement.replica_policy import POLICIES as REPLICA_POLICIES
 from moectl.placement.topology import Topology
 
 POLICIES = ("fcfs", "priority")  # scheduling order
-ROUTING_POLICIES = ("locality", "least_loaded", "round_robin")  # how a token picks among an expert's replicas
+OBJECTIVES = ("step_time", "balance")  # what a rebalance plans for (AutoRebalancePolicy.objective)
+ROUTING_POLICIES = REPLICA_POLICIES  # how a token picks among an expert's replicas (placement/replica_policy.py)
 
 
 class KnobError(ValueError):
@@ -66,12 +68,21 @@ class AutoRebalancePolicy:
     """manual: only the operator rebalances. auto: every `every_k_steps` steps (0 = never on a
     schedule) and whenever balancedness drops below `threshold` (None = no threshold; the window's
     balancedness is recomputed every WINDOW_FIGURES_EVERY steps, so the threshold is seen up to
-    that many steps late). target: every plan (previews and automatic ones) aims at this balancedness from the
-    placement in force, moving only as much as that takes (None: the best balance)."""
+    that many steps late). target: the token-balancing plan (before any step is timed) aims at
+    this balancedness from the placement in force, moving only as much as that takes (None: the
+    best balance). min_gain: the gate: a plan is applied automatically (and an alert proposes
+    one) only when the lower end of its predicted throughput gain's 90% interval reaches this.
+    horizon_steps: the steps a migration's stall is spread over when a plan is priced (None: the
+    load window's). objective: what previews and auto mode plan for: "step_time" (the placement
+    that minimises the predicted step time, placement/step_planner.py) or "balance" (the token
+    balancer, EPLB-style; its plan priced and gated the same way)."""
     mode: str = "manual"
     every_k_steps: int = 0
     threshold: float | None = None
     target: float | None = None
+    min_gain: float = 0.03
+    horizon_steps: int | None = None
+    objective: str = "step_time"
 
     def __post_init__(self):
         if self.mode not in ("manual", "auto"):
@@ -84,6 +95,12 @@ class AutoRebalancePolicy:
         if self.target is not None and (isinstance(self.target, bool) or not isinstance(self.target, (int, float))
                                         or not 0 < self.target <= 1):
             raise KnobError(f"target: must be in (0, 1], got {self.target!r}")
+        if isinstance(self.min_gain, bool) or not isinstance(self.min_gain, (int, float)) or not 0 <= self.min_gain < 1:
+            raise KnobError(f"min_gain: must be a fraction in [0, 1), got {self.min_gain!r}")
+        if self.horizon_steps is not None:
+            _int_in("horizon_steps", self.horizon_steps, 1, 1 << 40)
+        if self.objective not in OBJECTIVES:
+            raise KnobError(f"objective: must be one of {', '.join(OBJECTIVES)}, got {self.objective!r}")
 
     def should_rebalance(self, step: int, current_balancedness: float) -> bool:
         if self.mode == "manual":

@@ -159,11 +159,13 @@ class EngineDriver:
                 if plan is None:
                     raise ActionRefused("rebalance_apply: preview a plan first")
                 # completes when the copy has run (or failed): its measured bytes and seconds
-                return experts.apply(plan.placement, kind=kind)
+                return experts.apply(plan.placement, kind=kind, predicted=plan.prediction)
             if kind is Action.AUTO_REBALANCE:
                 policy = AutoRebalancePolicy(mode="auto" if args.get("enabled") else "manual",
                                              every_k_steps=_int_arg(args, "every_k_steps", 0),
-                                             threshold=args.get("threshold"), target=args.get("target"))
+                                             threshold=args.get("threshold"), target=args.get("target"),
+                                             min_gain=args.get("min_gain", 0.03),
+                                             objective=args.get("objective", "step_time"))
                 return experts.set_auto(policy)
             args = dict(args)
             return done({"placement": experts.edit(args.pop("edit", None), **args)})

@@ -23,10 +23,13 @@ from moectl.engine.experts.memory_ledger import MemoryLedger
 from moectl.engine.experts.placed_experts import PlacedExperts, StepDeviceStats
 from moectl.engine.experts.replica_routing import RoutingState
 from moectl.engine.models.decoder import MoEForCausalLM
-from moectl.engine.models.moe import MoEBlock
+from moectl.engine.models.moe import GROUPED_MM_MIN_ROWS, SWIGLU, MoEBlock, grouped_mm_fits
+from moectl.placement.decision import Decision, StepBasis, decide
 from moectl.placement.placement import Placement, PlacementError, migration_in
 from moectl.placement.rebalancer import LOAD_WINDOW_STEPS, LoadWindow, RebalancePlan, preview_plan
-from moectl.placement.step_time import ExpertCostModel, change, parallel_step, predict_step_times
+from moectl.placement.replica_policy import expected_work
+from moectl.placement.step_planner import StepCost, plan_between
+from moectl.placement.step_time import ExpertCostModel, parallel_step
 from moectl.placement.topology import Topology, format_size
 
 # The window's figures move slowly (a window of LOAD_WINDOW_STEPS steps) and cost more than the
@@ -51,6 +54,20 @@ def window_figures(window, placement: Placement, device_window) -> dict:
             "device_tokens": tokens.tolist(), "device_busy_s": busy.tolist(),
             "utilisation": (busy / step_s).tolist() if step_s > 0 else [0.0] * len(busy)}
 
+def kernel_switch_rows(model: MoEForCausalLM) -> int | None:
+    """The rows of one device's layer call from which its experts run as one grouped GEMM
+    (engine/models/moe.py grouped_offsets), None where they always run the per-expert loop: what
+    the cost model splits its per-row term at."""
+    mlp = next(layer.mlp for layer in model.layers if isinstance(layer.mlp, MoEBlock))
+    experts = getattr(mlp.experts, "logical", mlp.experts)
+    w13, w2 = getattr(experts, "w13", None), getattr(experts, "w2", None)
+    if w13 is None or w2 is None or w13.device.type == "meta":  # experts left on disk: probe their twin
+        if w13 is None or w2 is None:
+            return None
+        w13, w2 = torch.empty(w13.shape[-2:], dtype=w13.dtype)[None], torch.empty(w2.shape[-2:], dtype=w2.dtype)[None]
+    return GROUPED_MM_MIN_ROWS if grouped_mm_fits(w13, w2, getattr(experts, "ffn", SWIGLU)) else None
+
+
 class ClusterBase:
     """The placement in force, the routing window, planning, and step-time prediction."""
 
@@ -69,7 +86,7 @@ class ClusterBase:
         if not self.moe_layers:
             raise PlacementError("devices: this model has no MoE layers to place")
         self.window = LoadWindow(cfg.num_layers, cfg.num_experts, size=window_steps)
-        self.cost = ExpertCostModel()
+        self.cost = ExpertCostModel(switch_rows=kernel_switch_rows(model))
         self.recent_steps: deque[dict] = deque(maxlen=window_steps)  # step-time splits, beside the window
         # each step's measured (device tokens, device busy seconds, parallel step seconds), beside the window
         self.device_window: deque[tuple[np.ndarray, np.ndarray, float]] = deque(maxlen=window_steps)
@@ -104,10 +121,62 @@ class ClusterBase:
         return float(self.placement.balancedness(loads)[1]) if loads.any() else 1.0
 
     def preview(self) -> RebalancePlan:
-        """A plan for the windowed loads that keeps this cluster's slot count, with its predicted
-        step time before and after; nothing changes."""
+        """The plan that minimises the predicted step time for the window's steps (keeping this
+        cluster's slot count), with its prediction and the gate's verdict; nothing changes."""
+        if not len(self.window):
+            raise PlacementError("rebalance: no routing observed yet")
+        decision = self.decide(self._token_plan() if self.auto.objective == "balance" else None)
+        if decision is None:  # no measured step to price with yet: the token-balancing plan, unpriced
+            return self._token_plan()
+        decision.plan.prediction = self._prediction(decision)
+        return decision.plan
+
+    def _token_plan(self) -> RebalancePlan:
         return preview_plan(self.window.loads(), self.topology, self.placement, expert_bytes=self.expert_bytes,
-                            target=self.auto.target, predict=self.predict_change)
+                            target=self.auto.target)
+
+    def step_basis(self) -> StepBasis | None:
+        """The window's steps as the planner prices them, None before a step was measured."""
+        recent = list(self.recent_steps)[-len(self.window):]
+        if not recent or not self.cost.samples:
+            return None
+        return StepBasis(self.window.step_loads()[-len(recent):], [r["other_s"] for r in recent],
+                         [r["link_s"] for r in recent], [r["tokens"] for r in recent], self.moe_layers)
+
+    def step_cost(self, basis: StepBasis) -> StepCost:
+        """What the planner prices with: this run's cost model, the link seconds per entry that
+        crosses a link (from the window), the copy stall (measured by the last migration, else
+        modeled from the topology's links) spread over the auto policy's horizon (the window)."""
+        _, _, remote = expected_work(self.placement, basis.step_loads, self.moe_layers, self.policy)
+        per_remote = float(basis.link_s.sum() / remote.sum()) if remote.sum() > 0 else 0.0
+        return StepCost(self.cost, self.policy, per_remote, self.expert_bytes / self.copy_bytes_per_s(),
+                        self.auto.horizon_steps or len(self.window))
+
+    def copy_bytes_per_s(self) -> float:
+        """Bytes per second one expert copy moves: the last migration's, measured, else the
+        topology's slowest device link (modeled)."""
+        measured = getattr(self, "measured_copy_bytes_per_s", None)
+        if measured:
+            return measured
+        t = self.topology
+        return 1e9 * (t.inter_node_gbps if t.num_nodes > 1 else t.intra_node_gbps)
+
+    def decide(self, plan: RebalancePlan | None = None) -> Decision | None:
+        """The planner's best plan (or `plan`) for the window and the gate's verdict."""
+        basis = self.step_basis()
+        if basis is None:
+            return None
+        return decide(basis, self.placement, self.topology, self.step_cost(basis), expert_bytes=self.expert_bytes,
+                      residuals=self.cost.residuals(), min_gain=self.auto.min_gain, plan=plan)
+
+    def _prediction(self, decision: Decision) -> dict:
+        tokens = float(np.mean([r["tokens"] for r in list(self.recent_steps)[-len(self.window):]]))
+        before, after = decision.step_s_before, decision.step_s_after
+        return {**decision.prediction(),
+                "throughput_before": tokens / before if before > 0 else 0.0,
+                "throughput_after": tokens / after if after > 0 else 0.0,
+                "calibration": self.cost.summary(),
+                "model": "measured per-expert costs; link time " + self.link_time}
 
     def observe(self, routing) -> dict:
         """Adds a step's routing (and its devices' measured work, from end_step) to the load
@@ -125,18 +194,29 @@ class ClusterBase:
                 or self._figures_placement is not self.placement or len(self.device_window) == 1):
             figures = self._figures = {**window_figures(self.window, self.placement, self.device_window), "age_steps": 0}
             self._figures_placement = self.placement
-            self.window_balancedness = figures["balancedness"]  # auto mode's trigger reads it (auto_plan)
+            self.window_balancedness = figures["balancedness"]  # auto mode's trigger reads it (auto_decision)
         else:
             figures = self._figures = {**figures, "age_steps": figures["age_steps"] + 1}
         return figures
 
-    def auto_plan(self, step: int) -> RebalancePlan | None:
-        """A plan when auto mode says to rebalance (after the step's routing was observed)."""
-        if self.auto.should_rebalance(step, getattr(self, "window_balancedness", None) or self.balancedness()):
-            plan = self.preview()
-            # an unreachable threshold must not re-plan and re-copy every step for nothing
-            return plan if plan.bytes_moved > 0 else None
-        return None
+    def auto_decision(self, step: int) -> Decision | None:
+        """In auto mode, when its schedule or threshold says to look (after the step's routing was
+        observed): the planner's best plan and the gate's verdict (Decision.acts). A threshold
+        that holds while nothing pays is looked at again only a window later, not every step."""
+        balance = getattr(self, "window_balancedness", None) or self.balancedness()
+        if not self.auto.should_rebalance(step, balance):
+            return None
+        scheduled = bool(self.auto.every_k_steps) and step > 0 and step % self.auto.every_k_steps == 0
+        if not scheduled and step < getattr(self, "_next_look_step", 0):
+            return None
+        decision = self.decide(self._token_plan() if self.auto.objective == "balance" else None)
+        if decision is None:
+            return None
+        if decision.acts:
+            decision.plan.prediction = self._prediction(decision)
+        else:
+            self._next_look_step = step + len(self.window)
+        return decision
 
     # -- time
     def _time_step(self, wall_s: float, link_s: float, tokens: int, measured_parallel: bool) -> dict:
@@ -156,27 +236,15 @@ class ClusterBase:
         split["cost_model"] = self.cost.summary()
         return split
 
-    def predict(self, placement: Placement) -> dict:
-        """Predicted mean step time, throughput and utilisation under `placement` for the routing
-        of the window's steps (the cost model calibrated on this run's measurements)."""
-        recent = list(self.recent_steps)[-len(self.window):]
-        if not recent or not self.cost.samples:
-            raise PlacementError("predict: no measured steps yet")
-        other = float(np.mean([r["other_s"] for r in recent]))
-        link = float(np.mean([r["link_s"] for r in recent]))
-        tokens = float(np.mean([r["tokens"] for r in recent]))
-        out = predict_step_times(self.cost, placement, self.window.step_loads()[-len(recent):], self.moe_layers,
-                                 other, link, tokens)
-        out["modeled_parallel"] = self.link_time == "modeled"
-        return out
-
     def predict_change(self, placement: Placement) -> dict | None:
-        """Predicted step time and throughput before (the placement in force) and after."""
-        try:
-            before, after = self.predict(self.placement), self.predict(placement)
-        except PlacementError:
+        """The prediction a preview carries, for any placement (an operator's edit, a placement
+        file): the same pricing and gate as the planner's plans. None before a step was timed."""
+        basis = self.step_basis()
+        if basis is None:
             return None
-        return change(before, after, self.cost.summary(), "measured per-expert costs; link time " + self.link_time)
+        plan = plan_between(self.placement, placement, basis.step_loads.sum(0), self.topology, self.policy,
+                            self.expert_bytes)
+        return self._prediction(self.decide(plan))
 
     def expert_slot_bytes(self, slots_per_device: int) -> int:
         """Routed-expert bytes one device holds with this many slots in every MoE layer."""

@@ -112,13 +112,13 @@ class ExpertControl:
         self._engine.record_action(Action.REBALANCE_PREVIEW, {}, plan.summary())
         return plan
 
-    def apply(self, placement: Placement, kind: str = "placement") -> Future:
+    def apply(self, placement: Placement, kind: str = "placement", predicted: dict | None = None) -> Future:
         """Checked now (PlacementError); the experts are copied between steps, so in-flight
         requests see either the old or the new placement for a whole step, never a mix."""
         self.cluster.check(placement)
         with self._lock:
             self._pending = placement
-            return self._engine.submit(lambda: self._apply(placement, kind), kind)
+            return self._engine.submit(lambda: self._apply(placement, kind, predicted), kind)
 
     def edit(self, edit: str, **args) -> Placement:
         """An operator's edit of one expert (Placement.move/swap/replicate/drop_replica/pin/unpin
@@ -176,15 +176,18 @@ class ExpertControl:
         """In auto mode, a plan may follow the step (its routing is in the window since its
         record was built); it is applied at the start of the next step."""
         try:
-            plan = self.cluster.auto_plan(step)
-            if plan is not None:
-                self._engine.record_action("auto_rebalance_plan", {}, plan.summary())
-                self.apply(plan.placement, kind=Action.REBALANCE_APPLY)
+            decision = self.cluster.auto_decision(step)
+            if decision is not None and decision.acts:
+                self._engine.record_action("auto_rebalance_plan", {}, decision.plan.summary())
+                self.apply(decision.plan.placement, kind=Action.REBALANCE_APPLY, predicted=decision.plan.prediction)
+            elif decision is not None:  # the gate held it back: say so, and why
+                self._engine.record_action("auto_rebalance_held", {}, _held_result(decision))
         except ValueError as exc:  # never lose a finished step's outputs to a failed plan
             self._engine.record_action("auto_rebalance_failed", {}, {"error": str(exc)})
 
-    def _apply(self, placement: Placement, kind: str) -> dict:
-        predicted = self.cluster.predict_change(placement)  # before the placement in force changes
+    def _apply(self, placement: Placement, kind: str, predicted: dict | None = None) -> dict:
+        if predicted is None:  # not a previewed plan: priced now, before the placement in force changes
+            predicted = self.cluster.predict_change(placement)
         t0 = time.perf_counter()
         try:
             moved = self.cluster.apply(placement)
@@ -194,6 +197,8 @@ class ExpertControl:
                 if self._pending is placement:
                     self._pending = None
         seconds = time.perf_counter() - t0
+        if moved > 0 and seconds > 0:  # what the next plan's copies are priced at
+            self.cluster.measured_copy_bytes_per_s = moved / seconds
         if self.prefetcher is not None:  # the caches were rebuilt for the new placement
             self.prefetcher.caches = list(self.cluster.caches)
         result = {"bytes_moved": moved, "seconds": seconds, "placement": placement.to_dict(), "predicted": predicted,
@@ -201,3 +206,8 @@ class ExpertControl:
         self._engine.record_action(kind, {}, result)
         return result
 
+
+def _held_result(decision) -> dict:
+    """An auto_rebalance_held record's result: the best plan's predicted gain, its interval, why."""
+    keep = ("gain", "gain_low", "gain_high", "reason", "step_s_before", "step_s_after")
+    return {k: v for k, v in decision.prediction().items() if k in keep} | {"moves": len(decision.plan.move_array)}

@@ -102,11 +102,11 @@ class SimExperts:
                              f"{placement.num_experts} experts, not {current.num_devices} x {current.num_layers} x "
                              f"{current.num_experts}")
 
-    def apply(self, placement: Placement, kind: str = "placement") -> Future:
+    def apply(self, placement: Placement, kind: str = "placement", predicted: dict | None = None) -> Future:
         self.check(placement)
         with self._lock:
             self._pending = placement
-            return self._engine.submit(lambda: self._apply(placement, kind), kind)
+            return self._engine.submit(lambda: self._apply(placement, kind, predicted), kind)
 
     def edit(self, edit: str, **args) -> Placement:
         if edit not in EDITS:
@@ -129,8 +129,9 @@ class SimExperts:
         """Simulated devices hold what the memory plan gives them; knobs change only the batch."""
 
     # -- the engine thread
-    def _apply(self, placement: Placement, kind: str) -> dict:
-        predicted = self.predict_change(placement)
+    def _apply(self, placement: Placement, kind: str, predicted: dict | None = None) -> dict:
+        if predicted is None:  # not a previewed plan: priced now
+            predicted = self.predict_change(placement)
         stall = migration_stall(self._engine.spec, self.moe_placement(), self.moe_placement(placement))
         moved = self.placement.bytes_to(placement, self.expert_bytes) if placement != self.placement else 0
         self._outcome = {"old": self.moe_placement(), "predicted": predicted, "tokens": 0, "seconds_after": 0.0,
@@ -185,6 +186,6 @@ class SimExperts:
                 if plan.bytes_moved == 0:
                     return  # nothing to move (as the real cluster's auto mode: no apply, no outcome reset)
                 self._engine.record_action("auto_rebalance_plan", {}, plan.summary())
-                self.apply(plan.placement, kind=Action.REBALANCE_APPLY)
+                self.apply(plan.placement, kind=Action.REBALANCE_APPLY, predicted=plan.prediction)
         except ValueError as exc:
             self._engine.record_action("auto_rebalance_failed", {}, {"error": str(exc)})

@@ -47,12 +47,19 @@ MODULES = ["os", "sys", "re", "json", "time", "math", "collections", "itertools"
            "tempfile", "argparse", "dataclasses", "contextlib", "operator", "heapq", "bisect", "copy", "enum"]
 
 
-def domain_prompts(count: int, seed: int = 0) -> list[str]:
-    """Import blocks of 8-24 lines: one domain, real text, routed by the model as it likes."""
+REGIMES = ("decode", "prefill", "mixed")
+# prefill: prompts of about 1-2K tokens (an import line is 4-7 tokens) with a few output tokens,
+# chunked at the suite's step budget, where rows per active expert run into the hundreds
+PREFILL_LINES = (200, 330)
+PREFILL_OUTPUT = (2, 5)
+
+
+def domain_prompts(count: int, seed: int = 0, lines: tuple[int, int] = (8, 25)) -> list[str]:
+    """Import blocks of 8-24 lines (or `lines`): one domain, real text, routed by the model as it likes."""
     rng = np.random.default_rng(seed)
     out = []
     for _ in range(count):
-        picks = rng.choice(MODULES, size=int(rng.integers(8, 25)))
+        picks = rng.choice(MODULES, size=int(rng.integers(*lines)))
         out.append("\n".join(f"import {m}" if rng.random() < 0.6 else f"from {m} import {m}_{int(rng.integers(9))}"
                              for m in picks) + "\n")
     return out
@@ -101,26 +108,38 @@ def suite_config(model_dir, devices: int, redundant: int, concurrency: int, dtyp
                         knobs=SchedulerKnobs(max_num_seqs=concurrency, max_num_batched_tokens=1024))
 
 
-def settle(engine, num_requests: int, concurrency: int) -> None:
+def settle(engine, requests: list, concurrency: int) -> None:
     """One unmeasured pass of a third draw of the workload: on the ranks the first pass ran 20-30%
     slower than later ones (allocators and caches settling), which would fall on the next
     measured phase alone."""
-    measure_phase(engine, workload(num_requests, 2), concurrency)
+    measure_phase(engine, requests, concurrency)
 
 
 def run_rebalance_bench(model_dir, backend: str = "local", devices: int = 2, requests: int = 48, rounds: int = 10,
                         concurrency: int = 16, redundant: int = 0, dtype=None, threads: int | None = None,
-                        log=print) -> dict:
+                        regime: str = "decode", spec=None, log=print) -> dict:
     """redundant: spare expert slots per device for replicas of hot experts; 0 re-hashes the
-    experts over the devices (the seeds' move), without replicas to choose between."""
+    experts over the devices (the seeds' move), without replicas to choose between. regime: the
+    built-in workload's (workload()); spec: a WorkloadSpec (a JSONL file of {"prompt",
+    "max_tokens"} lines, or a synthetic spec) instead, its requests split into planning and
+    measured ones (split_workload)."""
+    if spec is None:
+        draws = (workload(requests, 0, regime), workload(requests, 1, regime), workload(requests, 2, regime))
     config = suite_config(model_dir, devices, redundant, concurrency, dtype, threads)
     if backend not in ("local", "distributed"):
         raise ValueError(f"--backend: the rebalance suite runs on local or distributed, got {backend!r}")
     engines = Engines(config, backend)
     try:
         engine = engines.make_engine()
+        if spec is not None:
+            from moectl.engine.tools.workload import workload_for_engine
+
+            draws = split_workload([(item.prompt_ids, item.params) for item in workload_for_engine(spec, engine)],
+                                   requests)
+            regime = "given workload"
         try:
-            return {"redundant_slots": redundant, **_run(engine, backend, devices, requests, rounds, concurrency, log)}
+            return {"redundant_slots": redundant, "regime": regime,
+                    **_run(engine, backend, devices, draws, rounds, concurrency, log)}
         finally:
             engine.fail_all("abort")
     finally:
@@ -133,20 +152,43 @@ def _apply(engine, placement) -> dict:
     return result.result(timeout=60)
 
 
-def workload(num_requests: int, seed: int) -> list[tuple[str, SamplingParams]]:
-    """One draw of the bench's workload: import blocks, outputs of staggered lengths (8-40
-    tokens, so requests do not finish in waves)."""
+def workload(num_requests: int, seed: int, regime: str = "decode") -> list[tuple[str, SamplingParams]]:
+    """One draw of the bench's workload.
+
+    decode: short import blocks, outputs of staggered lengths (8-40 tokens, so requests do not
+      finish in waves): the console's demo, a few rows per active expert.
+    prefill: import blocks of about 1-2K tokens with 2-4 output tokens: rows per active expert in
+      the hundreds.
+    mixed: the two interleaved, one of each in turn."""
+    if regime not in REGIMES:
+        raise ValueError(f"--regime: must be one of {', '.join(REGIMES)}, got {regime!r}")
     rng = np.random.default_rng(seed + 1)
-    return [(p, SamplingParams(max_tokens=int(rng.integers(8, 41)), ignore_eos=True))
-            for p in domain_prompts(num_requests, seed)]
+    short = [(p, SamplingParams(max_tokens=int(rng.integers(8, 41)), ignore_eos=True))
+             for p in domain_prompts(num_requests, seed)]
+    long = [(p, SamplingParams(max_tokens=int(rng.integers(*PREFILL_OUTPUT)), ignore_eos=True))
+            for p in domain_prompts(num_requests, seed + 1000, PREFILL_LINES)]
+    if regime == "decode":
+        return short
+    if regime == "prefill":
+        return long
+    return [(short if i % 2 == 0 else long)[i] for i in range(num_requests)]
 
 
-def _run(engine, backend, devices, num_requests, rounds, concurrency, log) -> dict:
-    warm, work = workload(num_requests, 0), workload(num_requests, 1)
+def split_workload(items: list[tuple], num_requests: int) -> tuple[list, list, list]:
+    """A given workload (a file or spec) as the suite's three draws: every other request plans
+    (warm-up), the rest are measured; the settling pass runs the measured ones once."""
+    plan, measured = items[0::2][:num_requests], items[1::2][:num_requests]
+    if not plan or not measured:
+        raise ValueError("--workload: needs at least 2 requests (one to plan on, one to measure)")
+    return plan, measured, measured
+
+
+def _run(engine, backend, devices, draws, rounds, concurrency, log) -> dict:
+    warm, work, settling = draws
     naive = engine.experts.placement
-    log(f"rebalance bench: {backend}, {devices} devices, {num_requests} requests ({concurrency} in flight) per "
+    log(f"rebalance bench: {backend}, {devices} devices, {len(work)} requests ({concurrency} in flight) per "
         f"phase; the plan from warm-up requests, the phases on others from the same workload")
-    settle(engine, num_requests, concurrency)  # so that the plan's window does not measure it
+    settle(engine, settling, concurrency)  # so that the plan's window does not measure it
     warmup = measure_phase(engine, warm, concurrency)  # calibrates the cost model on the naive placement
     plan = engine.experts.preview()
     predicted = plan.prediction or {}
@@ -213,6 +255,16 @@ def _result(backend, devices, plan, predicted, phase_prediction, phases, migrati
         "throughput_before": before, "throughput_after": after, "gain": gain, f"{kind}_gain": gain,
         "rounds": len(round_gains), "gain_rounds": round_gains, "gain_ci95": list(ci) if ci else None,
         "predicted_gain": predicted_gain, "prediction_error": error(predicted_gain, gain) if gain else None,
+        # the preview's interval and the gate's verdict on the plan (placement/decision.py)
+        "predicted_gain_low": predicted.get("gain_low"), "predicted_gain_high": predicted.get("gain_high"),
+        "gate_acts": predicted.get("acts"), "gate_reason": predicted.get("reason"),
+        "plan_moves": len(plan.move_array),
+        # rounds whose measured (or modeled) gain has the predicted sign (a zero prediction: no sign to get right)
+        "sign_right_rounds": (None if not predicted_gain else
+                              sum((g > 0) == (predicted_gain > 0) for g in round_gains) / len(round_gains)),
+        # |predicted - measured| within max(1 point, 20% of measured): the issue's bar for a prediction
+        "prediction_within_bar": (None if predicted_gain is None
+                                  else abs(predicted_gain - gain) <= max(0.01, 0.2 * abs(gain))),
         "predicted_gain_phase": phase_prediction.get("gain"),
         "min_util_before": float(np.mean([min(p["utilisation"]) for p in phases["before"]])),
         "min_util_after": float(np.mean([min(p["utilisation"]) for p in phases["after"]])),
@@ -237,6 +289,9 @@ def _result(backend, devices, plan, predicted, phase_prediction, phases, migrati
         + (f"{predicted_gain:+.1%} by the preview" if predicted_gain is not None else "(no prediction)")
         + (f", {result['predicted_gain_phase']:+.1%} over the warm-up" if result["predicted_gain_phase"] is not None
            else ""))
+    if predicted.get("reason"):
+        log(f"the gate ({'acts' if predicted.get('acts') else 'holds'}): {predicted['reason']}"
+            + ("" if len(plan.move_array) else "; the planner kept the placement, so both phases ran it"))
     log(f"least-used device's utilisation before {result['min_util_before']:.0%} (target < 60%); step-time model "
         f"error {(result['step_model_error_before'] or 0):.1%} on the naive placement, "
         f"{(result['step_model_error_after'] or 0):.1%} on the planned one; the same batches in every phase: "

@@ -93,6 +93,7 @@ def test_console_runs_on_the_tiny_3t(tiny_k3):
         await until(pilot, lambda: "tok/s" in text_of(app, "#ov-metrics"), timeout=5)
         assert text_of(app, "#ov-load").count("d") >= 4
         before = app.state.placement
+        source.act("auto_rebalance", enabled=False, objective="balance").result(timeout=30)  # a plan that moves
         await pilot.press("2")  # the Experts panel: the routed experts of the MoE layers only
         await pilot.press("r")
         await until(pilot, lambda: app.plan is not None, timeout=30)

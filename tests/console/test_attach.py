@@ -60,6 +60,9 @@ def test_attached_console_shows_the_remote_engine_and_controls_it(server):
         await until(pilot, lambda: "attach" in text_of(app, "#ov-title") and "tok/s" in text_of(app, "#ov-metrics"),
                     timeout=5)
         before = driver.engine.experts.placement
+        # token balance: a plan that moves experts whatever this machine's costs (the default
+        # step-time objective may rightly keep the placement)
+        attach.act("auto_rebalance", enabled=False, objective="balance").result(timeout=30)
         await pilot.press("2")
         await pilot.press("r")
         await until(pilot, lambda: app.plan is not None)

@@ -63,6 +63,7 @@ def test_console_on_ranks_rebalances_and_shows_predicted_and_measured(ckpt):
         await until(pilot, lambda: app.state.steps_seen > 8, timeout=60)
         assert "distributed" in text_of(app, "#ov-title")
         before = app.state.placement
+        source.act("auto_rebalance", enabled=False, objective="balance").result(timeout=30)  # a plan that moves
         await pilot.press("2")
         await pilot.press("r")
         await until(pilot, lambda: app.plan is not None, timeout=30)

@@ -170,6 +170,9 @@ def test_the_console_drives_an_engine_process(ckpt):
         await until(pilot, lambda: source.alerts_version > 0 and app.state.alerts == source.alerts, timeout=30)
         assert app._alert_cadence.computed == 0 and not app._alerts_running
         before = app.state.placement
+        # token balance: a plan that moves experts whatever this machine's costs (the default
+        # step-time objective may rightly keep the placement)
+        source.act("auto_rebalance", enabled=False, objective="balance").result(timeout=30)
         await pilot.press("2")
         await pilot.press("r")
         await until(pilot, lambda: app.plan is not None, timeout=30)

@@ -96,15 +96,18 @@ def test_hbm_too_small_for_the_experts_is_refused(ckpt):
         engine(ckpt, devices=2, hbm=1000)
 
 
-def test_manual_preview_then_apply_improves_balance(ckpt, single_device_outputs):
+def test_manual_preview_then_apply_keeps_the_outputs(ckpt, single_device_outputs):
     eng = engine(ckpt, devices=4, redundant_slots=1)
     ids = [eng.add_request(p, GREEDY) for p in prompts(6)]
     for _ in range(3):
         eng.step()
     before = eng.experts.balancedness()
+    placement = eng.experts.placement
     plan = eng.experts.preview()
-    assert eng.experts.placement != plan.placement  # preview changes nothing
-    assert plan.balancedness_after.overall >= plan.balancedness_before.overall
+    assert eng.experts.placement is placement  # preview changes nothing
+    predicted = plan.summary()["predicted"]  # the plan minimises the predicted step: never slower
+    assert predicted["step_s_after"] <= predicted["step_s_before"]
+    assert predicted["gain_low"] <= predicted["gain"] <= predicted["gain_high"]
     assert abs(plan.balancedness_before.overall - before) < 1e-9
     eng.experts.apply(plan.placement, kind="rebalance_apply")
     done = {}
@@ -122,8 +125,26 @@ def test_auto_rebalance_every_k_steps(ckpt, single_device_outputs):
     eng = engine(ckpt, devices=4, redundant_slots=1, auto_rebalance=AutoRebalancePolicy("auto", every_k_steps=2))
     outs = eng.generate(prompts(6), GREEDY)
     assert [o.token_ids for o in outs] == single_device_outputs
+    # every second step auto mode prices the best plan: applied where the gate lets it, else held with why
+    looked = [a for a in eng.actions if a["kind"] in ("auto_rebalance_plan", "auto_rebalance_held")]
+    assert len(looked) >= 3 and all(a["step"] % 2 == 0 for a in looked)
     applied = [a for a in eng.actions if a["kind"] == "rebalance_apply"]
-    assert applied and all(a["step"] % 2 == 0 for a in applied)
+    assert len(applied) == sum(a["kind"] == "auto_rebalance_plan" for a in looked)
+    for held in (a["result"] for a in looked if a["kind"] == "auto_rebalance_held"):
+        assert held["gain_low"] <= held["gain"] <= held["gain_high"] and held["reason"]
+
+
+def test_auto_mode_applies_nothing_the_gate_holds_back(ckpt, single_device_outputs):
+    from moectl.engine.core.config import AutoRebalancePolicy
+
+    policy = AutoRebalancePolicy("auto", every_k_steps=2, min_gain=0.99)  # no plan promises +99%
+    eng = engine(ckpt, devices=4, redundant_slots=1, auto_rebalance=policy)
+    outs = eng.generate(prompts(6), GREEDY)
+    assert [o.token_ids for o in outs] == single_device_outputs
+    kinds = [a["kind"] for a in eng.actions]
+    assert "rebalance_apply" not in kinds and "auto_rebalance_held" in kinds
+    held = next(a["result"] for a in eng.actions if a["kind"] == "auto_rebalance_held")
+    assert "below the 99% gate" in held["reason"] or "no placement is predicted faster" in held["reason"]
 
 
 def test_operator_edits_one_expert(ckpt, single_device_outputs):
@@ -243,3 +264,22 @@ def test_a_placement_the_tiered_cache_cannot_run_is_refused_before_anything_chan
         eng.experts.edit("replicate", layer=layer, expert=expert, device=0)
     eng.step()
     assert eng.experts.placement == before and not [a for a in eng.actions if a["kind"].endswith("_failed")]
+
+
+def test_the_balance_objective_previews_the_token_plan_priced_the_same_way(ckpt):
+    from moectl.engine.core.config import AutoRebalancePolicy, KnobError
+    from moectl.placement.rebalancer import preview_plan
+
+    eng = engine(ckpt, devices=4, redundant_slots=1)
+    eng.generate(prompts(6), GREEDY)
+    cluster = eng.experts.cluster
+    cluster.auto = AutoRebalancePolicy(objective="balance")
+    plan = cluster.preview()
+    tokens = preview_plan(cluster.window.loads(), cluster.topology, cluster.placement)
+    assert (plan.placement.slots == tokens.placement.slots).all()
+    predicted = plan.summary()["predicted"]  # priced and gated like the step-time planner's
+    assert predicted["gain_low"] <= predicted["gain"] <= predicted["gain_high"] and predicted["reason"]
+    with pytest.raises(KnobError, match="objective"):
+        AutoRebalancePolicy(objective="tokens")
+    with pytest.raises(KnobError, match="min_gain"):
+        AutoRebalancePolicy(min_gain=1.5)

@@ -7,7 +7,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from moectl.engine.tools.rebalance_bench import batch_shapes, interval95, run_rebalance_bench, workload
+from moectl.engine.tools.rebalance_bench import (
+    batch_shapes,
+    interval95,
+    run_rebalance_bench,
+    split_workload,
+    workload,
+)
 from tests.checkpoints import tiny_checkpoint
 
 
@@ -33,6 +39,41 @@ def test_the_plan_and_the_measured_phases_use_different_requests_of_one_workload
     assert [p for p, _ in warm] != [p for p, _ in measured]
     assert all(p.startswith(("import ", "from ")) for p, _ in warm + measured)  # one domain
     assert workload(16, 1) == measured  # a seed draws the same requests again
+
+
+def test_the_regimes_draw_short_long_or_both():
+    decode, prefill, mixed = (workload(6, 0, regime) for regime in ("decode", "prefill", "mixed"))
+    lines = lambda items: [p.count("\n") for p, _ in items]  # noqa: E731
+    assert max(lines(decode)) < 25 and min(lines(prefill)) >= 200  # about 1-2K tokens
+    assert all(params.max_tokens <= 4 for _, params in prefill)
+    assert lines(mixed)[0::2] == lines(decode)[0::2] and lines(mixed)[1::2] == lines(prefill)[1::2]
+    with pytest.raises(ValueError, match="--regime"):
+        workload(2, 0, "burst")
+
+
+def test_a_given_workload_is_split_into_planned_and_measured_requests():
+    items = [(f"prompt {i}", i) for i in range(7)]
+    plan, measured, settling = split_workload(items, 48)
+    assert plan == items[0::2] and measured == items[1::2] and settling == measured
+    assert split_workload(items, 2)[0] == items[0:4:2]
+    with pytest.raises(ValueError, match="at least 2"):
+        split_workload(items[:1], 48)
+
+
+def test_the_suite_reports_the_previews_interval_and_the_gates_verdict(ckpt, single_thread, tmp_path):
+    import json
+
+    from moectl.engine.tools.workload import WorkloadSpec
+
+    path = tmp_path / "work.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"import os\nimport sys{i}\n" * (1 + i % 3), "max_tokens": 6}) + "\n"
+                            for i in range(12)))
+    result = run_rebalance_bench(ckpt, backend="local", devices=2, requests=6, rounds=1, concurrency=4,
+                                 redundant=1, spec=WorkloadSpec.from_option(str(path)), log=lambda line: None)
+    assert result["regime"] == "given workload" and result["same_batches"]
+    assert result["predicted_gain_low"] <= result["predicted_gain"] <= result["predicted_gain_high"]
+    assert isinstance(result["gate_acts"], bool) and result["gate_reason"]
+    assert result["prediction_within_bar"] in (True, False)
 
 
 def test_interval95_and_batch_shapes():

@@ -1,6 +1,8 @@
-"""One rule from replica shares to device load (Placement.slot_loads): the planner's device loads,
-the trace analysis, the step-time prediction's rows and the console's per-device experts all
-derive from it, so they agree on a placement with replicas (there were four implementations)."""
+"""One even rule from replica shares to device load (Placement.slot_loads): the token planner's
+device loads, the trace analysis and the console's per-device experts all derive from it, so they
+agree on a placement with replicas (there were four implementations). The step-time prediction
+follows the runtime's replica policy instead (placement/replica_policy.py): under round_robin it
+is this even rule; under the others it moves rows, never loses any."""
 
 from __future__ import annotations
 
@@ -28,9 +30,12 @@ def test_every_figure_splits_an_expert_evenly_over_its_replicas():
     assert shares.shape == (2, 4, 3)
     np.testing.assert_allclose(shares.sum(2), 1.0)  # every expert's load lands somewhere, once
     np.testing.assert_allclose(np.einsum("le,led->ld", routing, shares), expected)
-    rows, active = device_work(p, routing[None], [0, 1])  # [step, device, layer]
+    rows, active = device_work(p, routing[None], [0, 1], "round_robin")  # [step, device, layer]
     np.testing.assert_allclose(rows[0].T, expected)
     assert active[0, 0, 0] == 2 and active[0, 2, 1] == 1  # device 0 computes experts 0 and 1 of layer 0
+    for policy in ("locality", "least_loaded"):
+        rows, _ = device_work(p, routing[None], [0, 1], policy)
+        np.testing.assert_allclose(rows[0].sum(0), routing.sum(1))
 
 
 def test_the_consoles_experts_per_device_follow_the_rule():

@@ -34,15 +34,33 @@ def test_emulated_step_is_other_plus_per_layer_critical_path_plus_links():
 
 def test_cost_model_recovers_its_coefficients_and_reports_its_error():
     rng = np.random.default_rng(0)
-    model = ExpertCostModel()
+    model = ExpertCostModel(switch_rows=4)
+    truth = {"per_call_s": 5e-5, "per_expert_s": 2e-4, "per_row_s": 3e-6, "per_row_loop_s": 4e-5}
     for _ in range(50):
         rows = rng.integers(1, 200, size=(4, 3)).astype(float)
-        active = rng.integers(1, 5, size=(4, 3)).astype(float)
-        model.observe(rows, active, 2e-4 * active + 3e-6 * rows)
-    per_expert, per_row = model.coefficients()
-    assert per_expert == pytest.approx(2e-4, rel=1e-3) and per_row == pytest.approx(3e-6, rel=1e-3)
-    assert model.summary()["relative_error"] < 1e-3
+        rows[0] = rng.integers(1, 4, size=3)  # some calls under the switch: the loop's per-row cost
+        active = np.minimum(rng.integers(1, 5, size=(4, 3)), rows).astype(float)
+        grouped = rows >= 4
+        busy = (truth["per_call_s"] + truth["per_expert_s"] * active
+                + np.where(grouped, truth["per_row_s"], truth["per_row_loop_s"]) * rows)
+        model.observe(rows, active, busy)
+    summary = model.summary()
+    for name, value in truth.items():
+        assert summary[name] == pytest.approx(value, rel=1e-3), name
+    assert summary["relative_error"] < 1e-3 and summary["switch_rows"] == 4
     assert np.all(model.predict(np.zeros((2, 2)), np.ones((2, 2))) == 0)  # no rows, no time
+    again = ExpertCostModel.from_summary(summary)  # as a record carries it
+    assert np.allclose(again.predict(np.array([2.0, 50.0]), np.array([1.0, 3.0])),
+                       model.predict(np.array([2.0, 50.0]), np.array([1.0, 3.0])))
+
+
+def test_no_cost_comes_out_negative():
+    # busy falls with active experts here: least squares would price an expert below zero
+    model = ExpertCostModel()
+    rows = np.array([[10.0, 20.0, 30.0, 40.0]])
+    model.observe(rows, np.array([[4.0, 3.0, 2.0, 1.0]]), 1e-4 + 1e-5 * rows)
+    assert (model.coefficients() >= 0).all()
+    assert model.summary()["per_row_s"] == pytest.approx(1e-5, rel=0.3)
 
 
 def test_a_balanced_placement_is_predicted_faster_than_a_skewed_one():

@@ -1,0 +1,97 @@
+"""The runtime's replica rule (placement/replica_policy.py): exact splits, the same answer for the
+same batch, and an expectation (expected_device_rows) that is what routing then does."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from moectl.placement.placement import Placement
+from moectl.placement.replica_policy import EXACT_DEAL_ENTRIES, POLICIES, expected_device_rows, route
+
+E, D = 16, 4
+
+
+def replicated() -> Placement:
+    """16 experts on 4 devices, one spare slot each holding a replica of the next device's first expert."""
+    slots = Placement.contiguous(1, E, D, 1).slots.copy()
+    for d in range(D):
+        slots[0, d, -1] = ((d + 1) % D) * (E // D)
+    return Placement(slots, E)
+
+
+def skewed_batch(seed: int, entries: int = 2048) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    weights = 1.0 / np.arange(1, E + 1) ** 1.2
+    return rng.choice(E, size=entries, p=weights / weights.sum())
+
+
+def test_single_replica_experts_go_to_their_one_device():
+    p = Placement.contiguous(1, E, D)
+    experts = skewed_batch(0, 64)
+    for policy in POLICIES:
+        assert (route(p, 0, experts, np.zeros(64, np.int64), policy) == experts // (E // D)).all()
+
+
+def test_least_loaded_splits_by_headroom_exact_to_one_entry():
+    # expert 1 only on device 0 (4 entries); expert 0 on devices 0 and 1 (6 entries): 5 | 5
+    p = Placement([[[0, 1], [0, -1]]], 2)
+    out = route(p, 0, np.array([1] * 4 + [0] * 6), None, "least_loaded")
+    assert np.bincount(out, minlength=2).tolist() == [5, 5]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_every_entry_goes_to_a_device_holding_its_expert(policy):
+    p = replicated()
+    experts = skewed_batch(1)
+    home = np.arange(experts.size) % D
+    out = route(p, 0, experts, home, policy, np.zeros(E, np.int64), devices_per_node=2)
+    assert p.held()[0][out, experts].all()
+    again = route(p, 0, experts, home, policy, np.zeros(E, np.int64), devices_per_node=2)
+    assert (out == again).all()  # every rank routing the same batch agrees
+
+
+def test_locality_stays_local_then_on_the_node():
+    p = Placement([[[0, -1], [0, -1], [1, -1], [0, -1]]], 2)  # expert 0 on devices 0, 1, 3
+    out = route(p, 0, np.array([0, 0, 0, 0, 1]), np.array([0, 1, 3, 2, 2]), "locality", devices_per_node=2)
+    assert out.tolist() == [0, 1, 3, 3, 2]
+
+
+def test_round_robin_continues_across_calls():
+    p = Placement([[[0, -1], [0, -1], [1, -1], [0, -1]]], 2)
+    counters = np.zeros(2, np.int64)
+    picks = [int(route(p, 0, np.array([0]), None, "round_robin", counters)[0]) for _ in range(4)]
+    assert picks == [0, 1, 3, 0]
+
+
+@pytest.mark.parametrize("policy", ["least_loaded", "round_robin"])
+@pytest.mark.parametrize("entries", [256, 4096], ids=["decode-sized", "prefill-sized"])
+def test_the_expectation_is_what_routing_does(policy, entries):
+    p = replicated()
+    # exact to one entry per replica split, dealt by rank; a large batch is dealt by a Weyl
+    # sequence: within a quarter percent of its entries
+    tolerance = 1.0 if entries <= EXACT_DEAL_ENTRIES or policy == "round_robin" else 0.0025 * entries
+    for seed in range(5):
+        experts = skewed_batch(seed, entries)
+        routed = np.bincount(route(p, 0, experts, None, policy, np.zeros(E, np.int64)), minlength=D)
+        expected = expected_device_rows(p, 0, np.bincount(experts, minlength=E), policy)
+        assert np.abs(routed - expected).max() <= tolerance
+        assert expected.sum() == pytest.approx(experts.size)
+
+
+def test_the_locality_expectation_holds_on_average_over_token_homes():
+    p = replicated()
+    rng = np.random.default_rng(7)
+    experts = skewed_batch(3)
+    routed = np.mean([np.bincount(route(p, 0, experts, rng.integers(0, D, experts.size), "locality"), minlength=D)
+                      for _ in range(50)], axis=0)
+    expected = expected_device_rows(p, 0, np.bincount(experts, minlength=E), "locality")
+    assert np.abs(routed - expected).max() / experts.size < 0.02
+
+
+def test_least_loaded_evens_the_devices_out_better_than_an_even_split():
+    p = replicated()
+    experts = skewed_batch(2)
+    even = p.device_loads(np.bincount(experts, minlength=E)[None, :])[0]
+    routed = np.bincount(route(p, 0, experts, None, "least_loaded"), minlength=D)
+    assert routed.max() < even.max()

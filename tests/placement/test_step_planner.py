@@ -1,0 +1,129 @@
+"""The planner that minimises the predicted step time, and the gate that decides whether a plan
+acts, on synthetic windows whose cost model is fixed, so each regime's answer can be reasoned out."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from moectl.placement.decision import StepBasis, decide
+from moectl.placement.placement import Placement
+from moectl.placement.rebalancer import plan_rebalance
+from moectl.placement.step_planner import StepCost, plan_step_time, search_steps
+from moectl.placement.step_time import ExpertCostModel, predict_step_times
+from moectl.placement.topology import Topology
+
+L, E, D, S = 4, 16, 4, 64
+TOPOLOGY = Topology(num_devices=D)
+# this machine's shape of cost: a non-empty expert costs as much as ~60 rows
+PER_EXPERT = ExpertCostModel.fixed(90e-6, 1.5e-6, 20e-6, 3e-5, 4)
+# a GPU-like shape: rows dominate
+PER_ROW = ExpertCostModel.fixed(1e-6, 2e-5, 0.0, 2e-5, 4)
+
+
+def window(rows_per_step: int, seed: int = 0) -> np.ndarray:
+    """[S, L, E] routing: a fixed Zipf popularity per layer, each step a multinomial draw."""
+    rng = np.random.default_rng(seed)
+    out = np.zeros((S, L, E))
+    for layer in range(L):
+        p = 1 / np.arange(1, E + 1) ** 1.2
+        p = p[rng.permutation(E)]
+        out[:, layer] = rng.multinomial(rows_per_step, p / p.sum(), size=S)
+    return out
+
+
+def step_s(model, placement, loads) -> float:
+    return predict_step_times(model, placement, loads, list(range(L)), 0.01, 0.0, 1.0)["step_s"]
+
+
+def basis(loads) -> StepBasis:
+    return StepBasis(loads, np.full(S, 0.01), np.zeros(S), np.full(S, 64.0), list(range(L)))
+
+
+@pytest.mark.parametrize("model", [PER_EXPERT, PER_ROW], ids=["per-expert", "per-row"])
+@pytest.mark.parametrize("rows", [16, 2048], ids=["decode", "prefill"])
+def test_a_plan_is_never_predicted_slower_than_the_placement_in_force(model, rows):
+    current = Placement.contiguous(L, E, D, 1)
+    loads = window(rows)
+    plan = plan_step_time(loads, current, TOPOLOGY, StepCost(model), list(range(L)))
+    assert step_s(model, plan.placement, loads) <= step_s(model, current, loads) + 1e-12
+    assert plan.placement.slots_per_device == current.slots_per_device
+
+
+def test_where_fixed_per_expert_costs_dominate_it_keeps_what_the_token_balancer_would_slow():
+    current = Placement.contiguous(L, E, D, 1)
+    loads = window(16)  # decode: a few rows per active expert
+    tokens = plan_rebalance(loads.sum(0), TOPOLOGY, 1, current=current)
+    plan = plan_step_time(loads, current, TOPOLOGY, StepCost(PER_EXPERT, copy_s=2e-3), list(range(L)))
+    assert step_s(PER_EXPERT, tokens.placement, loads) > step_s(PER_EXPERT, current, loads)  # balancing rows loses
+    assert len(plan.move_array) < len(tokens.move_array) / 4
+
+
+def test_where_rows_dominate_it_balances_as_well_as_the_token_balancer():
+    current = Placement.contiguous(L, E, D, 1)
+    loads = window(2048)
+    tokens = plan_rebalance(loads.sum(0), TOPOLOGY, 1, current=current)
+    plan = plan_step_time(loads, current, TOPOLOGY, StepCost(PER_ROW), list(range(L)))
+    now, ours, theirs = (step_s(PER_ROW, p, loads) for p in (current, plan.placement, tokens.placement))
+    assert ours < 0.75 * now and ours <= theirs * 1.02
+
+
+def test_a_replica_that_does_not_pay_leaves_its_slot_empty():
+    # every expert equally loaded, a few rows each: a replica only adds a second fixed cost
+    loads = np.full((S, L, E), 2.0)
+    full = Placement.contiguous(L, E, D, 1)
+    slots = full.slots.copy()
+    for d in range(D):  # every spare slot holds a replica of another device's expert
+        slots[:, d, -1] = ((d + 1) % D) * (E // D)
+    replicated = Placement(slots, E)
+    plan = plan_step_time(loads, replicated, TOPOLOGY, StepCost(PER_EXPERT), list(range(L)))
+    assert (plan.placement.slots == -1).sum() > 0
+    assert step_s(PER_EXPERT, plan.placement, loads) < step_s(PER_EXPERT, replicated, loads)
+
+
+def test_pinned_experts_stay_on_their_devices():
+    current = Placement.contiguous(L, E, D, 1).pin(0, 0).pin(1, 5)
+    plan = plan_step_time(window(2048), current, TOPOLOGY, StepCost(PER_ROW), list(range(L)))
+    assert (plan.placement.slots[0, 0] == 0).any() and (plan.placement.slots[1, 1] == 5).any()
+    assert plan.placement.pinned == current.pinned
+
+
+def test_search_steps_span_the_windows_batch_sizes():
+    loads = np.zeros((40, 1, 2))
+    loads[:, 0, 0] = np.arange(40)
+    picked = search_steps(loads, 5)
+    assert picked[0] == 0 and picked[-1] == 39 and len(picked) == 5
+
+
+def test_the_gate_acts_only_when_the_intervals_lower_end_clears_it():
+    current = Placement.contiguous(L, E, D, 1)
+    loads = window(2048)
+    cost = StepCost(PER_ROW)
+    residuals = np.random.default_rng(1).normal(0, 0.05, 500)
+    go = decide(basis(loads), current, TOPOLOGY, cost, residuals=residuals)
+    assert go.acts and go.gain_low >= 0.03 and go.gain_low <= go.gain <= go.gain_high
+    assert go.step_s_after < go.step_s_before and "ms a step saved" in go.reason
+    json.dumps(go.prediction())  # it travels in action records and over the control API
+    held = decide(basis(loads), current, TOPOLOGY, cost, residuals=residuals, min_gain=go.gain_low + 0.01,
+                  plan=go.plan)
+    assert not held.acts and "below the" in held.reason
+
+
+def test_when_nothing_pays_it_says_why():
+    current = Placement.contiguous(L, E, D, 1)
+    quiet = decide(basis(window(16)), current, TOPOLOGY, StepCost(PER_EXPERT, copy_s=2e-3))
+    assert not quiet.acts
+    assert "expert work is" in quiet.reason and "fixed per-expert costs are" in quiet.reason
+
+
+def test_the_migration_stall_counts_against_a_plan():
+    current = Placement.contiguous(L, E, D, 1)
+    loads = window(2048)
+    cheap = decide(basis(loads), current, TOPOLOGY, StepCost(PER_ROW, copy_s=0.0))
+    costly = decide(basis(loads), current, TOPOLOGY, StepCost(PER_ROW, copy_s=1e-3, horizon_steps=64),
+                    plan=cheap.plan)
+    stall = len(cheap.plan.move_array) * 1e-3 / 64
+    assert costly.step_s_after == pytest.approx(cheap.step_s_after + stall)
+    assert costly.parts["migration_s"] == [0.0, pytest.approx(stall)]
