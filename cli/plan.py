@@ -203,7 +203,9 @@ def plan_rebalance_cmd(
                                 if current else DEFAULT_REDUNDANT)
     size = size if expert_bytes is None else parse_cli_size(expert_bytes, "--expert-bytes")
     timed = None
-    if final is not None and target is None and not header.get("imported") and devices == trace_devices:
+    # the planner keeps the recorded cluster's slots and nodes: asking for others is the token balancer's job
+    if (final is not None and target is None and not header.get("imported") and devices == trace_devices
+            and not given(ctx, "redundant") and not given(ctx, "devices_per_node")):
         from moectl.placement.decision import basis_from_records
 
         timed = basis_from_records(recent)
@@ -273,8 +275,8 @@ def _plan_step_time(timed, final, header: dict, expert_bytes: int) -> dict:
     tokens = float(basis.tokens.mean())
     result["objective"] = "predicted step time"
     result["predicted"] = {**decision.prediction(),
-                           "throughput_before": tokens / decision.step_s_before,
-                           "throughput_after": tokens / decision.step_s_after,
+                           "throughput_before": tokens / decision.step_s_before if decision.step_s_before > 0 else 0.0,
+                           "throughput_after": tokens / decision.step_s_after if decision.step_s_after > 0 else 0.0,
                            "calibration": model.summary(),
                            "model": "recorded per-expert costs; " + ("modeled" if modeled else "measured")
                                     + " parallel step; copies at the topology's link bandwidth (modeled)"}

@@ -14,7 +14,7 @@ import numpy as np
 from moectl.placement.placement import Placement
 from moectl.placement.rebalancer import LOAD_WINDOW_STEPS, LoadWindow
 from moectl.profiler.analysis import utilisation as device_utilisation
-from moectl.profiler.outcome import matched_outcome, step_timing
+from moectl.profiler.outcome import StepTiming, matched_outcome, step_timing
 from moectl.wire.actions import Action
 
 WINDOW_STEPS = LOAD_WINDOW_STEPS  # the moving window behind the heat map, loads, balancedness and throughput
@@ -81,7 +81,7 @@ class ConsoleState:
         self.last_apply: dict | None = None  # the last applied placement's prediction and the step times around it
         self.sim_outcome: dict | None = None  # a simulated cluster's outcome of its last apply (its engine's)
         # step_timing() of the recent steps, for the next apply's outcome
-        self.step_times: deque[tuple] = deque(maxlen=OUTCOME_STEPS)
+        self.step_times: deque[StepTiming] = deque(maxlen=OUTCOME_STEPS)
         self._placed_at = float("-inf")  # when the placement in force was applied
         self._outcome_cache: tuple = (None, None)
         self.steps_seen = 0

@@ -84,15 +84,15 @@ def decide(basis: StepBasis, current: Placement, topology: Topology, cost: StepC
         plan = plan_between(current, current, basis.step_loads.sum(0), topology, cost.policy, expert_bytes,
                             plan.seconds)
         after, amortised, step_a = _after(plan, cost, basis, current)
-    copies = int(len(plan.move_array))
+    changed = not np.array_equal(plan.placement.slots, current.slots)  # a plan may only drop replicas
     gain = float(step_b.mean() / step_a.mean() - 1)
     low, high = _interval(basis, before, after, amortised, residuals, rounds, seed, gain)
     parts = {"expert_critical_s": [float(before["critical"].mean()), float(after["critical"].mean())],
              "link_s": [float(before["link"].mean()), float(after["link"].mean())],
              "migration_s": [0.0, amortised], "other_s": [float(basis.other_s.mean())] * 2}
-    acts = bool(copies > 0 and low >= min_gain)
+    acts = bool(changed and low >= min_gain)
     decision = Decision(plan, float(step_b.mean()), float(step_a.mean()), gain, low, high, acts, "", parts)
-    decision.reason = _reason(decision, before, basis, cost, min_gain)
+    decision.reason = _reason(decision, before, cost, min_gain, changed)
     return decision
 
 
@@ -137,13 +137,13 @@ def _interval(basis: StepBasis, before: dict, after: dict, amortised: float, res
     return float(point - (mid - low)), float(point + (high - mid))
 
 
-def _reason(d: Decision, before: dict, basis: StepBasis, cost: StepCost, min_gain: float) -> str:
+def _reason(d: Decision, before: dict, cost: StepCost, min_gain: float, changed: bool) -> str:
     interval = f"{d.gain:+.1%} ({d.gain_low:+.1%} to {d.gain_high:+.1%})"
     saved_ms = (d.step_s_before - d.step_s_after) * 1e3
     if d.acts:
         return (f"predicted {saved_ms:.2f} ms a step saved, throughput {interval}, "
-                f"{len(d.plan.move_array)} expert copies")
-    if not len(d.plan.move_array):
+                f"{len(d.plan.move_array)} expert copies")  # (a plan that only drops replicas copies none)
+    if not changed:
         best = "no placement is predicted faster than the one in force"
     else:
         best = f"the best plan gains {interval}, below the {min_gain:.0%} gate"

@@ -1,8 +1,9 @@
 """Which replica of its expert each routed (token, choice) goes to: the runtime's rule, in numpy.
 
 The engine's MoE layers call `route` once per layer and step (engine/experts/replica_routing.py
-wraps it for torch tensors); the cost model prices a placement with `expected_device_rows`, the
-same rule applied to a step's per-expert counts, so what is predicted is what the runtime does.
+wraps it for torch tensors); the cost model prices a placement with `expected_work`, the same
+rule applied to each step's per-expert counts, so what is predicted is what the runtime does
+(locality's node tier excepted: the expectation spreads a remote entry over every replica).
 
 Every entry of a single-replica expert goes to its one device (one gather). Only the entries of
 replicated experts are open, and they are handled together, with no Python loop over tokens or
@@ -52,7 +53,6 @@ class _Tables:
         self.group[replicated] = np.arange(replicated.size)
         self.num_replicated = replicated.size
         self.replicated_first = self.first[replicated]  # the device each replicated expert's entries start on
-        self.single = counts == 1
 
 
 def _tables(placement: Placement, layer: int) -> _Tables:
@@ -197,8 +197,8 @@ def expected_device_rows(placement: Placement, layer: int, expert_counts: np.nda
     """[D] entries each device computes in one step of this layer, given the step's [E] entries
     per expert, by the rule `route` applies (locality: tokens spread evenly over the devices, so
     an expert's entries stay local in proportion to its replicas, the rest split by headroom)."""
-    rows, _, _ = expected_work(placement, np.asarray(expert_counts, dtype=np.float64)[None, None, :], [layer], policy)
-    return rows[0, :, 0]
+    rows, _, _ = layer_work(slot_counts(placement, layer), np.asarray(expert_counts, dtype=np.float64)[None], policy)
+    return rows[0]
 
 
 def expected_work(placement: Placement, step_loads: np.ndarray, layers: list[int],
@@ -257,6 +257,8 @@ def layer_work(counts: np.ndarray, loads: np.ndarray, policy: str = "least_loade
                 share = (on > 0)[None] / D + (1 - devices[multi] / D)[None, :, None] * share
         per_replica = n[:, :, None] * share  # [S, R, D]
         rows = rows + per_replica.sum(1)
-        active = active + (per_replica >= 0.5).sum(1)  # a replica runs when its share is one entry or more
+        # a replica runs when it gets an entry: 1 - exp(-expected entries), the Poisson chance of one
+        # or more (one entry over two replicas: 0.79 expected runs, where one always runs)
+        active = active + (1.0 - np.exp(-per_replica)).sum(1)
     local = (loads * devices).sum(1) / D if policy == "locality" else total / D
     return rows, active, total - local

@@ -106,11 +106,10 @@ def plan_step_time(step_loads, current: Placement, topology: Topology, cost: Ste
     picked = loads[search_steps(loads)]
     slots = current.slots.copy()
     kept = current.num_layers - len(moe_layers)
+    stop_at = None if deadline_s is None else t0 + deadline_s
     for layer in moe_layers:
         pinned = {e for (l, e) in current.pinned if l == layer}
-        out_of_time = deadline_s is not None and time.perf_counter() - t0 > deadline_s
-        new = _plan_layer(slots[layer], [seed[layer] for seed in seeds], picked[:, layer], cost, pinned,
-                          rounds=0 if out_of_time else None)
+        new = _plan_layer(slots[layer], [seed[layer] for seed in seeds], picked[:, layer], cost, pinned, stop_at)
         kept += int((new == slots[layer]).all())
         slots[layer] = new
     plan = Placement(slots, current.num_experts, current.pinned)
@@ -154,19 +153,15 @@ def _device_rows(placement: Placement, totals: np.ndarray, policy: str) -> np.nd
                      for layer in range(placement.num_layers)])
 
 
-def _held(slots: np.ndarray, num_experts: int) -> np.ndarray:
-    return counts_of(slots, num_experts)
-
-
 def _plan_layer(slots0: np.ndarray, seeds: list[np.ndarray], loads: np.ndarray, cost: StepCost, pinned: set[int],
-                rounds: int | None = None) -> np.ndarray:
+                stop_at: float | None = None) -> np.ndarray:
     """The best of the layer as it is and the seeds (each [D, K] slots), improved by local search
-    (`rounds` of it; None: until nothing gains) over [S, E] search-step loads."""
+    (until nothing gains, or perf_counter() passes `stop_at`) over [S, E] search-step loads."""
     E = loads.shape[1]
-    original = _held(slots0, E)
+    original = counts_of(slots0, E)
 
     def price(candidate: np.ndarray) -> float:
-        held = _held(candidate, E)
+        held = counts_of(candidate, E)
         if not held.any(0).all():  # every expert keeps a replica
             return np.inf
         return cost.layer(held, loads, int(((held > 0) & (original == 0)).sum()), TIE_BREAK)
@@ -179,16 +174,18 @@ def _plan_layer(slots0: np.ndarray, seeds: list[np.ndarray], loads: np.ndarray, 
         if value < starts[0][0] - MIN_GAIN_S:
             starts.append((value, seed))
     # from the layer as it is (few moves) and from the packing (a better balance, more moves)
-    return min((_descend(slots, value, loads, cost, pinned, price, rounds) for value, slots in starts),
+    return min((_descend(slots, value, loads, cost, pinned, price, stop_at) for value, slots in starts),
                key=lambda found: found[0])[1]
 
 
 def _descend(slots: np.ndarray, best: float, loads: np.ndarray, cost: StepCost, pinned: set[int], price,
-             rounds: int | None) -> tuple[float, np.ndarray]:
-    """Greedy local search: the best priced move of each round while it gains."""
-    for _ in range(4 * slots.size if rounds is None else rounds):
-        hot, busy = _critical_device(slots, loads, cost)
-        candidates = _swaps(slots, loads, cost, pinned, hot, busy) + _replica_moves(slots, loads, busy, pinned)
+             stop_at: float | None) -> tuple[float, np.ndarray]:
+    """Greedy local search: the best priced move of each round while it gains and time is left."""
+    for _ in range(4 * slots.size):
+        if stop_at is not None and time.perf_counter() > stop_at:
+            break
+        hot, work = _critical_device(slots, loads, cost)
+        candidates = _swaps(slots, loads, cost, pinned, hot, work) + _replica_moves(slots, loads, work["busy"], pinned)
         priced = [(price(c), i) for i, c in enumerate(candidates)]
         if not priced:
             break
@@ -204,16 +201,17 @@ def _moves_pinned(before: np.ndarray, after: np.ndarray, pinned: set[int]) -> bo
     return any((before == e).any(1)[(after == e).any(1) == 0].any() for e in pinned)
 
 
-def _critical_device(slots: np.ndarray, loads: np.ndarray, cost: StepCost) -> tuple[int, np.ndarray]:
-    held = _held(slots, loads.shape[1])
+def _critical_device(slots: np.ndarray, loads: np.ndarray, cost: StepCost) -> tuple[int, dict]:
+    """The device that is slowest in most search steps, and the layer's work under `slots`."""
+    held = counts_of(slots, loads.shape[1])
     rows, active, _ = layer_work(held, loads, cost.policy)
     busy = cost.model.predict(rows, active)  # [S, D]
     critical = np.bincount(busy.argmax(1), minlength=slots.shape[0])
-    return int(critical.argmax()), busy
+    return int(critical.argmax()), {"held": held, "rows": rows, "active": active, "busy": busy}
 
 
 def _swaps(slots: np.ndarray, loads: np.ndarray, cost: StepCost, pinned: set[int], hot: int,
-           busy: np.ndarray) -> list[np.ndarray]:
+           work: dict) -> list[np.ndarray]:
     """The SCREENED most promising exchanges of a slot on the slowest device with a slot elsewhere
     (an expert or an empty slot), ranked by a linear update of the two devices' work that treats
     each expert as computed where it sits (exact for single-replica experts)."""
@@ -227,8 +225,7 @@ def _swaps(slots: np.ndarray, loads: np.ndarray, cost: StepCost, pinned: set[int
         return []
     padded = np.concatenate([loads, np.zeros((loads.shape[0], 1))], axis=1)  # column -1: an empty slot
     a, b = padded[:, flat[mine]], padded[:, flat[others]]  # [S, m], [S, o]
-    held = _held(slots, loads.shape[1])
-    rows, active, _ = layer_work(held, loads, cost.policy)
+    held, rows, active, busy = work["held"], work["rows"], work["active"], work["busy"]
     other_dev = others // K
     delta = b[:, None, :] - a[:, :, None]  # [S, m, o]: what the slowest device gains
     act = (b > 0)[:, None, :].astype(float) - (a > 0)[:, :, None]

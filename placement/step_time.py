@@ -26,6 +26,7 @@ calibration error against the measurements is reported with it.
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 from itertools import combinations
 
@@ -66,6 +67,10 @@ class ExpertCostModel:
         # error a prediction carries (decision.py's interval draws from it)
         self._residuals: deque[np.ndarray] = deque(maxlen=RESIDUAL_STEPS)
         self._fixed_residuals: np.ndarray | None = None
+        self._quantiles: list[float] = []  # the residuals' quantiles, recomputed with each refit
+        # observe() runs on the engine thread, frozen() and summary() on any: the sums and the fit
+        # change together under this lock
+        self._lock = threading.Lock()
 
     @classmethod
     def fixed(cls, per_expert_s: float, per_row_s: float, per_call_s: float = 0.0,
@@ -91,7 +96,8 @@ class ExpertCostModel:
         themselves, or from a record the quantiles it carries."""
         if self._fixed_residuals is not None:
             return self._fixed_residuals
-        return np.concatenate(list(self._residuals)) if self._residuals else np.zeros(0)
+        with self._lock:
+            return np.concatenate(list(self._residuals)) if self._residuals else np.zeros(0)
 
     def features(self, rows: np.ndarray, active: np.ndarray) -> np.ndarray:
         """[4, ...]: (a call, active experts, rows on the grouped kernel, rows on the loop)."""
@@ -108,28 +114,44 @@ class ExpertCostModel:
             return
         x = self.features(np.asarray(rows)[mask], np.asarray(active)[mask])
         y = np.asarray(busy, dtype=np.float64)[mask]
-        if self.samples:
-            predicted = self.coefficients() @ x
-            self._abs_err = self.decay * self._abs_err + float(np.abs(predicted - y).sum())
-            self._busy = self.decay * self._busy + float(y.sum())
-            ok = predicted > 0
-            self._residuals.append((y[ok] - predicted[ok]) / predicted[ok])
-        self._gram = self.decay * self._gram + x @ x.T
-        self._xy = self.decay * self._xy + x @ y
-        self.samples += int(mask.sum())
-        self._observed_since_fit += 1
+        with self._lock:
+            if self.samples:
+                predicted = self._current() @ x
+                self._abs_err = self.decay * self._abs_err + float(np.abs(predicted - y).sum())
+                self._busy = self.decay * self._busy + float(y.sum())
+                ok = predicted > 0
+                self._residuals.append((y[ok] - predicted[ok]) / predicted[ok])
+            self._gram = self.decay * self._gram + x @ x.T
+            self._xy = self.decay * self._xy + x @ y
+            self.samples += int(mask.sum())
+            self._observed_since_fit += 1
 
     def coefficients(self) -> np.ndarray:
         """COEFFICIENTS' values, all >= 0 (no cost is negative), as last fitted: at most
-        REFIT_EVERY observed steps old (the engine thread's; see predict)."""
+        REFIT_EVERY observed steps old."""
         if self._fixed is not None:
             return self._fixed
+        with self._lock:
+            return self._current()
+
+    def _current(self) -> np.ndarray:
+        """The fit in force, refitted when REFIT_EVERY steps were observed since (under the lock)."""
         if not self.samples:
             return np.zeros(len(COEFFICIENTS))
         if self._coef is None or self._observed_since_fit >= REFIT_EVERY:
             self._coef = self._fit()
             self._observed_since_fit = 0
+            residuals = np.concatenate(list(self._residuals)) if self._residuals else np.zeros(0)
+            self._quantiles = np.quantile(residuals, RESIDUAL_QUANTILES).tolist() if residuals.size else []
         return self._coef
+
+    def frozen(self) -> ExpertCostModel:
+        """A copy with today's coefficients and residuals, not calibrated further: what one plan
+        is priced with, so every placement it compares is priced alike while the engine observes on."""
+        per_call, per_expert, per_row, per_row_loop = self.coefficients()
+        model = ExpertCostModel.fixed(per_expert, per_row, per_call, per_row_loop, self.switch_rows)
+        model._fixed_residuals = self.residuals()
+        return model
 
     def _fit(self) -> np.ndarray:
         """Non-negative least squares on the decayed normal equations: the best of the least-squares
@@ -153,17 +175,17 @@ class ExpertCostModel:
         return best
 
     def predict(self, rows: np.ndarray, active: np.ndarray) -> np.ndarray:
-        # a fit of every sample so far, not cached: predictions run on operator threads too, and
-        # the cache (read by the engine thread's records) is the engine thread's alone
-        coef = self._fixed if self._fixed is not None else (self._fit() if self.samples else np.zeros(len(COEFFICIENTS)))
-        return np.tensordot(coef, self.features(rows, active), axes=1)
+        return np.tensordot(self.coefficients(), self.features(rows, active), axes=1)
 
     def summary(self) -> dict:
         coef = self.coefficients()
-        residuals = self.residuals()
+        if self._fixed_residuals is not None:
+            quantiles = np.quantile(self._fixed_residuals, RESIDUAL_QUANTILES).tolist() if self._fixed_residuals.size \
+                else []
+        else:
+            quantiles = self._quantiles  # recomputed with the fit, not every step
         return {**{name: float(v) for name, v in zip(COEFFICIENTS, coef)}, "switch_rows": self.switch_rows,
-                "samples": self.samples,
-                "residuals": np.quantile(residuals, RESIDUAL_QUANTILES).tolist() if residuals.size else [],
+                "samples": self.samples, "residuals": quantiles,
                 "relative_error": (self._abs_err / self._busy) if self._busy > 0 else None}
 
 

@@ -162,9 +162,9 @@ class ExpertsPanel(ShowsOnChange, VerticalScroll):
             got = outcome["parts"].get(part)
             if got is None:
                 continue
-            forecast = predicted_parts.get(part) or (predicted_parts.get("other_s") if part == "rest_s" else None)
+            forecast = predicted_parts.get(part)
             said = (f", predicted {forecast[0] * 1e3:.2f} -> {forecast[1] * 1e3:.2f}" if forecast else
-                    ", predicted unchanged" if part == "dispatch_s" else "")
+                    ", predicted unchanged (held in the rest)" if part in ("dispatch_s", "rest_s") else "")
             lines.append(f"  {label}: {got['before_s'] * 1e3:.2f} -> {got['after_s'] * 1e3:.2f} ms a step "
                          f"({got['change_low_s'] * 1e3:+.2f} to {got['change_high_s'] * 1e3:+.2f}){said}")
         self.put("#ex-apply-outcome", "\n".join(lines))

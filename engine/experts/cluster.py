@@ -24,13 +24,15 @@ from moectl.engine.experts.placed_experts import PlacedExperts, StepDeviceStats
 from moectl.engine.experts.replica_routing import RoutingState
 from moectl.engine.models.decoder import MoEForCausalLM
 from moectl.engine.models.moe import GROUPED_MM_MIN_ROWS, SWIGLU, MoEBlock, grouped_mm_fits
-from moectl.placement.decision import Decision, StepBasis, decide
+from moectl.placement.decision import BOOTSTRAP_ROUNDS, Decision, StepBasis, decide
 from moectl.placement.placement import Placement, PlacementError, migration_in
 from moectl.placement.rebalancer import LOAD_WINDOW_STEPS, LoadWindow, RebalancePlan, preview_plan
 from moectl.placement.replica_policy import expected_work
 from moectl.placement.step_planner import StepCost, plan_between
 from moectl.placement.step_time import ExpertCostModel, parallel_step
 from moectl.placement.topology import Topology, format_size
+
+AUTO_PLAN_DEADLINE_S = 0.05  # auto mode's plan search runs between steps: it stops at this
 
 # The window's figures move slowly (a window of LOAD_WINDOW_STEPS steps) and cost more than the
 # rest of the devices record: a real cluster recomputes them every this many steps, and at once
@@ -125,9 +127,10 @@ class ClusterBase:
         cluster's slot count), with its prediction and the gate's verdict; nothing changes."""
         if not len(self.window):
             raise PlacementError("rebalance: no routing observed yet")
-        decision = self.decide(self._token_plan() if self.auto.objective == "balance" else None)
+        token = self._token_plan() if self.auto.objective == "balance" else None
+        decision = self.decide(token)
         if decision is None:  # no measured step to price with yet: the token-balancing plan, unpriced
-            return self._token_plan()
+            return token or self._token_plan()
         decision.plan.prediction = self._prediction(decision)
         return decision.plan
 
@@ -149,7 +152,7 @@ class ClusterBase:
         modeled from the topology's links) spread over the auto policy's horizon (the window)."""
         _, _, remote = expected_work(self.placement, basis.step_loads, self.moe_layers, self.policy)
         per_remote = float(basis.link_s.sum() / remote.sum()) if remote.sum() > 0 else 0.0
-        return StepCost(self.cost, self.policy, per_remote, self.expert_bytes / self.copy_bytes_per_s(),
+        return StepCost(self.cost.frozen(), self.policy, per_remote, self.expert_bytes / self.copy_bytes_per_s(),
                         self.auto.horizon_steps or len(self.window))
 
     def copy_bytes_per_s(self) -> float:
@@ -161,13 +164,17 @@ class ClusterBase:
         t = self.topology
         return 1e9 * (t.inter_node_gbps if t.num_nodes > 1 else t.intra_node_gbps)
 
-    def decide(self, plan: RebalancePlan | None = None) -> Decision | None:
-        """The planner's best plan (or `plan`) for the window and the gate's verdict."""
+    def decide(self, plan: RebalancePlan | None = None, deadline_s: float | None = None,
+               rounds: int = BOOTSTRAP_ROUNDS) -> Decision | None:
+        """The planner's best plan (or `plan`) for the window and the gate's verdict, priced by a
+        frozen copy of the cost model (the engine calibrates on meanwhile)."""
         basis = self.step_basis()
         if basis is None:
             return None
-        return decide(basis, self.placement, self.topology, self.step_cost(basis), expert_bytes=self.expert_bytes,
-                      residuals=self.cost.residuals(), min_gain=self.auto.min_gain, plan=plan)
+        cost = self.step_cost(basis)
+        return decide(basis, self.placement, self.topology, cost, expert_bytes=self.expert_bytes,
+                      residuals=cost.model.residuals(), min_gain=self.auto.min_gain, plan=plan,
+                      deadline_s=deadline_s, rounds=rounds)
 
     def _prediction(self, decision: Decision) -> dict:
         tokens = float(np.mean([r["tokens"] for r in list(self.recent_steps)[-len(self.window):]]))
@@ -209,13 +216,15 @@ class ClusterBase:
         scheduled = bool(self.auto.every_k_steps) and step > 0 and step % self.auto.every_k_steps == 0
         if not scheduled and step < getattr(self, "_next_look_step", 0):
             return None
-        decision = self.decide(self._token_plan() if self.auto.objective == "balance" else None)
+        # on the engine thread, between steps: a bounded search and fewer bootstrap rounds
+        decision = self.decide(self._token_plan() if self.auto.objective == "balance" else None,
+                               deadline_s=AUTO_PLAN_DEADLINE_S, rounds=BOOTSTRAP_ROUNDS // 2)
         if decision is None:
             return None
         if decision.acts:
             decision.plan.prediction = self._prediction(decision)
-        else:
-            self._next_look_step = step + len(self.window)
+        # after an apply the window holds the old placement's steps; after a hold nothing changed
+        self._next_look_step = step + len(self.window)
         return decision
 
     # -- time

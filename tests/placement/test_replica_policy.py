@@ -95,3 +95,11 @@ def test_least_loaded_evens_the_devices_out_better_than_an_even_split():
     even = p.device_loads(np.bincount(experts, minlength=E)[None, :])[0]
     routed = np.bincount(route(p, 0, experts, None, "least_loaded"), minlength=D)
     assert routed.max() < even.max()
+
+
+def test_the_expectation_reads_the_layer_asked_for():
+    slots = replicated().slots.copy()
+    two = Placement(np.stack([slots[0], Placement.contiguous(1, E, D, 1).slots[0]]), E)
+    counts = np.bincount(skewed_batch(4, 256), minlength=E)
+    np.testing.assert_allclose(expected_device_rows(two, 1, counts), np.bincount(np.arange(E) // (E // D),
+                                                                                  weights=counts, minlength=D))

@@ -127,3 +127,21 @@ def test_the_migration_stall_counts_against_a_plan():
     stall = len(cheap.plan.move_array) * 1e-3 / 64
     assert costly.step_s_after == pytest.approx(cheap.step_s_after + stall)
     assert costly.parts["migration_s"] == [0.0, pytest.approx(stall)]
+
+
+def test_a_plan_that_only_drops_replicas_can_act():
+    loads = np.full((S, L, E), 2.0)
+    slots = Placement.contiguous(L, E, D, 1).slots.copy()
+    for d in range(D):
+        slots[:, d, -1] = ((d + 1) % D) * (E // D)
+    replicated = Placement(slots, E)
+    dropped = slots.copy()
+    dropped[:, :, -1] = -1
+    from moectl.placement.step_planner import plan_between
+
+    plan = plan_between(replicated, Placement(dropped, E), loads.sum(0), TOPOLOGY, "locality")
+    assert len(plan.move_array) == 0  # nothing is copied
+    cost = StepCost(PER_EXPERT)
+    quick = StepBasis(loads, np.full(S, 1e-4), np.zeros(S), np.full(S, 64.0), list(range(L)))  # experts dominate
+    decision = decide(quick, replicated, TOPOLOGY, cost, residuals=np.zeros(1), plan=plan)
+    assert decision.gain > 0.03 and decision.acts and "0 expert copies" in decision.reason
