@@ -66,7 +66,7 @@ def run(model: str, regime: str, devices: int, redundant: int, windows: int, req
         # the held-out steps' routing, the previous window's other and link time per step
         frozen = StepBasis(basis_held.step_loads, np.full(len(held), basis_fit.other_s.mean()),
                            np.full(len(held), basis_fit.link_s.mean()), basis_held.tokens, basis_held.moe_layers)
-        predicted = _per_step(StepCost(model_fit, policy), placement, frozen, placement)
+        predicted = _per_step(StepCost(model_fit, policy), placement, frozen)
         measured_critical = np.array([r["devices"]["step_time"]["expert_critical_s"] for r in held])
         measured_step = np.array([r["devices"]["step_time"]["step_s"] for r in held])
         step_pred = frozen.other_s + predicted["critical"] + predicted["link"]

@@ -22,12 +22,10 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from moectl.placement.placement import Placement  # noqa: E402
-from moectl.placement.rebalancer import plan_rebalance  # noqa: E402
+from moectl.placement.rebalancer import plan_rebalance, synthetic_loads  # noqa: E402
 from moectl.placement.step_planner import StepCost, plan_step_time  # noqa: E402
 from moectl.placement.step_time import ExpertCostModel, predict_step_times  # noqa: E402
 from moectl.placement.topology import Topology  # noqa: E402
@@ -36,16 +34,6 @@ TARGET_S = 0.100
 MODELS = {"per-expert": ExpertCostModel.fixed(90e-6, 1.5e-6, 20e-6, 3e-5, 4),
           "per-row": ExpertCostModel.fixed(1e-6, 2e-5, 0.0, 2e-5, 4)}
 REGIMES = {"decode": 16, "prefill": 512}  # rows per step, per layer and device
-
-
-def window(layers: int, experts: int, steps: int, rows: int, seed: int = 0) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    out = np.zeros((steps, layers, experts))
-    for layer in range(layers):
-        p = 1 / np.arange(1, experts + 1) ** 1.0
-        p = p[rng.permutation(experts)]
-        out[:, layer] = rng.multinomial(rows, p / p.sum(), size=steps)
-    return out
 
 
 def main() -> None:
@@ -64,7 +52,7 @@ def main() -> None:
     layers = list(range(L))
     rows = []
     for regime, per_device in REGIMES.items():
-        loads = window(L, E, args.steps, per_device * D)
+        loads = synthetic_loads(L, E, tokens_per_layer=per_device * D, steps=args.steps)
         for name, model in MODELS.items():
             ours, theirs = [], []
             for _ in range(args.rounds):

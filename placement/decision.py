@@ -77,13 +77,13 @@ def decide(basis: StepBasis, current: Placement, topology: Topology, cost: StepC
     if planned:
         plan = plan_step_time(basis.step_loads, current, topology, cost, basis.moe_layers, expert_bytes,
                               deadline_s=deadline_s)
-    before = _per_step(cost, current, basis, current)
+    before = _per_step(cost, current, basis)
     step_b = basis.other_s + before["critical"] + before["link"]
-    after, amortised, step_a = _after(plan, cost, basis, current)
+    after, amortised, step_a = _after(plan, cost, basis, before)
     if planned and step_a.mean() > step_b.mean():  # searched on a few steps, slower on the window: keep
         plan = plan_between(current, current, basis.step_loads.sum(0), topology, cost.policy, expert_bytes,
                             plan.seconds)
-        after, amortised, step_a = _after(plan, cost, basis, current)
+        after, amortised, step_a = _after(plan, cost, basis, before)
     changed = not np.array_equal(plan.placement.slots, current.slots)  # a plan may only drop replicas
     gain = float(step_b.mean() / step_a.mean() - 1)
     low, high = _interval(basis, before, after, amortised, residuals, rounds, seed, gain)
@@ -96,23 +96,25 @@ def decide(basis: StepBasis, current: Placement, topology: Topology, cost: StepC
     return decision
 
 
-def _after(plan: RebalancePlan, cost: StepCost, basis: StepBasis, current: Placement):
+def _after(plan: RebalancePlan, cost: StepCost, basis: StepBasis, before: dict):
     """The plan's per-step prediction, its migration's stall per step, and its step times."""
-    after = _per_step(cost, plan.placement, basis, current)
+    after = _per_step(cost, plan.placement, basis, before["remote"])
     amortised = len(plan.move_array) * cost.copy_s / cost.horizon_steps
     return after, amortised, basis.other_s + after["critical"] + after["link"] + amortised
 
 
-def _per_step(cost: StepCost, placement: Placement, basis: StepBasis, in_force: Placement) -> dict:
-    """Per step: the expert critical path, the link time, and the [S, D, M] busy it comes from."""
+def _per_step(cost: StepCost, placement: Placement, basis: StepBasis, remote_now: np.ndarray | None = None) -> dict:
+    """Per step: the expert critical path, the link time, and the [S, D, M] busy it comes from.
+    remote_now: the entries crossing a link under the placement in force ([S, M]), when
+    `placement` is another: the measured link time scales by the ratio."""
     rows, active, remote = expected_work(placement, basis.step_loads, basis.moe_layers, cost.policy)
     busy = cost.model.predict(rows, active)
     link = basis.link_s
-    if placement is not in_force:
-        _, _, remote_now = expected_work(in_force, basis.step_loads, basis.moe_layers, cost.policy)
+    if remote_now is not None:
         scale = np.divide(remote.sum(1), remote_now.sum(1), out=np.ones(len(link)), where=remote_now.sum(1) > 0)
         link = link * scale
-    return {"busy": busy, "critical": busy.max(1).sum(1), "link": link, "active": active, "rows": rows}
+    return {"busy": busy, "critical": busy.max(1).sum(1), "link": link, "active": active, "rows": rows,
+            "remote": remote}
 
 
 def _interval(basis: StepBasis, before: dict, after: dict, amortised: float, residuals, rounds: int,

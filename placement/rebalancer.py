@@ -708,14 +708,22 @@ class LoadWindow:
 
 
 def synthetic_loads(layers: int, experts: int, seed: int = 0, skew: float = 1.0,
-                    tokens_per_layer: int = 65536) -> np.ndarray:
+                    tokens_per_layer: int = 65536, steps: int | None = None) -> np.ndarray:
     """[L, E] token counts with Zipf-like skew: expert popularity ~ 1/rank**skew, the ranking
-    shuffled per layer (hot experts differ between layers), counts drawn multinomially."""
+    shuffled per layer (hot experts differ between layers), counts drawn multinomially. With
+    `steps`: a window, [steps, L, E], each step's tokens_per_layer drawn from the layer's one
+    popularity."""
     L, E = _count(layers, "layers", 1), _count(experts, "experts", 1)
     if isinstance(skew, bool) or not isinstance(skew, (int, float)) or not skew >= 0:
         raise RebalanceError(f"skew: must be a non-negative number, got {skew!r}")
     rng = np.random.default_rng(seed)
     p = 1.0 / np.arange(1, E + 1) ** skew
+    if steps is not None:
+        window = np.zeros((_count(steps, "steps", 1), L, E))
+        for layer in range(L):
+            popularity = p[rng.permutation(E)]
+            window[:, layer] = rng.multinomial(tokens_per_layer, popularity / popularity.sum(), size=steps)
+        return window
     p /= p.sum()
     out = np.empty((L, E))
     for layer in range(L):

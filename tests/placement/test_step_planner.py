@@ -10,7 +10,7 @@ import pytest
 
 from moectl.placement.decision import StepBasis, decide
 from moectl.placement.placement import Placement
-from moectl.placement.rebalancer import plan_rebalance
+from moectl.placement.rebalancer import plan_rebalance, synthetic_loads
 from moectl.placement.step_planner import StepCost, plan_step_time, search_steps
 from moectl.placement.step_time import ExpertCostModel, predict_step_times
 from moectl.placement.topology import Topology
@@ -25,13 +25,7 @@ PER_ROW = ExpertCostModel.fixed(1e-6, 2e-5, 0.0, 2e-5, 4)
 
 def window(rows_per_step: int, seed: int = 0) -> np.ndarray:
     """[S, L, E] routing: a fixed Zipf popularity per layer, each step a multinomial draw."""
-    rng = np.random.default_rng(seed)
-    out = np.zeros((S, L, E))
-    for layer in range(L):
-        p = 1 / np.arange(1, E + 1) ** 1.2
-        p = p[rng.permutation(E)]
-        out[:, layer] = rng.multinomial(rows_per_step, p / p.sum(), size=S)
-    return out
+    return synthetic_loads(L, E, seed, skew=1.2, tokens_per_layer=rows_per_step, steps=S)
 
 
 def step_s(model, placement, loads) -> float:
