@@ -223,8 +223,8 @@ def plan_rebalance_cmd(
         result["predicted"] = None
         result["predicted_absent"] = f"{imported['engine']}'s dump has no step times to predict them from"
     elif final is not None and timed is None:  # a trace with devices: predict from its last steps
+        from moectl.placement.decision import predict_from_records
         from moectl.placement.placement import Placement
-        from moectl.placement.step_time import predict_from_records
 
         result["predicted"] = predict_from_records(recent, final, Placement.from_dict(result["placement"]))
     if export is not None:

@@ -31,9 +31,9 @@ import aiohttp
 import numpy as np
 
 from moectl.console.state import WINDOW_STEPS
+from moectl.placement.decision import predict_from_records
 from moectl.placement.placement import PlacementError
 from moectl.placement.rebalancer import preview_plan
-from moectl.placement.step_time import predict_from_records
 from moectl.placement.topology import Topology
 from moectl.profiler.analysis import alerts
 from moectl.profiler.trace_queries import placement_timeline

@@ -180,3 +180,25 @@ def basis_from_records(records: list[dict]) -> tuple[StepBasis, ExpertCostModel,
     link = [s["link_s"] if modeled else 0.0 for s in splits]  # measured: the collectives are inside other_s
     tokens = [r["batch"]["prefill_tokens"] + r["batch"]["decode_tokens"] for r in timed]
     return StepBasis(loads, [s["other_s"] for s in splits], link, tokens, moe_layers), model, modeled
+
+
+def predict_from_records(records: list[dict], before: Placement, after: Placement,
+                         policy: str = "locality") -> dict | None:
+    """The prediction a preview carries, for `after` against `before`, from recorded step records
+    alone (replay's counterfactual, `plan rebalance` on a trace, the rebalance suite's check):
+    basis_from_records' window and cost model, priced and gated by decide(). The copies are not
+    priced (a record does not say the bandwidth). None when the records carry no timed steps."""
+    timed = basis_from_records(records)
+    if timed is None:
+        return None
+    basis, model, modeled = timed
+    topology = Topology(num_devices=before.num_devices)
+    cost = StepCost(model, policy)
+    plan = plan_between(before, after, basis.step_loads.sum(0), topology, policy)
+    decision = decide(basis, before, topology, cost, residuals=model.residuals(), plan=plan)
+    tokens = float(basis.tokens.mean())
+    return {**decision.prediction(),
+            "throughput_before": tokens / decision.step_s_before if decision.step_s_before > 0 else 0.0,
+            "throughput_after": tokens / decision.step_s_after if decision.step_s_after > 0 else 0.0,
+            "calibration": model.summary(),
+            "model": "recorded per-expert costs; " + ("modeled" if modeled else "measured") + " parallel step"}

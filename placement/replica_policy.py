@@ -62,12 +62,6 @@ def _tables(placement: Placement, layer: int) -> _Tables:
     return placement._cache[key]
 
 
-def replica_devices(placement: Placement, layer: int) -> tuple[np.ndarray, np.ndarray]:
-    """([E, Rmax] devices holding each expert, -1 padded, ordered by device; [E] replica counts)."""
-    t = _tables(placement, layer)
-    return t.table, t.counts
-
-
 def route(placement: Placement, layer: int, experts: np.ndarray, token_device: np.ndarray | None = None,
           policy: str = "least_loaded", counters: np.ndarray | None = None,
           devices_per_node: int | None = None) -> np.ndarray:

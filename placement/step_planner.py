@@ -124,8 +124,8 @@ def plan_between(current: Placement, placement: Placement, totals: np.ndarray, t
     over_link = migration[:, 6] == 1
     b_per, b_all = balancedness(_device_rows(current, totals, policy))
     a_per, a_all = balancedness(_device_rows(placement, totals, policy))
-    if kept is None:
-        kept = int((current.slots == placement.slots).all(axis=(1, 2)).sum())
+    if kept is None:  # layers with no slot to fill (also across a change of slot count)
+        kept = current.num_layers - len(np.unique(migration[:, 0]))
     return RebalancePlan(placement, Balance(b_per, b_all), Balance(a_per, a_all), int(over_link.sum()) * expert_bytes,
                          migration[over_link][:, [0, 1, 2, 4, 5]], seconds, kept,
                          int((~over_link).sum()) * expert_bytes)

@@ -234,37 +234,3 @@ def predict_step_times(model: ExpertCostModel, placement: Placement, step_loads:
     return {"step_s": step_s, "throughput_tok_s": tokens_per_step / step_s if step_s > 0 else 0.0,
             "expert_critical_s": float(critical.mean()), "link_s": link_s,
             "utilisation": (device_busy / step_s).tolist() if step_s > 0 else [0.0] * len(device_busy)}
-
-
-def predict_from_records(records: list[dict], before: Placement, after: Placement,
-                         policy: str = "locality") -> dict | None:
-    """The preview's prediction (ClusterBase.predict_change) from recorded step records: their
-    routing, their step-time split and the cost model's coefficients as the engine had calibrated
-    them. None when the records carry no step time (older traces, no devices)."""
-    timed = [r for r in records if (r.get("devices") or {}).get("step_time") and r.get("routing") is not None]
-    if not timed:
-        return None
-    last = timed[-1]["devices"]["step_time"]
-    coef = last.get("cost_model") or {}
-    model = ExpertCostModel.from_summary(coef)
-    if not model.samples:
-        return None
-    loads = np.stack([np.asarray(r["routing"], dtype=np.float64) for r in timed])
-    moe_layers = [int(i) for i in np.nonzero(loads.sum((0, 2)))[0]]
-    splits = [r["devices"]["step_time"] for r in timed]
-    other = float(np.mean([s["other_s"] for s in splits]))
-    link = 0.0 if not last.get("modeled") else float(np.mean([s["link_s"] for s in splits]))
-    tokens = float(np.mean([r["batch"]["prefill_tokens"] + r["batch"]["decode_tokens"] for r in timed]))
-    return change(predict_step_times(model, before, loads, moe_layers, other, link, tokens, policy),
-                  predict_step_times(model, after, loads, moe_layers, other, link, tokens, policy, link_basis=before),
-                  coef,
-                  "recorded per-expert costs; " + ("modeled" if last.get("modeled") else "measured") + " parallel step")
-
-
-def change(before: dict, after: dict, calibration: dict, model: str) -> dict:
-    """A preview's prediction: two predict_step_times results as before -> after."""
-    return {"step_s_before": before["step_s"], "step_s_after": after["step_s"],
-            "throughput_before": before["throughput_tok_s"], "throughput_after": after["throughput_tok_s"],
-            "gain": before["step_s"] / after["step_s"] - 1 if after["step_s"] > 0 else 0.0,
-            "min_util_before": min(before["utilisation"]), "min_util_after": min(after["utilisation"]),
-            "calibration": calibration, "model": model}

@@ -38,7 +38,7 @@ import numpy as np
 from moectl.engine.core.config import EngineConfig, SchedulerKnobs
 from moectl.engine.core.sampling import SamplingParams
 from moectl.engine.parallel.backends import Engines
-from moectl.placement.step_time import predict_from_records
+from moectl.placement.decision import predict_from_records
 from moectl.placement.topology import Topology
 from moectl.wire.actions import Action
 

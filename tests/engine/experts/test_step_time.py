@@ -9,12 +9,12 @@ import pytest
 from moectl.engine.core.config import EngineConfig
 from moectl.engine.core.sampling import SamplingParams
 from moectl.engine.llm_engine import LLMEngine
+from moectl.placement.decision import predict_from_records
 from moectl.placement.placement import Placement
 from moectl.placement.step_time import (
     ExpertCostModel,
     device_work,
     parallel_step,
-    predict_from_records,
     predict_step_times,
 )
 from moectl.placement.topology import Topology
