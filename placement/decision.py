@@ -2,8 +2,9 @@
 
 Every front end that proposes or applies a placement asks here: previews, auto mode, the alert,
 `plan rebalance TRACE`. The prediction holds constant only what no placement changes (the
-window's measured other time per step); the expert critical path comes from the cost model under
-the runtime's replica rule, the link time is scaled by the entries that cross a link, and the
+window's measured other time per step, less the replica routing in it); the expert critical path
+comes from the cost model under the runtime's replica rule, replica routing from its measured
+cost in each layer that has a replica, the link time is scaled by the entries that cross a link, and the
 migration's stall (copies over the measured, else modeled, copy bandwidth) is spread over a
 horizon of steps.
 
@@ -22,7 +23,7 @@ import numpy as np
 
 from moectl.placement.placement import Placement
 from moectl.placement.rebalancer import RebalancePlan
-from moectl.placement.replica_policy import expected_work
+from moectl.placement.replica_policy import expected_work, slot_counts
 from moectl.placement.step_planner import StepCost, plan_between, plan_step_time
 from moectl.placement.step_time import ExpertCostModel
 from moectl.placement.topology import Topology
@@ -78,33 +79,36 @@ def decide(basis: StepBasis, current: Placement, topology: Topology, cost: StepC
         plan = plan_step_time(basis.step_loads, current, topology, cost, basis.moe_layers, expert_bytes,
                               deadline_s=deadline_s)
     before = _per_step(cost, current, basis)
-    step_b = basis.other_s + before["critical"] + before["link"]
-    after, amortised, step_a = _after(plan, cost, basis, before)
+    rest = basis.other_s - before["routing"]  # what no placement changes: routing under it is in other_s
+    step_b = rest + before["routing"] + before["critical"] + before["link"]
+    after, amortised, step_a = _after(plan, cost, basis, before, rest)
     if planned and step_a.mean() > step_b.mean():  # searched on a few steps, slower on the window: keep
         plan = plan_between(current, current, basis.step_loads.sum(0), topology, cost.policy, expert_bytes,
                             plan.seconds)
-        after, amortised, step_a = _after(plan, cost, basis, before)
+        after, amortised, step_a = _after(plan, cost, basis, before, rest)
     changed = not np.array_equal(plan.placement.slots, current.slots)  # a plan may only drop replicas
     gain = float(step_b.mean() / step_a.mean() - 1)
-    low, high = _interval(basis, before, after, amortised, residuals, rounds, seed, gain)
+    low, high = _interval(rest, before, after, amortised, residuals, rounds, seed, gain)
     parts = {"expert_critical_s": [float(before["critical"].mean()), float(after["critical"].mean())],
+             "routing_s": [float(before["routing"].mean()), float(after["routing"].mean())],
              "link_s": [float(before["link"].mean()), float(after["link"].mean())],
-             "migration_s": [0.0, amortised], "other_s": [float(basis.other_s.mean())] * 2}
+             "migration_s": [0.0, amortised], "other_s": [float(rest.mean())] * 2}
     acts = bool(changed and low >= min_gain)
     decision = Decision(plan, float(step_b.mean()), float(step_a.mean()), gain, low, high, acts, "", parts)
     decision.reason = _reason(decision, before, cost, min_gain, changed)
     return decision
 
 
-def _after(plan: RebalancePlan, cost: StepCost, basis: StepBasis, before: dict):
+def _after(plan: RebalancePlan, cost: StepCost, basis: StepBasis, before: dict, rest: np.ndarray):
     """The plan's per-step prediction, its migration's stall per step, and its step times."""
     after = _per_step(cost, plan.placement, basis, before["remote"])
     amortised = len(plan.move_array) * cost.copy_s / cost.horizon_steps
-    return after, amortised, basis.other_s + after["critical"] + after["link"] + amortised
+    return after, amortised, rest + after["routing"] + after["critical"] + after["link"] + amortised
 
 
 def _per_step(cost: StepCost, placement: Placement, basis: StepBasis, remote_now: np.ndarray | None = None) -> dict:
-    """Per step: the expert critical path, the link time, and the [S, D, M] busy it comes from.
+    """Per step: the expert critical path, replica routing, the link time, and the [S, D, M] busy
+    the critical path comes from.
     remote_now: the entries crossing a link under the placement in force ([S, M]), when
     `placement` is another: the measured link time scales by the ratio."""
     rows, active, remote = expected_work(placement, basis.step_loads, basis.moe_layers, cost.policy)
@@ -113,14 +117,16 @@ def _per_step(cost: StepCost, placement: Placement, basis: StepBasis, remote_now
     if remote_now is not None:
         scale = np.divide(remote.sum(1), remote_now.sum(1), out=np.ones(len(link)), where=remote_now.sum(1) > 0)
         link = link * scale
+    replicated = [layer for layer in basis.moe_layers if (slot_counts(placement, layer).sum(0) > 1).any()]
+    routing = cost.model.routing_s(basis.step_loads[:, replicated].sum(2)).sum(1) if replicated else np.zeros(len(link))
     return {"busy": busy, "critical": busy.max(1).sum(1), "link": link, "active": active, "rows": rows,
-            "remote": remote}
+            "remote": remote, "routing": routing}
 
 
-def _interval(basis: StepBasis, before: dict, after: dict, amortised: float, residuals, rounds: int,
+def _interval(rest: np.ndarray, before: dict, after: dict, amortised: float, residuals, rounds: int,
               seed: int, point: float) -> tuple[float, float]:
     rng = np.random.default_rng(seed)
-    S = len(basis.other_s)
+    S = len(rest)
     # a prediction never less than a tenth of itself: the first fits' errors can be wild
     pool = np.clip(residuals, -0.9, 9.0) if residuals is not None and len(residuals) else np.zeros(1)
     cells = before["busy"].shape[1:]  # [D, M]
@@ -130,8 +136,8 @@ def _interval(basis: StepBasis, before: dict, after: dict, amortised: float, res
         scale = 1.0 + rng.choice(pool, size=cells)  # the model's relative error on each (device, layer)
         crit_b = (before["busy"][idx] * scale).max(1).sum(1)
         crit_a = (after["busy"][idx] * scale).max(1).sum(1)
-        step_b = basis.other_s[idx] + crit_b + before["link"][idx]
-        step_a = basis.other_s[idx] + crit_a + after["link"][idx] + amortised
+        step_b = rest[idx] + before["routing"][idx] + crit_b + before["link"][idx]
+        step_a = rest[idx] + after["routing"][idx] + crit_a + after["link"][idx] + amortised
         gains[r] = step_b.mean() / step_a.mean() - 1
     # centred on the point estimate: noise on every cell raises the slowest device under both
     # placements, which biases the rounds' level; their spread is what the interval takes

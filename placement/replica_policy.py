@@ -1,13 +1,14 @@
-"""Which replica of its expert each routed (token, choice) goes to: the runtime's rule, in numpy.
+"""Which replica of its expert each routed (token, choice) goes to: the runtime's rule.
 
 The engine's MoE layers call `route` once per layer and step (engine/experts/replica_routing.py
 wraps it for torch tensors); the cost model prices a placement with `expected_work`, the same
 rule applied to each step's per-expert counts, so what is predicted is what the runtime does
 (locality's node tier excepted: the expectation spreads a remote entry over every replica).
 
-Every entry of a single-replica expert goes to its one device (one gather). Only the entries of
-replicated experts are open, and they are handled together, with no Python loop over tokens or
-experts:
+Every entry of a single-replica expert goes to its one device (one gather, in numpy). The entries
+of replicated experts are open; a compiled kernel (replica_kernel.py, numba) deals them in one
+pass, since some thirty numpy calls per layer call cost more than the rule itself
+(`python bench/replica_routing_bench.py` times it per layer call):
 
 * least_loaded: an expert's entries are split over its replicas in proportion to each device's
   headroom below the step's balanced level (entries / devices), after the single-replica
@@ -20,6 +21,8 @@ experts:
 """
 
 from __future__ import annotations
+
+import time
 
 import numpy as np
 
@@ -52,7 +55,6 @@ class _Tables:
         self.group = np.full(placement.num_experts, -1, dtype=np.int64)  # expert -> index among the replicated
         self.group[replicated] = np.arange(replicated.size)
         self.num_replicated = replicated.size
-        self.replicated_first = self.first[replicated]  # the device each replicated expert's entries start on
 
 
 def _tables(placement: Placement, layer: int) -> _Tables:
@@ -62,128 +64,88 @@ def _tables(placement: Placement, layer: int) -> _Tables:
     return placement._cache[key]
 
 
+POLICY_CODES = {name: code for code, name in enumerate(POLICIES)}  # as replica_kernel.py reads them
+EXACT_DEAL_ENTRIES = 512  # up to this many open entries (decode-sized) the split is exact
+_NO_COUNTERS = np.zeros(0, dtype=np.int64)
+
+
 def route(placement: Placement, layer: int, experts: np.ndarray, token_device: np.ndarray | None = None,
           policy: str = "least_loaded", counters: np.ndarray | None = None,
-          devices_per_node: int | None = None) -> np.ndarray:
-    """The device of every entry: `experts` [M] int64 expert ids (a [tokens, k] array flattened),
-    `token_device` [M] the device each entry's token sits on (locality), `counters` [E] int64
-    round-robin positions, advanced in place. Ids and devices are trusted (the caller checks)."""
-    t = _tables(placement, layer)
-    out = t.first[experts]
-    if t.num_replicated == 0:
-        return out
-    group = t.group[experts]
-    open_ = np.flatnonzero(group >= 0)
-    if open_.size == 0:
-        return out
-    ex, group = experts[open_], group[open_]
-    cand = np.take(t.table_t, ex, axis=1)  # [Rmax, m]
-    num_groups = t.num_replicated
-    if policy == "round_robin":
-        rank, _ = _rank(group, num_groups)
-        if counters is not None:
-            rank = rank + counters[ex]
-            counters += np.bincount(ex, minlength=placement.num_experts)
-        out[open_] = _pick(rank % t.counts[ex], cand)
-        return out
-    headroom = _headroom(t, out, group, placement.num_devices)
-    allowed = None
-    if policy == "locality":
-        # one deal for every open entry: one that can stay on its token's device may pick only
-        # that device; one that can stay on its node only that node's replicas; the rest any
-        home = token_device[open_]
-        local = cand == home  # [Rmax, m]
-        stay = local.any(0)
-        allowed = np.where(stay, local, True)
-        kind, kinds = stay.astype(np.int64), 2  # each kind deals among its own: they never shift each other
-        if devices_per_node:
-            same = (cand >= 0) & (cand // devices_per_node == home // devices_per_node)
-            on_node = same.any(0) & ~stay
-            allowed = np.where(on_node, same, allowed)
-            kind = np.where(on_node, 2 + home // devices_per_node, kind)
-            kinds += -(-placement.num_devices // devices_per_node)
-        group, num_groups = group * kinds + kind, num_groups * kinds
-    elif policy != "least_loaded":
+          devices_per_node: int | None = None, top_k: int = 1) -> np.ndarray:
+    """The device of every entry: `experts` [M] int64 expert ids (a [tokens, top_k] array
+    flattened), `token_device` [M / top_k] the device each token sits on (locality; entry i's
+    token is i // top_k), `counters` [E] int64 round-robin positions, advanced in place. Ids and
+    devices are trusted (the caller checks)."""
+    if policy not in POLICY_CODES:
         raise PlacementError(f"policy {policy!r} unknown (choose from {', '.join(POLICIES)})")
-    out[open_] = _deal(cand, allowed, headroom, open_, group, num_groups)
+    t = _tables(placement, layer)
+    experts = np.ascontiguousarray(experts, dtype=np.int64)
+    if t.num_replicated == 0:
+        return t.first[experts]
+    home = _NO_COUNTERS if token_device is None else np.ascontiguousarray(token_device, dtype=np.int64)
+    if policy == "locality" and home.size * top_k != experts.size:
+        raise PlacementError(f"token_device: {home.size} tokens for {experts.size} entries at top_k {top_k}")
+    out = np.empty_like(experts)
+    _kernel()(experts, home, top_k, t.first, t.group, t.table_t, t.counts, t.num_replicated,
+                  placement.num_devices, POLICY_CODES[policy], _NO_COUNTERS if counters is None else counters,
+                  devices_per_node or 0, EXACT_DEAL_ENTRIES, MIN_HEADROOM, out)
     return out
 
 
-def _headroom(t: _Tables, first: np.ndarray, group: np.ndarray, num_devices: int) -> np.ndarray:
-    """[D + 1] room below the balanced level after the single-replica experts' entries; the last,
-    0, is what a padded (-1) replica column indexes. `first`: every entry's first-replica device;
-    `group`: the open entries' replicated-expert index, whose entries are taken back off it."""
-    fixed = np.bincount(first, minlength=num_devices + 1).astype(np.float64)
-    fixed -= np.bincount(t.replicated_first, weights=np.bincount(group, minlength=t.num_replicated),
-                         minlength=num_devices + 1)
-    room = np.maximum(first.size / num_devices - fixed, MIN_HEADROOM)
-    room[-1] = 0.0
-    return room
+def _kernel():
+    """The compiled rule (replica_kernel.py), imported on first use: numba and the kernel's load
+    (0.2 s from its cache, about 1.5 s the first time on a machine) are paid only by a process
+    that routes replicas, and `prepare` pays them at an apply rather than inside a step."""
+    from moectl.placement.replica_kernel import route_entries
+
+    return route_entries
 
 
-EXACT_DEAL_ENTRIES = 512  # up to this many open entries (decode-sized) the split is exact
+def prepare(placement: Placement | None = None) -> None:
+    """Load the compiled rule now if `placement` has a replica anywhere (call where a placement is
+    installed, so the first step that routes replicas does not carry the load); with no
+    placement, load it regardless (set-up compiles it into numba's cache)."""
+    if placement is None or (placement._counts > 1).any():
+        _kernel()(np.zeros(1, np.int64), _NO_COUNTERS, 1, np.zeros(1, np.int64), np.full(1, -1, np.int64),
+                  np.zeros((1, 1), np.int64), np.ones(1, np.int64), 0, 1, 1, _NO_COUNTERS, 0, EXACT_DEAL_ENTRIES,
+                  MIN_HEADROOM, np.empty(1, np.int64))
 
 
-def _deal(cand: np.ndarray, allowed: np.ndarray | None, headroom: np.ndarray, entries: np.ndarray,
-          group: np.ndarray, num_groups: int) -> np.ndarray:
-    """Each open entry to one of its allowed candidates ([Rmax, m]) in proportion to their
-    headroom: an entry takes the candidate whose cumulative weight first exceeds its point of
-    the total. Up to EXACT_DEAL_ENTRIES entries the point of the r-th of a group's n entries is
-    (r + 1/2) / n, so every split is exact to one entry; beyond, where one entry is a small
-    share, it is frac(entry index * golden ratio) (a Weyl sequence, spread evenly over [0, 1)),
-    which needs no ranking: the proportional split to within a few entries. Either is the same
-    on every rank. A padded (-1) or disallowed candidate weighs nothing, so the count of
-    cumulative weights at or below an entry's point is its row."""
-    weight = headroom[cand]  # headroom[-1] is the padding's 0
-    if allowed is not None:
-        weight = np.where(allowed, weight, 0.0)
-    for r in range(1, weight.shape[0]):  # running sum down the few replica rows (np.cumsum is slower)
-        weight[r] += weight[r - 1]
-    if entries.size <= EXACT_DEAL_ENTRIES:
-        rank, per_group = _rank(group, num_groups)
-        point = (rank + 0.5) / per_group[group] * weight[-1]
-    else:
-        point = _weyl(int(entries[-1]) + 1)[entries] * weight[-1]
-    row = (weight[0] <= point).astype(np.int64)
-    for r in range(1, weight.shape[0] - 1):
-        row += weight[r] <= point
-    return _pick(row, cand)
+ROUTING_SIZES = (256, 4096)  # entries per layer call the routing overhead is timed at (decode-, prefill-sized)
 
 
-_WEYL = np.zeros(0)
-
-
-def _weyl(n: int) -> np.ndarray:
-    """frac(i * golden ratio) for i < n (grown and kept: one array for every call)."""
-    global _WEYL
-    if _WEYL.size < n:
-        _WEYL = np.modf(np.arange(max(n, 2 * _WEYL.size, 4096)) * 0.6180339887498949)[0]
-        _WEYL.setflags(write=False)
-    return _WEYL
-
-
-def _pick(row: np.ndarray, cand: np.ndarray) -> np.ndarray:
-    """cand[row[i], i] for every entry i."""
-    if cand.shape[0] <= 32:  # np.choose's limit; it beats fancy indexing
-        return np.choose(row, cand)
-    return cand[row, np.arange(cand.shape[1])]
-
-
-SMALL_RANK_CELLS = 1 << 16  # up to this many (group, entry) cells a one-hot running count beats a sort
-
-
-def _rank(keys: np.ndarray, num_keys: int) -> tuple[np.ndarray, np.ndarray]:
-    """Each entry's rank among the entries with its key, in order (0, 1, 2, ...); entries per key."""
-    m = keys.size
-    if num_keys * m <= SMALL_RANK_CELLS:
-        running = np.cumsum(keys == np.arange(num_keys)[:, None], axis=1)  # [keys, m]
-        return running[keys, np.arange(m)] - 1, running[:, -1]
-    small = keys.astype(np.uint16) if num_keys <= 65536 else keys  # 16-bit keys: numpy's radix sort
-    order = np.argsort(small, kind="stable")
-    per_key = np.bincount(keys, minlength=num_keys)
-    rank = np.empty_like(keys)
-    rank[order] = np.arange(m) - (np.cumsum(per_key) - per_key)[keys[order]]
-    return rank, per_key
+def routing_overhead(num_experts: int, top_k: int, num_devices: int, policy: str = "locality",
+                     devices_per_node: int | None = None, repeat: int = 15) -> tuple[float, float]:
+    """Measured on this machine, now: (seconds per layer call, seconds per entry) that routing a
+    layer with replicas costs over one without, a line through ROUTING_SIZES. Timed on this
+    shape with a spare slot per device holding another device's first expert and a skewed
+    (Zipf 1.2) batch, the median of `repeat` interleaved calls, so the cost model prices what a
+    plan's first replica in a layer adds to every step."""
+    per = -(-num_experts // num_devices)
+    naive = Placement.contiguous(1, num_experts, num_devices, 1)
+    slots = naive.slots.copy()
+    for d in range(num_devices):
+        slots[0, d, -1] = min(((d + 1) % num_devices) * per, num_experts - 1)
+    replicated = Placement(slots, num_experts)
+    prepare(replicated)
+    rng = np.random.default_rng(0)
+    weights = 1.0 / np.arange(1, num_experts + 1) ** 1.2
+    extra = []
+    for entries in ROUTING_SIZES:
+        tokens = -(-entries // top_k)
+        experts = rng.choice(num_experts, size=tokens * top_k, p=weights / weights.sum())
+        home = np.arange(tokens) % num_devices
+        times = {id(naive): [], id(replicated): []}
+        for _ in range(repeat):
+            for placement in (naive, replicated):
+                counters = np.zeros(num_experts, dtype=np.int64)
+                t0 = time.perf_counter()
+                route(placement, 0, experts, home, policy, counters, devices_per_node, top_k)
+                times[id(placement)].append(time.perf_counter() - t0)
+        extra.append(max(float(np.median(times[id(replicated)]) - np.median(times[id(naive)])), 0.0))
+    (n0, n1), (t0, t1) = ROUTING_SIZES, extra
+    per_entry = max((t1 - t0) / (n1 - n0), 0.0)
+    return max(t0 - per_entry * n0, 0.0), per_entry
 
 
 def expected_device_rows(placement: Placement, layer: int, expert_counts: np.ndarray,

@@ -4,6 +4,7 @@ The cost model (step_time.ExpertCostModel) prices what a placement changes in on
 
     layer time = mean over steps of the slowest device's expert time (per call, per active
                  expert, per row, under the runtime's replica rule: replica_policy.layer_work)
+               + replica routing's cost, where the layer has a replica
                + link time of the entries that cross a link (per remote entry, measured or modeled)
                + the migration's stall, amortised over `horizon_steps`
 
@@ -55,7 +56,8 @@ class StepCost:
         a step is as slow as its slowest device, so work taken off another one alone gains nothing)."""
         rows, active, remote = layer_work(held, loads, self.policy)
         busy = self.model.predict(rows, active)  # [S, D]
-        return (float(busy.max(1).mean()) + tie_break * float(busy.mean())
+        routing = float(self.model.routing_s(loads.sum(1)).mean()) if (held.sum(0) > 1).any() else 0.0
+        return (float(busy.max(1).mean()) + tie_break * float(busy.mean()) + routing
                 + self.link_s_per_remote_row * float(remote.mean()) + self.copy_s * new_copies / self.horizon_steps)
 
 

@@ -19,7 +19,9 @@ so a cost model is calibrated from what the devices did measure: per (device, la
 
 where per_row_s is the grouped GEMM's from `switch_rows` rows up and the per-expert loop's below
 (the kernel the engine picks: engine/models/moe.py), fitted by non-negative least squares over
-recent steps (exponentially forgotten), so it follows a machine whose speed drifts. Its features
+recent steps (exponentially forgotten), so it follows a machine whose speed drifts. What routing
+a layer with replicas adds (route_call_s + route_entry_s * entries, per layer call) is measured
+once at start, not fitted: it is outside the devices' busy time. Its features
 come from the runtime's own replica rule (replica_policy.expected_work), not an even split. The
 calibration error against the measurements is reported with it.
 """
@@ -68,6 +70,10 @@ class ExpertCostModel:
         self._residuals: deque[np.ndarray] = deque(maxlen=RESIDUAL_STEPS)
         self._fixed_residuals: np.ndarray | None = None
         self._quantiles: list[float] = []  # the residuals' quantiles, recomputed with each refit
+        # what routing a layer with replicas adds to a step over one without (the compiled replica
+        # rule, replica_policy.routing_overhead): measured at start, not fitted; 0 until measured
+        self.route_call_s = 0.0
+        self.route_entry_s = 0.0
         # observe() runs on the engine thread, frozen() and summary() on any: the sums and the fit
         # change together under this lock
         self._lock = threading.Lock()
@@ -87,6 +93,8 @@ class ExpertCostModel:
         """The model a record's "cost_model" (summary()) describes."""
         model = cls.fixed(summary.get("per_expert_s", 0.0), summary.get("per_row_s", 0.0),
                           summary.get("per_call_s", 0.0), summary.get("per_row_loop_s"), summary.get("switch_rows"))
+        model.route_call_s = float(summary.get("route_call_s") or 0.0)
+        model.route_entry_s = float(summary.get("route_entry_s") or 0.0)
         if summary.get("residuals"):
             model._fixed_residuals = np.asarray(summary["residuals"], dtype=np.float64)
         return model
@@ -151,6 +159,7 @@ class ExpertCostModel:
         per_call, per_expert, per_row, per_row_loop = self.coefficients()
         model = ExpertCostModel.fixed(per_expert, per_row, per_call, per_row_loop, self.switch_rows)
         model._fixed_residuals = self.residuals()
+        model.route_call_s, model.route_entry_s = self.route_call_s, self.route_entry_s
         return model
 
     def _fit(self) -> np.ndarray:
@@ -177,6 +186,11 @@ class ExpertCostModel:
     def predict(self, rows: np.ndarray, active: np.ndarray) -> np.ndarray:
         return np.tensordot(self.coefficients(), self.features(rows, active), axes=1)
 
+    def routing_s(self, entries: np.ndarray) -> np.ndarray:
+        """Seconds replica routing adds to a layer call with replicas, for its entries (every
+        rank routes the whole batch of the layer, so it is on the critical path)."""
+        return self.route_call_s + self.route_entry_s * np.asarray(entries, dtype=np.float64)
+
     def summary(self) -> dict:
         coef = self.coefficients()
         if self._fixed_residuals is not None:
@@ -186,6 +200,7 @@ class ExpertCostModel:
             quantiles = self._quantiles  # recomputed with the fit, not every step
         return {**{name: float(v) for name, v in zip(COEFFICIENTS, coef)}, "switch_rows": self.switch_rows,
                 "samples": self.samples, "residuals": quantiles,
+                "route_call_s": self.route_call_s, "route_entry_s": self.route_entry_s,
                 "relative_error": (self._abs_err / self._busy) if self._busy > 0 else None}
 
 

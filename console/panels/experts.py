@@ -163,7 +163,10 @@ class ExpertsPanel(ShowsOnChange, VerticalScroll):
             if got is None:
                 continue
             forecast = predicted_parts.get(part)
+            routing = predicted_parts.get("routing_s") if part == "dispatch_s" else None
             said = (f", predicted {forecast[0] * 1e3:.2f} -> {forecast[1] * 1e3:.2f}" if forecast else
+                    f", predicted replica routing {routing[0] * 1e3:.2f} -> {routing[1] * 1e3:.2f} of it, the rest "
+                    f"held" if routing else
                     ", predicted unchanged (held in the rest)" if part in ("dispatch_s", "rest_s") else "")
             lines.append(f"  {label}: {got['before_s'] * 1e3:.2f} -> {got['after_s'] * 1e3:.2f} ms a step "
                          f"({got['change_low_s'] * 1e3:+.2f} to {got['change_high_s'] * 1e3:+.2f}){said}")

@@ -27,7 +27,7 @@ from moectl.engine.models.moe import GROUPED_MM_MIN_ROWS, SWIGLU, MoEBlock, grou
 from moectl.placement.decision import BOOTSTRAP_ROUNDS, Decision, StepBasis, decide
 from moectl.placement.placement import Placement, PlacementError, migration_in
 from moectl.placement.rebalancer import LOAD_WINDOW_STEPS, LoadWindow, RebalancePlan, preview_plan
-from moectl.placement.replica_policy import expected_work
+from moectl.placement.replica_policy import expected_work, routing_overhead
 from moectl.placement.step_planner import StepCost, plan_between
 from moectl.placement.step_time import ExpertCostModel, parallel_step
 from moectl.placement.topology import Topology, format_size
@@ -89,6 +89,8 @@ class ClusterBase:
             raise PlacementError("devices: this model has no MoE layers to place")
         self.window = LoadWindow(cfg.num_layers, cfg.num_experts, size=window_steps)
         self.cost = ExpertCostModel(switch_rows=kernel_switch_rows(model))
+        self.cost.route_call_s, self.cost.route_entry_s = routing_overhead(
+            cfg.num_experts, cfg.top_k, topology.num_devices, policy, topology.devices_per_node)
         self.recent_steps: deque[dict] = deque(maxlen=window_steps)  # step-time splits, beside the window
         # each step's measured (device tokens, device busy seconds, parallel step seconds), beside the window
         self.device_window: deque[tuple[np.ndarray, np.ndarray, float]] = deque(maxlen=window_steps)

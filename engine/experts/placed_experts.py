@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from moectl.engine.experts.replica_routing import RoutingState, assign_replicas, traffic_matrix
+from moectl.engine.experts.replica_routing import RoutingState, assign_replicas, prepare, traffic_matrix
 from moectl.engine.models.moe import StackedExperts, combine, grouped_offsets, grouped_swiglu
 from moectl.engine.models.tracing import NULL_TRACER
 from moectl.placement.placement import Placement
@@ -146,6 +146,7 @@ class PlacedExperts(nn.Module):
                     self.device_w2[device][local].copy_(self.logical.w2[expert])
         self.slot_expert = wanted.copy()
         self.placement = placement
+        prepare(placement)  # the compiled replica rule loads here, not in the next step
         # (expert, device) -> global slot, for routing a chosen replica to its slot
         num_devices = placement.num_devices
         table = np.full((self.logical.w13.shape[0], num_devices), -1, dtype=np.int64)

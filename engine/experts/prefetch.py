@@ -36,7 +36,7 @@ import torch
 
 from moectl.engine.core.model_runner import RoutingProbe
 from moectl.engine.experts.expert_cache import belady, simulate
-from moectl.engine.experts.replica_routing import RoutingState, assign_replicas
+from moectl.engine.experts.replica_routing import RoutingState, assign_replicas, prepare
 from moectl.engine.models.moe import MoEBlock
 from moectl.placement.placement import Placement
 
@@ -182,6 +182,7 @@ class RoutingRecorder(RoutingProbe):
             raise ValueError(f"placement: {placement.num_layers} layers x {placement.num_experts} experts, the model "
                              f"has {cfg.num_layers} x {cfg.num_experts}")
         self.placement = placement
+        prepare(placement)
         self.replica_policy = replica_policy
         self.routing_state = RoutingState()
         self.predictors = list(predictors)

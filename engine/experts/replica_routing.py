@@ -12,7 +12,9 @@ import numpy as np
 import torch
 
 from moectl.placement.placement import Placement, PlacementError, _count, _index
-from moectl.placement.replica_policy import POLICIES, route
+from moectl.placement.replica_policy import POLICIES, prepare, route
+
+__all__ = ["POLICIES", "RoutingState", "assign_replicas", "device_token_load", "prepare", "traffic_matrix"]
 
 
 def assign_replicas(placement: Placement, layer: int, expert_ids: torch.Tensor, token_device: torch.Tensor,
@@ -38,10 +40,9 @@ def assign_replicas(placement: Placement, layer: int, expert_ids: torch.Tensor, 
     if check and home.size and (home.min() < 0 or home.max() >= placement.num_devices):
         bad = home[(home < 0) | (home >= placement.num_devices)][0]
         raise PlacementError(f"device {bad} out of range [0, {placement.num_devices}) in token_device")
-    k = ids.shape[1]
-    out = route(placement, layer, flat, np.repeat(home, k) if policy == "locality" else None, policy,
+    out = route(placement, layer, flat, home if policy == "locality" else None, policy,
                 state.counters(layer, placement.num_experts) if state is not None else None,
-                state.devices_per_node if state is not None else None)
+                state.devices_per_node if state is not None else None, top_k=ids.shape[1])
     return torch.from_numpy(out).view(ids.shape)
 
 

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moectl.engine.experts.replica_routing import RoutingState, assign_replicas
+from moectl.engine.experts.replica_routing import RoutingState, assign_replicas, prepare
 from moectl.engine.models.moe import SWIGLU, ExpertFFN, MoEBlock, grouped_offsets, grouped_swiglu
 from moectl.engine.models.tracing import NULL_TRACER
 from moectl.placement.placement import Placement, migration_in
@@ -121,6 +121,7 @@ class RankExperts(nn.Module):
 
     def set_placement(self, placement: Placement) -> None:
         self.placement = placement
+        prepare(placement)  # the compiled replica rule loads here, not in the next step
         self.slots = placement.slots_per_device
         row = placement.slots[self.layer_idx].reshape(-1)
         table = np.full((placement.num_experts, placement.num_devices), -1, dtype=np.int64)

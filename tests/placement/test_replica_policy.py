@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from moectl.placement.placement import Placement
+from moectl.placement.placement import Placement, PlacementError
 from moectl.placement.replica_policy import EXACT_DEAL_ENTRIES, POLICIES, expected_device_rows, route
 
 E, D = 16, 4
@@ -103,3 +103,56 @@ def test_the_expectation_reads_the_layer_asked_for():
     counts = np.bincount(skewed_batch(4, 256), minlength=E)
     np.testing.assert_allclose(expected_device_rows(two, 1, counts), np.bincount(np.arange(E) // (E // D),
                                                                                   weights=counts, minlength=D))
+
+
+def random_case(rng: np.random.Generator, entries: int) -> tuple[Placement, np.ndarray, np.ndarray]:
+    """A placement of 8-32 experts on 4 devices with 1-3 spare slots per device, mostly filled with
+    random replicas (an expert may sit twice on one device), and a skewed batch."""
+    experts, extra = int(rng.choice([8, 16, 32])), int(rng.integers(1, 4))
+    slots = Placement.contiguous(1, experts, D, extra).slots.copy()
+    spare = rng.random((D, extra)) < 0.8
+    slots[0, :, experts // D:][spare] = rng.integers(0, experts, int(spare.sum()))
+    weights = 1.0 / np.arange(1, experts + 1) ** 1.2
+    batch = rng.choice(experts, size=entries, p=weights / weights.sum())
+    return Placement(slots, experts), batch, rng.integers(0, D, entries)
+
+
+@pytest.mark.parametrize("entries", [1, 37, EXACT_DEAL_ENTRIES, 3 * EXACT_DEAL_ENTRIES])
+def test_the_compiled_rule_is_its_python_source(monkeypatch, entries):
+    """replica_kernel.route_entries is compiled by numba; its .py_func is the same code run by
+    Python: both must give every entry the same device and advance the counters alike."""
+    from moectl.placement import replica_kernel, replica_policy
+
+    rng = np.random.default_rng(entries)
+    for trial in range(6):
+        p, experts, home = random_case(rng, entries)
+        policy, node = POLICIES[trial % 3], (None, 2)[trial // 3]
+        answers = []
+        for kernel in (replica_kernel.route_entries, replica_kernel.route_entries.py_func):
+            monkeypatch.setattr(replica_policy, "_kernel", lambda kernel=kernel: kernel)
+            counters = np.arange(p.num_experts, dtype=np.int64)
+            answers.append((route(p, 0, experts, home, policy, counters, node), counters))
+        (compiled, c1), (python, c2) = answers
+        assert (compiled == python).all() and (c1 == c2).all()
+        assert p.held()[0][compiled, experts].all()
+
+
+def test_top_k_entries_share_their_tokens_device():
+    p = Placement([[[0, -1], [0, -1], [1, -1], [0, -1]]], 2)  # expert 0 on devices 0, 1, 3
+    # two tokens, two choices each: token 0 on device 1, token 1 on device 3
+    out = route(p, 0, np.array([0, 1, 0, 0]), np.array([1, 3]), "locality", top_k=2)
+    assert out.tolist() == [1, 2, 3, 3]
+    with pytest.raises(PlacementError, match="token_device: 3 tokens for 4 entries at top_k 2"):
+        route(p, 0, np.array([0, 1, 0, 0]), np.array([1, 3, 0]), "locality", top_k=2)
+
+
+def test_prepare_loads_the_kernel_only_for_a_placement_with_replicas(monkeypatch):
+    from moectl.placement import replica_policy
+
+    loads = []
+    real = replica_policy._kernel
+    monkeypatch.setattr(replica_policy, "_kernel", lambda: loads.append(1) or real())
+    replica_policy.prepare(Placement.contiguous(2, E, D, 1))
+    assert loads == []
+    replica_policy.prepare(replicated())
+    assert loads == [1]

@@ -11,7 +11,7 @@ import pytest
 from moectl.placement.decision import StepBasis, decide
 from moectl.placement.placement import Placement
 from moectl.placement.rebalancer import plan_rebalance, synthetic_loads
-from moectl.placement.step_planner import StepCost, plan_step_time, search_steps
+from moectl.placement.step_planner import StepCost, plan_between, plan_step_time, search_steps
 from moectl.placement.step_time import ExpertCostModel, predict_step_times
 from moectl.placement.topology import Topology
 
@@ -139,3 +139,49 @@ def test_a_plan_that_only_drops_replicas_can_act():
     quick = StepBasis(loads, np.full(S, 1e-4), np.zeros(S), np.full(S, 64.0), list(range(L)))  # experts dominate
     decision = decide(quick, replicated, TOPOLOGY, cost, residuals=np.zeros(1), plan=plan)
     assert decision.gain > 0.03 and decision.acts and "0 expert copies" in decision.reason
+
+
+def with_routing(model: ExpertCostModel, call_s: float, entry_s: float = 0.0) -> ExpertCostModel:
+    priced = ExpertCostModel.from_summary(model.summary())
+    priced.route_call_s, priced.route_entry_s = call_s, entry_s
+    return priced
+
+
+def replicated_layers(placement: Placement) -> int:
+    return sum(int((np.bincount(layer[layer >= 0], minlength=E) > 1).any()) for layer in placement.slots)
+
+
+def test_replica_routing_cost_counts_against_a_replica():
+    # prefill-sized steps where rows dominate: replicas pay, unless routing a replicated layer costs more
+    current = Placement.contiguous(L, E, D, 1)
+    loads = window(2048)
+    free = plan_step_time(loads, current, TOPOLOGY, StepCost(PER_ROW), list(range(L)))
+    dear = plan_step_time(loads, current, TOPOLOGY, StepCost(with_routing(PER_ROW, 1.0)), list(range(L)))
+    assert replicated_layers(free.placement) == L
+    assert replicated_layers(dear.placement) == 0
+
+
+def test_routing_under_the_placement_in_force_comes_out_of_the_rest():
+    # the measured other time holds the routing of the replicas in force: dropping them saves it
+    slots = Placement.contiguous(L, E, D, 1).slots.copy()
+    for d in range(D):
+        slots[:, d, -1] = ((d + 1) % D) * (E // D)
+    replicated = Placement(slots, E)
+    loads = np.full((S, L, E), 2.0)  # even loads, a few rows each: no replica pays
+    cost = StepCost(with_routing(PER_EXPERT, 1e-4, 1e-7))
+    routing = L * (1e-4 + 1e-7 * E * 2.0)
+    kept = decide(basis(loads), replicated, TOPOLOGY, cost,
+                  plan=plan_between(replicated, replicated, loads.sum(0), TOPOLOGY, cost.policy))
+    assert kept.parts["routing_s"] == pytest.approx([routing, routing])
+    assert kept.parts["other_s"][0] == pytest.approx(0.01 - routing)
+    dropped = decide(basis(loads), replicated, TOPOLOGY, cost)
+    assert replicated_layers(dropped.plan.placement) == 0
+    assert dropped.parts["routing_s"] == pytest.approx([routing, 0.0])
+    assert dropped.step_s_before - dropped.step_s_after >= routing - 1e-12
+
+
+def test_the_routing_cost_travels_with_the_model():
+    model = with_routing(PER_ROW, 3e-6, 4e-9)
+    for copy in (model.frozen(), ExpertCostModel.from_summary(json.loads(json.dumps(model.summary())))):
+        assert (copy.route_call_s, copy.route_entry_s) == (3e-6, 4e-9)
+        assert copy.routing_s(np.array([1000.0])) == pytest.approx([7e-6])
