@@ -7,7 +7,9 @@ Synthetic windows (a Zipf popularity per layer, each step a multinomial draw) pr
 cost models of fixed coefficients, so the answer is the planner's alone: "per-expert" (this
 CPU's shape: a non-empty expert costs as much as ~60 rows) and "per-row" (a GPU-like shape).
 For each regime (decode: 16 rows per step per layer and device; prefill: 512) it times
-plan_step_time (placement/step_planner.py, with the deadline the engine gives it) and
+plan_step_time (placement/step_planner.py, with the target as its deadline: the search stops with
+a fifth of it left for pricing the plan's migration, so the figure says whether the whole plan
+fits, and the predicted gain what the search found in that time) and
 plan_rebalance (the token balancer, the baseline) on the same window, median of `rounds`, and
 prices both plans and the placement in force by the same model (the migration not counted).
 The target (issue 35): at most 100 ms at 61 layers x 384 experts x 64 devices.

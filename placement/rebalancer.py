@@ -158,6 +158,26 @@ def plan_rebalance(loads, topology: Topology | int, redundant_per_device: int,
                          time.perf_counter() - t0, kept, int((~over_link).sum()) * expert_bytes)
 
 
+def pack(loads, topology: Topology, current: Placement) -> np.ndarray:
+    """[L, D, S] slots for [L, E] loads in `current`'s slot count: the packer alone (replicas in
+    the spare slots by load per replica, packed through nodes, bins relabelled to the devices in
+    force, pinned experts kept, the swap search), with none of plan_rebalance's choice among
+    candidates, migration or balance figures: a seed for a planner that prices placements itself."""
+    W = as_loads(loads)
+    L, E = W.shape
+    D, dpn, S = current.num_devices, topology.devices_per_node, current.slots_per_device
+    pin_mask = np.zeros((L, E), dtype=bool)
+    if current.pinned:
+        pl, pe = np.array(sorted(current.pinned)).T
+        pin_mask[pl, pe] = True
+    cur = current.slots
+    K = dpn if D // dpn > 1 and D % dpn == 0 else D
+    pinned_slot = (cur >= 0) & pin_mask[np.arange(L)[:, None, None], np.maximum(cur, 0)]
+    counts = np.where(pin_mask, _counts(cur, E), _replicate(W, pin_mask, D * S - pinned_slot.sum((1, 2)), D, D * S))
+    share = np.concatenate([W / np.maximum(counts, 1), np.zeros((L, 1))], axis=1)
+    return _stable_slots(_assign(W, counts, share, cur, pin_mask, pinned_slot, K, sticky=True), cur)
+
+
 def preview_plan(loads, topology: Topology, current: Placement, *, expert_bytes: int = 0,
                  redundant: int | None = None, target: float | None = None, predict=None) -> RebalancePlan:
     """The rebalance preview every front end shows (live, simulated and replayed engines): a plan

@@ -153,7 +153,7 @@ def expected_device_rows(placement: Placement, layer: int, expert_counts: np.nda
     """[D] entries each device computes in one step of this layer, given the step's [E] entries
     per expert, by the rule `route` applies (locality: tokens spread evenly over the devices, so
     an expert's entries stay local in proportion to its replicas, the rest split by headroom)."""
-    rows, _, _ = layer_work(slot_counts(placement, layer), np.asarray(expert_counts, dtype=np.float64)[None], policy)
+    rows, _, _ = layer_work(placement._slots[layer], np.asarray(expert_counts, dtype=np.float64)[None], policy)
     return rows[0]
 
 
@@ -163,13 +163,8 @@ def expected_work(placement: Placement, step_loads: np.ndarray, layers: list[int
     over `layers`: (rows [S, D, M], active experts [S, D, M], remote rows [S, M]: entries whose
     token sits on another device, tokens spread evenly over the devices)."""
     loads = np.asarray(step_loads, dtype=np.float64)
-    S, D = loads.shape[0], placement.num_devices
-    rows, active, remote = np.zeros((S, D, len(layers))), np.zeros((S, D, len(layers))), np.zeros((S, len(layers)))
-    for i, layer in enumerate(layers):
-        rows[:, :, i], active[:, :, i], remote[:, i] = layer_work(slot_counts(placement, layer), loads[:, layer], policy)
-    return rows, active, remote
-
-
+    rows, active, remote = slots_work(placement._slots[list(layers)], loads[:, list(layers)], policy)
+    return rows.transpose(0, 2, 1), active.transpose(0, 2, 1), remote
 def slot_counts(placement: Placement, layer: int) -> np.ndarray:
     """[D, E] slots of each device holding each expert (a device may hold one in two slots)."""
     key = ("slot_counts", layer)
@@ -179,42 +174,79 @@ def slot_counts(placement: Placement, layer: int) -> np.ndarray:
 
 
 def counts_of(slots: np.ndarray, num_experts: int) -> np.ndarray:
-    """[D, K] slots -> [D, E] slots holding each expert."""
-    counts = np.zeros((slots.shape[0], num_experts + 1))
-    np.add.at(counts, (np.arange(slots.shape[0])[:, None], slots + 1), 1.0)
-    return counts[:, 1:]
+    """[..., D, K] slots -> [..., D, E] slots holding each expert (float)."""
+    slots = np.asarray(slots)
+    lead = slots.shape[:-1]
+    cells = int(np.prod(lead))
+    flat = (np.arange(cells)[:, None] * (num_experts + 1) + slots.reshape(cells, -1) + 1).ravel()
+    counts = np.bincount(flat, minlength=cells * (num_experts + 1)).reshape(*lead, num_experts + 1)
+    return counts[..., 1:].astype(np.float64)
 
 
-def layer_work(counts: np.ndarray, loads: np.ndarray, policy: str = "least_loaded"
+def layer_work(slots: np.ndarray, loads: np.ndarray, policy: str = "least_loaded"
                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """One layer's expected work by the routing rule: `counts` [D, E] slots of each device
-    holding each expert, per-step `loads` [S, E] -> (rows [S, D], active experts [S, D], remote
-    rows [S]). Array expressions over every step; the replicated experts (few) get their own
-    [S, R, D] arrays."""
-    D = counts.shape[0]
-    counts = np.asarray(counts, dtype=np.float64)
-    replicas = counts.sum(0)  # [E] slots holding each expert
-    devices = (counts > 0).sum(0)  # [E] devices holding it
-    single = replicas == 1
-    rows = loads[:, single] @ counts[:, single].T  # [S, D]
-    active = (loads[:, single] > 0).astype(np.float64) @ counts[:, single].T
-    total = loads.sum(1)
-    multi = np.flatnonzero(replicas > 1)
-    if multi.size:
-        on = counts[:, multi].T  # [R, D] slots per device
-        n = loads[:, multi]  # [S, R]
+    """One layer's expected work: [D, K] slots (expert ids, -1 empty), per-step `loads` [S, E]
+    -> (rows [S, D], active experts [S, D], remote rows [S])."""
+    rows, active, remote = slots_work(np.asarray(slots)[None], np.asarray(loads)[:, None], policy)
+    return rows[:, 0], active[:, 0], remote[:, 0]
+
+
+def slots_work(slots: np.ndarray, loads: np.ndarray, policy: str = "least_loaded"
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Expected work by the routing rule for C layers (or candidates for one) at once: [C, D, K]
+    slots, per-step `loads` [S, C, E] -> (rows [S, C, D], active experts [S, C, D], remote rows
+    [S, C]). A single-replica expert's load is read where its slot is (a gather, no [D, E]
+    array); the replicated (layer, expert) pairs, few, get [S, P, R] arrays over the devices
+    each is on (R: the most devices any pair is on; a device with two slots of one expert takes
+    two shares)."""
+    slots = np.asarray(slots, dtype=np.int64)
+    loads = np.asarray(loads, dtype=np.float64)
+    S, C, E = loads.shape
+    D, K = slots.shape[1:]
+    flat = slots.reshape(C, D * K)
+    # [C, E + 1] slots holding each expert, column 0 the empty slots
+    replicas = np.bincount((np.arange(C)[:, None] * (E + 1) + flat + 1).ravel(),
+                           minlength=C * (E + 1)).reshape(C, E + 1)
+    per_slot_replicas = np.take_along_axis(replicas, flat + 1, axis=1).reshape(C, D, K)
+    occupied = slots >= 0
+    single = occupied & (per_slot_replicas == 1)
+    padded = np.concatenate([loads, np.zeros((S, C, 1))], axis=2)  # an empty slot (-1) reads the 0
+    per_slot = np.take_along_axis(padded, np.broadcast_to(flat[None] % (E + 1), (S, C, D * K)), axis=2)
+    per_slot = per_slot.reshape(S, C, D, K)
+    rows = np.where(single[None], per_slot, 0.0).sum(3)  # [S, C, D]
+    active = (single[None] & (per_slot > 0)).sum(3).astype(np.float64)
+    total = loads.sum(2)  # [S, C]
+    local = (loads * (replicas[None, :, 1:] > 0)).sum(2)  # entries whose expert is on their token's device x D
+    multi = occupied & (per_slot_replicas > 1)
+    if multi.any():
+        c, d, k = np.nonzero(multi)
+        pair_device, slots_there = np.unique((c * E + slots[c, d, k]) * D + d, return_counts=True)
+        pairs, pair = np.unique(pair_device // D, return_inverse=True)  # the (layer, expert) pairs, sorted
+        pl, pe = pairs // E, pairs % E
+        rank = np.arange(len(pair)) - np.searchsorted(pair, pair)  # each device's place among its pair's
+        dev = np.zeros((len(pairs), int(rank.max()) + 1), dtype=np.int64)
+        on = np.zeros(dev.shape)  # [P, R] slots of the pair on each of its devices
+        dev[pair, rank] = pair_device % D
+        on[pair, rank] = slots_there
+        n = loads[:, pl, pe]  # [S, P]
         if policy == "round_robin":
-            share = np.broadcast_to(on / replicas[multi][:, None], (loads.shape[0],) + on.shape)
+            share = np.broadcast_to(on / replicas[pl, pe + 1][:, None], (S,) + on.shape)
         else:
-            room = np.maximum(total[:, None] / D - rows, MIN_HEADROOM)  # [S, D]
-            weight = on[None] * room[:, None, :]  # [S, R, D]: one candidate per slot
+            room = np.maximum(total[:, :, None] / D - rows, MIN_HEADROOM)  # [S, C, D]
+            weight = on[None] * room[:, pl[:, None], dev]  # [S, P, R]: one candidate per slot
             share = weight / weight.sum(2, keepdims=True)
             if policy == "locality":  # a token on a device holding the expert stays there
-                share = (on > 0)[None] / D + (1 - devices[multi] / D)[None, :, None] * share
-        per_replica = n[:, :, None] * share  # [S, R, D]
-        rows = rows + per_replica.sum(1)
+                spread = (on > 0).sum(1)  # devices the pair is on
+                share = (on > 0)[None] / D + (1 - spread / D)[None, :, None] * share
+        per_replica = n[:, :, None] * share  # [S, P, R]
+        cell = ((np.arange(S)[:, None, None] * C + pl[None, :, None]) * D + dev[None]).ravel()  # (step, layer, device)
+        rows = rows + np.bincount(cell, per_replica.ravel(), S * C * D).reshape(S, C, D)
         # a replica runs when it gets an entry: 1 - exp(-expected entries), the Poisson chance of one
         # or more (one entry over two replicas: 0.79 expected runs, where one always runs)
-        active = active + (1.0 - np.exp(-per_replica)).sum(1)
-    local = (loads * devices).sum(1) / D if policy == "locality" else total / D
-    return rows, active, total - local
+        active = active + np.bincount(cell, (1.0 - np.exp(-per_replica)).ravel(), S * C * D).reshape(S, C, D)
+        if policy == "locality":  # a replicated expert's entries are local on each device holding it
+            extra = n * ((on > 0).sum(1) - 1)[None]  # [S, P]
+            local = local + np.bincount((np.arange(S)[:, None] * C + pl[None]).ravel(), extra.ravel(),
+                                        S * C).reshape(S, C)
+    remote = total - (local / D if policy == "locality" else total / D)
+    return rows, active, remote

@@ -3,7 +3,7 @@
 The cost model (step_time.ExpertCostModel) prices what a placement changes in one MoE layer:
 
     layer time = mean over steps of the slowest device's expert time (per call, per active
-                 expert, per row, under the runtime's replica rule: replica_policy.layer_work)
+                 expert, per row, under the runtime's replica rule: replica_policy.slots_work)
                + replica routing's cost, where the layer has a replica
                + link time of the entries that cross a link (per remote entry, measured or modeled)
                + the migration's stall, amortised over `horizon_steps`
@@ -29,8 +29,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from moectl.placement.placement import Placement, PlacementError, balancedness
-from moectl.placement.rebalancer import Balance, RebalancePlan, plan_rebalance
-from moectl.placement.replica_policy import counts_of, layer_work, slot_counts
+from moectl.placement.rebalancer import Balance, RebalancePlan, pack
+from moectl.placement.replica_policy import counts_of, layer_work, slots_work
 from moectl.placement.step_time import ExpertCostModel
 from moectl.placement.topology import Topology
 
@@ -50,15 +50,49 @@ class StepCost:
     copy_s: float = 0.0  # seconds one expert copy stalls the engine (bytes over the migration bandwidth)
     horizon_steps: int = 64  # steps the migration's stall is spread over
 
-    def layer(self, held: np.ndarray, loads: np.ndarray, new_copies: int, tie_break: float = 0.0) -> float:
-        """Predicted seconds per step of one layer: [D, E] slots holding each expert, [S, E]
-        per-step loads. tie_break weighs the devices' mean busy time too (the search's plateaus:
-        a step is as slow as its slowest device, so work taken off another one alone gains nothing)."""
-        rows, active, remote = layer_work(held, loads, self.policy)
-        busy = self.model.predict(rows, active)  # [S, D]
-        routing = float(self.model.routing_s(loads.sum(1)).mean()) if (held.sum(0) > 1).any() else 0.0
-        return (float(busy.max(1).mean()) + tie_break * float(busy.mean()) + routing
-                + self.link_s_per_remote_row * float(remote.mean()) + self.copy_s * new_copies / self.horizon_steps)
+    def prices(self, slots: np.ndarray, loads: np.ndarray, new_copies: np.ndarray, tie_break: float = 0.0) -> np.ndarray:
+        """Predicted seconds per step of C layer candidates at once: [C, D, K] slots, [S, C, E]
+        per-step loads (each candidate's layer's), [C] new expert copies.
+        tie_break weighs the devices' mean busy time too (the search's plateaus: a step is as slow
+        as its slowest device, so work taken off another one alone gains nothing)."""
+        rows, active, remote = slots_work(slots, loads, self.policy)  # [S, C, D], [S, C]
+        busy = self.model.predict(rows, active)
+        replicated = _replicated(slots)  # [C]: the layer routes through the replica rule
+        routing = np.where(replicated, self.model.routing_s(loads.sum(2)).mean(0), 0.0)
+        return (busy.max(2).mean(0) + tie_break * busy.mean((0, 2)) + routing
+                + self.link_s_per_remote_row * remote.mean(0) + self.copy_s * np.asarray(new_copies) / self.horizon_steps)
+
+    def layer(self, slots: np.ndarray, loads: np.ndarray, new_copies: int, tie_break: float = 0.0) -> float:
+        """prices() of one layer: [D, K] slots, [S, E] per-step loads."""
+        return float(self.prices(slots[None], loads[:, None], np.array([new_copies]), tie_break)[0])
+
+
+def _replicated(slots: np.ndarray) -> np.ndarray:
+    """[C] whether each of [C, D, K] slots holds some expert twice."""
+    ordered = np.sort(slots.reshape(len(slots), -1), axis=1)
+    return ((ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)).any(1)
+
+
+def _placed_everywhere(slots: np.ndarray, num_experts: int) -> np.ndarray:
+    """[C] whether each of [C, D, K] slots keeps every expert somewhere."""
+    flat = slots.reshape(len(slots), -1)
+    held = np.bincount((np.arange(len(slots))[:, None] * (num_experts + 1) + flat + 1).ravel(),
+                       minlength=len(slots) * (num_experts + 1)).reshape(len(slots), num_experts + 1)
+    return (held[:, 1:] > 0).all(1)
+
+
+def _new_copies(slots: np.ndarray, original: np.ndarray) -> np.ndarray:
+    """[C] experts each of [C, D, K] slots puts on a device that does not hold them in `original`
+    ([C, D, K], or [1, D, K] for candidates of one layer): the copies a migration makes."""
+    width = int(max(slots.max(), original.max())) + 2  # experts, and the empty slot (-1) as the last
+    have = np.zeros((len(original), original.shape[1], width), dtype=bool)
+    have[np.arange(len(original))[:, None, None], np.arange(original.shape[1])[None, :, None], original] = True
+    ordered = np.sort(slots, axis=2)  # an expert twice on one device is one copy
+    first = np.ones(ordered.shape, dtype=bool)
+    first[..., 1:] = ordered[..., 1:] != ordered[..., :-1]
+    which = np.arange(len(slots)) if len(original) == len(slots) else np.zeros(len(slots), dtype=np.int64)
+    held = have[which[:, None, None], np.arange(slots.shape[1])[None, :, None], ordered]
+    return ((ordered >= 0) & first & ~held).sum((1, 2))
 
 
 def search_steps(step_loads: np.ndarray, count: int = SEARCH_STEPS) -> np.ndarray:
@@ -82,39 +116,64 @@ def cost_weights(step_loads: np.ndarray, model: ExpertCostModel, devices: int) -
     return coef["per_expert_s"] * (step_loads > 0).mean(0) + per_row * mean
 
 
+FINISH_SHARE = 0.2  # of a deadline, kept for pricing the plan's migration and balance once the search stops
+
+
 def plan_step_time(step_loads, current: Placement, topology: Topology, cost: StepCost, moe_layers: list[int],
                    expert_bytes: int = 0, deadline_s: float | None = None) -> RebalancePlan:
     """The placement, keeping `current`'s slot count, that minimises the predicted step time for
     these per-step [S, L, E] loads; layers no move improves stay as they are.
 
-    Per layer the candidates are the layer as it is and a packing of the cost model's per-expert
-    weights (rebalancer.py's packer, replicas in the spare slots), each priced on the search steps
-    with its migration; the better is improved by local search (which also drops replicas that
-    do not pay) while `deadline_s` allows."""
+    Per layer the start is the best of the layer as it is, a packing of the cost model's
+    per-expert weights (rebalancer.py's packer, replicas in the spare slots) and the layer
+    without replicas, each priced on the search steps with its migration (all layers at once).
+    The local search then gives each layer one move per pass, the layers with the most predicted
+    time first, so a deadline cuts the search evenly rather than leaving the last layers
+    unsearched; `deadline_s` bounds the whole plan (FINISH_SHARE of it is kept for the finish)."""
     t0 = time.perf_counter()
+    stop_at = None if deadline_s is None else t0 + deadline_s * (1 - FINISH_SHARE)
     loads = np.asarray(step_loads, dtype=np.float64)
     if loads.ndim != 3 or loads.shape[1:] != (current.num_layers, current.num_experts):
         raise PlacementError(f"loads: expected per-step [steps, {current.num_layers}, {current.num_experts}], "
                              f"got {list(loads.shape)}")
     if not loads.any():
         raise PlacementError("rebalance: no routing observed yet")
-    D, K = current.num_devices, current.slots_per_device
-    spare = K - -(-current.num_experts // D)
+    D, K, E = current.num_devices, current.slots_per_device, current.num_experts
+    spare = K - -(-E // D)
     totals = loads.sum(0)
     weights = cost_weights(loads, cost.model, D)
-    seeds = [plan_rebalance(weights, topology, spare, current=current).placement.slots]
+    seeds = [pack(weights, topology, current)]
     if spare:
         seeds.append(_without_replicas(current.slots))
-    picked = loads[search_steps(loads)]
+    layers = np.asarray(moe_layers, dtype=np.int64)
+    picked = loads[search_steps(loads)][:, layers]  # [S', M, E]
+    pinned = [{e for (l, e) in current.pinned if l == layer} for layer in layers]
     slots = current.slots.copy()
-    kept = current.num_layers - len(moe_layers)
-    stop_at = None if deadline_s is None else t0 + deadline_s
-    for layer in moe_layers:
-        pinned = {e for (l, e) in current.pinned if l == layer}
-        new = _plan_layer(slots[layer], [seed[layer] for seed in seeds], picked[:, layer], cost, pinned, stop_at)
-        kept += int((new == slots[layer]).all())
-        slots[layer] = new
-    plan = Placement(slots, current.num_experts, current.pinned)
+    original = slots[layers]  # [M, D, K]
+    best = original.copy()
+    value = cost.prices(original, picked, np.zeros(len(layers)), TIE_BREAK)
+    for seed in seeds:
+        candidate = seed[layers]
+        priced = cost.prices(candidate, picked, _new_copies(candidate, original), TIE_BREAK)
+        usable = _placed_everywhere(candidate, E) & np.array([not _moves_pinned(b, a, p) for b, a, p in
+                                                               zip(original, candidate, pinned)], dtype=bool)
+        better = usable & (priced < value - MIN_GAIN_S)
+        best[better], value[better] = candidate[better], priced[better]
+    searching = list(np.argsort(-value, kind="stable"))  # the layers with the most time first
+    moves = np.zeros(len(layers), dtype=np.int64)
+    while searching and (stop_at is None or time.perf_counter() < stop_at):
+        for i in list(searching):
+            if stop_at is not None and time.perf_counter() > stop_at:
+                break
+            found = _improve(best[i], value[i], picked[:, i], cost, pinned[i], original[i:i + 1])
+            moves[i] += 1
+            if found is None or moves[i] >= 4 * best[i].size:
+                searching.remove(i)
+            if found is not None:
+                best[i], value[i] = found
+    slots[layers] = best
+    kept = int((slots == current.slots).all((1, 2)).sum())
+    plan = Placement(slots, E, current.pinned)
     return plan_between(current, plan, totals, topology, cost.policy, expert_bytes, time.perf_counter() - t0, kept)
 
 
@@ -151,51 +210,23 @@ def _without_replicas(slots: np.ndarray) -> np.ndarray:
 
 def _device_rows(placement: Placement, totals: np.ndarray, policy: str) -> np.ndarray:
     """[L, D] rows per device for the window's summed loads, by the runtime's rule."""
-    return np.stack([layer_work(slot_counts(placement, layer), totals[layer][None], policy)[0][0]
-                     for layer in range(placement.num_layers)])
+    return slots_work(placement._slots, totals[None], policy)[0][0]
 
 
-def _plan_layer(slots0: np.ndarray, seeds: list[np.ndarray], loads: np.ndarray, cost: StepCost, pinned: set[int],
-                stop_at: float | None = None) -> np.ndarray:
-    """The best of the layer as it is and the seeds (each [D, K] slots), improved by local search
-    (until nothing gains, or perf_counter() passes `stop_at`) over [S, E] search-step loads."""
-    E = loads.shape[1]
-    original = counts_of(slots0, E)
-
-    def price(candidate: np.ndarray) -> float:
-        held = counts_of(candidate, E)
-        if not held.any(0).all():  # every expert keeps a replica
-            return np.inf
-        return cost.layer(held, loads, int(((held > 0) & (original == 0)).sum()), TIE_BREAK)
-
-    starts = [(price(slots0), slots0)]
-    for seed in seeds:
-        if _moves_pinned(slots0, seed, pinned):
-            continue
-        value = price(seed)
-        if value < starts[0][0] - MIN_GAIN_S:
-            starts.append((value, seed))
-    # from the layer as it is (few moves) and from the packing (a better balance, more moves)
-    return min((_descend(slots, value, loads, cost, pinned, price, stop_at) for value, slots in starts),
-               key=lambda found: found[0])[1]
-
-
-def _descend(slots: np.ndarray, best: float, loads: np.ndarray, cost: StepCost, pinned: set[int], price,
-             stop_at: float | None) -> tuple[float, np.ndarray]:
-    """Greedy local search: the best priced move of each round while it gains and time is left."""
-    for _ in range(4 * slots.size):
-        if stop_at is not None and time.perf_counter() > stop_at:
-            break
-        hot, work = _critical_device(slots, loads, cost)
-        candidates = _swaps(slots, loads, cost, pinned, hot, work) + _replica_moves(slots, loads, work["busy"], pinned)
-        priced = [(price(c), i) for i, c in enumerate(candidates)]
-        if not priced:
-            break
-        value, i = min(priced)
-        if value > best - MIN_GAIN_S:
-            break
-        slots, best = candidates[i], value
-    return best, slots
+def _improve(slots: np.ndarray, value: float, loads: np.ndarray, cost: StepCost, pinned: set[int],
+             original: np.ndarray) -> tuple[np.ndarray, float] | None:
+    """One round of the local search on a layer's [D, K] slots over [S, E] search-step loads:
+    the best of its candidate moves, priced together, if it gains; else None."""
+    hot, work = _critical_device(slots, loads, cost)
+    candidates = _swaps(slots, loads, cost, pinned, hot, work) + _replica_moves(slots, loads, work["busy"], pinned)
+    if not candidates:
+        return None
+    candidates = np.stack(candidates)
+    shared = np.broadcast_to(loads[:, None], (loads.shape[0], len(candidates), loads.shape[1]))
+    priced = cost.prices(candidates, shared, _new_copies(candidates, original), TIE_BREAK)
+    priced[~_placed_everywhere(candidates, loads.shape[1])] = np.inf  # every expert keeps a replica
+    i = int(np.argmin(priced))
+    return (candidates[i], float(priced[i])) if priced[i] < value - MIN_GAIN_S else None
 
 
 def _moves_pinned(before: np.ndarray, after: np.ndarray, pinned: set[int]) -> bool:
@@ -206,7 +237,7 @@ def _moves_pinned(before: np.ndarray, after: np.ndarray, pinned: set[int]) -> bo
 def _critical_device(slots: np.ndarray, loads: np.ndarray, cost: StepCost) -> tuple[int, dict]:
     """The device that is slowest in most search steps, and the layer's work under `slots`."""
     held = counts_of(slots, loads.shape[1])
-    rows, active, _ = layer_work(held, loads, cost.policy)
+    rows, active, _ = layer_work(slots, loads, cost.policy)
     busy = cost.model.predict(rows, active)  # [S, D]
     critical = np.bincount(busy.argmax(1), minlength=slots.shape[0])
     return int(critical.argmax()), {"held": held, "rows": rows, "active": active, "busy": busy}

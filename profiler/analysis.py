@@ -533,7 +533,7 @@ def _imbalance_alert(records, placement, topology, expert_bytes, redundant, poli
     return _alert("imbalance", severity, "".join(parts) + ".", action, predicted)
 
 
-ALERT_PLAN_DEADLINE_S = 0.05  # the alert's plan search: its local search stops at this (previews have none)
+ALERT_PLAN_DEADLINE_S = 0.05  # the alert's plan: its search stops so that the whole plan takes about this
 ALERT_BOOTSTRAP_ROUNDS = 100
 
 

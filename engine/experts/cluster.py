@@ -33,6 +33,7 @@ from moectl.placement.step_time import ExpertCostModel, parallel_step
 from moectl.placement.topology import Topology, format_size
 
 AUTO_PLAN_DEADLINE_S = 0.05  # auto mode's plan search runs between steps: it stops at this
+PREVIEW_PLAN_DEADLINE_S = 2.0  # an operator waits on a preview (small models' searches end far sooner)
 
 # The window's figures move slowly (a window of LOAD_WINDOW_STEPS steps) and cost more than the
 # rest of the devices record: a real cluster recomputes them every this many steps, and at once
@@ -130,7 +131,7 @@ class ClusterBase:
         if not len(self.window):
             raise PlacementError("rebalance: no routing observed yet")
         token = self._token_plan() if self.auto.objective == "balance" else None
-        decision = self.decide(token)
+        decision = self.decide(token, deadline_s=PREVIEW_PLAN_DEADLINE_S)
         if decision is None:  # no measured step to price with yet: the token-balancing plan, unpriced
             return token or self._token_plan()
         decision.plan.prediction = self._prediction(decision)

@@ -10,7 +10,7 @@ import pytest
 
 from moectl.placement.decision import StepBasis, decide
 from moectl.placement.placement import Placement
-from moectl.placement.rebalancer import plan_rebalance, synthetic_loads
+from moectl.placement.rebalancer import pack, plan_rebalance, synthetic_loads
 from moectl.placement.step_planner import StepCost, plan_between, plan_step_time, search_steps
 from moectl.placement.step_time import ExpertCostModel, predict_step_times
 from moectl.placement.topology import Topology
@@ -185,3 +185,21 @@ def test_the_routing_cost_travels_with_the_model():
     for copy in (model.frozen(), ExpertCostModel.from_summary(json.loads(json.dumps(model.summary())))):
         assert (copy.route_call_s, copy.route_entry_s) == (3e-6, 4e-9)
         assert copy.routing_s(np.array([1000.0])) == pytest.approx([7e-6])
+
+
+def test_the_packing_seed_places_every_expert_in_the_slots_in_force():
+    current = Placement.contiguous(L, E, D, 1).pin(2, 3)
+    slots = pack(window(2048).sum(0), TOPOLOGY, current)
+    assert slots.shape == current.slots.shape
+    for layer in slots:
+        assert set(layer[layer >= 0].tolist()) == set(range(E))
+    assert (slots[2, 0] == 3).any()  # the pinned expert stays on its device
+
+
+@pytest.mark.parametrize("deadline", [0.0, 0.05])
+def test_a_deadline_cuts_the_search_not_the_guarantee(deadline):
+    # however little time the search gets, the seeds are priced: rows dominate, the packing wins
+    current = Placement.contiguous(L, E, D, 1)
+    loads = window(2048)
+    plan = plan_step_time(loads, current, TOPOLOGY, StepCost(PER_ROW), list(range(L)), deadline_s=deadline)
+    assert step_s(PER_ROW, plan.placement, loads) < 0.8 * step_s(PER_ROW, current, loads)  # the packing seed
