@@ -8,8 +8,9 @@ The engine (local backend, emulated devices) runs the rebalance suite's workload
 window's length. For each window after the first, the cost model as the engine had calibrated
 it at the end of the window before (the last record's "cost_model") prices each step of this
 window from its routing, under the placement in force, by the runtime's replica rule
-(placement/decision.py's per-step prediction), and the rest of the step is the previous window's
-mean other and link time ("step, forecast"), or the step's own measured other time, which no
+(placement/decision.py's per-step prediction), and the rest of the step is forecast from its
+batch shape by a line fitted on the previous window (rest_forecast) with the previous window's
+mean link time ("step, forecast"), or is the step's own measured other time, which no
 placement changes and which a preview holds as it ran ("step, placement's part": what the gate
 compares). Errors are |predicted - measured| / measured per step ("measured": the expert critical
 path is the slowest emulated device's measured expert time per layer; the step is the modeled
@@ -36,6 +37,35 @@ TARGET_CRITICAL = 0.10
 TARGET_STEP = 0.05
 
 
+def shape_features(records: list[dict]) -> np.ndarray:
+    """[S, 5] what the rest of a step (attention, sampler, scheduling) scales with: a step, its
+    prompt tokens, its decode tokens, the keys its decode tokens attend to (KV blocks in use x
+    decode tokens / sequences) and its sequences."""
+    rows = []
+    for r in records:
+        b = r["batch"]
+        seqs = max(b.get("num_seqs") or 1, 1)
+        kv = (r.get("cache") or {}).get("kv_blocks_used") or 0
+        rows.append([1.0, b["prefill_tokens"], b["decode_tokens"], kv * b["decode_tokens"] / seqs, seqs])
+    return np.array(rows, dtype=np.float64)
+
+
+def rest_forecast(fit: list[dict], other_s: np.ndarray, held: list[dict]) -> np.ndarray:
+    """The held-out steps' other time from their batch shape: least squares of the fit window's
+    other time on shape_features, the most negative term dropped and the line refitted until no
+    term is negative."""
+    x, y = shape_features(fit), np.asarray(other_s, dtype=np.float64)
+    keep = np.ones(x.shape[1], dtype=bool)
+    for _ in range(x.shape[1]):
+        coef = np.linalg.lstsq(x[:, keep], y, rcond=None)[0]
+        if (coef >= 0).all():
+            break
+        keep[np.flatnonzero(keep)[np.argmin(coef)]] = False
+    full = np.zeros(x.shape[1])
+    full[keep] = coef
+    return np.maximum(shape_features(held) @ full, 0.0)
+
+
 def run(model: str, regime: str, devices: int, redundant: int, windows: int, requests: int) -> dict:
     from moectl.engine import sample_model_dir
     from moectl.engine.llm_engine import LLMEngine
@@ -43,6 +73,7 @@ def run(model: str, regime: str, devices: int, redundant: int, windows: int, req
     from moectl.placement.decision import StepBasis, _per_step, basis_from_records
     from moectl.placement.rebalancer import LOAD_WINDOW_STEPS
     from moectl.placement.step_planner import StepCost
+    from moectl.placement.step_time import COEFFICIENTS
 
     path = sample_model_dir(model) if model in ("sample", "sample-dsv3") else Path(model)
     engine = LLMEngine(suite_config(path, devices, redundant, 16))
@@ -63,8 +94,9 @@ def run(model: str, regime: str, devices: int, redundant: int, windows: int, req
             continue
         basis_fit, model_fit, _ = fitted
         basis_held, _, _ = target
-        # the held-out steps' routing, the previous window's other and link time per step
-        frozen = StepBasis(basis_held.step_loads, np.full(len(held), basis_fit.other_s.mean()),
+        # the held-out steps' routing; their other time forecast from their batch shape by a line
+        # fitted on the previous window's steps, the previous window's mean link time
+        frozen = StepBasis(basis_held.step_loads, rest_forecast(fit, basis_fit.other_s, held),
                            np.full(len(held), basis_fit.link_s.mean()), basis_held.tokens, basis_held.moe_layers)
         predicted = _per_step(StepCost(model_fit, policy), placement, frozen)
         measured_critical = np.array([r["devices"]["step_time"]["expert_critical_s"] for r in held])
@@ -86,8 +118,7 @@ def run(model: str, regime: str, devices: int, redundant: int, windows: int, req
             "noise_floor_critical": statistics.median(floor) if floor else None,
             "p90_critical_error": float(np.quantile(critical_err, 0.9)), "p90_step_error": float(np.quantile(step_err, 0.9)),
             "target_critical": TARGET_CRITICAL, "target_step": TARGET_STEP,
-            "coefficients": {k: summary.get(k) for k in ("per_call_s", "per_expert_s", "per_row_s", "per_row_loop_s",
-                                                         "switch_rows")}}
+            "coefficients": {k: summary.get(k) for k in (*COEFFICIENTS, "switch_rows")}}
 
 
 def main() -> None:

@@ -326,8 +326,13 @@ def sim_rebalance(r: dict) -> list[tuple[str, str]]:
              f"contiguous -> planned with 1 spare slot)",
              f"{r['gain_median']:+.1%} simulated tokens/s ({r['gain_min']:+.1%} to {r['gain_max']:+.1%}, {len(rounds)} "
              f"rounds; {'the same batches under both placements' if r['same_batches'] else 'DIFFERENT batches'}), "
-             f"predicted {min(pred):+.1%} to {max(pred):+.1%} by the preview on one batch; balancedness {bb:.2f} -> "
-             f"{ba:.2f}. The seeds measured +17% on their own cluster")]
+             + (f"predicted {min(pred):+.1%} to {max(pred):+.1%} by the preview on one batch" if
+                rounds[0].get("step_model_gain") is None else
+                f"predicted {min(pred):+.1%} to {max(pred):+.1%} by the preview's cost model on its window (the "
+                f"migration's stall spread over it; the step model on the same steps "
+                f"{min(x['step_model_gain'] for x in rounds):+.1%} to {max(x['step_model_gain'] for x in rounds):+.1%}), "
+                f"the gate {'acting' if all(x['predicted_acts'] for x in rounds) else 'holding in some rounds'}")
+             + f"; balancedness {bb:.2f} -> {ba:.2f}. The seeds measured +17% on their own cluster")]
 
 
 def sim_console(r: dict) -> list[tuple[str, str]]:
@@ -517,6 +522,15 @@ BENCHES = {
                                 "6", "--json"],
                                rebalance_suite("rebalance by predicted step time, 2 distributed ranks, sample-dsv3, "
                                                "prefill regime (1-2K-token prompts), 1 spare slot")),
+    "rebalance-emulated-dsv3-decode": (["moectl", "bench", "--suite", "rebalance", "--model", "sample-dsv3", "--devices",
+                                        "4", "--redundant", "1", "--regime", "decode", "--rounds", "6", "--json"],
+                                       rebalance_suite("rebalance by predicted step time, 4 emulated devices (the "
+                                                       "parallel step modeled), sample-dsv3, decode regime, 1 spare slot")),
+    "rebalance-emulated-dsv3-prefill": (["moectl", "bench", "--suite", "rebalance", "--model", "sample-dsv3", "--devices",
+                                         "4", "--redundant", "1", "--regime", "prefill", "--rounds", "6", "--json"],
+                                        rebalance_suite("rebalance by predicted step time, 4 emulated devices (the "
+                                                        "parallel step modeled), sample-dsv3, prefill regime, 1 spare "
+                                                        "slot")),
     "replica-routing": (["python", "bench/replica_routing_bench.py", "--json"], replica_routing),
     "planner": (["python", "bench/planner_bench.py", "--json"], planner),
     "cost-model-decode": (["python", "bench/cost_model_validation.py", "--regime", "decode", "--json"], cost_model),

@@ -4,7 +4,8 @@ Every front end that proposes or applies a placement asks here: previews, auto m
 `plan rebalance TRACE`. The prediction holds constant only what no placement changes (the
 window's measured other time per step, less the replica routing in it); the expert critical path
 comes from the cost model under the runtime's replica rule, replica routing from its measured
-cost in each layer that has a replica, the link time is scaled by the entries that cross a link, and the
+cost in each layer that has a replica, the link time is scaled by the entries the busiest device's
+links carry (an all-to-all lasts as long as its busiest device's transfers), and the
 migration's stall (copies over the measured, else modeled, copy bandwidth) is spread over a
 horizon of steps.
 
@@ -81,11 +82,11 @@ def decide(basis: StepBasis, current: Placement, topology: Topology, cost: StepC
     before = _per_step(cost, current, basis)
     rest = basis.other_s - before["routing"]  # what no placement changes: routing under it is in other_s
     step_b = rest + before["routing"] + before["critical"] + before["link"]
-    after, amortised, step_a = _after(plan, cost, basis, before, rest)
+    after, amortised, step_a = _after(plan, cost, basis, before, rest, current)
     if planned and step_a.mean() > step_b.mean():  # searched on a few steps, slower on the window: keep
         plan = plan_between(current, current, basis.step_loads.sum(0), topology, cost.policy, expert_bytes,
                             plan.seconds)
-        after, amortised, step_a = _after(plan, cost, basis, before, rest)
+        after, amortised, step_a = _after(plan, cost, basis, before, rest, current)
     changed = not np.array_equal(plan.placement.slots, current.slots)  # a plan may only drop replicas
     gain = float(step_b.mean() / step_a.mean() - 1)
     low, high = _interval(rest, before, after, amortised, residuals, rounds, seed, gain)
@@ -99,18 +100,24 @@ def decide(basis: StepBasis, current: Placement, topology: Topology, cost: StepC
     return decision
 
 
-def _after(plan: RebalancePlan, cost: StepCost, basis: StepBasis, before: dict, rest: np.ndarray):
+def _after(plan: RebalancePlan, cost: StepCost, basis: StepBasis, before: dict, rest: np.ndarray,
+           current: Placement):
     """The plan's per-step prediction, its migration's stall per step, and its step times."""
     after = _per_step(cost, plan.placement, basis, before["remote"])
-    amortised = len(plan.move_array) * cost.copy_s / cost.horizon_steps
+    if cost.link_model is not None and plan.placement != current:  # the backend's network model
+        now = cost.link_model(current)
+        after["link"] = basis.link_s * (cost.link_model(plan.placement) / now if now > 0 else 1.0)
+    stall = cost.stall_model(current, plan.placement) if cost.stall_model is not None else \
+        len(plan.move_array) * cost.copy_s
+    amortised = stall / cost.horizon_steps
     return after, amortised, rest + after["routing"] + after["critical"] + after["link"] + amortised
 
 
 def _per_step(cost: StepCost, placement: Placement, basis: StepBasis, remote_now: np.ndarray | None = None) -> dict:
     """Per step: the expert critical path, replica routing, the link time, and the [S, D, M] busy
     the critical path comes from.
-    remote_now: the entries crossing a link under the placement in force ([S, M]), when
-    `placement` is another: the measured link time scales by the ratio."""
+    remote_now: the entries the busiest device's links carry under the placement in force
+    ([S, M], summed over layers), when `placement` is another: the link time scales by the ratio."""
     rows, active, remote = expected_work(placement, basis.step_loads, basis.moe_layers, cost.policy)
     busy = cost.model.predict(rows, active)
     link = basis.link_s
@@ -156,8 +163,7 @@ def _reason(d: Decision, before: dict, cost: StepCost, min_gain: float, changed:
     else:
         best = f"the best plan gains {interval}, below the {min_gain:.0%} gate"
     expert_share = float(before["critical"].mean() / d.step_s_before) if d.step_s_before > 0 else 0.0
-    coef = cost.model.coefficients()
-    fixed = coef[0] * (before["rows"] > 0) + coef[1] * before["active"]
+    fixed = cost.model.fixed_part(before["rows"], before["active"])
     modeled = before["busy"].sum()
     fixed_share = float(fixed.sum() / modeled) if modeled > 0 else 0.0
     why = f"expert work is {expert_share:.0%} of the step"

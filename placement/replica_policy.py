@@ -160,8 +160,8 @@ def expected_device_rows(placement: Placement, layer: int, expert_counts: np.nda
 def expected_work(placement: Placement, step_loads: np.ndarray, layers: list[int],
                   policy: str = "least_loaded") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """What `route` gives each device, in expectation, for per-step [S, L, E] entries per expert,
-    over `layers`: (rows [S, D, M], active experts [S, D, M], remote rows [S, M]: entries whose
-    token sits on another device, tokens spread evenly over the devices)."""
+    over `layers`: (rows [S, D, M], active experts [S, D, M], link rows [S, M]: the entries the
+    busiest device's links carry, sent and received, tokens spread evenly over the devices)."""
     loads = np.asarray(step_loads, dtype=np.float64)
     rows, active, remote = slots_work(placement._slots[list(layers)], loads[:, list(layers)], policy)
     return rows.transpose(0, 2, 1), active.transpose(0, 2, 1), remote
@@ -186,7 +186,7 @@ def counts_of(slots: np.ndarray, num_experts: int) -> np.ndarray:
 def layer_work(slots: np.ndarray, loads: np.ndarray, policy: str = "least_loaded"
                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """One layer's expected work: [D, K] slots (expert ids, -1 empty), per-step `loads` [S, E]
-    -> (rows [S, D], active experts [S, D], remote rows [S])."""
+    -> (rows [S, D], active experts [S, D], link rows [S]: slots_work's)."""
     rows, active, remote = slots_work(np.asarray(slots)[None], np.asarray(loads)[:, None], policy)
     return rows[:, 0], active[:, 0], remote[:, 0]
 
@@ -194,11 +194,12 @@ def layer_work(slots: np.ndarray, loads: np.ndarray, policy: str = "least_loaded
 def slots_work(slots: np.ndarray, loads: np.ndarray, policy: str = "least_loaded"
                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Expected work by the routing rule for C layers (or candidates for one) at once: [C, D, K]
-    slots, per-step `loads` [S, C, E] -> (rows [S, C, D], active experts [S, C, D], remote rows
-    [S, C]). A single-replica expert's load is read where its slot is (a gather, no [D, E]
-    array); the replicated (layer, expert) pairs, few, get [S, P, R] arrays over the devices
-    each is on (R: the most devices any pair is on; a device with two slots of one expert takes
-    two shares)."""
+    slots, per-step `loads` [S, C, E] -> (rows [S, C, D], active experts [S, C, D], link rows
+    [S, C]: the entries the busiest device's links carry in the dispatch, those it receives from
+    other devices' tokens and those its own tokens send, tokens spread evenly over the devices).
+    A single-replica expert's load is read where its slot is (a gather, no [D, E] array); the
+    replicated (layer, expert) pairs, few, get [S, P, R] arrays over the devices each is on (R:
+    the most devices any pair is on; a device with two slots of one expert takes two shares)."""
     slots = np.asarray(slots, dtype=np.int64)
     loads = np.asarray(loads, dtype=np.float64)
     S, C, E = loads.shape
@@ -216,7 +217,7 @@ def slots_work(slots: np.ndarray, loads: np.ndarray, policy: str = "least_loaded
     rows = np.where(single[None], per_slot, 0.0).sum(3)  # [S, C, D]
     active = (single[None] & (per_slot > 0)).sum(3).astype(np.float64)
     total = loads.sum(2)  # [S, C]
-    local = (loads * (replicas[None, :, 1:] > 0)).sum(2)  # entries whose expert is on their token's device x D
+    local = rows.copy()  # x 1/D: entries each device computes for tokens it holds (single-replica experts)
     multi = occupied & (per_slot_replicas > 1)
     if multi.any():
         c, d, k = np.nonzero(multi)
@@ -244,9 +245,10 @@ def slots_work(slots: np.ndarray, loads: np.ndarray, policy: str = "least_loaded
         # a replica runs when it gets an entry: 1 - exp(-expected entries), the Poisson chance of one
         # or more (one entry over two replicas: 0.79 expected runs, where one always runs)
         active = active + np.bincount(cell, (1.0 - np.exp(-per_replica)).ravel(), S * C * D).reshape(S, C, D)
-        if policy == "locality":  # a replicated expert's entries are local on each device holding it
-            extra = n * ((on > 0).sum(1) - 1)[None]  # [S, P]
-            local = local + np.bincount((np.arange(S)[:, None] * C + pl[None]).ravel(), extra.ravel(),
-                                        S * C).reshape(S, C)
-    remote = total - (local / D if policy == "locality" else total / D)
-    return rows, active, remote
+        if policy == "locality":  # every device holding a replicated expert keeps its own tokens' entries
+            local = local + np.bincount(cell, np.broadcast_to(n[:, :, None] * (on > 0)[None], per_replica.shape).ravel(),
+                                        S * C * D).reshape(S, C, D)
+    local = local / D if policy == "locality" else rows / D  # tokens spread evenly over the devices
+    received = rows - local  # [S, C, D] entries each device computes for tokens on other devices
+    sent = (total - local.sum(2)) / D  # [S, C] entries each device's tokens send elsewhere
+    return rows, active, (received + sent[:, :, None]).max(2)

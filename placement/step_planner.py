@@ -5,7 +5,7 @@ The cost model (step_time.ExpertCostModel) prices what a placement changes in on
     layer time = mean over steps of the slowest device's expert time (per call, per active
                  expert, per row, under the runtime's replica rule: replica_policy.slots_work)
                + replica routing's cost, where the layer has a replica
-               + link time of the entries that cross a link (per remote entry, measured or modeled)
+               + link time of the entries the busiest device's links carry (measured or modeled)
                + the migration's stall, amortised over `horizon_steps`
 
 and the rest of the step (attention, sampler, everything no placement changes) is held constant,
@@ -24,6 +24,7 @@ the plan's prediction is then priced on every step of the window.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,7 +32,7 @@ import numpy as np
 from moectl.placement.placement import Placement, PlacementError, balancedness
 from moectl.placement.rebalancer import Balance, RebalancePlan, pack
 from moectl.placement.replica_policy import counts_of, layer_work, slots_work
-from moectl.placement.step_time import ExpertCostModel
+from moectl.placement.step_time import COEFFICIENTS, ExpertCostModel
 from moectl.placement.topology import Topology
 
 SEARCH_STEPS = 8  # steps of the window the local search prices (spread over its batch sizes)
@@ -46,9 +47,16 @@ class StepCost:
 
     model: ExpertCostModel
     policy: str = "locality"
-    link_s_per_remote_row: float = 0.0  # measured or modeled link seconds per entry crossing a link
+    link_s_per_remote_row: float = 0.0  # measured or modeled link seconds per entry the busiest device's links carry
     copy_s: float = 0.0  # seconds one expert copy stalls the engine (bytes over the migration bandwidth)
     horizon_steps: int = 64  # steps the migration's stall is spread over
+    # the backend's own model of the link under a placement (mean seconds a step over the window),
+    # where it has one beyond the entries the busiest device carries (a simulator's network
+    # model): the plan's final pricing scales the link time by its ratio; the search does not call it
+    link_model: Callable[[Placement], float] | None = None
+    # likewise the backend's model of a migration's stall (seconds, from one placement to another)
+    # where copies run in parallel, not one after another at copy_s each
+    stall_model: Callable[[Placement, Placement], float] | None = None
 
     def prices(self, slots: np.ndarray, loads: np.ndarray, new_copies: np.ndarray, tie_break: float = 0.0) -> np.ndarray:
         """Predicted seconds per step of C layer candidates at once: [C, D, K] slots, [S, C, E]
@@ -108,12 +116,13 @@ def cost_weights(step_loads: np.ndarray, model: ExpertCostModel, devices: int) -
     """[L, E] what each expert adds to its device's time in a mean step, for packing: its share
     of the per-expert term (the fraction of steps it runs in) plus its rows at the per-row cost
     of the kernel a device's call then runs (grouped from the model's switch, else the loop)."""
-    coef = dict(zip(("per_call_s", "per_expert_s", "per_row_s", "per_row_loop_s"), model.coefficients()))
+    coef = dict(zip(COEFFICIENTS, model.coefficients()))
     mean = step_loads.mean(0)
     rows_per_call = mean.sum(1, keepdims=True) / devices  # [L, 1] a device's rows in a balanced step
     grouped = model.switch_rows is None or rows_per_call >= model.switch_rows
     per_row = np.where(grouped, coef["per_row_s"], coef["per_row_loop_s"])
-    return coef["per_expert_s"] * (step_loads > 0).mean(0) + per_row * mean
+    per_expert = np.where(grouped, coef["per_expert_s"], coef["per_expert_loop_s"])
+    return per_expert * (step_loads > 0).mean(0) + per_row * mean
 
 
 FINISH_SHARE = 0.2  # of a deadline, kept for pricing the plan's migration and balance once the search stops

@@ -17,8 +17,8 @@ so a cost model is calibrated from what the devices did measure: per (device, la
 
     busy = per_call_s + per_expert_s * active experts + per_row_s * rows
 
-where per_row_s is the grouped GEMM's from `switch_rows` rows up and the per-expert loop's below
-(the kernel the engine picks: engine/models/moe.py), fitted by non-negative least squares over
+with each term the grouped GEMM's from `switch_rows` rows a call up and the per-expert loop's
+below (the kernel the engine picks: engine/models/moe.py), fitted by non-negative least squares over
 recent steps (exponentially forgotten), so it follows a machine whose speed drifts. What routing
 a layer with replicas adds (route_call_s + route_entry_s * entries, per layer call) is measured
 once at start, not fitted: it is outside the devices' busy time. Its features
@@ -43,11 +43,19 @@ CALIBRATION_DECAY = 0.98  # per step: a sample half a minute old at 20 steps/s w
 REFIT_EVERY = 8
 RESIDUAL_STEPS = 64  # steps of residuals kept (a window's worth)
 RESIDUAL_QUANTILES = np.linspace(0, 1, 21)  # what a record carries of them: 5% steps
-COEFFICIENTS = ("per_call_s", "per_expert_s", "per_row_s", "per_row_loop_s")
+# per call, per active expert and per row, on the grouped kernel and (the _loop terms) on the
+# per-expert loop below the switch: the loop pays a matmul launch per expert where the grouped
+# GEMM pays one call, so one per-expert term fitted over both misprices each
+# per_row_large_s: the grouped kernel's rows beyond LARGE_CALL_ROWS a call, where a GEMM of many
+# rows runs at a better rate per row than a decode-sized one (a line through both misprices each)
+COEFFICIENTS = ("per_call_s", "per_expert_s", "per_row_s", "per_row_loop_s", "per_call_loop_s", "per_expert_loop_s",
+                "per_row_large_s")
+KERNEL_PAIRS = ((0, 4), (1, 5), (2, 3))  # (grouped, loop) indices of the same term
+LARGE_CALL_ROWS = 64
 
 
 class ExpertCostModel:
-    """busy ~ per_call_s + per_expert_s * active + per_row_s * rows (per_row_loop_s under the
+    """busy ~ per_call_s + per_expert_s * active + per_row_s * rows (the _loop terms under the
     kernel switch), calibrated from measured (device, layer) samples.
 
     switch_rows: the rows of one call from which the grouped GEMM runs; None: the kernel never
@@ -80,11 +88,17 @@ class ExpertCostModel:
 
     @classmethod
     def fixed(cls, per_expert_s: float, per_row_s: float, per_call_s: float = 0.0,
-              per_row_loop_s: float | None = None, switch_rows: int | None = None) -> ExpertCostModel:
-        """A model with these coefficients (from a record), not calibrated further."""
+              per_row_loop_s: float | None = None, switch_rows: int | None = None,
+              per_call_loop_s: float | None = None, per_expert_loop_s: float | None = None,
+              per_row_large_s: float | None = None) -> ExpertCostModel:
+        """A model with these coefficients (from a record), not calibrated further; a _loop term
+        not given is its grouped kernel's (older records fitted one term for both)."""
         model = cls(switch_rows=switch_rows)
         model._fixed = np.array([per_call_s, per_expert_s, per_row_s,
-                                 per_row_s if per_row_loop_s is None else per_row_loop_s], dtype=np.float64)
+                                 per_row_s if per_row_loop_s is None else per_row_loop_s,
+                                 per_call_s if per_call_loop_s is None else per_call_loop_s,
+                                 per_expert_s if per_expert_loop_s is None else per_expert_loop_s,
+                                 per_row_s if per_row_large_s is None else per_row_large_s], dtype=np.float64)
         model.samples = int((model._fixed > 0).any())
         return model
 
@@ -92,7 +106,8 @@ class ExpertCostModel:
     def from_summary(cls, summary: dict) -> ExpertCostModel:
         """The model a record's "cost_model" (summary()) describes."""
         model = cls.fixed(summary.get("per_expert_s", 0.0), summary.get("per_row_s", 0.0),
-                          summary.get("per_call_s", 0.0), summary.get("per_row_loop_s"), summary.get("switch_rows"))
+                          summary.get("per_call_s", 0.0), summary.get("per_row_loop_s"), summary.get("switch_rows"),
+                          summary.get("per_call_loop_s"), summary.get("per_expert_loop_s"), summary.get("per_row_large_s"))
         model.route_call_s = float(summary.get("route_call_s") or 0.0)
         model.route_entry_s = float(summary.get("route_entry_s") or 0.0)
         if summary.get("residuals"):
@@ -108,12 +123,23 @@ class ExpertCostModel:
             return np.concatenate(list(self._residuals)) if self._residuals else np.zeros(0)
 
     def features(self, rows: np.ndarray, active: np.ndarray) -> np.ndarray:
-        """[4, ...]: (a call, active experts, rows on the grouped kernel, rows on the loop)."""
+        """[7, ...], COEFFICIENTS' order: a call, its active experts and its rows up to
+        LARGE_CALL_ROWS on the grouped kernel, then rows, a call and active experts on the loop,
+        then the grouped kernel's rows beyond LARGE_CALL_ROWS (a continuous line with a knot)."""
         rows = np.asarray(rows, dtype=np.float64)
         called = (rows > 0).astype(np.float64)
         grouped = rows >= self.switch_rows if self.switch_rows is not None else np.ones(rows.shape, bool)
-        return np.stack([called, np.asarray(active, dtype=np.float64) * called, np.where(grouped, rows, 0.0),
-                         np.where(grouped, 0.0, rows)])
+        experts = np.asarray(active, dtype=np.float64) * called
+        return np.stack([np.where(grouped, called, 0.0), np.where(grouped, experts, 0.0),
+                         np.where(grouped, np.minimum(rows, LARGE_CALL_ROWS), 0.0),
+                         np.where(grouped, 0.0, rows), np.where(grouped, 0.0, called), np.where(grouped, 0.0, experts),
+                         np.where(grouped, np.maximum(rows - LARGE_CALL_ROWS, 0.0), 0.0)])
+
+    def fixed_part(self, rows: np.ndarray, active: np.ndarray) -> np.ndarray:
+        """The per-call and per-expert part of predict(): what a balance of rows does not move."""
+        coef = self.coefficients().copy()
+        coef[[2, 3, 6]] = 0.0
+        return np.tensordot(coef, self.features(rows, active), axes=1)
 
     def observe(self, rows: np.ndarray, active: np.ndarray, busy: np.ndarray) -> None:
         """One step's per (device, layer) rows computed, distinct experts run and measured seconds."""
@@ -156,16 +182,18 @@ class ExpertCostModel:
     def frozen(self) -> ExpertCostModel:
         """A copy with today's coefficients and residuals, not calibrated further: what one plan
         is priced with, so every placement it compares is priced alike while the engine observes on."""
-        per_call, per_expert, per_row, per_row_loop = self.coefficients()
-        model = ExpertCostModel.fixed(per_expert, per_row, per_call, per_row_loop, self.switch_rows)
+        per_call, per_expert, per_row, per_row_loop, per_call_loop, per_expert_loop, per_row_large = \
+            self.coefficients()
+        model = ExpertCostModel.fixed(per_expert, per_row, per_call, per_row_loop, self.switch_rows, per_call_loop,
+                                      per_expert_loop, per_row_large)
         model._fixed_residuals = self.residuals()
         model.route_call_s, model.route_entry_s = self.route_call_s, self.route_entry_s
         return model
 
     def _fit(self) -> np.ndarray:
         """Non-negative least squares on the decayed normal equations: the best of the least-squares
-        fits over every subset of the terms whose coefficients all come out non-negative (16
-        subsets of 4 terms: exact, where an active-set method iterates)."""
+        fits over every subset of the terms whose coefficients all come out non-negative (127
+        subsets of 7 terms: exact, where an active-set method iterates)."""
         n = len(COEFFICIENTS)
         gram = self._gram + np.eye(n) * 1e-12 * max(np.trace(self._gram), 1e-30)
         best, best_loss = np.zeros(n), 0.0  # all zero: loss 0 relative to sum y^2
@@ -181,6 +209,15 @@ class ExpertCostModel:
                 if loss < best_loss:
                     best, best_loss = np.zeros(n), loss
                     best[idx] = coef
+        # a kernel never run (only decode-sized calls so far, say) is priced as the other one
+        seen = np.diag(self._gram) > 0
+        for grouped, loop in KERNEL_PAIRS:
+            if not seen[grouped] and seen[loop]:
+                best[grouped] = best[loop]
+            elif not seen[loop] and seen[grouped]:
+                best[loop] = best[grouped]
+        if not seen[6]:  # no call beyond the knot yet: its rows at the rate below it
+            best[6] = best[2]
         return best
 
     def predict(self, rows: np.ndarray, active: np.ndarray) -> np.ndarray:
@@ -235,7 +272,7 @@ def predict_step_times(model: ExpertCostModel, placement: Placement, step_loads:
 
     other_s: the mean time no placement changes (attention, sampler, the rest), kept as measured.
     link_s: the mean link time of the same steps under `link_basis` (the placement they ran
-    under; None: `placement`), scaled by the entries that cross a link under each."""
+    under; None: `placement`), scaled by the entries the busiest device's links carry under each."""
     if len(step_loads) == 0:
         raise ValueError("predict: no routing observed yet")
     rows, active, remote = expected_work(placement, step_loads, moe_layers, policy)

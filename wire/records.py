@@ -54,11 +54,15 @@ Step record (format 1):
                                  "utilisation": [busy_s / step_s], "wait_s": [per device, waiting
                                  for the slowest device at the layers' synchronisation points],
                                  "cost_model": {"per_call_s", "per_expert_s", "per_row_s" (grouped
-                                 GEMM), "per_row_loop_s" (under "switch_rows" rows a call),
-                                 "switch_rows", "samples", "relative_error", "residuals": [21
-                                 quantiles of (measured - predicted) / predicted]} (calibrated
-                                 from the measured busy times; older traces carry the first two
-                                 per-expert and per-row terms only)},
+                                 GEMM, rows up to 64 a call), "per_row_large_s" (its rows beyond),
+                                 "per_call_loop_s", "per_expert_loop_s", "per_row_loop_s" (the
+                                 per-expert loop, under "switch_rows" rows a call), "switch_rows",
+                                 "route_call_s", "route_entry_s" (replica routing, measured at
+                                 start), "samples", "relative_error", "residuals": [21 quantiles of
+                                 (measured - predicted) / predicted]} (calibrated from the measured
+                                 busy times, or on a simulated cluster from its simulated ones;
+                                 older traces lack the later terms: a missing _loop or _large term
+                                 is its grouped one's)},
                    "telemetry_s": float (distributed: rank 0's time in the per-step gather),
                    "process": [{"rss_bytes", "cuda"}] (distributed: each rank's, measured),
                    "traffic_bytes": int64 [D, D] (emulated: the modeled all-to-all's dispatch bytes src x dst,

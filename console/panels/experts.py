@@ -211,6 +211,8 @@ class ExpertsPanel(ShowsOnChange, VerticalScroll):
             if predicted.get("simulated"):
                 text = "SIMULATED: " + text + (f"; the migration stalls one step by "
                                                f"{predicted.get('migration_stall_s', 0) * 1e3:.1f} ms")
+                if predicted.get("step_model_gain") is not None:  # the simulator's own answer, same steps
+                    text += f"; the step model itself gives {predicted['step_model_gain']:+.1%} on the same steps"
         result.update(text)
         self.query_one("#ex-apply", Button).disabled = False
 

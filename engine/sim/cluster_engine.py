@@ -325,6 +325,8 @@ class SimulatedEngine:
         critical = float(sum(layers.expert))
         device_rows = rows.sum(0)
         window = self.experts.observe(routing, device_rows, busy, step_s)
+        cost_model = self.experts.observe_time(self.last_load, layers, step_s - stall_s, critical, comm,
+                                               int(batch.tokens.sum()))
         blocks = self.batcher.blocks_used()
         kv_devices = np.repeat(blocks, self.config.tp)
         memory = [{"dense_weights": self.memory_plan["weights"] - self._expert_weight_bytes(),
@@ -352,7 +354,7 @@ class SimulatedEngine:
                 "busy_s": busy.tolist(), "link_s": [comm] * D, "link_s_modeled": True,
                 "step_time": {"step_s": step_s, "modeled": True, "simulated": True,
                               "other_s": max(0.0, step_s - critical - comm), "expert_critical_s": critical,
-                              "link_s": comm, "migration_stall_s": stall_s,
+                              "link_s": comm, "migration_stall_s": stall_s, "cost_model": cost_model,
                               "utilisation": (busy / step_s).tolist(), "wait_s": np.maximum(
                                   0.0, step_s - stall_s - comm - busy).tolist()},
                 "memory": memory,

@@ -1,7 +1,14 @@
 """The expert layer of a simulated cluster: the placement in force, the load window, rebalance
 preview and apply, edits and auto mode, with the same actions and records as a real engine's
-(experts/control.py), every outcome simulated: a preview predicts with the step model on the
-batch just run, and an apply stalls the next simulated step by the migration's modeled time."""
+(experts/control.py), every outcome simulated.
+
+Plans are made and gated as a real cluster's are (placement/decision.py): the same cost model
+(step_time.ExpertCostModel), fitted here on the simulated steps' per (device, layer) expert
+seconds, prices the planner's candidates, and the gate acts on its interval. Each prediction also
+carries the step model's own answer for the batch just run (`step_model_gain`), so the cost
+model's error against the simulator shows. Before a step was simulated, a preview is the token
+balancer's plan priced by the step model alone. An apply stalls the next simulated step by the
+migration's simulated time."""
 
 from __future__ import annotations
 
@@ -13,15 +20,19 @@ from dataclasses import replace
 import numpy as np
 
 from moectl.engine.core.config import AutoRebalancePolicy
-from moectl.engine.experts.cluster import window_figures
-from moectl.engine.experts.control import EDITS, _check_edit_args
+from moectl.engine.experts.cluster import AUTO_PLAN_DEADLINE_S, PREVIEW_PLAN_DEADLINE_S, window_figures
+from moectl.engine.experts.control import EDITS, _check_edit_args, _held_result
 from moectl.engine.sim.step_model import migration_stall, simulate
+from moectl.placement.decision import BOOTSTRAP_ROUNDS, Decision, StepBasis, decide
 from moectl.placement.placement import Placement
 from moectl.placement.rebalancer import LOAD_WINDOW_STEPS, LoadWindow, preview_plan
+from moectl.placement.step_planner import StepCost, plan_between
+from moectl.placement.step_time import ExpertCostModel
 from moectl.placement.topology import Topology
 from moectl.wire.actions import Action
 
 OUTCOME_STEPS = 32  # steps after an apply that its simulated outcome compares
+POLICY = "round_robin"  # the step model splits an expert's rows evenly over its replicas: round robin's expectation
 
 
 class SimExperts:
@@ -34,6 +45,9 @@ class SimExperts:
         self.auto = AutoRebalancePolicy()
         self.window = LoadWindow(engine.model_config.num_layers, placement.num_experts, LOAD_WINDOW_STEPS)
         self.device_window: deque[tuple[np.ndarray, np.ndarray, float]] = deque(maxlen=LOAD_WINDOW_STEPS)
+        self.cost = ExpertCostModel()  # fitted on the simulated steps, as a real cluster's on its measured ones
+        self.recent_steps: deque[dict] = deque(maxlen=LOAD_WINDOW_STEPS)  # step-time splits, beside the window
+        self.recent_loads: deque = deque(maxlen=LOAD_WINDOW_STEPS)  # the step model's loads of the same steps
         self.pending_stall_s = 0.0  # a migration's stall, added to the next simulated step
         self._outcome: dict | None = None  # the last apply's outcome while its steps accumulate
         self._pending: Placement | None = None
@@ -71,13 +85,116 @@ class SimExperts:
 
     # -- operator actions (any thread)
     def preview(self):
-        """A plan for the window's routing, its predicted step on the batch just run (simulated)."""
-        plan = preview_plan(self.window.totals(), self.topology, self.placement, expert_bytes=self.expert_bytes,
-                            target=self.auto.target, predict=self.predict_change)
+        """The planner's best plan for the window and the gate's verdict, priced by the cost model
+        fitted on the simulated steps (the token balancer's plan, priced by the step model, before
+        any step was simulated)."""
+        token = self._token_plan() if self.auto.objective == "balance" else None
+        decision = self.decide(token, deadline_s=PREVIEW_PLAN_DEADLINE_S)
+        if decision is None:
+            plan = token or self._token_plan()
+            plan.prediction = self._step_model_prediction(plan.placement)
+        else:
+            plan = decision.plan
+            plan.prediction = self._prediction(decision)
         self._engine.record_action(Action.REBALANCE_PREVIEW, {}, plan.summary())
         return plan
 
+    def _token_plan(self):
+        return preview_plan(self.window.totals(), self.topology, self.placement, expert_bytes=self.expert_bytes,
+                            target=self.auto.target)
+
+    def step_basis(self) -> StepBasis | None:
+        recent = list(self.recent_steps)[-len(self.window):]
+        if not recent or not self.cost.samples:
+            return None
+        return StepBasis(self.window.step_loads()[-len(recent):], [r["other_s"] for r in recent],
+                         [r["link_s"] for r in recent], [r["tokens"] for r in recent], list(self._engine.moe_layers))
+
+    def decide(self, plan=None, deadline_s: float | None = None, rounds: int = BOOTSTRAP_ROUNDS) -> Decision | None:
+        """As a real cluster's (experts/cluster.py): the planner's plan (or `plan`) and the gate,
+        with link seconds per entry the busiest device's links carry, from the window, for the
+        search, and the step model's network and migration for the plan's final pricing."""
+        basis = self.step_basis()
+        if basis is None:
+            return None
+        from moectl.placement.replica_policy import expected_work
+
+        _, _, remote = expected_work(self.placement, basis.step_loads, basis.moe_layers, POLICY)
+        per_remote = float(basis.link_s.sum() / remote.sum()) if remote.sum() > 0 else 0.0
+        one_copy = migration_stall(self._engine.spec, self.moe_placement(), self._one_copy_moved())
+        copy_s = one_copy["stall_ms"] / 1e3 / self.num_devices
+        cost = StepCost(self.cost.frozen(), POLICY, per_remote, copy_s, self.auto.horizon_steps or len(self.window),
+                        link_model=self._link_model(), stall_model=self._stall_s)
+        return decide(basis, self.placement, self.topology, cost, expert_bytes=self.expert_bytes,
+                      residuals=cost.model.residuals(), min_gain=self.auto.min_gain, plan=plan,
+                      deadline_s=deadline_s, rounds=rounds)
+
+    def _window_loads(self) -> list:
+        """The step model's loads of the window's steps (the prediction's basis)."""
+        return list(self.recent_loads)[-len(self.window):]
+
+    def _link_model(self):
+        """The step model's all-to-all seconds a step (dispatch and combine, its network model:
+        NVLink, NICs, node-level dedup) under a placement, on the window's steps: what the link
+        time is scaled by, since the busiest device's entries alone misjudge a deduplicated
+        inter-node exchange."""
+        loads, spec, seen = self._window_loads(), self._engine.spec, {}
+
+        def link_s(placement: Placement) -> float:
+            key = placement.slots.tobytes()
+            if key not in seen:
+                layers = [simulate(replace(spec, placement=self.moe_placement(placement)), load, detail=True)
+                          ["detail"]["layers"] for load in loads]
+                seen[key] = float(np.mean([sum(t.dispatch) + sum(t.combine) for t in layers])) if layers else 0.0
+            return seen[key]
+        return link_s
+
+    def _stall_s(self, old: Placement, new: Placement) -> float:
+        """The migration's simulated stall (the busiest receiving device's copies)."""
+        return migration_stall(self._engine.spec, self.moe_placement(old), self.moe_placement(new))["stall_ms"] / 1e3
+
+    def _one_copy_moved(self) -> Placement:
+        """The MoE placement with one expert copied to another device: what one copy stalls."""
+        slots = self.moe_placement().slots.copy()
+        slots[0, 1 % self.num_devices, -1] = slots[0, 0, 0]
+        return Placement(slots, self.placement.num_experts)
+
+    def _prediction(self, decision: Decision) -> dict:
+        tokens = float(np.mean([r["tokens"] for r in list(self.recent_steps)[-len(self.window):]]))
+        before, after = decision.step_s_before, decision.step_s_after
+        stall = migration_stall(self._engine.spec, self.moe_placement(), self.moe_placement(decision.plan.placement))
+        return {**decision.prediction(), "simulated": True,
+                "throughput_before": tokens / before if before > 0 else 0.0,
+                "throughput_after": tokens / after if after > 0 else 0.0,
+                "migration_stall_s": stall["stall_ms"] / 1e3, "calibration": self.cost.summary(),
+                "step_model_gain": self._step_model_gain(decision.plan.placement),
+                "model": f"cost model fitted on the simulated steps ({self._engine.hardware.name})"}
+
     def predict_change(self, placement: Placement) -> dict | None:
+        """The prediction for any placement (an operator's edit): the planner's pricing and gate,
+        else (nothing simulated yet) the step model on the last batch."""
+        basis = self.step_basis()
+        if basis is None:
+            return self._step_model_prediction(placement)
+        plan = plan_between(self.placement, placement, basis.step_loads.sum(0), self.topology, POLICY,
+                            self.expert_bytes)
+        return self._prediction(self.decide(plan))
+
+    def _step_model_gain(self, placement: Placement) -> float | None:
+        """The simulator's own answer on the prediction's basis: the step model under both
+        placements on the window's steps, the migration's simulated stall spread over the same
+        horizon; what the cost model's gain is checked against."""
+        picked = self._window_loads()
+        if not picked:
+            return None
+        spec, old, new = self._engine.spec, self.moe_placement(), self.moe_placement(placement)
+        before = np.mean([simulate(replace(spec, placement=old), load)["step_ms"] for load in picked])
+        after = np.mean([simulate(replace(spec, placement=new), load)["step_ms"] for load in picked])
+        stall = migration_stall(spec, old, new)["stall_ms"] / (self.auto.horizon_steps or len(self.window))
+        return float(before / (after + stall) - 1)
+
+    def _step_model_prediction(self, placement: Placement) -> dict | None:
+        """The simulator's own answer: the step model on the batch just run under both placements."""
         load = self._engine.last_load
         if load is None:
             return None
@@ -150,6 +267,15 @@ class SimExperts:
         self._engine.record_action(kind, {}, result)
         return result
 
+    def observe_time(self, load, layers, step_s: float, critical_s: float, link_s: float, tokens: int) -> dict:
+        """A simulated step's per (device, MoE layer) expert seconds into the cost model and its
+        split beside the window (as a real cluster's _time_step); the cost model's summary."""
+        self.cost.observe(layers.rows.T, layers.active.T, layers.layer_expert.T)
+        self.recent_loads.append(load)
+        self.recent_steps.append({"other_s": max(0.0, step_s - critical_s - link_s), "link_s": link_s,
+                                  "tokens": tokens})
+        return self.cost.summary()
+
     def observe(self, routing: np.ndarray, rows: np.ndarray, busy_s: np.ndarray, step_s: float) -> dict:
         """The step's routing into the window; the record's "window" figures (as experts/cluster.py)."""
         self.window.add(routing)
@@ -180,12 +306,25 @@ class SimExperts:
             "migration_stall_s": o["stall_s"]})
 
     def after_step(self, step: int) -> None:
+        """Auto mode as a real cluster's (experts/cluster.py auto_decision): when its schedule or
+        threshold says to look, the planner's plan acts only through the gate; a hold is recorded
+        with its reason and looked at again a window later."""
         try:
-            if self.auto.should_rebalance(step, getattr(self, "window_balancedness", 1.0)):
-                plan = self.preview()
-                if plan.bytes_moved == 0:
-                    return  # nothing to move (as the real cluster's auto mode: no apply, no outcome reset)
-                self._engine.record_action("auto_rebalance_plan", {}, plan.summary())
-                self.apply(plan.placement, kind=Action.REBALANCE_APPLY, predicted=plan.prediction)
+            if not self.auto.should_rebalance(step, getattr(self, "window_balancedness", 1.0)):
+                return
+            scheduled = bool(self.auto.every_k_steps) and step > 0 and step % self.auto.every_k_steps == 0
+            if not scheduled and step < getattr(self, "_next_look_step", 0):
+                return
+            token = self._token_plan() if self.auto.objective == "balance" else None
+            decision = self.decide(token, deadline_s=AUTO_PLAN_DEADLINE_S, rounds=BOOTSTRAP_ROUNDS // 2)
+            if decision is None:
+                return
+            self._next_look_step = step + len(self.window)
+            if decision.acts:
+                decision.plan.prediction = self._prediction(decision)
+                self._engine.record_action("auto_rebalance_plan", {}, decision.plan.summary())
+                self.apply(decision.plan.placement, kind=Action.REBALANCE_APPLY, predicted=decision.plan.prediction)
+            else:
+                self._engine.record_action("auto_rebalance_held", {}, _held_result(decision))
         except ValueError as exc:
             self._engine.record_action("auto_rebalance_failed", {}, {"error": str(exc)})

@@ -225,6 +225,8 @@ class LayerTimes:
     combine: list[float]
     device_expert: np.ndarray  # [devices] expert seconds over the MoE layers
     rows: np.ndarray  # [MoE layers, devices] expert rows
+    layer_expert: np.ndarray  # [MoE layers, devices] expert seconds
+    active: np.ndarray  # [MoE layers, devices] experts hit, expected (1 - exp(-rows) per slot)
 
     @property
     def pre_moe(self) -> float:
@@ -290,7 +292,7 @@ def layer_times(spec: SimSpec, load: StepLoad) -> LayerTimes:
     off_node_tokens = T.sum() - np.bincount(node_of, weights=T, minlength=nodes)  # [nodes]
     exchange_s = allreduce_seconds(spec, float(load.tokens.max()) * shape.top_k * shape.hidden_size * m.high_bytes) \
         if spec.exchange == "all-reduce" else 0.0
-    expert, dispatch, combine, rows_all = [], [], [], []
+    expert, dispatch, combine, rows_all, seconds_all, active_all = [], [], [], [], [], []
     device_expert = np.zeros(D)
     for layer in range(shape.num_sparse):
         slots = spec.placement.slots[layer]  # [D, S] expert ids, -1 empty
@@ -299,6 +301,8 @@ def layer_times(spec: SimSpec, load: StepLoad) -> LayerTimes:
         rows = np.where(slots >= 0, per_replica[np.maximum(slots, 0)], 0.0)  # [D, S]
         seconds = roof.gemms(rows, m.expert_macs(), m.expert_bytes()).sum(1)
         device_expert += seconds
+        seconds_all.append(seconds)
+        active_all.append((-np.expm1(-rows)).sum(1))
         expert.append(float(seconds.max()))
         per_device = rows.sum(1)
         rows_all.append(per_device)
@@ -322,7 +326,8 @@ def layer_times(spec: SimSpec, load: StepLoad) -> LayerTimes:
         dispatch.append(float(roof.links(intra * dispatch_bytes, inter * dispatch_bytes).max()))
         combine.append(float(roof.links(intra * combine_bytes, inter * combine_bytes).max()))
     return LayerTimes(attention, router, shared, dense, lm_head, expert, dispatch, combine, device_expert,
-                      np.array(rows_all).reshape(shape.num_sparse, D))
+                      np.array(rows_all).reshape(shape.num_sparse, D), np.array(seconds_all).reshape(shape.num_sparse, D),
+                      np.array(active_all).reshape(shape.num_sparse, D))
 
 
 def simulate(spec: SimSpec, load: StepLoad | None = None, detail: bool = False) -> dict:

@@ -57,7 +57,8 @@ def run_sim_rebalance(config: SimClusterConfig, recorded=None, rounds: int = 3, 
         predicted = plan.prediction or {}
         results.append({"round": r + 1, "seed": seed, "throughput_naive": tokens_n / seconds_n,
                         "throughput_planned": tokens_p / seconds_p, "gain": gain,
-                        "predicted_gain": predicted.get("gain"), "same_batches": shapes_n == shapes_p,
+                        "predicted_gain": predicted.get("gain"), "step_model_gain": predicted.get("step_model_gain"),
+                        "predicted_acts": predicted.get("acts"), "same_batches": shapes_n == shapes_p,
                         "steps": len(shapes_n), "balancedness_before": plan.balancedness_before.overall,
                         "balancedness_after": plan.balancedness_after.overall, "bytes_moved": plan.bytes_moved,
                         "migration_stall_s": predicted.get("migration_stall_s")})

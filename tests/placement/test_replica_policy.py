@@ -156,3 +156,18 @@ def test_prepare_loads_the_kernel_only_for_a_placement_with_replicas(monkeypatch
     assert loads == []
     replica_policy.prepare(replicated())
     assert loads == [1]
+
+
+def test_link_rows_are_the_busiest_devices_received_and_sent_entries():
+    from moectl.placement.replica_policy import layer_work
+
+    slots = np.array([[0], [1]])  # two devices, one expert each; tokens spread evenly over both
+    # expert 0 takes 10 entries: device 0 receives the 5 of device 1's tokens, each device's
+    # tokens send 3 (their entries for the other device's expert): the busiest link carries 8
+    _, _, link = layer_work(slots, np.array([[10.0, 2.0], [6.0, 6.0]]), "least_loaded")
+    assert link.tolist() == [8.0, 6.0]
+    # locality keeps a replicated expert's entries on every device holding it
+    _, _, link = layer_work(np.array([[0, 1], [0, -1]]), np.array([[10.0, 2.0]]), "locality")
+    # device 0 receives expert 1's entry from device 1's tokens; the one remote entry is sent by
+    # the devices' tokens alike, half each
+    assert link.tolist() == [1.0 + 0.5]

@@ -198,12 +198,12 @@ def test_edits_auto_mode_and_custom_ids_on_a_simulated_cluster():
     actions: list[dict] = []
     e.add_listener(on_action=actions.append)
     from moectl.engine.core.config import AutoRebalancePolicy
-    e.experts.auto = AutoRebalancePolicy(mode="auto", every_k_steps=1)
-    still = e.experts.preview()
-    still.bytes_moved = 0  # a plan that moves nothing: auto mode applies nothing (the real cluster's rule)
-    e.experts.preview = lambda: still
+    # a gate no plan clears: auto mode applies nothing and says why (the real cluster's rule)
+    e.experts.auto = AutoRebalancePolicy(mode="auto", every_k_steps=1, min_gain=0.99)
     run(e, 5)
     assert not [a for a in actions if a["kind"] in ("auto_rebalance_plan", "rebalance_apply")]
+    held = [a["result"] for a in actions if a["kind"] == "auto_rebalance_held"]
+    assert held and "below the 99% gate" in held[0]["reason"] and held[0]["gain_low"] < 0.99
     named = engine()
     named.add_lengths(64, 4, request_id="job-1")
     named.add_lengths(64, 4, request_id="req-foo")  # looks like the engine's own names: kept as given
@@ -222,3 +222,19 @@ def test_two_batch_overlap_spans_fit_the_overlapped_step():
         step_s = rec["t_end"] - rec["t_start"]
         ends = rec["spans"]["start_s"] + rec["spans"]["dur_s"]
         assert ends.max() <= step_s * (1 + 1e-9)
+
+
+def test_a_simulated_preview_is_planned_and_gated_by_the_cost_model_and_agrees_with_the_simulator():
+    # the cost model is fitted on the simulated steps' per (device, layer) expert seconds; its
+    # prediction on the window must match the step model re-run on the same steps under both placements
+    e = engine(routing="zipf:1.2")
+    for _ in range(64 * 8):
+        e.add_lengths(200, 50)
+    records = run(e, 40)
+    assert records[-1]["devices"]["step_time"]["cost_model"]["samples"] > 0
+    plan = e.experts.preview()
+    p = plan.prediction
+    assert p["simulated"] and p["model"].startswith("cost model fitted on the simulated steps")
+    assert {"gain_low", "gain_high", "acts", "reason", "parts"} <= set(p)
+    assert p["gain"] > 0.3 and p["parts"]["link_s"][1] < p["parts"]["link_s"][0]  # skewed: balance pays
+    assert abs(p["gain"] - p["step_model_gain"]) <= max(0.01, 0.2 * abs(p["step_model_gain"]))
