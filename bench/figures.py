@@ -403,7 +403,8 @@ def cost_model(r: dict) -> list[tuple[str, str]]:
              f"regime, {r['devices']} emulated devices ({r['steps_predicted']} steps, {r['clock']})",
              f"median error: expert critical path {_pct(r['median_critical_error'])} (target <= "
              f"{_pct(r['target_critical'])}: {_met(r['median_critical_error'] <= r['target_critical'])}), step "
-             f"{_pct(r['median_step_error'])} with the previous window's other time (target <= "
+             f"{_pct(r['median_step_error'])} with the rest of the step forecast from its batch shape (a line fitted on "
+             f"the previous window; target <= "
              f"{_pct(r['target_step'])}: {_met(r['median_step_error'] <= r['target_step'])}), "
              f"{_pct(r['median_step_error_own_other'])} with the step's own (what a preview compares); the measured "
              f"critical path strays {_pct(r['noise_floor_critical'])} from its batch shape's median (noise floor)")]

@@ -104,11 +104,13 @@ def _kernel():
 def prepare(placement: Placement | None = None) -> None:
     """Load the compiled rule now if `placement` has a replica anywhere (call where a placement is
     installed, so the first step that routes replicas does not carry the load); with no
-    placement, load it regardless (set-up compiles it into numba's cache)."""
-    if placement is None or (placement._counts > 1).any():
-        _kernel()(np.zeros(1, np.int64), _NO_COUNTERS, 1, np.zeros(1, np.int64), np.full(1, -1, np.int64),
-                  np.zeros((1, 1), np.int64), np.ones(1, np.int64), 0, 1, 1, _NO_COUNTERS, 0, EXACT_DEAL_ENTRIES,
-                  MIN_HEADROOM, np.empty(1, np.int64))
+    placement, load it regardless (set-up compiles it into numba's cache). It routes one entry
+    through the placement's own tables, so what loads is what its steps call."""
+    if placement is None:
+        placement = Placement([[[0, 1], [0, -1]]], 2)
+    replicated = np.flatnonzero((placement._counts > 1).any(1))
+    if replicated.size:
+        route(placement, int(replicated[0]), np.zeros(1, dtype=np.int64), None, "least_loaded")
 
 
 ROUTING_SIZES = (256, 4096)  # entries per layer call the routing overhead is timed at (decode-, prefill-sized)
