@@ -10,7 +10,9 @@ Experts tab, waits for --steps-after steps and for the tab to show an outcome (i
 of the batch shapes run before the apply), then reads the prediction and that outcome
 (`ConsoleState.apply_outcome`: the modeled parallel step's throughput over the batch shapes both
 sides of the apply ran, whole and with only the experts' critical path taken from after). The
-error is |predicted - shown| / |shown| of the gains.
+error is |predicted - shown| / |shown| of the gains; beside it, whether the prediction is within
+the rebalance suite's bar (max(1 point, 20% of the shown gain)) and inside the interval the tab
+shows, and whether the gate would have applied the plan (the bench presses A either way).
 """
 
 from __future__ import annotations
@@ -69,11 +71,17 @@ async def one_round(model: str, workload: str | None, steps_before: int, steps_a
     def error(shown):
         return abs(predicted["gain"] - shown) / abs(shown) if shown else None  # None: no figure, or 0
 
-    return {"predicted_gain": predicted["gain"], "shown_gain": outcome["gain"],
-            "shown_gain_experts_only": outcome["gain_experts_only"],
+    def within_bar(shown):  # the A/B bar of the rebalance suite: max(1 point, 20% of what was shown)
+        return None if shown is None else bool(abs(predicted["gain"] - shown) <= max(0.01, 0.2 * abs(shown)))
+
+    return {"predicted_gain": predicted["gain"], "predicted_acts": predicted.get("acts"),
+            "shown_gain": outcome["gain"], "shown_gain_low": outcome["gain_low"], "shown_gain_high": outcome["gain_high"],
+            "shown_resolved": outcome["resolved"], "shown_gain_experts_only": outcome["gain_experts_only"],
             "shown_is": "modeled" if outcome["modeled"] else "measured", "matched_steps": outcome["steps"],
             "shapes": outcome["shapes"], "throughput_before": outcome["before"], "throughput_after": outcome["after"],
-            "error": error(outcome["gain"]), "error_experts_only": error(outcome["gain_experts_only"])}
+            "error": error(outcome["gain"]), "error_experts_only": error(outcome["gain_experts_only"]),
+            "within_bar": within_bar(outcome["gain"]), "within_bar_experts_only": within_bar(outcome["gain_experts_only"]),
+            "predicted_inside_shown_interval": bool(outcome["gain_low"] <= predicted["gain"] <= outcome["gain_high"])}
 
 
 def _pct(value: float | None, spec: str = ".0%") -> str:
@@ -104,6 +112,8 @@ def main() -> None:
         errors = [r[key] for r in rounds if r.get(key) is not None]
         summary[f"median_{key}"] = statistics.median(errors) if errors else None
         summary[f"{key}_within_20pct"] = sum(e <= 0.2 for e in errors)
+    for key in ("within_bar", "within_bar_experts_only", "predicted_inside_shown_interval"):
+        summary[key] = sum(bool(r.get(key)) for r in rounds)
     if args.json:
         print(json.dumps(summary, indent=1))
     else:

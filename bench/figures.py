@@ -456,7 +456,14 @@ def console_outcome(r: dict) -> list[tuple[str, str]]:
              f"{pcts('shown_gain')} {rounds[0]['shown_is']} (median error {_pct(r['median_error'])}), the experts' "
              f"critical path alone {pcts('shown_gain_experts_only')} (median error "
              f"{_pct(r['median_error_experts_only'])}; {r['error_experts_only_within_20pct']} of {len(rounds)} within the "
-             f"20% target)")]
+             f"20% target)"
+             + ("" if "within_bar" not in r else
+                f"; within max(1 point, 20%) of the shown gain in {r['within_bar']} of {len(rounds)} (whole step), "
+                f"{r['within_bar_experts_only']} of {len(rounds)} (the experts' path); the prediction inside the "
+                f"tab's 90% interval in {r['predicted_inside_shown_interval']} of {len(rounds)}; the gate "
+                + ("acted" if all(x["predicted_acts"] for x in rounds) else "held" if not any(
+                    x["predicted_acts"] for x in rounds) else "acted in some rounds")
+                + " (the bench applies either way)"))]
 
 
 def serve_load(r: dict) -> list[tuple[str, str]]:

@@ -70,10 +70,6 @@ class StepCost:
         return (busy.max(2).mean(0) + tie_break * busy.mean((0, 2)) + routing
                 + self.link_s_per_remote_row * remote.mean(0) + self.copy_s * np.asarray(new_copies) / self.horizon_steps)
 
-    def layer(self, slots: np.ndarray, loads: np.ndarray, new_copies: int, tie_break: float = 0.0) -> float:
-        """prices() of one layer: [D, K] slots, [S, E] per-step loads."""
-        return float(self.prices(slots[None], loads[:, None], np.array([new_copies]), tie_break)[0])
-
 
 def _replicated(slots: np.ndarray) -> np.ndarray:
     """[C] whether each of [C, D, K] slots holds some expert twice."""

@@ -5,7 +5,7 @@ preview and apply, edits and auto mode, with the same actions and records as a r
 Plans are made and gated as a real cluster's are (placement/decision.py): the same cost model
 (step_time.ExpertCostModel), fitted here on the simulated steps' per (device, layer) expert
 seconds, prices the planner's candidates, and the gate acts on its interval. Each prediction also
-carries the step model's own answer for the batch just run (`step_model_gain`), so the cost
+carries the step model's own answer on the same window's steps (`step_model_gain`), so the cost
 model's error against the simulator shows. Before a step was simulated, a preview is the token
 balancer's plan priced by the step model alone. An apply stalls the next simulated step by the
 migration's simulated time."""
@@ -26,6 +26,7 @@ from moectl.engine.sim.step_model import migration_stall, simulate
 from moectl.placement.decision import BOOTSTRAP_ROUNDS, Decision, StepBasis, decide
 from moectl.placement.placement import Placement
 from moectl.placement.rebalancer import LOAD_WINDOW_STEPS, LoadWindow, preview_plan
+from moectl.placement.replica_policy import expected_work
 from moectl.placement.step_planner import StepCost, plan_between
 from moectl.placement.step_time import ExpertCostModel
 from moectl.placement.topology import Topology
@@ -48,6 +49,7 @@ class SimExperts:
         self.cost = ExpertCostModel()  # fitted on the simulated steps, as a real cluster's on its measured ones
         self.recent_steps: deque[dict] = deque(maxlen=LOAD_WINDOW_STEPS)  # step-time splits, beside the window
         self.recent_loads: deque = deque(maxlen=LOAD_WINDOW_STEPS)  # the step model's loads of the same steps
+        self._simulated: dict[bytes, dict] = {}  # _window_simulated's, until the next step
         self.pending_stall_s = 0.0  # a migration's stall, added to the next simulated step
         self._outcome: dict | None = None  # the last apply's outcome while its steps accumulate
         self._pending: Placement | None = None
@@ -117,37 +119,31 @@ class SimExperts:
         basis = self.step_basis()
         if basis is None:
             return None
-        from moectl.placement.replica_policy import expected_work
-
         _, _, remote = expected_work(self.placement, basis.step_loads, basis.moe_layers, POLICY)
         per_remote = float(basis.link_s.sum() / remote.sum()) if remote.sum() > 0 else 0.0
         one_copy = migration_stall(self._engine.spec, self.moe_placement(), self._one_copy_moved())
         copy_s = one_copy["stall_ms"] / 1e3 / self.num_devices
         cost = StepCost(self.cost.frozen(), POLICY, per_remote, copy_s, self.auto.horizon_steps or len(self.window),
-                        link_model=self._link_model(), stall_model=self._stall_s)
+                        link_model=lambda p: self._window_simulated(p)["link_s"], stall_model=self._stall_s)
         return decide(basis, self.placement, self.topology, cost, expert_bytes=self.expert_bytes,
                       residuals=cost.model.residuals(), min_gain=self.auto.min_gain, plan=plan,
                       deadline_s=deadline_s, rounds=rounds)
 
-    def _window_loads(self) -> list:
-        """The step model's loads of the window's steps (the prediction's basis)."""
-        return list(self.recent_loads)[-len(self.window):]
-
-    def _link_model(self):
-        """The step model's all-to-all seconds a step (dispatch and combine, its network model:
-        NVLink, NICs, node-level dedup) under a placement, on the window's steps: what the link
-        time is scaled by, since the busiest device's entries alone misjudge a deduplicated
-        inter-node exchange."""
-        loads, spec, seen = self._window_loads(), self._engine.spec, {}
-
-        def link_s(placement: Placement) -> float:
-            key = placement.slots.tobytes()
-            if key not in seen:
-                layers = [simulate(replace(spec, placement=self.moe_placement(placement)), load, detail=True)
-                          ["detail"]["layers"] for load in loads]
-                seen[key] = float(np.mean([sum(t.dispatch) + sum(t.combine) for t in layers])) if layers else 0.0
-            return seen[key]
-        return link_s
+    def _window_simulated(self, placement: Placement) -> dict:
+        """The step model on the window's steps under `placement`: mean step and all-to-all
+        seconds (dispatch and combine, its network: NVLink, NICs, node-level dedup). The plan's
+        link time is scaled by the latter (the busiest device's entries alone misjudge a
+        deduplicated inter-node exchange), the former checks the cost model; kept until the next step."""
+        key = placement.slots.tobytes()
+        found = self._simulated.get(key)  # the engine thread clears it between steps: one read
+        if found is None:
+            runs = [simulate(replace(self._engine.spec, placement=self.moe_placement(placement)), load, detail=True)
+                    for load in list(self.recent_loads)[-len(self.window):]]
+            found = self._simulated[key] = {
+                "step_s": float(np.mean([r["detail"]["step_s"] for r in runs])) if runs else 0.0,
+                "link_s": float(np.mean([sum(r["detail"]["layers"].dispatch) + sum(r["detail"]["layers"].combine)
+                                         for r in runs])) if runs else 0.0}
+        return found
 
     def _stall_s(self, old: Placement, new: Placement) -> float:
         """The migration's simulated stall (the busiest receiving device's copies)."""
@@ -184,14 +180,11 @@ class SimExperts:
         """The simulator's own answer on the prediction's basis: the step model under both
         placements on the window's steps, the migration's simulated stall spread over the same
         horizon; what the cost model's gain is checked against."""
-        picked = self._window_loads()
-        if not picked:
+        if not self.recent_loads:
             return None
-        spec, old, new = self._engine.spec, self.moe_placement(), self.moe_placement(placement)
-        before = np.mean([simulate(replace(spec, placement=old), load)["step_ms"] for load in picked])
-        after = np.mean([simulate(replace(spec, placement=new), load)["step_ms"] for load in picked])
-        stall = migration_stall(spec, old, new)["stall_ms"] / (self.auto.horizon_steps or len(self.window))
-        return float(before / (after + stall) - 1)
+        before, after = self._window_simulated(self.placement)["step_s"], self._window_simulated(placement)["step_s"]
+        stall = self._stall_s(self.placement, placement) / (self.auto.horizon_steps or len(self.window))
+        return before / (after + stall) - 1
 
     def _step_model_prediction(self, placement: Placement) -> dict | None:
         """The simulator's own answer: the step model on the batch just run under both placements."""
@@ -272,6 +265,7 @@ class SimExperts:
         split beside the window (as a real cluster's _time_step); the cost model's summary."""
         self.cost.observe(layers.rows.T, layers.active.T, layers.layer_expert.T)
         self.recent_loads.append(load)
+        self._simulated.clear()
         self.recent_steps.append({"other_s": max(0.0, step_s - critical_s - link_s), "link_s": link_s,
                                   "tokens": tokens})
         return self.cost.summary()
