@@ -9,8 +9,10 @@ each, the default demo workload unless --workload), drives the real console head
 Experts tab, waits for --steps-after steps and for the tab to show an outcome (it waits for steps
 of the batch shapes run before the apply), then reads the prediction and that outcome
 (`ConsoleState.apply_outcome`: the modeled parallel step's throughput over the batch shapes both
-sides of the apply ran, whole and with only the experts' critical path taken from after). The
-error is |predicted - shown| / |shown| of the gains; beside it, whether the prediction is within
+sides of the apply ran, whole and with only the experts' critical path taken from after) beside
+the preview's own prediction on those populations (its per-step predictions of its window's
+steps of the same shapes; the whole window's is reported too). The error is
+|predicted - shown| / |shown| of the gains; beside it, whether the prediction is within
 the rebalance suite's bar (max(1 point, 20% of the shown gain)) and inside the interval the tab
 shows, and whether the gate would have applied the plan (the bench presses A either way).
 """
@@ -67,21 +69,26 @@ async def one_round(model: str, workload: str | None, steps_before: int, steps_a
         source.close()
         process.stop()
     if outcome is None:
-        return {"predicted_gain": predicted["gain"], "shown_gain": None, "error": None}
+        return {"predicted_gain": predicted["gain"], "predicted_gain_window": predicted["gain"], "shown_gain": None,
+                "error": None}
+    # the preview's own prediction on the populations the tab compares (what it shows beside the outcome)
+    gain = outcome["predicted_gain"]
+
     def error(shown):
-        return abs(predicted["gain"] - shown) / abs(shown) if shown else None  # None: no figure, or 0
+        return abs(gain - shown) / abs(shown) if shown else None  # None: no figure, or 0
 
     def within_bar(shown):  # the A/B bar of the rebalance suite: max(1 point, 20% of what was shown)
-        return None if shown is None else bool(abs(predicted["gain"] - shown) <= max(0.01, 0.2 * abs(shown)))
+        return None if shown is None else bool(abs(gain - shown) <= max(0.01, 0.2 * abs(shown)))
 
-    return {"predicted_gain": predicted["gain"], "predicted_acts": predicted.get("acts"),
+    return {"predicted_gain": gain, "predicted_gain_window": predicted["gain"],
+            "predicted_steps": outcome["predicted_steps"], "predicted_acts": predicted.get("acts"),
             "shown_gain": outcome["gain"], "shown_gain_low": outcome["gain_low"], "shown_gain_high": outcome["gain_high"],
             "shown_resolved": outcome["resolved"], "shown_gain_experts_only": outcome["gain_experts_only"],
             "shown_is": "modeled" if outcome["modeled"] else "measured", "matched_steps": outcome["steps"],
             "shapes": outcome["shapes"], "throughput_before": outcome["before"], "throughput_after": outcome["after"],
             "error": error(outcome["gain"]), "error_experts_only": error(outcome["gain_experts_only"]),
             "within_bar": within_bar(outcome["gain"]), "within_bar_experts_only": within_bar(outcome["gain_experts_only"]),
-            "predicted_inside_shown_interval": bool(outcome["gain_low"] <= predicted["gain"] <= outcome["gain_high"])}
+            "predicted_inside_shown_interval": bool(outcome["gain_low"] <= gain <= outcome["gain_high"])}
 
 
 def _pct(value: float | None, spec: str = ".0%") -> str:

@@ -452,7 +452,10 @@ def console_outcome(r: dict) -> list[tuple[str, str]]:
 
     return [(f"the console's rebalance preview against the outcome its Experts tab then shows, {r['model']}, the "
              f"default demo workload, {len(rounds)} rounds",
-             f"predicted {pcts('predicted_gain')}; shown over the batch shapes both sides ran: whole step "
+             f"predicted {pcts('predicted_gain')}"
+             + ("" if "predicted_gain_window" not in rounds[0] else
+                f" on the populations the tab compares (on the preview's whole window {pcts('predicted_gain_window')})")
+             + f"; shown over the batch shapes both sides ran: whole step "
              f"{pcts('shown_gain')} {rounds[0]['shown_is']} (median error {_pct(r['median_error'])}), the experts' "
              f"critical path alone {pcts('shown_gain_experts_only')} (median error "
              f"{_pct(r['median_error_experts_only'])}; {r['error_experts_only_within_20pct']} of {len(rounds)} within the "

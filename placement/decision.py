@@ -43,11 +43,14 @@ class StepBasis:
     link_s: np.ndarray  # [S] link time under the placement in force (modeled on emulated devices; 0 where measured inside other)
     tokens: np.ndarray  # [S] prompt + output tokens per step
     moe_layers: list[int]
+    t_start: np.ndarray | None = None  # [S] each step's start (its record's "t_start"): what names it to a console
 
     def __post_init__(self):
         self.step_loads = np.asarray(self.step_loads, dtype=np.float64)
         self.other_s, self.link_s, self.tokens = (np.asarray(a, dtype=np.float64) for a in
                                                   (self.other_s, self.link_s, self.tokens))
+        if self.t_start is not None:
+            self.t_start = np.asarray(self.t_start, dtype=np.float64)
 
 
 @dataclass
@@ -63,12 +66,15 @@ class Decision:
     acts: bool
     reason: str  # one line: why it acts, or why nothing pays
     parts: dict = field(default_factory=dict)  # predicted seconds per step, before -> after, by part
+    per_step: dict | None = None  # {"t_start", "before_s", "after_s"}: each window step's prediction
 
     def prediction(self) -> dict:
-        """The preview's "predicted" dict (RebalancePlan.prediction)."""
+        """The preview's "predicted" dict (RebalancePlan.prediction). "per_step" lets an outcome
+        take the preview's own prediction on the population it then compares (profiler/outcome.py)."""
         return {"step_s_before": self.step_s_before, "step_s_after": self.step_s_after, "gain": self.gain,
                 "gain_low": self.gain_low, "gain_high": self.gain_high, "acts": self.acts, "reason": self.reason,
-                "saved_s_per_step": self.step_s_before - self.step_s_after, "parts": self.parts}
+                "saved_s_per_step": self.step_s_before - self.step_s_after, "parts": self.parts,
+                **({"per_step": self.per_step} if self.per_step is not None else {})}
 
 
 def decide(basis: StepBasis, current: Placement, topology: Topology, cost: StepCost, *, expert_bytes: int = 0,
@@ -95,7 +101,9 @@ def decide(basis: StepBasis, current: Placement, topology: Topology, cost: StepC
              "link_s": [float(before["link"].mean()), float(after["link"].mean())],
              "migration_s": [0.0, amortised], "other_s": [float(rest.mean())] * 2}
     acts = bool(changed and low >= min_gain)
-    decision = Decision(plan, float(step_b.mean()), float(step_a.mean()), gain, low, high, acts, "", parts)
+    per_step = None if basis.t_start is None else {
+        "t_start": basis.t_start.tolist(), "before_s": step_b.tolist(), "after_s": step_a.tolist()}
+    decision = Decision(plan, float(step_b.mean()), float(step_a.mean()), gain, low, high, acts, "", parts, per_step)
     decision.reason = _reason(decision, before, cost, min_gain, changed)
     return decision
 
@@ -191,7 +199,8 @@ def basis_from_records(records: list[dict]) -> tuple[StepBasis, ExpertCostModel,
     modeled = bool(last.get("modeled"))
     link = [s["link_s"] if modeled else 0.0 for s in splits]  # measured: the collectives are inside other_s
     tokens = [r["batch"]["prefill_tokens"] + r["batch"]["decode_tokens"] for r in timed]
-    return StepBasis(loads, [s["other_s"] for s in splits], link, tokens, moe_layers), model, modeled
+    return (StepBasis(loads, [s["other_s"] for s in splits], link, tokens, moe_layers,
+                      np.array([float(r["t_start"]) for r in timed])), model, modeled)
 
 
 def predict_from_records(records: list[dict], before: Placement, after: Placement,

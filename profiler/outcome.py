@@ -7,9 +7,11 @@ the prediction names: the experts' critical path, routing and dispatch (the engi
 spans: replica choice, sort, gather), link time, and the rest (attention, sampler, scheduling).
 Each shared key counts min(n_before, n_after) steps on both sides at each side's mean, so both
 figures cover the same tokens and a change of traffic across the apply is not read as the
-placement's doing. The interval is a bootstrap over the steps within each key. The outcome is
-"resolved" once the measured gain's interval tells the prediction right or wrong: its half-width
-at most max(1 point, 20% of the predicted gain), or the prediction outside it by more than that.
+placement's doing. The interval is a bootstrap over the steps within each key. The prediction it
+is held against is the preview's own, on the same population (`predicted_on`: the preview's
+per-step predictions of its window's steps in those keys). The outcome is "resolved" once the
+measured gain's interval tells the prediction right or wrong: its half-width at most max(1 point,
+20% of the predicted gain), or the prediction outside it by more than that.
 """
 
 from __future__ import annotations
@@ -111,14 +113,42 @@ def matched_outcome(before: list[StepTiming], after: list[StepTiming], predicted
     critical = parts.get("expert_critical_s")
     experts_only = (None if critical is None
                     else seconds_b / (seconds_b + critical["change_s"] * n_steps) - 1)
-    expected = predicted.get("gain") if predicted else None
+    on_population = predicted_on(shared, before, predicted)
+    expected = on_population[0] if on_population else predicted.get("gain") if predicted else None
     target = max(0.01, 0.2 * abs(expected)) if expected is not None else 0.01
     # resolved: precise enough to confirm the prediction, or clear of it (wrong by more than the bar)
     clear_of = expected is not None and (expected < low - target or expected > high + target)
     return {"before": tokens / seconds_b, "after": tokens / seconds_a, "gain": gain, "gain_low": float(low),
             "gain_high": float(high), "gain_experts_only": experts_only,
             "resolved": bool((high - low) / 2 <= target or clear_of), "resolution_needed": target,
-            "modeled": before[0].modeled, "steps": int(n_steps), "shapes": len(shared), "parts": parts}
+            "modeled": before[0].modeled, "steps": int(n_steps), "shapes": len(shared), "parts": parts,
+            "predicted_gain": expected, "predicted_steps": on_population[1] if on_population else None}
+
+
+def predicted_on(shared: list[tuple[tuple, int]], before: list[StepTiming], predicted: dict | None
+                 ) -> tuple[float, int] | None:
+    """The preview's own prediction on the population the outcome compares: its per-step
+    predictions (prediction "per_step", named by t_start) of the window steps that fall in each
+    shared (batch shape, context) key, weighted as the outcome weighs the keys. A window mixes
+    prefill and decode steps whose gains differ several-fold, and the steps both sides of an apply
+    ran are rarely the window's mix. None without per-step predictions or a key they cover;
+    else (gain, the outcome's steps it covers)."""
+    per_step = (predicted or {}).get("per_step")
+    if not per_step:
+        return None
+    key_of = {t.t_start: t.key for t in before}
+    sums: dict[tuple, list[float]] = {}
+    for t0, step_b, step_a in zip(per_step["t_start"], per_step["before_s"], per_step["after_s"]):
+        key = key_of.get(t0)
+        if key is not None:
+            acc = sums.setdefault(key, [0.0, 0.0, 0])
+            acc[0], acc[1], acc[2] = acc[0] + step_b, acc[1] + step_a, acc[2] + 1
+    covered = [(sums[key], n) for key, n in shared if key in sums]
+    if not covered:
+        return None
+    seconds_b = sum(n * acc[0] / acc[2] for acc, n in covered)
+    seconds_a = sum(n * acc[1] / acc[2] for acc, n in covered)
+    return seconds_b / seconds_a - 1, int(sum(n for _, n in covered))
 
 
 def _by_key(timings: list[StepTiming]) -> dict[tuple, list[StepTiming]]:

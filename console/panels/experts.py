@@ -155,8 +155,7 @@ class ExpertsPanel(ShowsOnChange, VerticalScroll):
         lines = [f"after the apply: {outcome['before']:,.0f} -> {outcome['after']:,.0f} tok/s {clock} "
                  f"({outcome['gain']:+.1%}, 90% interval {outcome['gain_low']:+.1%} to {outcome['gain_high']:+.1%};"
                  f"{unresolved} prompt+output per parallel step, on the {shapes} (batch shape, context) both sides "
-                 f"ran, {outcome['steps']} steps each){experts_only}; predicted {predicted['gain']:+.1%}{interval} "
-                 f"by the preview, {outcome['before'] * (1 + predicted['gain']):,.0f} tok/s on this basis"]
+                 f"ran, {outcome['steps']} steps each){experts_only}; " + _predicted_on(outcome, predicted, interval)]
         predicted_parts = predicted.get("parts") or {}
         for part, label in PART_LABELS.items():
             got = outcome["parts"].get(part)
@@ -272,3 +271,13 @@ class ExpertsPanel(ShowsOnChange, VerticalScroll):
 
     def show_error(self, message: str | None) -> None:
         self.query_one("#ex-error", Static).update(f"[red]{message}[/]" if message else "")
+
+
+def _predicted_on(outcome: dict, predicted: dict, interval: str) -> str:
+    """The preview's own prediction on the outcome's population (its per-step predictions of the
+    window steps of those shapes), beside its prediction for the whole window."""
+    on = outcome.get("predicted_steps")
+    gain = outcome["predicted_gain"] if on else predicted["gain"]
+    said = (f"predicted {gain:+.1%} by the preview on these populations ({on} of the steps; on its whole window "
+            f"{predicted['gain']:+.1%}{interval})" if on else f"predicted {gain:+.1%}{interval} by the preview")
+    return f"{said}, {outcome['before'] * (1 + gain):,.0f} tok/s on this basis"

@@ -147,7 +147,8 @@ class ClusterBase:
         if not recent or not self.cost.samples:
             return None
         return StepBasis(self.window.step_loads()[-len(recent):], [r["other_s"] for r in recent],
-                         [r["link_s"] for r in recent], [r["tokens"] for r in recent], self.moe_layers)
+                         [r["link_s"] for r in recent], [r["tokens"] for r in recent], self.moe_layers,
+                         [r["t_start"] for r in recent] if all(r["t_start"] is not None for r in recent) else None)
 
     def step_cost(self, basis: StepBasis) -> StepCost:
         """What the planner prices with: this run's cost model, the link seconds per entry that
@@ -231,7 +232,8 @@ class ClusterBase:
         return decision
 
     # -- time
-    def _time_step(self, wall_s: float, link_s: float, tokens: int, measured_parallel: bool) -> dict:
+    def _time_step(self, wall_s: float, link_s: float, tokens: int, measured_parallel: bool,
+                   t_start: float | None = None) -> dict:
         """Splits the step's time (parallel_step), feeds the cost model, keeps the split for predictions."""
         s = self.stats
         moe = self.moe_layers
@@ -239,7 +241,7 @@ class ClusterBase:
         self.cost.observe(s.rows_layer[:, moe], s.active_layer[:, moe], s.busy_layer[:, moe])
         # measured: the ranks' collectives are already inside other_s, so predictions add no link time
         self.recent_steps.append({"other_s": split["other_s"], "link_s": 0.0 if measured_parallel else link_s,
-                                  "tokens": tokens})
+                                  "tokens": tokens, "t_start": t_start})
         self.recent_step_s = split["step_s"]
         split["utilisation"] = (s.busy_s / split["step_s"]).tolist() if split["step_s"] > 0 else [0.0] * len(s.busy_s)
         # what each device spends waiting for the slowest one at the layers' synchronisation points
@@ -434,8 +436,9 @@ class LocalCluster(ClusterBase):
         self.stats.reset()
         self.stats.token_device = token_device
 
-    def end_step(self, wall_s: float) -> dict:
-        """The step's "devices" record; wall_s: the step's measured (serial) time so far."""
+    def end_step(self, wall_s: float, t_start: float | None = None) -> dict:
+        """The step's "devices" record; wall_s: the step's measured (serial) time so far, t_start
+        the step's start as its record gives it (predictions name their steps by it)."""
         s = self.stats
         s.resolve()
         link_s = 2 * self.link_seconds(s.traffic)  # dispatch, then combine (the same bytes back)
@@ -448,7 +451,7 @@ class LocalCluster(ClusterBase):
             "link_s_modeled": True,
             # the devices ran one after another here: the parallel step is modeled from what they measured
             "step_time": self._time_step(wall_s, float(link_s.max()) if link_s.size else 0.0,
-                                         len(s.token_device), measured_parallel=False),
+                                         len(s.token_device), measured_parallel=False, t_start=t_start),
         }
         if self.caches is not None:
             stats = [c.stats() for c in self.caches]

@@ -161,7 +161,7 @@ class ExpertControl:
         parallel step time, each device's memory, and the load window's figures with this step's
         routing in it."""
         cluster = self.cluster
-        record = cluster.end_step(time.monotonic() - t_start)
+        record = cluster.end_step(time.monotonic() - t_start, t_start)
         record["window"] = cluster.observe(routing)
         work = [{"tokens": 0, "seqs": 0, "context": 0, "recv_rows": int(rows)} for rows in cluster.stats.peak_rows]
         for (seq, n), context in zip(items, contexts):

@@ -127,7 +127,7 @@ class DistributedCluster(ClusterBase):
         self.stats.fill(torch.stack(gathered).numpy(), self.world, self.num_layers)
         self.telemetry_s = time.perf_counter() - t0
 
-    def end_step(self, wall_s: float) -> dict:
+    def end_step(self, wall_s: float, t_start: float | None = None) -> dict:
         s, f = self.stats, self.stats.figures
         # src x dst: the expert output rows src computed, which the combine delivers to dst
         traffic = (f["send_rows"] * self.bytes_per_row).astype(np.int64)
@@ -140,7 +140,8 @@ class DistributedCluster(ClusterBase):
             "link_s": link_s.tolist(),  # measured: the outputs' all_reduce, per rank
             "link_wait_s": f["wait_s"].tolist(),  # measured: time in the tiny collectives (waiting for peers)
             "link_s_modeled": False,
-            "step_time": self._time_step(wall_s, float(link_s.max()), len(s.token_device), measured_parallel=True),
+            "step_time": self._time_step(wall_s, float(link_s.max()), len(s.token_device), measured_parallel=True,
+                                         t_start=t_start),
             "telemetry_s": self.telemetry_s,  # rank 0's time in the per-step gather of these figures
             "process": [{"rss_bytes": int(f["rss_bytes"][r]),
                          "cuda": ({"allocated": int(f["cuda_allocated"][r]), "reserved": int(f["cuda_reserved"][r]),

@@ -142,3 +142,20 @@ def test_an_outcome_clear_of_its_prediction_is_resolved():
     assert matched_outcome(before, after, {"gain": 0.10})["resolved"]  # predicted +10%: clearly wrong
     confirmed = matched_outcome(before, after, {"gain": -0.28})  # within a point of what ran: precise enough
     assert confirmed["resolved"] and confirmed["gain_high"] - confirmed["gain_low"] < 0.02
+
+
+def test_the_prediction_held_against_an_outcome_is_the_previews_own_on_its_populations():
+    # the preview's window mixed prefill steps (predicted 25% faster) and decode steps (unchanged);
+    # the steps both sides of the apply ran are decode steps: the prediction on them is 0%, not the window's
+    before = [timed(i, 0, 8, 0.010) for i in range(6)] + [timed(10 + i, 512, 8, 0.100) for i in range(2)]
+    per_step = {"t_start": [t.t_start for t in before],
+                "before_s": [t.step_s for t in before],
+                "after_s": [t.step_s if t.key[0] == 0 else t.step_s / 1.25 for t in before]}
+    window_gain = sum(per_step["before_s"]) / sum(per_step["after_s"]) - 1
+    after = [timed(20 + i, 0, 8, 0.010) for i in range(6)]
+    matched = matched_outcome(before, after, {"gain": window_gain, "per_step": per_step})
+    assert window_gain > 0.15
+    assert matched["predicted_gain"] == pytest.approx(0.0) and matched["predicted_steps"] == 6
+    assert matched["resolved"]  # the same step times: right to within the bar at once
+    # without per-step predictions the window's gain is what it is held against
+    assert matched_outcome(before, after, {"gain": window_gain})["predicted_gain"] == pytest.approx(window_gain)

@@ -203,3 +203,15 @@ def test_a_deadline_cuts_the_search_not_the_guarantee(deadline):
     loads = window(2048)
     plan = plan_step_time(loads, current, TOPOLOGY, StepCost(PER_ROW), list(range(L)), deadline_s=deadline)
     assert step_s(PER_ROW, plan.placement, loads) < 0.8 * step_s(PER_ROW, current, loads)  # the packing seed
+
+
+def test_a_decision_names_each_window_steps_prediction_by_its_start():
+    loads = window(2048)
+    named = StepBasis(loads, np.full(S, 0.01), np.zeros(S), np.full(S, 64.0), list(range(L)), np.arange(S) * 0.5)
+    d = decide(named, Placement.contiguous(L, E, D, 1), TOPOLOGY, StepCost(PER_ROW))
+    per_step = d.prediction()["per_step"]
+    assert per_step["t_start"] == (np.arange(S) * 0.5).tolist()
+    assert np.mean(per_step["before_s"]) == pytest.approx(d.step_s_before)
+    assert np.mean(per_step["after_s"]) == pytest.approx(d.step_s_after)
+    assert "per_step" not in decide(basis(loads), Placement.contiguous(L, E, D, 1), TOPOLOGY,
+                                    StepCost(PER_ROW)).prediction()
