@@ -22,8 +22,6 @@ pass, since some thirty numpy calls per layer call cost more than the rule itsel
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 
 from moectl.placement.placement import Placement, PlacementError
@@ -113,43 +111,6 @@ def prepare(placement: Placement | None = None) -> None:
         route(placement, int(replicated[0]), np.zeros(1, dtype=np.int64), None, "least_loaded")
 
 
-ROUTING_SIZES = (256, 4096)  # entries per layer call the routing overhead is timed at (decode-, prefill-sized)
-
-
-def routing_overhead(num_experts: int, top_k: int, num_devices: int, policy: str = "locality",
-                     devices_per_node: int | None = None, repeat: int = 15) -> tuple[float, float]:
-    """Measured on this machine, now: (seconds per layer call, seconds per entry) that routing a
-    layer with replicas costs over one without, a line through ROUTING_SIZES. Timed on this
-    shape with a spare slot per device holding another device's first expert and a skewed
-    (Zipf 1.2) batch, the median of `repeat` interleaved calls, so the cost model prices what a
-    plan's first replica in a layer adds to every step."""
-    per = -(-num_experts // num_devices)
-    naive = Placement.contiguous(1, num_experts, num_devices, 1)
-    slots = naive.slots.copy()
-    for d in range(num_devices):
-        slots[0, d, -1] = min(((d + 1) % num_devices) * per, num_experts - 1)
-    replicated = Placement(slots, num_experts)
-    prepare(replicated)
-    rng = np.random.default_rng(0)
-    weights = 1.0 / np.arange(1, num_experts + 1) ** 1.2
-    extra = []
-    for entries in ROUTING_SIZES:
-        tokens = -(-entries // top_k)
-        experts = rng.choice(num_experts, size=tokens * top_k, p=weights / weights.sum())
-        home = np.arange(tokens) % num_devices
-        times = {id(naive): [], id(replicated): []}
-        for _ in range(repeat):
-            for placement in (naive, replicated):
-                counters = np.zeros(num_experts, dtype=np.int64)
-                t0 = time.perf_counter()
-                route(placement, 0, experts, home, policy, counters, devices_per_node, top_k)
-                times[id(placement)].append(time.perf_counter() - t0)
-        extra.append(max(float(np.median(times[id(replicated)]) - np.median(times[id(naive)])), 0.0))
-    (n0, n1), (t0, t1) = ROUTING_SIZES, extra
-    per_entry = max((t1 - t0) / (n1 - n0), 0.0)
-    return max(t0 - per_entry * n0, 0.0), per_entry
-
-
 def expected_device_rows(placement: Placement, layer: int, expert_counts: np.ndarray,
                          policy: str = "least_loaded") -> np.ndarray:
     """[D] entries each device computes in one step of this layer, given the step's [E] entries
@@ -232,6 +193,7 @@ def slots_work(slots: np.ndarray, loads: np.ndarray, policy: str = "least_loaded
         dev[pair, rank] = pair_device % D
         on[pair, rank] = slots_there
         n = loads[:, pl, pe]  # [S, P]
+        local_share = 0.0
         if policy == "round_robin":
             share = np.broadcast_to(on / replicas[pl, pe + 1][:, None], (S,) + on.shape)
         else:
@@ -240,16 +202,22 @@ def slots_work(slots: np.ndarray, loads: np.ndarray, policy: str = "least_loaded
             share = weight / weight.sum(2, keepdims=True)
             if policy == "locality":  # a token on a device holding the expert stays there
                 spread = (on > 0).sum(1)  # devices the pair is on
-                share = (on > 0)[None] / D + (1 - spread / D)[None, :, None] * share
-        per_replica = n[:, :, None] * share  # [S, P, R]
+                local_share = (on > 0)[None] / D
+                share = (1 - spread / D)[None, :, None] * share  # the dealt part
+        dealt = n[:, :, None] * share  # [S, P, R] entries dealt to each replica
+        kept = n[:, :, None] * local_share  # and kept on their token's device (locality)
+        per_replica = dealt + kept
         cell = ((np.arange(S)[:, None, None] * C + pl[None, :, None]) * D + dev[None]).ravel()  # (step, layer, device)
         rows = rows + np.bincount(cell, per_replica.ravel(), S * C * D).reshape(S, C, D)
-        # a replica runs when it gets an entry: 1 - exp(-expected entries), the Poisson chance of one
-        # or more (one entry over two replicas: 0.79 expected runs, where one always runs)
-        active = active + np.bincount(cell, (1.0 - np.exp(-per_replica)).ravel(), S * C * D).reshape(S, C, D)
+        # a replica runs when it gets an entry. The deal is proportional and deterministic, exact
+        # to one entry, so a replica dealt x entries runs with chance min(1, x) (its interval holds
+        # a point or not); where tokens sit is random, so one keeping y of its own tokens' entries
+        # runs with the Poisson chance 1 - exp(-y)
+        ran = 1.0 - (1.0 - np.minimum(dealt, 1.0)) * np.exp(-kept)
+        active = active + np.bincount(cell, ran.ravel(), S * C * D).reshape(S, C, D)
         if policy == "locality":  # every device holding a replicated expert keeps its own tokens' entries
-            local = local + np.bincount(cell, np.broadcast_to(n[:, :, None] * (on > 0)[None], per_replica.shape).ravel(),
-                                        S * C * D).reshape(S, C, D)
+            local = local + D * np.bincount(cell, np.broadcast_to(kept, per_replica.shape).ravel(),
+                                            S * C * D).reshape(S, C, D)
     local = local / D if policy == "locality" else rows / D  # tokens spread evenly over the devices
     received = rows - local  # [S, C, D] entries each device computes for tokens on other devices
     sent = (total - local.sum(2)) / D  # [S, C] entries each device's tokens send elsewhere

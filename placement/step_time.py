@@ -79,7 +79,7 @@ class ExpertCostModel:
         self._fixed_residuals: np.ndarray | None = None
         self._quantiles: list[float] = []  # the residuals' quantiles, recomputed with each refit
         # what routing a layer with replicas adds to a step over one without (the compiled replica
-        # rule, replica_policy.routing_overhead): measured at start, not fitted; 0 until measured
+        # rule, engine/experts/replica_routing.routing_overhead): measured at start, not fitted; 0 until measured
         self.route_call_s = 0.0
         self.route_entry_s = 0.0
         # observe() runs on the engine thread, frozen() and summary() on any: the sums and the fit

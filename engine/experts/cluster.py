@@ -21,13 +21,13 @@ import torch
 from moectl.engine.core.config import AutoRebalancePolicy
 from moectl.engine.experts.memory_ledger import MemoryLedger
 from moectl.engine.experts.placed_experts import PlacedExperts, StepDeviceStats
-from moectl.engine.experts.replica_routing import RoutingState
+from moectl.engine.experts.replica_routing import RoutingState, routing_overhead
 from moectl.engine.models.decoder import MoEForCausalLM
 from moectl.engine.models.moe import GROUPED_MM_MIN_ROWS, SWIGLU, MoEBlock, grouped_mm_fits
 from moectl.placement.decision import BOOTSTRAP_ROUNDS, Decision, StepBasis, decide
 from moectl.placement.placement import Placement, PlacementError, migration_in
 from moectl.placement.rebalancer import LOAD_WINDOW_STEPS, LoadWindow, RebalancePlan, preview_plan
-from moectl.placement.replica_policy import expected_work, routing_overhead
+from moectl.placement.replica_policy import expected_work
 from moectl.placement.step_planner import StepCost, plan_between
 from moectl.placement.step_time import ExpertCostModel, parallel_step
 from moectl.placement.topology import Topology, format_size

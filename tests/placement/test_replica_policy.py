@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from moectl.placement.placement import Placement, PlacementError
-from moectl.placement.replica_policy import EXACT_DEAL_ENTRIES, POLICIES, expected_device_rows, route
+from moectl.placement.replica_policy import EXACT_DEAL_ENTRIES, POLICIES, expected_device_rows, layer_work, route
 
 E, D = 16, 4
 
@@ -159,8 +159,6 @@ def test_prepare_loads_the_kernel_only_for_a_placement_with_replicas(monkeypatch
 
 
 def test_link_rows_are_the_busiest_devices_received_and_sent_entries():
-    from moectl.placement.replica_policy import layer_work
-
     slots = np.array([[0], [1]])  # two devices, one expert each; tokens spread evenly over both
     # expert 0 takes 10 entries: device 0 receives the 5 of device 1's tokens, each device's
     # tokens send 3 (their entries for the other device's expert): the busiest link carries 8
@@ -171,3 +169,18 @@ def test_link_rows_are_the_busiest_devices_received_and_sent_entries():
     # device 0 receives expert 1's entry from device 1's tokens; the one remote entry is sent by
     # the devices' tokens alike, half each
     assert link.tolist() == [1.0 + 0.5]
+
+
+@pytest.mark.parametrize("policy", ["least_loaded", "round_robin"])
+@pytest.mark.parametrize("entries", [8, 24, 256])
+def test_the_expected_active_experts_are_what_routing_runs(policy, entries):
+    # a deterministic deal runs a replica dealt x entries with chance min(1, x), not the Poisson
+    # 1 - exp(-x) of random placement: the fixed per-expert costs a replica adds are not under-counted
+    p = replicated()
+    routed, expected = [], []
+    for trial in range(200):
+        experts = skewed_batch(trial + 1000 * entries, entries)
+        out = route(p, 0, experts, None, policy, np.full(E, trial, np.int64))
+        routed.append(sum(len(set(experts[out == d])) for d in range(D)))
+        expected.append(layer_work(p.slots[0], np.bincount(experts, minlength=E)[None].astype(float), policy)[1].sum())
+    assert np.mean(expected) == pytest.approx(np.mean(routed), rel=0.02)
