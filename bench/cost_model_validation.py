@@ -37,6 +37,12 @@ TARGET_CRITICAL = 0.10
 TARGET_STEP = 0.05
 
 
+def timed(records: list[dict]) -> list[dict]:
+    """The records basis_from_records keeps (a step time with its cost model, and routing), in order."""
+    return [r for r in records if ((r.get("devices") or {}).get("step_time") or {}).get("cost_model")
+            and r.get("routing") is not None]
+
+
 def shape_features(records: list[dict]) -> np.ndarray:
     """[S, 5] what the rest of a step (attention, sampler, scheduling) scales with: a step, its
     prompt tokens, its decode tokens, the keys its decode tokens attend to (KV blocks in use x
@@ -94,6 +100,7 @@ def run(model: str, regime: str, devices: int, redundant: int, windows: int, req
             continue
         basis_fit, model_fit, _ = fitted
         basis_held, _, _ = target
+        fit, held = timed(fit), timed(held)  # the steps the two bases are of
         # the held-out steps' routing; their other time forecast from their batch shape by a line
         # fitted on the previous window's steps, the previous window's mean link time
         frozen = StepBasis(basis_held.step_loads, rest_forecast(fit, basis_fit.other_s, held),

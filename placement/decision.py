@@ -183,8 +183,9 @@ def _reason(d: Decision, before: dict, cost: StepCost, min_gain: float, changed:
 def basis_from_records(records: list[dict]) -> tuple[StepBasis, ExpertCostModel, bool] | None:
     """The window of recorded step records as a prediction's basis: their routing and step-time
     split, the cost model as the engine had calibrated it (the newest record's), and whether the
-    parallel step was modeled (emulated devices). None when the records carry no timed steps
-    (older traces, no devices, a simulated engine's step model)."""
+    parallel step was modeled (emulated devices; a simulated engine's steps say modeled too, and
+    carry the cost model fitted on them). None when the records carry no timed steps (older
+    traces, no devices)."""
     timed = [r for r in records if ((r.get("devices") or {}).get("step_time") or {}).get("cost_model")
              and r.get("routing") is not None]
     if not timed:

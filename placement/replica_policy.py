@@ -136,9 +136,17 @@ def slot_counts(placement: Placement, layer: int) -> np.ndarray:
     return placement._cache[key]
 
 
+def _check_ids(slots: np.ndarray, num_experts: int) -> None:
+    """Slots hold -1 (empty) or an expert id: an id out of range would land in a neighbour's cell."""
+    if slots.size and (slots.min() < -1 or slots.max() >= num_experts):
+        bad = slots[(slots < -1) | (slots >= num_experts)].ravel()[0]
+        raise PlacementError(f"slots: expert {int(bad)} out of range [-1, {num_experts})")
+
+
 def counts_of(slots: np.ndarray, num_experts: int) -> np.ndarray:
     """[..., D, K] slots -> [..., D, E] slots holding each expert (float)."""
     slots = np.asarray(slots)
+    _check_ids(slots, num_experts)
     lead = slots.shape[:-1]
     cells = int(np.prod(lead))
     flat = (np.arange(cells)[:, None] * (num_experts + 1) + slots.reshape(cells, -1) + 1).ravel()
@@ -166,6 +174,7 @@ def slots_work(slots: np.ndarray, loads: np.ndarray, policy: str = "least_loaded
     slots = np.asarray(slots, dtype=np.int64)
     loads = np.asarray(loads, dtype=np.float64)
     S, C, E = loads.shape
+    _check_ids(slots, E)
     D, K = slots.shape[1:]
     flat = slots.reshape(C, D * K)
     # [C, E + 1] slots holding each expert, column 0 the empty slots

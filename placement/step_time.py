@@ -281,7 +281,9 @@ def predict_step_times(model: ExpertCostModel, placement: Placement, step_loads:
         link_s *= float(remote.sum() / basis_remote.sum()) if basis_remote.sum() > 0 else 1.0
     busy = model.predict(rows, active)  # [S, D, M]
     critical = busy.max(1).sum(1)  # per step
-    step_s = other_s + float(critical.mean()) + link_s
+    replicated = [layer for layer in moe_layers if (placement._counts[layer] > 1).any()]
+    routing = float(model.routing_s(np.asarray(step_loads)[:, replicated].sum(2)).sum(1).mean()) if replicated else 0.0
+    step_s = other_s + float(critical.mean()) + link_s + routing
     device_busy = busy.sum(2).mean(0)
     return {"step_s": step_s, "throughput_tok_s": tokens_per_step / step_s if step_s > 0 else 0.0,
             "expert_critical_s": float(critical.mean()), "link_s": link_s,

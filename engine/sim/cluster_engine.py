@@ -353,7 +353,7 @@ class SimulatedEngine:
                 "backend": "simulated", "simulated": True, "tokens": device_rows.round().astype(np.int64).tolist(),
                 "busy_s": busy.tolist(), "link_s": [comm] * D, "link_s_modeled": True,
                 "step_time": {"step_s": step_s, "modeled": True, "simulated": True,
-                              "other_s": max(0.0, step_s - critical - comm), "expert_critical_s": critical,
+                              "other_s": max(0.0, step_s - stall_s - critical - comm), "expert_critical_s": critical,
                               "link_s": comm, "migration_stall_s": stall_s, "cost_model": cost_model,
                               "utilisation": (busy / step_s).tolist(), "wait_s": np.maximum(
                                   0.0, step_s - stall_s - comm - busy).tolist()},

@@ -22,7 +22,7 @@ import numpy as np
 from moectl.engine.core.config import AutoRebalancePolicy
 from moectl.engine.experts.cluster import AUTO_PLAN_DEADLINE_S, PREVIEW_PLAN_DEADLINE_S, window_figures
 from moectl.engine.experts.control import EDITS, _check_edit_args, _held_result
-from moectl.engine.sim.step_model import migration_stall, simulate
+from moectl.engine.sim.step_model import Roofline, migration_stall, simulate
 from moectl.placement.decision import BOOTSTRAP_ROUNDS, Decision, StepBasis, decide
 from moectl.placement.placement import Placement
 from moectl.placement.rebalancer import LOAD_WINDOW_STEPS, LoadWindow, preview_plan
@@ -49,7 +49,7 @@ class SimExperts:
         self.cost = ExpertCostModel()  # fitted on the simulated steps, as a real cluster's on its measured ones
         self.recent_steps: deque[dict] = deque(maxlen=LOAD_WINDOW_STEPS)  # step-time splits, beside the window
         self.recent_loads: deque = deque(maxlen=LOAD_WINDOW_STEPS)  # the step model's loads of the same steps
-        self._simulated: dict[bytes, dict] = {}  # _window_simulated's, until the next step
+        self._simulated: tuple[dict, list] = ({}, [])  # _window_simulated's results and the loads they are of
         self.pending_stall_s = 0.0  # a migration's stall, added to the next simulated step
         self._outcome: dict | None = None  # the last apply's outcome while its steps accumulate
         self._pending: Placement | None = None
@@ -121,8 +121,10 @@ class SimExperts:
             return None
         _, _, remote = expected_work(self.placement, basis.step_loads, basis.moe_layers, POLICY)
         per_remote = float(basis.link_s.sum() / remote.sum()) if remote.sum() > 0 else 0.0
-        one_copy = migration_stall(self._engine.spec, self.moe_placement(), self._one_copy_moved())
-        copy_s = one_copy["stall_ms"] / 1e3 / self.num_devices
+        # the search prices copies as spread evenly over the receiving devices' links (one
+        # expert's bytes over a device link each); the plan's final price is the busiest receiver's
+        spec = self._engine.spec
+        copy_s = Roofline(spec.model, spec.hardware).link(float(self.expert_bytes), 0.0) / self.num_devices
         cost = StepCost(self.cost.frozen(), POLICY, per_remote, copy_s, self.auto.horizon_steps or len(self.window),
                         link_model=lambda p: self._window_simulated(p)["link_s"], stall_model=self._stall_s)
         return decide(basis, self.placement, self.topology, cost, expert_bytes=self.expert_bytes,
@@ -133,13 +135,15 @@ class SimExperts:
         """The step model on the window's steps under `placement`: mean step and all-to-all
         seconds (dispatch and combine, its network: NVLink, NICs, node-level dedup). The plan's
         link time is scaled by the latter (the busiest device's entries alone misjudge a
-        deduplicated inter-node exchange), the former checks the cost model; kept until the next step."""
+        deduplicated inter-node exchange), the former checks the cost model; kept until the next step
+        (a reader finishing after it writes into the step's discarded cache)."""
         key = placement.slots.tobytes()
-        found = self._simulated.get(key)  # the engine thread clears it between steps: one read
+        cache, loads = self._simulated  # the engine thread swaps both in at each step: one read
+        found = cache.get(key)
         if found is None:
             runs = [simulate(replace(self._engine.spec, placement=self.moe_placement(placement)), load, detail=True)
-                    for load in list(self.recent_loads)[-len(self.window):]]
-            found = self._simulated[key] = {
+                    for load in loads]
+            found = cache[key] = {
                 "step_s": float(np.mean([r["detail"]["step_s"] for r in runs])) if runs else 0.0,
                 "link_s": float(np.mean([sum(r["detail"]["layers"].dispatch) + sum(r["detail"]["layers"].combine)
                                          for r in runs])) if runs else 0.0}
@@ -148,12 +152,6 @@ class SimExperts:
     def _stall_s(self, old: Placement, new: Placement) -> float:
         """The migration's simulated stall (the busiest receiving device's copies)."""
         return migration_stall(self._engine.spec, self.moe_placement(old), self.moe_placement(new))["stall_ms"] / 1e3
-
-    def _one_copy_moved(self) -> Placement:
-        """The MoE placement with one expert copied to another device: what one copy stalls."""
-        slots = self.moe_placement().slots.copy()
-        slots[0, 1 % self.num_devices, -1] = slots[0, 0, 0]
-        return Placement(slots, self.placement.num_experts)
 
     def _prediction(self, decision: Decision) -> dict:
         tokens = float(np.mean([r["tokens"] for r in list(self.recent_steps)[-len(self.window):]]))
@@ -265,7 +263,7 @@ class SimExperts:
         split beside the window (as a real cluster's _time_step); the cost model's summary."""
         self.cost.observe(layers.rows.T, layers.active.T, layers.layer_expert.T)
         self.recent_loads.append(load)
-        self._simulated.clear()
+        self._simulated = ({}, list(self.recent_loads)[-len(self.window):])  # a reader holds the old pair
         self.recent_steps.append({"other_s": max(0.0, step_s - critical_s - link_s), "link_s": link_s,
                                   "tokens": tokens})
         return self.cost.summary()

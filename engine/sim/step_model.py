@@ -226,7 +226,7 @@ class LayerTimes:
     device_expert: np.ndarray  # [devices] expert seconds over the MoE layers
     rows: np.ndarray  # [MoE layers, devices] expert rows
     layer_expert: np.ndarray  # [MoE layers, devices] expert seconds
-    active: np.ndarray  # [MoE layers, devices] experts hit, expected (1 - exp(-rows) per slot)
+    active: np.ndarray  # [MoE layers, devices] experts hit, as the cost model counts them (min(1, rows) a slot)
 
     @property
     def pre_moe(self) -> float:
@@ -302,7 +302,7 @@ def layer_times(spec: SimSpec, load: StepLoad) -> LayerTimes:
         seconds = roof.gemms(rows, m.expert_macs(), m.expert_bytes()).sum(1)
         device_expert += seconds
         seconds_all.append(seconds)
-        active_all.append((-np.expm1(-rows)).sum(1))
+        active_all.append(np.minimum(rows, 1.0).sum(1))  # the cost model's count (replica_policy.slots_work)
         expert.append(float(seconds.max()))
         per_device = rows.sum(1)
         rows_all.append(per_device)

@@ -184,3 +184,12 @@ def test_the_expected_active_experts_are_what_routing_runs(policy, entries):
         routed.append(sum(len(set(experts[out == d])) for d in range(D)))
         expected.append(layer_work(p.slots[0], np.bincount(experts, minlength=E)[None].astype(float), policy)[1].sum())
     assert np.mean(expected) == pytest.approx(np.mean(routed), rel=0.02)
+
+
+def test_an_expert_id_out_of_range_in_the_slots_is_refused():
+    from moectl.placement.replica_policy import counts_of
+
+    with pytest.raises(PlacementError, match="expert 2 out of range"):
+        counts_of(np.array([[2, -1], [0, 1]]), 2)
+    with pytest.raises(PlacementError, match="expert 5 out of range"):
+        layer_work(np.array([[5], [1]]), np.ones((1, 2)))

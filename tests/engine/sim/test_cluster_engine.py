@@ -238,3 +238,14 @@ def test_a_simulated_preview_is_planned_and_gated_by_the_cost_model_and_agrees_w
     assert {"gain_low", "gain_high", "acts", "reason", "parts"} <= set(p)
     assert p["gain"] > 0.3 and p["parts"]["link_s"][1] < p["parts"]["link_s"][0]  # skewed: balance pays
     assert abs(p["gain"] - p["step_model_gain"]) <= max(0.01, 0.2 * abs(p["step_model_gain"]))
+
+
+def test_a_simulated_cluster_with_no_spare_slot_plans_by_swaps():
+    # no spare slot: the planner only swaps experts, priced and gated as with spare slots
+    e = engine(routing="zipf:1.2", redundant_slots=0)
+    for _ in range(64 * 4):
+        e.add_lengths(200, 20)
+    run(e, 12)
+    p = e.experts.preview().prediction
+    assert p["model"].startswith("cost model fitted on the simulated steps") and "acts" in p
+    assert p["parts"]["routing_s"] == [0.0, 0.0]  # no slot for a replica, so no replica to route
