@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from moectl.placement.placement import Placement
-from moectl.placement.rebalancer import RebalancePlan
+from moectl.placement.rebalancer import LoadWindow, RebalancePlan
 from moectl.placement.replica_policy import expected_work, slot_counts
 from moectl.placement.step_planner import StepCost, plan_between, plan_step_time
 from moectl.placement.step_time import ExpertCostModel
@@ -44,6 +44,19 @@ class StepBasis:
     tokens: np.ndarray  # [S] prompt + output tokens per step
     moe_layers: list[int]
     t_start: np.ndarray | None = None  # [S] each step's start (its record's "t_start"): what names it to a console
+
+    @classmethod
+    def from_window(cls, window: LoadWindow, recent_steps, model: ExpertCostModel, moe_layers: list[int]
+                    ) -> StepBasis | None:
+        """A cluster's load window and the step-time splits it keeps beside it ({"other_s",
+        "link_s", "tokens", "t_start"} each, oldest first) as a basis: the newest steps both hold;
+        None before a step was timed or the cost model has samples."""
+        recent = list(recent_steps)[-len(window):]
+        if not recent or not model.samples:
+            return None
+        starts = [r.get("t_start") for r in recent]
+        return cls(window.step_loads()[-len(recent):], [r["other_s"] for r in recent], [r["link_s"] for r in recent],
+                   [r["tokens"] for r in recent], list(moe_layers), None if None in starts else starts)
 
     def __post_init__(self):
         self.step_loads = np.asarray(self.step_loads, dtype=np.float64)

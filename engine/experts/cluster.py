@@ -143,12 +143,7 @@ class ClusterBase:
 
     def step_basis(self) -> StepBasis | None:
         """The window's steps as the planner prices them, None before a step was measured."""
-        recent = list(self.recent_steps)[-len(self.window):]
-        if not recent or not self.cost.samples:
-            return None
-        return StepBasis(self.window.step_loads()[-len(recent):], [r["other_s"] for r in recent],
-                         [r["link_s"] for r in recent], [r["tokens"] for r in recent], self.moe_layers,
-                         [r["t_start"] for r in recent] if all(r["t_start"] is not None for r in recent) else None)
+        return StepBasis.from_window(self.window, self.recent_steps, self.cost, self.moe_layers)
 
     def step_cost(self, basis: StepBasis) -> StepCost:
         """What the planner prices with: this run's cost model, the link seconds per entry that

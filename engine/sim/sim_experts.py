@@ -106,11 +106,7 @@ class SimExperts:
                             target=self.auto.target)
 
     def step_basis(self) -> StepBasis | None:
-        recent = list(self.recent_steps)[-len(self.window):]
-        if not recent or not self.cost.samples:
-            return None
-        return StepBasis(self.window.step_loads()[-len(recent):], [r["other_s"] for r in recent],
-                         [r["link_s"] for r in recent], [r["tokens"] for r in recent], list(self._engine.moe_layers))
+        return StepBasis.from_window(self.window, self.recent_steps, self.cost, self._engine.moe_layers)
 
     def decide(self, plan=None, deadline_s: float | None = None, rounds: int = BOOTSTRAP_ROUNDS) -> Decision | None:
         """As a real cluster's (experts/cluster.py): the planner's plan (or `plan`) and the gate,
