@@ -64,7 +64,7 @@ def _tables(placement: Placement, layer: int) -> _Tables:
 
 POLICY_CODES = {name: code for code, name in enumerate(POLICIES)}  # as replica_kernel.py reads them
 EXACT_DEAL_ENTRIES = 512  # up to this many open entries (decode-sized) the split is exact
-_NO_COUNTERS = np.zeros(0, dtype=np.int64)
+_EMPTY = np.zeros(0, dtype=np.int64)  # what the kernel takes for "no token devices" and "no counters"
 
 
 def route(placement: Placement, layer: int, experts: np.ndarray, token_device: np.ndarray | None = None,
@@ -80,20 +80,20 @@ def route(placement: Placement, layer: int, experts: np.ndarray, token_device: n
     experts = np.ascontiguousarray(experts, dtype=np.int64)
     if t.num_replicated == 0:
         return t.first[experts]
-    home = _NO_COUNTERS if token_device is None else np.ascontiguousarray(token_device, dtype=np.int64)
+    home = _EMPTY if token_device is None else np.ascontiguousarray(token_device, dtype=np.int64)
     if policy == "locality" and home.size * top_k != experts.size:
         raise PlacementError(f"token_device: {home.size} tokens for {experts.size} entries at top_k {top_k}")
     out = np.empty_like(experts)
     _kernel()(experts, home, top_k, t.first, t.group, t.table_t, t.counts, t.num_replicated,
-                  placement.num_devices, POLICY_CODES[policy], _NO_COUNTERS if counters is None else counters,
-                  devices_per_node or 0, EXACT_DEAL_ENTRIES, MIN_HEADROOM, out)
+              placement.num_devices, POLICY_CODES[policy], _EMPTY if counters is None else counters,
+              devices_per_node or 0, EXACT_DEAL_ENTRIES, MIN_HEADROOM, out)
     return out
 
 
 def _kernel():
-    """The compiled rule (replica_kernel.py), imported on first use: numba and the kernel's load
-    (0.2 s from its cache, about 1.5 s the first time on a machine) are paid only by a process
-    that routes replicas, and `prepare` pays them at an apply rather than inside a step."""
+    """The compiled rule (replica_kernel.py), imported on first use: numba's import and the
+    kernel's load from its cache (or its compile, the first time on a machine) are paid only by a
+    process that routes replicas, and `prepare` pays them at an apply rather than inside a step."""
     from moectl.placement.replica_kernel import route_entries
 
     return route_entries
