@@ -21,7 +21,7 @@ with each term the grouped GEMM's from `switch_rows` rows a call up and the per-
 below (the kernel the engine picks: engine/models/moe.py), fitted by non-negative least squares over
 recent steps (exponentially forgotten), so it follows a machine whose speed drifts. What routing
 a layer with replicas adds (route_call_s + route_entry_s * entries, per layer call) is measured
-once at start, not fitted: it is outside the devices' busy time. Its features
+once, at the first plan, not fitted: it is outside the devices' busy time. Its features
 come from the runtime's own replica rule (replica_policy.expected_work), not an even split. The
 calibration error against the measurements is reported with it.
 """
@@ -79,7 +79,7 @@ class ExpertCostModel:
         self._fixed_residuals: np.ndarray | None = None
         self._quantiles: list[float] = []  # the residuals' quantiles, recomputed with each refit
         # what routing a layer with replicas adds to a step over one without (the compiled replica
-        # rule, engine/experts/replica_routing.routing_overhead): measured at start, not fitted; 0 until measured
+        # rule, engine/experts/replica_routing.routing_overhead): measured at the first plan, not fitted; 0 until then
         self.route_call_s = 0.0
         self.route_entry_s = 0.0
         # observe() runs on the engine thread, frozen() and summary() on any: the sums and the fit

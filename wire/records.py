@@ -58,8 +58,9 @@ Step record (format 1):
                                  "per_call_loop_s", "per_expert_loop_s", "per_row_loop_s" (the
                                  per-expert loop, under "switch_rows" rows a call), "switch_rows",
                                  "route_call_s", "route_entry_s" (replica routing, measured at
-                                 start), "samples", "relative_error", "residuals": [21 quantiles of
-                                 (measured - predicted) / predicted]} (calibrated from the measured
+                                 the first plan; 0 before), "samples", "relative_error",
+                                 "residuals": [21 quantiles of (measured - predicted) /
+                                 predicted]} (calibrated from the measured
                                  busy times, or on a simulated cluster from its simulated ones;
                                  older traces lack the later terms: a missing _loop or _large term
                                  is its grouped one's)},

@@ -90,8 +90,8 @@ class ClusterBase:
             raise PlacementError("devices: this model has no MoE layers to place")
         self.window = LoadWindow(cfg.num_layers, cfg.num_experts, size=window_steps)
         self.cost = ExpertCostModel(switch_rows=kernel_switch_rows(model))
-        self.cost.route_call_s, self.cost.route_entry_s = routing_overhead(
-            cfg.num_experts, cfg.top_k, topology.num_devices, policy, topology.devices_per_node)
+        self._routing_shape = (cfg.num_experts, cfg.top_k)  # what routing_overhead times, at the first plan
+        self._routing_timed = False
         self.recent_steps: deque[dict] = deque(maxlen=window_steps)  # step-time splits, beside the window
         # each step's measured (device tokens, device busy seconds, parallel step seconds), beside the window
         self.device_window: deque[tuple[np.ndarray, np.ndarray, float]] = deque(maxlen=window_steps)
@@ -146,9 +146,14 @@ class ClusterBase:
         return StepBasis.from_window(self.window, self.recent_steps, self.cost, self.moe_layers)
 
     def step_cost(self, basis: StepBasis) -> StepCost:
-        """What the planner prices with: this run's cost model, the link seconds per entry that
-        crosses a link (from the window), the copy stall (measured by the last migration, else
-        modeled from the topology's links) spread over the auto policy's horizon (the window)."""
+        """What the planner prices with: this run's cost model (replica routing's cost timed at the
+        first call), the link seconds per entry the busiest device's links carry (from the window),
+        the copy stall (measured by the last migration, else modeled from the topology's links)
+        spread over the auto policy's horizon (the window)."""
+        if not self._routing_timed:  # at the first plan, not at every engine start (numba's import and load)
+            self.cost.route_call_s, self.cost.route_entry_s = routing_overhead(
+                *self._routing_shape, self.num_devices, self.policy, self.topology.devices_per_node)
+            self._routing_timed = True
         _, _, remote = expected_work(self.placement, basis.step_loads, self.moe_layers, self.policy)
         per_remote = float(basis.link_s.sum() / remote.sum()) if remote.sum() > 0 else 0.0
         return StepCost(self.cost.frozen(), self.policy, per_remote, self.expert_bytes / self.copy_bytes_per_s(),
