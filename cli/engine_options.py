@@ -67,8 +67,9 @@ DRIFT_OPT = typer.Option(0.0, "--drift", help="simulated backend: swaps of two e
                                               "(which experts are hot wanders; the skew stays).")
 TP_OPT = typer.Option(1, "--tp", help="simulated backend: attention tensor-parallel size (1: data-parallel "
                                       "attention, each device its own batch).")
-OVERLAP_OPT = typer.Option("none", "--overlap", help="simulated backend: none | two-batch (one half's all-to-all "
-                                                     "behind the other's compute).")
+OVERLAP_OPT = typer.Option("none", "--overlap", help="simulated backend: none | two-batch | five-stage (two "
+                                                     "micro-batches, one's all-to-all behind the other's compute, "
+                                                     "scheduled as SGLang and DeepSeek run them).")
 SIM_SEED_OPT = typer.Option(0, "--sim-seed", help="simulated backend: the routing draws and the workload's seed.")
 # the options only the simulated backend reads (sim_backend.py)
 SIM_OPTIONS = ("hardware", "routing", "drift", "tp", "overlap", "sim_seed")

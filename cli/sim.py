@@ -32,7 +32,8 @@ def sim(
     model: Path | None = typer.Option(None, "--model", "-m", help="config.json or a directory holding one (no "
                                                                   "weights), or a shipped model's name (required)."),
     hardware: str | None = typer.Option(None, "--hardware", help="A shipped hardware profile (h100, h800, h200, a100, "
-                                                                 "mi300x, ascend-910b) or a profile JSON file "
+                                                                 "mi300x, ascend-910b, mtt-s5000) or a profile JSON "
+                                                                 "file "
                                                                  "(`moectl sim calibrate` writes one; required)."),
     devices: int | None = DEVICES_OPT,
     tp: int = typer.Option(1, "--tp", help="Attention tensor-parallel size (1: data-parallel attention)."),
@@ -54,8 +55,15 @@ def sim(
                                                               "before and after, the migration's stall, the steps it "
                                                               "takes to pay off. The step reported is the planned "
                                                               "one's."),
-    overlap: str = typer.Option("none", "--overlap", help="none | two-batch (one half's all-to-all behind the "
-                                                          "other's compute)."),
+    overlap: str = typer.Option("none", "--overlap", help="none | two-batch (SGLang's two micro-batches) | "
+                                                          "five-stage (DeepSeek's decode): one micro-batch's "
+                                                          "all-to-all behind the other's compute, as a schedule."),
+    comm: str = typer.Option("auto", "--comm", help="The all-to-all: auto (decode low-latency where the profile has "
+                                                    "its table, else normal) | normal | low-latency."),
+    comm_sms: int | None = typer.Option(None, "--comm-sms", help="Normal mode's SMs taken from compute while it runs "
+                                                                 "(default: the profile's)."),
+    mtp_draft: int = typer.Option(0, "--mtp-draft", help="decode: multi-token prediction's draft tokens a step."),
+    mtp_accept: float = typer.Option(0.0, "--mtp-accept", help="decode: each draft token's acceptance (0-1)."),
     dtype: str | None = typer.Option(None, "--dtype", help="bf16 | fp8: the GEMMs' and weights' dtype (default: "
                                                            "the config's quantization_config, else bf16)."),
     seed: int = typer.Option(0, "--seed", help="zipf: which experts are hot; a scaled trace: their order."),
@@ -108,7 +116,8 @@ def sim(
     spec = SimSpec(sim_model, load_profile(hardware), devices, loads, phase=phase,
                    tokens_per_device=(128 if batch_seqs is None else batch_seqs) if phase == "decode"
                    else (16384 if batch_tokens is None else batch_tokens),
-                   context=context, tp=tp, ep=ep, placement=moe_rows(chosen, shape), overlap=overlap)
+                   context=context, tp=tp, ep=ep, placement=moe_rows(chosen, shape), overlap=overlap, comm=comm,
+                   comm_sms=comm_sms, mtp_draft=mtp_draft, mtp_accept=mtp_accept)
     if rebalance:  # from the naive placement to a planned one: what the rebalance is predicted to do
         planned = plan_rebalance(loads, spec.ep, spare).placement
         comparison, result = compare_rebalance(spec, planned)
@@ -118,7 +127,8 @@ def sim(
         result = simulate(spec)
     result.update(model=shape.name, hardware=spec.hardware.key, hardware_name=spec.hardware.name,
                   gemm_dtype=sim_model.gemm_dtype, tp=tp, ep=spec.ep, tokens_per_device=spec.tokens_per_device,
-                  context=context, overlap=overlap, routing=routing_line, memory=memory_per_device(spec),
+                  context=context, overlap=overlap, mtp_draft=mtp_draft, mtp_accept=mtp_accept,
+                  routing=routing_line, memory=memory_per_device(spec),
                   assumed=list(spec.hardware.assumed), placement_slots_per_device=spec.placement.slots_per_device)
     if as_json:
         emit_json(result, True)
@@ -132,14 +142,19 @@ def _print(r: dict) -> None:
     unit = "output" if r["phase"] == "decode" else "prompt"
     typer.echo(f"SIMULATED: {r['model']} on {r['devices']} x {r['hardware_name']} ({r['nodes']} nodes), {r['phase']}, "
                f"{r['tokens_per_device']} {'sequences' if r['phase'] == 'decode' else 'tokens'} per device, context "
-               f"{r['context']:,}, tp {r['tp']}, ep {r['ep']}, GEMMs in {r['gemm_dtype']}, overlap {r['overlap']}")
+               f"{r['context']:,}, tp {r['tp']}, ep {r['ep']}, GEMMs in {r['gemm_dtype']}, overlap {r['overlap']}, "
+               f"{r['comm']} all-to-all" + (f", MTP {r['mtp_draft']} draft at {r['mtp_accept']:.0%}" if r["mtp_draft"]
+                                            else ""))
+    typer.echo("priced from " + ("the profile's kernel tables (docs/sim.md, \"Kernel tables\")" if r["kernel_tables"]
+                                 else "the roofline alone: this profile has no kernel tables (peaks and efficiencies "
+                                      "only; `moectl sim calibrate --from-trace` fits them)"))
     typer.echo(f"routing: {r['routing']}")
     typer.echo(f"step {r['step_ms']:.2f} ms: {r['tokens_per_s']:,.0f} {unit} tok/s, "
                f"{r['tokens_per_s_per_device']:,.0f} per device, {r['tokens_per_s_per_node']:,.0f} per node")
     util = r["utilisation"]
     typer.echo(f"balancedness {r['balancedness']:.3f}; utilisation min {min(util):.0%}, mean "
                f"{sum(util) / len(util):.0%}, max {max(util):.0%}")
-    typer.echo("breakdown (ms; parts overlap with --overlap two-batch): " + ", ".join(
+    typer.echo("breakdown (ms; parts overlap with --overlap): " + ", ".join(
         f"{k} {v:.2f}" for k, v in r["breakdown_ms"].items()))
     mem = r["memory"]
     typer.echo(f"per device: weights {format_size(mem['weights_bytes'])} + KV {format_size(mem['kv_bytes'])} of "
@@ -161,18 +176,36 @@ def calibrate(
     out: Path = typer.Option(..., "--out", "-o", help="The profile JSON to write (refused if it exists)."),
     model: Path | None = typer.Option(None, "--model", "-m", help="The model whose expert and attention shapes are "
                                                                   "timed, and whose engine gives the per-layer "
-                                                                  "overhead (default: sample)."),
+                                                                  "overhead (default: sample); with --from-trace, "
+                                                                  "the model the trace ran (config.json)."),
     ranks: int = typer.Option(2, "--ranks", help="Processes the link is measured between (the distributed "
                                                  "backend's ranks on this machine)."),
+    from_trace: Path | None = typer.Option(None, "--from-trace", help="A PyTorch-profiler (Kineto) trace of a few "
+                                                                      "layers on a card: its kernel tables, fitted on "
+                                                                      "the trace, on --base's datasheet figures "
+                                                                      "(nothing runs here)."),
+    base: str | None = typer.Option(None, "--base", help="--from-trace: the card's profile (shipped name or file) "
+                                                        "giving its peaks, memory, links and all-to-all tables."),
+    tokens: int | None = typer.Option(None, "--tokens", help="--from-trace: tokens per device each layer pass of "
+                                                             "the trace ran."),
+    context: int | None = typer.Option(None, "--context", help="--from-trace: the prompts' length (default: "
+                                                               "--tokens)."),
+    ep: int | None = typer.Option(None, "--ep", help="--from-trace: devices the trace's experts were spread over."),
+    layers: int | None = typer.Option(None, "--layers", help="--from-trace: layer passes the trace covers (default: "
+                                                             "its attention kernels, one a pass)."),
+    training: bool = typer.Option(False, "--training", help="--from-trace: a training step's trace (forward and "
+                                                            "backward); its training-only kernels are dropped."),
+    comm_sms: int = typer.Option(0, "--comm-sms", help="--from-trace: SMs the trace's all-to-all held while its "
+                                                       "compute ran (its compute is scaled to the whole card)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing file."),
     as_json: bool = JSON_OPT,
 ):
     """Measure this machine as a hardware profile with the engine's own kernels (the grouped expert
     GEMM, the paged decode kernel, gloo's all_reduce, the engine's decode step), for `moectl sim
-    --hardware FILE` and the validation against this machine (docs/sim.md)."""
+    --hardware FILE` and the validation against this machine (docs/sim.md). With --from-trace: a
+    card's kernel tables from a profiler trace of a few of its layers (docs/sim.md, "Kernel
+    tables")."""
     import json
-
-    from moectl.engine.tools.sim_calibrate import calibrate as measure
 
     if out.is_dir():
         raise BadInput(f"--out: {out} is a directory")
@@ -180,10 +213,18 @@ def calibrate(
         raise BadInput(f"--out: {out} exists (use --overwrite to replace it)")
     if not out.parent.is_dir():
         raise BadInput(f"--out: {out.parent} is not an existing directory")
+    if from_trace is not None:
+        _calibrate_from_trace(out, from_trace, model, base, tokens, context, ep, layers, training, comm_sms, as_json)
+        return
+    for value, flag in ((base, "--base"), (tokens, "--tokens"), (context, "--context"), (ep, "--ep"),
+                        (layers, "--layers"), (training or None, "--training"), (comm_sms or None, "--comm-sms")):
+        if value is not None:
+            raise BadInput(f"{flag}: goes with --from-trace")
     if not 2 <= ranks <= 16:
         raise BadInput(f"--ranks: must be in 2-16, got {ranks}")
     import tempfile
 
+    from moectl.engine.tools.sim_calibrate import calibrate as measure
     from moectl.profiler.recorder import TraceRecorder
 
     path = model_dir(model)
@@ -195,3 +236,50 @@ def calibrate(
     out.write_text(json.dumps(profile, indent=1) + "\n")
     emit_json({"profile": str(out), "name": profile["name"]}, as_json) if as_json else typer.echo(
         f"{out}: this machine's profile (every figure measured; see its sources)")
+
+
+def _calibrate_from_trace(out: Path, trace: Path, model: Path | None, base: str | None, tokens: int | None,
+                          context: int | None, ep: int | None, layers: int | None, training: bool, comm_sms: int,
+                          as_json: bool) -> None:
+    import json
+
+    from moectl.engine.sim.hardware import load_profile, raw_profile
+    from moectl.engine.sim.model_shape import load_sim_model
+    from moectl.profiler.kineto import KinetoError
+    from moectl.profiler.trace_calibration import TraceShape, calibrate_from_trace, reproduce
+
+    for value, flag in ((model, "--model"), (base, "--base"), (tokens, "--tokens"), (ep, "--ep")):
+        if value is None:
+            raise BadInput(f"{flag}: required with --from-trace")
+    if not trace.exists():
+        raise BadInput(f"--from-trace: {trace} does not exist")
+    sim_model = load_sim_model(model_dir(model, config_file=True))
+    shape = TraceShape(tokens=tokens, context=tokens if context is None else context, ep=ep, layers=layers,
+                       training=training, comm_sms=comm_sms)
+    if sim_model.shape.num_experts % ep:
+        raise BadInput(f"--ep: {ep} does not divide the model's {sim_model.shape.num_experts} experts")
+    try:
+        profile, fitted = calibrate_from_trace(trace, sim_model, raw_profile(base), shape)
+    except KinetoError as exc:
+        raise BadInput(str(exc)) from None
+    out.write_text(json.dumps(profile, indent=1) + "\n")
+    priced = reproduce(load_profile(out), sim_model, shape)
+    result = {"profile": str(out), "layers": fitted["layers"], "per_layer_us": fitted["per_layer_us"],
+              "priced_us": priced, "training_only_us": fitted["training_only_us"],
+              "unclassed_us": fitted["unclassed_us"]}
+    if as_json:
+        emit_json(result, True)
+        return
+    typer.echo(f"{out}: {base}'s figures with kernel tables fitted on {trace.name} ({fitted['layers']} layer passes "
+               f"of {tokens:,} tokens per device)")
+    typer.echo("per layer pass, us: class  trace  priced back")
+    for name, us in sorted(fitted["per_layer_us"].items(), key=lambda kv: -kv[1]):
+        back = priced.get(name)
+        typer.echo(f"  {name:15s} {us:10.1f}  " + ("(not a kernel table: the profile's links price it)"
+                                                   if back is None else f"{back:10.1f}"))
+    if fitted["training_only_us"]:
+        top = sorted(fitted["training_only_us"].items(), key=lambda kv: -kv[1])
+        typer.echo(f"training only (dropped), {sum(fitted['training_only_us'].values()):,.0f} us a pass: " + "; ".join(
+            f"{name[:60]} {us:,.0f}" for name, us in top[:5]))
+    if fitted["unclassed_us"]:
+        typer.echo(f"unclassed (no rule matched; not priced): {fitted['unclassed_us']:,.0f} us a pass")

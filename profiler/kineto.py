@@ -166,10 +166,11 @@ class Rules:
     _layer_cache: dict = field(default_factory=dict)
 
     @classmethod
-    def load(cls, extra: Path | None = None) -> Rules:
-        """The shipped rules, after a user's file of the same form (its rules first)."""
-        shipped = json.loads(resources.files("moectl.profiler").joinpath("kernel_classes.json").read_text())
-        raw, layers = list(shipped["rules"]), list(shipped["layer_patterns"])
+    def load(cls, extra: Path | None = None, shipped_file: str = "kernel_classes.json") -> Rules:
+        """The shipped rules (`shipped_file`, of profiler/), after a user's file of the same form
+        (its rules first)."""
+        shipped = json.loads(resources.files("moectl.profiler").joinpath(shipped_file).read_text())
+        raw, layers = list(shipped["rules"]), list(shipped.get("layer_patterns") or ())
         if extra is not None:
             try:
                 user = json.loads(Path(extra).read_text())

@@ -117,7 +117,7 @@ class SimulatedEngine:
         self._pending_knobs = config.knobs
         # the all-to-alls are synchronised and priced at the busiest link: one lane for every device's
         self.lanes = [ENGINE_LANE] + [device_lane(d) for d in range(D)] + [ALL_LINKS_LANE]
-        self._span_names = ["attention", "dispatch", "experts", "combine", "lm_head"]
+        self._span_names = ["attention", "dispatch", "experts", "combine", "lm_head", "step_overhead"]
         self._arrived: list[dict] = []
         self._process = psutil.Process()
         self._process_sample: dict | None = None
@@ -348,7 +348,8 @@ class SimulatedEngine:
             "cache": {"kv_blocks_used": int(blocks.sum()), "kv_blocks_total": self.batcher.kv_blocks_total(),
                       "prefix_queries": 0, "prefix_hits": 0, "preemptions": self.batcher.preemptions},
             "process": self._process_memory(), "requests": requests,
-            "spans": self._spans(layers, busy, stall_s, step_s),
+            "spans": self._spans(layers, busy, stall_s, step_s,
+                                 (result["breakdown_ms"]["overhead"] + result["breakdown_ms"]["mtp"]) * 1e-3),
             "devices": {
                 "backend": "simulated", "simulated": True, "tokens": device_rows.round().astype(np.int64).tolist(),
                 "busy_s": busy.tolist(), "link_s": [comm] * D, "link_s_modeled": True,
@@ -379,16 +380,17 @@ class SimulatedEngine:
         return int(self.sim_model.shape.num_sparse * self.spec.placement.slots_per_device
                    * self.sim_model.expert_bytes())
 
-    def _spans(self, layers, busy: np.ndarray, stall_s: float, step_s: float) -> dict:
+    def _spans(self, layers, busy: np.ndarray, stall_s: float, step_s: float, overhead_s: float = 0.0) -> dict:
         """Modeled spans of one step: per MoE layer the slowest device's part before the dispatch
         on the engine lane, each device's expert GEMMs on its lane, the dispatch and combine on
         the one links lane; the dense layers and the LM head on the engine lane; a migration's
-        stall leaves the step's first `stall_s` empty. With two-batch overlap the parts, laid end to
-        end, take longer than the overlapped step: they are scaled to fit it (the model prices the
-        overlap, it does not place the halves' kernels)."""
+        stall leaves the step's first `stall_s` empty; the step's own overhead (`overhead_s`: fixed
+        costs, MTP's draft layers) closes it. With overlap the parts, laid end to end, take longer
+        than the overlapped step (or less, where the halves' floors cost more than overlap hides):
+        they are scaled to fit it (overlap.py schedules the halves'
+        chunks to price the step; the spans show the parts, not that schedule)."""
         D = self.config.devices
-        pre = float((layers.attention + layers.router + layers.shared).max())
-        dense = float((layers.attention + layers.dense).max())
+        pre, dense = layers.pre_moe, layers.dense_layer
         lane, name, layer_ids, start, dur = [], [], [], [], []
         t = stall_s
         device_lanes = np.arange(1, D + 1)
@@ -414,10 +416,14 @@ class SimulatedEngine:
             m += 1
         head = float(layers.lm_head.max())
         lane.append([0]), name.append([4]), layer_ids.append([-1]), start.append([t]), dur.append([head])
+        t += head
+        if overhead_s > 0:  # the step's fixed costs outside the layers (and MTP's draft layers)
+            lane.append([0]), name.append([5]), layer_ids.append([-1]), start.append([t]), dur.append([overhead_s])
+            t += overhead_s
         n = sum(len(x) for x in lane)
         starts, durs = np.concatenate(start).astype(np.float64), np.concatenate(dur).astype(np.float64)
-        laid = t + head - stall_s
-        if laid > step_s - stall_s > 0:  # two-batch overlap hid part of it
+        laid = t - stall_s
+        if laid > 0 and step_s - stall_s > 0 and laid != step_s - stall_s:  # overlap hid part, or its halves cost more
             scale = (step_s - stall_s) / laid
             starts, durs = stall_s + (starts - stall_s) * scale, durs * scale
         return {"lanes": self.lanes, "names": self._span_names,

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
+from moectl.engine.sim.kernel_tables import KernelTables, TableError, parse_tables
+
 
 class ProfileError(ValueError):
     """A hardware profile that cannot be read or lacks a figure; the message names it."""
@@ -76,6 +78,9 @@ class HardwareProfile:
     prompt_token_overhead_us: float = 0.0  # per prompt token: a CPU prefill path's costs beyond its kernels
     sources: dict[str, str] = field(default_factory=dict)
     assumed: tuple[str, ...] = ()  # figures borrowed from another device
+    # kernel cost tables (kernel_tables.py): priced in place of the roofline where given; None:
+    # the roofline alone, which the simulator's output labels
+    kernels: KernelTables | None = None
 
     def peak_tflops(self, dtype: str) -> float:
         """The GEMM peak for `dtype` (fp8 falls back to bf16 on devices without FP8)."""
@@ -96,6 +101,18 @@ class HardwareProfile:
 
 def load_profile(name_or_path: str | Path) -> HardwareProfile:
     """A shipped profile by name (`profile_names()`) or a JSON file of the same form."""
+    key, raw = _read(name_or_path)
+    return _parse(key, raw)
+
+
+def raw_profile(name_or_path: str | Path) -> dict:
+    """A profile's JSON as written (checked: it parses as a profile)."""
+    key, raw = _read(name_or_path)
+    _parse(key, raw)
+    return raw
+
+
+def _read(name_or_path: str | Path) -> tuple[str, dict]:
     text = str(name_or_path)
     if text.lower() in profile_names():
         key = text.lower()
@@ -116,7 +133,7 @@ def load_profile(name_or_path: str | Path) -> HardwareProfile:
         raise ProfileError(f"hardware {key}: not valid JSON ({exc})") from None
     if not isinstance(raw, dict):
         raise ProfileError(f"hardware {key}: top level must be an object")
-    return _parse(key, raw)
+    return key, raw
 
 
 def _parse(key: str, raw: dict) -> HardwareProfile:
@@ -154,11 +171,18 @@ def _parse(key: str, raw: dict) -> HardwareProfile:
                                f"got {value!r}")
         return float(value)
 
-    gemm = efficiency("grouped_gemm")
+    def curve_of(node: dict, name: str) -> Curve:
+        try:
+            return Curve(tuple((float(x), float(y)) for x, y in node.get("points") or ()))
+        except (TypeError, ValueError) as exc:
+            raise ProfileError(f"hardware {key}: {name}.points: {exc}") from None
+
+    curve = curve_of(efficiency("grouped_gemm"), "efficiency.grouped_gemm")
     try:
-        curve = Curve(tuple((float(x), float(y)) for x, y in gemm.get("points") or ()))
-    except (TypeError, ValueError) as exc:
-        raise ProfileError(f"hardware {key}: efficiency.grouped_gemm.points: {exc}") from None
+        tables = parse_tables(key, raw["kernels"], figure, curve_of, figure("gpus_per_node", integer=True),
+                              sources) if "kernels" in raw else None
+    except TableError as exc:
+        raise ProfileError(str(exc)) from None
     bound, attention, a2a = efficiency("memory_bound_gemm"), efficiency("attention_decode"), efficiency("all_to_all")
     latency = a2a.get("latency_us")
     if isinstance(latency, bool) or not isinstance(latency, (int, float)) or latency < 0:
@@ -177,6 +201,6 @@ def _parse(key: str, raw: dict) -> HardwareProfile:
         fp32_tflops=figure("peak_tflops.fp32", optional=True),
         layer_overhead_us=figure("layer_overhead_us", optional=True) or 0.0,
         sequence_overhead_us=figure("sequence_overhead_us", optional=True) or 0.0,
-        prompt_token_overhead_us=figure("prompt_token_overhead_us", optional=True) or 0.0,
+        prompt_token_overhead_us=figure("prompt_token_overhead_us", optional=True) or 0.0, kernels=tables,
         assumed=tuple(sorted(k for k, v in sources.items() if v.lstrip().lower().startswith("assumed"))))
     return profile

@@ -8,17 +8,21 @@ tokens' rows sent to their experts' devices and back by all-to-all (dispatch, co
 experts and dense layers on every device for its own tokens.
 
 Each part's time is a roofline with the profile's achieved efficiencies: a GEMM takes the longer
-of its multiply-accumulates at (peak x grouped-GEMM efficiency at its rows per expert) and its
-weights streamed at (HBM bandwidth x memory-bound efficiency); attention the longer of its core
-work at the BF16 peak and its KV reads at HBM bandwidth, each at the attention kernel's
-efficiencies; an all-to-all its busiest link's bytes at the link's achieved bandwidth plus a
-latency. Expert rows per device come from the routing shares and the placement (replicas share
-an expert's rows evenly). Every device syncs at dispatch and combine, so a layer's expert time
-is its slowest device's; that is where balance shows.
+of its multiply-accumulates at (peak x GEMM efficiency at its rows) and its weights streamed at
+(HBM bandwidth x memory-bound efficiency); attention the longer of its core work at the BF16 peak
+and its KV reads at HBM bandwidth, each at the attention kernel's efficiencies; an all-to-all its
+busiest link's bytes at the link's achieved bandwidth plus a latency. Where the profile has kernel
+tables (kernel_tables.py) they price what a roofline misses: the GEMMs' and attention's
+efficiencies fitted on a real profile, the small ops between the GEMMs, a floor under every
+kernel, the low-latency all-to-all of decode deployments, the SMs a normal-mode all-to-all takes
+from the compute beside it, and a step's fixed time. Expert rows per device come from the routing
+shares and the placement (replicas share an expert's rows evenly). Every device syncs at dispatch
+and combine, so a layer's expert time is its slowest device's; that is where balance shows.
 
-Two-batch overlap splits the batch in two and hides one half's all-to-all behind the other's
-compute, the halves pipelined across layers: a MoE layer takes max(2c, 2m) for one half's compute
-c and communication m, and the pipeline fills once per step (+ min(c, m) of the first layer).
+Overlap (overlap.py) splits the batch into two micro-batches and lays their chunks out on a
+compute and a communication stream in the deployment's order (SGLang's two-batch overlap,
+DeepSeek's five-stage decode); MTP's draft tokens are verified by every layer and counted by
+their acceptance.
 """
 
 from __future__ import annotations
@@ -29,17 +33,20 @@ import numpy as np
 
 from moectl.engine.sim.hardware import HardwareProfile
 from moectl.engine.sim.model_shape import SimModel
+from moectl.engine.sim.overlap import micro_batch_schedule, mtp_tokens_per_step
 from moectl.placement.placement import Placement
 from moectl.placement.placement_file import fit_to_model, model_identity
 
 MAX_SIM_DEVICES = 1024
 PHASES = ("prefill", "decode")
-OVERLAPS = ("none", "two-batch")
+OVERLAPS = ("none", "two-batch", "five-stage")  # overlap.py: two micro-batches, SGLang's or DeepSeek's decode
+COMMS = ("auto", "normal", "low-latency")  # the all-to-all's mode (auto: low-latency in decode where tabled)
 # how expert rows travel: all-to-all (DeepEP, SGLang, vLLM: dispatch to the experts' devices and
 # back) or all-reduce (moectl's ranks: every rank holds every token, computes its experts' rows
 # and the outputs are summed over the ranks)
 EXCHANGES = ("all-to-all", "all-reduce")
-PARTS = ("attention", "router", "dispatch", "expert_gemm", "combine", "shared_dense", "lm_head", "overhead", "idle")
+PARTS = ("attention", "router", "dispatch", "expert_gemm", "combine", "shared_dense", "small_ops", "lm_head", "mtp",
+         "overhead", "idle")
 
 
 @dataclass
@@ -56,6 +63,10 @@ class SimSpec:
     placement: Placement | None = None  # over one EP group's devices; default contiguous
     overlap: str = "none"
     exchange: str = "all-to-all"
+    comm: str = "auto"
+    comm_sms: int | None = None  # normal mode's SMs taken from compute (None: the profile's)
+    mtp_draft: int = 0  # decode: multi-token prediction's draft tokens per step
+    mtp_accept: float = 0.0  # ... each one's acceptance, given the ones before it were accepted
     notes: list[str] = field(default_factory=list)
 
     def __post_init__(self):
@@ -67,6 +78,22 @@ class SimSpec:
             raise ValueError(f"--phase: {self.phase!r} is not one of {', '.join(PHASES)}")
         if self.overlap not in OVERLAPS:
             raise ValueError(f"--overlap: {self.overlap!r} is not one of {', '.join(OVERLAPS)}")
+        if self.comm not in COMMS:
+            raise ValueError(f"--comm: {self.comm!r} is not one of {', '.join(COMMS)}")
+        tables = self.hardware.kernels
+        if self.comm_sms is not None and (isinstance(self.comm_sms, bool) or not isinstance(self.comm_sms, int)
+                                          or tables is None or not tables.device_sms
+                                          or not 0 <= self.comm_sms < tables.device_sms):
+            limit = f"[0, {tables.device_sms:g})" if tables is not None and tables.device_sms else \
+                "a profile with kernels.comm.device_sms"
+            raise ValueError(f"--comm-sms: must be an integer in {limit}, got {self.comm_sms!r}")
+        if isinstance(self.mtp_draft, bool) or not isinstance(self.mtp_draft, int) or not 0 <= self.mtp_draft <= 4:
+            raise ValueError(f"--mtp-draft: must be an integer in [0, 4], got {self.mtp_draft!r}")
+        if isinstance(self.mtp_accept, bool) or not isinstance(self.mtp_accept, (int, float)) \
+                or not 0 <= self.mtp_accept <= 1:
+            raise ValueError(f"--mtp-accept: must be a fraction in [0, 1], got {self.mtp_accept!r}")
+        if self.mtp_draft and self.phase != "decode":
+            raise ValueError("--mtp-draft: multi-token prediction is a decode option")
         if self.exchange not in EXCHANGES:
             raise ValueError(f"exchange: {self.exchange!r} is not one of {', '.join(EXCHANGES)}")
         if not isinstance(self.tp, int) or self.tp < 1 or self.devices % self.tp or m.num_heads % self.tp:
@@ -126,16 +153,27 @@ class Roofline:
         self.bf16 = hw.peak_tflops("fp32" if model.gemm_dtype == "fp32" else "bf16") * 1e12
         self.hbm = hw.need("hbm_gbps") * 1e9
 
-    def gemms(self, rows, macs_per_row: float, weight_bytes: float, bf16: bool = False) -> np.ndarray:
+    def gemms(self, rows, macs_per_row: float, weight_bytes: float, bf16: bool = False,
+              dense: bool = False, kernels: int = 0) -> np.ndarray:
         """One GEMM per entry of `rows` (0 rows cost nothing). Rows may be an expectation below 1
         (an expert's share of a small batch): its weights are then streamed only when it is hit,
-        with probability 1 - exp(-rows)."""
+        with probability 1 - exp(-rows). dense: a projection's GEMM, at the kernel tables'
+        dense-GEMM efficiency where the profile has one; kernels: the launches it takes, each at
+        least the tables' kernel floor (0: no floor, the grouped GEMM's experts, floored per
+        device by the caller)."""
         rows = np.asarray(rows, dtype=np.float64)
         safe = np.maximum(rows, 1e-12)
         peak = self.bf16 if bf16 else self.peak
-        compute = 2 * safe * macs_per_row / (peak * self.hw.grouped_gemm.at_many(safe))
+        tables = self.hw.kernels
+        curve = self.hw.grouped_gemm
+        if tables is not None and (tables.dense_gemm if dense else tables.grouped_gemm) is not None:
+            curve = tables.dense_gemm if dense else tables.grouped_gemm
+        compute = 2 * safe * macs_per_row / (peak * curve.at_many(safe))
         stream = weight_bytes * -np.expm1(-safe) / (self.hbm * self.hw.memory_bound_gemm)
-        return np.where(rows > 0, np.maximum(compute, stream), 0.0)
+        seconds = np.maximum(compute, stream)
+        if kernels and tables is not None:
+            seconds = np.maximum(seconds, kernels * tables.kernel_floor_us * 1e-6)
+        return np.where(rows > 0, seconds, 0.0)
 
     def gemm(self, rows: float, macs_per_row: float, weight_bytes: float, bf16: bool = False) -> float:
         return float(self.gemms(rows, macs_per_row, weight_bytes, bf16))
@@ -196,17 +234,18 @@ def uniform_load(spec: SimSpec, tokens_per_device: int | None = None) -> StepLoa
     shape, tp = spec.model.shape, spec.tp
     T = spec.tokens_per_device if tokens_per_device is None else tokens_per_device
     groups = spec.ep // tp
-    group_tokens = float(T * tp)
     decode = spec.phase == "decode"
+    verified = 1 + spec.mtp_draft if decode else 1  # MTP: each sequence verifies its draft tokens too
+    group_tokens = float(T * tp * verified)
     sequences = group_tokens if decode else max(1.0, group_tokens / spec.context)
     windows, _ = window_classes(shape)
     keys = np.array([_capped(spec.context, w) for w in windows], dtype=np.float64)[:, None] * np.ones(groups)
-    if decode:
-        decode_keys, prefill_keys, reads = group_tokens * keys, 0 * keys, group_tokens * keys
+    if decode:  # the KV cache is read once per sequence, however many tokens it verifies
+        decode_keys, prefill_keys, reads = group_tokens * keys, 0 * keys, group_tokens / verified * keys
     else:  # causal: each prompt token over half its prompt on average
         decode_keys, prefill_keys, reads = 0 * keys, group_tokens * keys / 2, sequences * keys
     ones = np.ones(groups)
-    pairs = spec.routing * (T * spec.ep * shape.top_k)
+    pairs = spec.routing * (T * verified * spec.ep * shape.top_k)
     return StepLoad(group_tokens * ones, sequences * ones, decode_keys, prefill_keys, reads, pairs,
                     0 * ones if decode else group_tokens * ones)
 
@@ -214,7 +253,8 @@ def uniform_load(spec: SimSpec, tokens_per_device: int | None = None) -> StepLoa
 @dataclass
 class LayerTimes:
     """One load's per-part seconds: per device the parts every layer has (attention, router,
-    shared, dense, LM head), and per MoE layer its slowest device's expert GEMMs and all-to-alls."""
+    shared, dense, LM head, the small ops before the dispatch), and per MoE layer its slowest
+    device's expert work (grouped GEMMs and the small ops around them) and all-to-alls."""
     attention: np.ndarray  # [D] per layer
     router: np.ndarray
     shared: np.ndarray
@@ -227,11 +267,25 @@ class LayerTimes:
     rows: np.ndarray  # [MoE layers, devices] expert rows
     layer_expert: np.ndarray  # [MoE layers, devices] expert seconds
     active: np.ndarray  # [MoE layers, devices] experts hit, as the cost model counts them (min(1, rows) a slot)
+    small_moe: np.ndarray | None = None  # [D] a MoE layer's small ops before its dispatch (kernel tables)
+    small_dense: np.ndarray | None = None  # [D] a dense layer's small ops
+    attention_core: np.ndarray | None = None  # [D] of `attention`, the core (the rest: projections)
+    small_expert: np.ndarray | None = None  # [MoE layers, D] of `layer_expert`, the small ops around the experts
+
+    def __post_init__(self):
+        zeros = np.zeros_like(self.attention)
+        self.small_moe = zeros if self.small_moe is None else self.small_moe
+        self.small_dense = zeros if self.small_dense is None else self.small_dense
+        self.attention_core = zeros if self.attention_core is None else self.attention_core
 
     @property
     def pre_moe(self) -> float:
         """A MoE layer's part before its dispatch, the slowest device's: every device syncs there."""
-        return float((self.attention + self.router + self.shared).max())
+        return float((self.attention + self.router + self.shared + self.small_moe).max())
+
+    @property
+    def dense_layer(self) -> float:
+        return float((self.attention + self.dense + self.small_dense).max())
 
     @property
     def moe_compute(self) -> list[float]:
@@ -255,10 +309,20 @@ def allreduce_seconds(spec: SimSpec, nbytes: float) -> float:
     return 2 * (D - 1) / D * nbytes / bandwidth + 2 * 2 * (D - 1) * hw.a2a_latency_us * 1e-6
 
 
+def comm_mode(spec: SimSpec) -> str:
+    """The all-to-all `spec` runs: its --comm, or by phase (decode: low-latency where the profile
+    has the mode's table; else normal)."""
+    if spec.comm != "auto":
+        return spec.comm
+    tables = spec.hardware.kernels
+    return "low-latency" if spec.phase == "decode" and tables is not None and tables.low_latency is not None \
+        else "normal"
+
+
 def layer_times(spec: SimSpec, load: StepLoad) -> LayerTimes:
     """Per-part seconds of `load`, for one expert-parallel group (every group runs alike)."""
     m, hw, D, tp = spec.model, spec.hardware, spec.ep, spec.tp
-    shape, roof = m.shape, Roofline(m, hw)
+    shape, roof, tables = m.shape, Roofline(m, hw), hw.kernels
     group_of = np.arange(D) // tp
     T = load.tokens[group_of] / tp  # each device's tokens in the MoE layers
 
@@ -267,20 +331,29 @@ def layer_times(spec: SimSpec, load: StepLoad) -> LayerTimes:
     windows, weight = window_classes(shape)
     macs_decode, kv_per_key = m.attention_core(tp, 1, True)
     macs_prefill, _ = m.attention_core(tp, 1, False)
-    compute = 2 * (load.decode_keys * macs_decode + load.prefill_keys * macs_prefill) \
-        / (roof.bf16 * hw.attention_compute)
+    prefill_compute = tables.attention_prefill if tables is not None and tables.attention_prefill else \
+        hw.attention_compute
+    compute = 2 * load.decode_keys * macs_decode / (roof.bf16 * hw.attention_compute) \
+        + 2 * load.prefill_keys * macs_prefill / (roof.bf16 * prefill_compute)
     reads = load.kv_reads * kv_per_key / (roof.hbm * hw.attention_bandwidth)
     core = (np.maximum(compute, reads) * weight[:, None]).sum(0)  # the layers' mean
-    attention = roof.gemms(load.tokens, m.attention_projection_macs(tp), m.attention_weight_bytes(tp)) + core
+    if tables is not None:
+        core = np.where(load.tokens > 0, np.maximum(core, tables.kernel_floor_us * 1e-6), 0.0)
+    projections = 5 if shape.attention == "mla" else 2  # MLA: q_a, q_b, kv_a, kv_b, o; else qkv, o
+    attention = roof.gemms(load.tokens, m.attention_projection_macs(tp), m.attention_weight_bytes(tp), dense=True,
+                           kernels=projections) + core
     if tp > 1:
         attention = attention + roof.links(2 * (tp - 1) / tp * load.tokens * shape.hidden_size * m.high_bytes,
                                            0 * load.tokens)
-    attention = attention[group_of]
+    attention, core = attention[group_of], core[group_of]
     # the router, embeddings and LM head stay BF16 in fp8 and mxfp4 checkpoints
-    router = roof.gemms(T, m.router_macs(), m.part_bytes("router"), bf16=True)
-    shared = roof.gemms(T, m.shared_macs(), m.part_bytes("shared"))
-    dense = roof.gemms(T, m.dense_macs(), m.part_bytes("dense"))
-    lm_head = roof.gemms(load.sequences[group_of] / tp, m.head_macs(), m.head_macs() * m.high_bytes, bf16=True)
+    router = roof.gemms(T, m.router_macs(), m.part_bytes("router"), bf16=True, dense=True, kernels=1)
+    shared = roof.gemms(T, m.shared_macs(), m.part_bytes("shared"), dense=True, kernels=2)
+    dense = roof.gemms(T, m.dense_macs(), m.part_bytes("dense"), dense=True, kernels=2)
+    lm_head = roof.gemms(load.sequences[group_of] / tp, m.head_macs(), m.head_macs() * m.high_bytes, bf16=True,
+                         dense=True, kernels=1)
+    small_moe = tables.small_seconds(T, moe=True, side="pre") if tables is not None else None
+    small_dense = tables.small_seconds(T, moe=False) if tables is not None else None
 
     # -- MoE layers: rows per device from the routed pairs and the placement, then the all-to-alls
     node_of = np.arange(D) // hw.gpus_per_node
@@ -292,19 +365,28 @@ def layer_times(spec: SimSpec, load: StepLoad) -> LayerTimes:
     off_node_tokens = T.sum() - np.bincount(node_of, weights=T, minlength=nodes)  # [nodes]
     exchange_s = allreduce_seconds(spec, float(load.tokens.max()) * shape.top_k * shape.hidden_size * m.high_bytes) \
         if spec.exchange == "all-reduce" else 0.0
-    expert, dispatch, combine, rows_all, seconds_all, active_all = [], [], [], [], [], []
+    low_latency = comm_mode(spec) == "low-latency"
+    if low_latency and (tables is None or tables.low_latency is None):
+        raise ValueError(f"--comm low-latency: hardware {hw.key} has no low-latency all-to-all table "
+                         f"(kernels.comm.low_latency)")
+    floor = tables.kernel_floor_us * 1e-6 if tables is not None else 0.0
+    expert, dispatch, combine, rows_all, seconds_all, active_all, small_all = [], [], [], [], [], [], []
     device_expert = np.zeros(D)
     for layer in range(shape.num_sparse):
         slots = spec.placement.slots[layer]  # [D, S] expert ids, -1 empty
         replicas = np.bincount(slots[slots >= 0], minlength=shape.num_experts)
         per_replica = load.pairs[layer] / np.maximum(replicas, 1)  # replicas share an expert's rows
         rows = np.where(slots >= 0, per_replica[np.maximum(slots, 0)], 0.0)  # [D, S]
+        per_device = rows.sum(1)
         seconds = roof.gemms(rows, m.expert_macs(), m.expert_bytes()).sum(1)
+        if tables is not None:  # the grouped GEMM's two launches and the small ops on the rows received
+            small = tables.small_seconds(per_device / shape.top_k, moe=True, side="expert")
+            seconds = np.where(per_device > 0, np.maximum(seconds, 2 * floor), 0.0) + small
+            small_all.append(small)
         device_expert += seconds
         seconds_all.append(seconds)
         active_all.append(np.minimum(rows, 1.0).sum(1))  # the cost model's count (replica_policy.slots_work)
         expert.append(float(seconds.max()))
-        per_device = rows.sum(1)
         rows_all.append(per_device)
         total = per_device.sum()
         to_device = per_device / total if total > 0 else np.zeros(D)
@@ -312,22 +394,31 @@ def layer_times(spec: SimSpec, load: StepLoad) -> LayerTimes:
         sent = np.outer(T * shape.top_k, to_device)
         np.fill_diagonal(sent, 0.0)
         intra = np.maximum((sent * same_node).sum(1), (sent * same_node).sum(0))
-        # across nodes a token's rows travel once per remote node its choices hit (DeepEP's
-        # node-level dedup); a device's NIC carries the more of what it sends and what it
-        # receives (a hot node's NICs receive from every other node's devices)
-        node_share = np.bincount(node_of, weights=to_device, minlength=nodes)
-        hit = 1 - (1 - node_share) ** shape.top_k
         if spec.exchange == "all-reduce":  # no dispatch: the outputs' all-reduce and the wait probe
             dispatch.append(0.0)
             combine.append(exchange_s)
             continue
+        if low_latency:  # a copy per chosen expert, none deduplicated: every row off the node crosses the NIC
+            inter = np.maximum((sent * ~same_node).sum(1), (sent * ~same_node).sum(0)) if nodes > 1 else np.zeros(D)
+            nvlink = hw.need("intra_node_gbps") * hw.a2a_intra_node
+            dispatch.append(float(tables.low_latency.seconds(intra * dispatch_bytes, inter * dispatch_bytes, nvlink,
+                                                             "dispatch").max()))
+            combine.append(float(tables.low_latency.seconds(intra * combine_bytes, inter * combine_bytes, nvlink,
+                                                            "combine").max()))
+            continue
+        # normal mode: across nodes a token's rows travel once per remote node its choices hit
+        # (DeepEP's node-level dedup); a device's NIC carries the more of what it sends and what it
+        # receives (a hot node's NICs receive from every other node's devices)
+        node_share = np.bincount(node_of, weights=to_device, minlength=nodes)
+        hit = 1 - (1 - node_share) ** shape.top_k
         inter = np.maximum(T * (hit.sum() - hit[node_of]), off_node_tokens[node_of] * hit[node_of] / hw.gpus_per_node) \
             if nodes > 1 else np.zeros(D)
         dispatch.append(float(roof.links(intra * dispatch_bytes, inter * dispatch_bytes).max()))
         combine.append(float(roof.links(intra * combine_bytes, inter * combine_bytes).max()))
     return LayerTimes(attention, router, shared, dense, lm_head, expert, dispatch, combine, device_expert,
                       np.array(rows_all).reshape(shape.num_sparse, D), np.array(seconds_all).reshape(shape.num_sparse, D),
-                      np.array(active_all).reshape(shape.num_sparse, D))
+                      np.array(active_all).reshape(shape.num_sparse, D), small_moe, small_dense, core,
+                      np.array(small_all).reshape(shape.num_sparse, D) if small_all else None)
 
 
 def simulate(spec: SimSpec, load: StepLoad | None = None, detail: bool = False) -> dict:
@@ -338,37 +429,49 @@ def simulate(spec: SimSpec, load: StepLoad | None = None, detail: bool = False) 
     load = uniform_load(spec) if load is None else load
     groups = spec.devices // spec.ep
     full = layer_times(spec, load)
-    overlapped = spec.overlap == "two-batch" and load.tokens.max() > 1
+    tables = hw.kernels
+    overlapped = spec.overlap != "none" and load.tokens.max() > 1
+    slowdown, held = 1.0, 0.0
     if overlapped:
         half = layer_times(spec, load.half())
-        # the halves pipeline across layers: each layer takes the longer of both halves' compute
-        # and both halves' all-to-alls; the pipeline fills once per step
-        moe_layers = [max(2 * c, 2 * mm) for c, mm in zip(half.moe_compute, half.moe_comm)]
-        if moe_layers:
-            moe_layers[0] += min(half.moe_compute[0], half.moe_comm[0])
+        if comm_mode(spec) == "normal" and spec.exchange == "all-to-all" and tables is not None:
+            sms = tables.comm_sms if spec.comm_sms is None else spec.comm_sms
+            slowdown = 1 / max(1e-3, 1 - sms / tables.device_sms) if tables.device_sms else 1.0
+        elif comm_mode(spec) == "low-latency":
+            held = tables.low_latency.sm_share
+        sync_s = (tables.stage_sync_us if tables is not None else 0.0) * 1e-6
+        moe_layers = micro_batch_schedule(half, spec.overlap, slowdown, sync_s, held)
+        dense_s, head_s = 2 * half.dense_layer, 2 * float(half.lm_head.max())
     else:
         moe_layers = [c + mm for c, mm in zip(full.moe_compute, full.moe_comm)]
+        dense_s, head_s = full.dense_layer, float(full.lm_head.max())
+    # MTP: the draft module (one layer like the model's MoE layers) runs once per draft token
+    mtp_s = spec.mtp_draft * float(np.mean(moe_layers)) if spec.mtp_draft and moe_layers else 0.0
     # a calibrated profile's costs beyond the kernels: per layer, and per sequence sampled (the
     # busiest attention group's); 0 in the GPU profiles, which have no sourced figure for them
     overhead = (shape.num_layers * hw.layer_overhead_us + float(load.sequences.max()) * hw.sequence_overhead_us
-                + float(load.prefill.max()) * hw.prompt_token_overhead_us) * 1e-6
-    step = float(sum(moe_layers) + shape.num_dense * (full.attention + full.dense).max() + full.lm_head.max()
-                 + overhead)
+                + float(load.prefill.max()) * hw.prompt_token_overhead_us
+                + (tables.step_fixed_us if tables is not None else 0.0)) * 1e-6
+    step = float(sum(moe_layers) + shape.num_dense * dense_s + head_s + mtp_s + overhead)
     comm = sum(full.dispatch) + sum(full.combine)
-    busy = shape.num_layers * full.attention + shape.num_sparse * (full.router + full.shared) \
-        + shape.num_dense * full.dense + full.lm_head + full.device_expert + overhead  # [D]
+    busy = shape.num_layers * full.attention + shape.num_sparse * (full.router + full.shared + full.small_moe) \
+        + shape.num_dense * (full.dense + full.small_dense) + full.lm_head + full.device_expert + overhead  # [D]
     # the mean device's step: its own work, the links, and its wait for the slowest device (at
     # every layer's dispatch and combine); without overlap the parts add up to the step
     parts = {
         "attention": shape.num_layers * full.attention.mean(), "router": shape.num_sparse * full.router.mean(),
         "dispatch": sum(full.dispatch), "expert_gemm": full.device_expert.mean(), "combine": sum(full.combine),
         "shared_dense": shape.num_sparse * full.shared.mean() + shape.num_dense * full.dense.mean(),
-        "lm_head": full.lm_head.mean(), "overhead": overhead,
+        "small_ops": shape.num_sparse * full.small_moe.mean() + shape.num_dense * full.small_dense.mean(),
+        "lm_head": full.lm_head.mean(), "mtp": mtp_s, "overhead": overhead,
     }
     unhidden = max(0.0, sum(full.moe_compute) + sum(full.moe_comm) - sum(moe_layers))
-    parts["idle"] = max(0.0, step + unhidden - comm - busy.mean())
+    parts["idle"] = max(0.0, step + unhidden - comm - busy.mean() - mtp_s)
     balancedness = [r.mean() / r.max() for r in full.rows if r.max() > 0]
     tokens = float(load.tokens.sum()) * groups
+    if spec.phase == "decode" and spec.mtp_draft:  # each sequence's accepted tokens, not its verified ones
+        tokens = float(load.sequences.sum()) * groups * mtp_tokens_per_step(spec.mtp_draft, spec.mtp_accept) \
+            / (1 + spec.mtp_draft)
     return {
         "simulated": True, "phase": spec.phase, "step_ms": step * 1e3,
         "tokens_per_s": tokens / step, "tokens_per_s_per_device": tokens / step / D,
@@ -378,6 +481,7 @@ def simulate(spec: SimSpec, load: StepLoad | None = None, detail: bool = False) 
         "balancedness": float(np.mean(balancedness)) if balancedness else 1.0,
         "breakdown_ms": {k: float(v) * 1e3 for k, v in parts.items()},
         "overlap_hidden_ms": float(unhidden) * 1e3 if overlapped else 0.0,
+        "comm": comm_mode(spec), "kernel_tables": tables is not None,
         **({"detail": {"busy_s": busy, "rows": full.rows, "layers": full, "step_s": step}} if detail else {}),
     }
 

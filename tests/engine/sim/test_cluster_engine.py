@@ -249,3 +249,21 @@ def test_a_simulated_cluster_with_no_spare_slot_plans_by_swaps():
     p = e.experts.preview().prediction
     assert p["model"].startswith("cost model fitted on the simulated steps") and "acts" in p
     assert p["parts"]["routing_s"] == [0.0, 0.0]  # no slot for a replica, so no replica to route
+
+
+def test_the_seeds_card_and_the_five_stage_schedule_run_as_a_simulated_cluster():
+    for kw, hardware in (({"hardware": "mtt-s5000"}, "Moore Threads MTT S5000"), ({"overlap": "five-stage"},
+                                                                                  "NVIDIA H800 SXM5")):
+        e = engine(devices=16, routing="balanced", **kw)
+        workload = SimWorkload(DemoLoad(rate="auto", prompt_len="64-256", output_len="8-16"), seed=1)
+        records: list[dict] = []
+        e.add_listener(on_step=lambda s: records.append(s.as_record()))
+        while len(records) < 20:
+            workload.feed(e)
+            if e.has_unfinished():
+                e.step()
+        assert engine_header(e)["simulated"]["hardware"] == hardware
+        for rec in records:
+            assert rec["simulated"] and rec["t_end"] > rec["t_start"]
+            ends = rec["spans"]["start_s"] + rec["spans"]["dur_s"]
+            assert ends.max() == pytest.approx(rec["t_end"] - rec["t_start"], rel=1e-6)

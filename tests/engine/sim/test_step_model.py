@@ -5,6 +5,7 @@ published configs all run, and bad input is one line with exit code 2."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -65,7 +66,7 @@ def test_two_batch_overlap_hides_communication():
 
 
 def test_the_roofline_by_hand():
-    roof = Roofline(DSV3, H800)
+    roof = Roofline(DSV3, replace(H800, kernels=None))  # the peaks and efficiencies alone
     # a few rows stream the weights: bytes over (HBM x the memory-bound efficiency)
     assert roof.gemm(64, 1e3, 1e9) == pytest.approx(1e9 / (3350e9 * 0.66))
     # an expert expecting 0.5 rows is hit with probability 1 - exp(-0.5): so much of its weights
@@ -122,6 +123,13 @@ def test_a_trace_routes_the_simulation_and_the_human_output_says_simulated():
 
 @pytest.mark.parametrize("args, message", [
     (["--devices", "2000"], "--devices: must be an integer in [1, 1024]"),
+    (["--devices", "16", "--comm", "fast"], "--comm: 'fast' is not one of"),
+    (["--devices", "16", "--comm-sms", "200"], "--comm-sms: must be an integer in [0, 132)"),
+    (["--devices", "16", "--mtp-draft", "9"], "--mtp-draft: must be an integer in [0, 4]"),
+    (["--devices", "16", "--mtp-accept", "1.5"], "--mtp-accept: must be a fraction"),
+    (["--devices", "16", "--phase", "prefill", "--mtp-draft", "1"], "--mtp-draft: multi-token prediction is a decode"),
+    (["--devices", "16", "--overlap", "three"], "--overlap: 'three' is not one of"),
+    (["--devices", "16", "--hardware", "mtt-s5000", "--comm", "low-latency"], "has no low-latency all-to-all table"),
     (["--devices", "16", "--redundant", "-1"], "--redundant"),
     (["--devices", "16", "--tp", "3"], "--tp: 3 must divide"),
     (["--devices", "16", "--tp", "2", "--dp-attention"], "--dp-attention"),
@@ -151,11 +159,13 @@ def test_the_validation_bench_predicts_every_published_case_from_sourced_inputs(
     assert [r["case"] for r in rows] == [c[0] for c in CASES]
     for row in rows:
         assert row["source"].strip() and row["published_per_node"] > 0
-        for variant in ("balanced", "balanced_two_batch", "recorded_eplb", "recorded_eplb_two_batch"):
+        for variant in ("deployed", "deployed_recorded_eplb", "no_overlap", "roofline_only"):
             got = row[variant]
             assert got["predicted_per_node"] > 0
             assert got["error"] == pytest.approx(got["predicted_per_node"] / row["published_per_node"] - 1)
-    assert rows[0]["recorded_eplb"]["balancedness"] < 1.0  # recorded routing is not balanced, even under EPLB
+        # decode deployments run DeepEP's low-latency all-to-all, prefill its normal one
+        assert row["deployed"]["comm"] == ("low-latency" if row["phase"] == "decode" else "normal")
+    assert rows[0]["deployed_recorded_eplb"]["balancedness"] < 1.0  # recorded routing is not balanced, even under EPLB
 
 
 def test_the_array_roofline_is_the_scalar_one():
