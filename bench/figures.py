@@ -305,16 +305,21 @@ def sim_step(r: dict) -> list[tuple[str, str]]:
              f"{r['target_steps_per_s']}: {_met(r['steps_per_s'] >= r['target_steps_per_s'])})")]
 
 
+def _range(pair) -> str:
+    low, high = pair
+    return f"{low:+.1%}" if low == high else f"{low:+.0%}..{high:+.0%}"
+
+
 def _sim_validation_parts(r: dict) -> tuple[str, str, str]:
     n, t = len(r["cases"]), r["target"]
     errors = [c["deployed"]["error"] for c in r["cases"]]
     within = r["deployed"]["within_target"]
     cases = (f"{min(errors):+.0%} to {max(errors):+.0%} per node (median miss {_pct(r['deployed']['median_abs_error'])}; "
              f"{within} of {n} within {t:.0%}: {_met(within == n)})")
-    ablation = ", ".join(f"{a['predicted_gain']:+.0%} vs {a['published_gain']:+.1%} at {a['tokens_per_device']}"
+    ablation = "; ".join(f"{a['case']}: {a['predicted_gain']:+.0%} vs {_range(a['published_gain'])}"
                          for a in r["ablation"])
-    ab = (f"SGLang's two-batch-overlap ablation {ablation} tokens/GPU ({r['ablation_within']} of {len(r['ablation'])} "
-          f"within {r['ablation_target_points']:.0f} points: {_met(r['ablation_within'] == len(r['ablation']))})")
+    ab = (f"SGLang's two-batch-overlap ablation: {ablation} ({r['ablation_within']} of {len(r['ablation'])} within "
+          f"{r['ablation_target_points']:.0f} points: {_met(r['ablation_within'] == len(r['ablation']))})")
     held = "; ".join(f"held out, {h['case']}: {h['deployed']['error']:+.0%}" for h in r["held_out"])
     return cases, ab, held
 

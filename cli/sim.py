@@ -60,8 +60,8 @@ def sim(
                                                           "all-to-all behind the other's compute, as a schedule."),
     comm: str = typer.Option("auto", "--comm", help="The all-to-all: auto (decode low-latency where the profile has "
                                                     "its table, else normal) | normal | low-latency."),
-    comm_sms: int | None = typer.Option(None, "--comm-sms", help="Normal mode's SMs taken from compute while it runs "
-                                                                 "(default: the profile's)."),
+    comm_sms: int | None = typer.Option(None, "--comm-sms", help="With --overlap, normal mode's SMs, taken from "
+                                                                 "compute for the step (default: the profile's)."),
     mtp_draft: int = typer.Option(0, "--mtp-draft", help="decode: multi-token prediction's draft tokens a step."),
     mtp_accept: float = typer.Option(0.0, "--mtp-accept", help="decode: each draft token's acceptance (0-1)."),
     dtype: str | None = typer.Option(None, "--dtype", help="bf16 | fp8: the GEMMs' and weights' dtype (default: "
@@ -243,7 +243,7 @@ def _calibrate_from_trace(out: Path, trace: Path, model: Path | None, base: str 
                           as_json: bool) -> None:
     import json
 
-    from moectl.engine.sim.hardware import load_profile, raw_profile
+    from moectl.engine.sim.hardware import parse_profile, raw_profile
     from moectl.engine.sim.model_shape import load_sim_model
     from moectl.profiler.kineto import KinetoError
     from moectl.profiler.trace_calibration import TraceShape, calibrate_from_trace, reproduce
@@ -256,14 +256,18 @@ def _calibrate_from_trace(out: Path, trace: Path, model: Path | None, base: str 
     sim_model = load_sim_model(model_dir(model, config_file=True))
     shape = TraceShape(tokens=tokens, context=tokens if context is None else context, ep=ep, layers=layers,
                        training=training, comm_sms=comm_sms)
+    if shape.context > sim_model.shape.max_position_embeddings:
+        raise BadInput(f"--context: must be in [1, {sim_model.shape.max_position_embeddings}] (the model's "
+                       f"max_position_embeddings), got {shape.context}")
     if sim_model.shape.num_experts % ep:
         raise BadInput(f"--ep: {ep} does not divide the model's {sim_model.shape.num_experts} experts")
     try:
         profile, fitted = calibrate_from_trace(trace, sim_model, raw_profile(base), shape)
     except KinetoError as exc:
         raise BadInput(str(exc)) from None
+    # checked before it is written: it reads back as a profile and prices the trace's layer
+    priced = reproduce(parse_profile(out.stem, profile), sim_model, shape)
     out.write_text(json.dumps(profile, indent=1) + "\n")
-    priced = reproduce(load_profile(out), sim_model, shape)
     result = {"profile": str(out), "layers": fitted["layers"], "per_layer_us": fitted["per_layer_us"],
               "priced_us": priced, "training_only_us": fitted["training_only_us"],
               "unclassed_us": fitted["unclassed_us"]}

@@ -49,6 +49,7 @@ class ConsoleState:
         # a simulated cluster (engine/sim): every figure is the step model's, on a simulated clock
         self.simulated = header.get("clock") == "simulated" or self.backend == "simulated"
         self.hardware = (header.get("simulated") or {}).get("hardware")
+        self.sim_pricing = (header.get("simulated") or {}).get("pricing")  # "kernel tables" or "roofline only"
         self.expert_bytes = devices.get("expert_bytes")
         self.redundant_slots = devices.get("redundant_slots") or 0
         self.recorded_placement = Placement.from_dict(devices["placement"]) if devices.get("placement") else None

@@ -17,8 +17,8 @@ at the trace's tokens per pass:
   card's floor: a class whose kernels all ran long at the trace's tokens shows no floor of its
   own) and the rest of its time per token (kernel_tables.SmallOp: exact at the trace's tokens).
 Compute that ran beside an all-to-all holding SMs (--comm-sms: DeepEP's normal mode) ran on the
-rest of the card: its times are scaled to the whole card's (times x (1 - comm SMs / the card's)),
-so that step_model takes the deployment's own SMs away again.
+rest of the card: its times above the floors are scaled to the whole card's (times x (1 - comm
+SMs / the card's)), so that step_model takes the deployment's own SMs away again.
 
 A training trace (--training) runs the forward's kernels and the backward's: kernels that exist
 only in training (classed training_only: weight gradients, backward kernels, their casts and
@@ -75,8 +75,8 @@ def class_times(trace: Path, training: bool) -> dict:
     """Per class: summed seconds, kernel count and kernel durations of the trace's first rank;
     the training-only kernels' names and time; what no rule classed."""
     rules = Rules.load(shipped_file=RULES_FILE)
-    try:
-        ranks = read_ranks(trace_files(trace), rules)
+    try:  # one rank's trace is the card's (a folder's first file)
+        ranks = read_ranks(trace_files(trace)[:1], rules)
     except OSError as exc:
         raise CalibrationError(f"--from-trace: cannot read {trace} ({exc.strerror or exc})") from None
     if not ranks:
@@ -112,7 +112,7 @@ def _curve_through(points: list, rows: float, efficiency: float) -> list:
 def calibrate_from_trace(trace: Path, model, base: dict, shape: TraceShape) -> tuple[dict, dict]:
     """(the profile JSON: `base` with the trace's kernel tables, the per-layer class times it was
     fitted on). `model`: engine.sim.model_shape.SimModel; `base`: a profile's raw JSON."""
-    from moectl.engine.sim.hardware import _parse
+    from moectl.engine.sim.hardware import parse_profile
 
     found = class_times(Path(trace), shape.training)
     classes = found["classes"]
@@ -124,19 +124,20 @@ def calibrate_from_trace(trace: Path, model, base: dict, shape: TraceShape) -> t
         if needed not in classes:
             raise CalibrationError(f"--from-trace: {trace} has no {needed.replace('_', ' ')} kernels: not a trace of "
                                    f"a MoE model's layers (calibration_classes.json names what is looked for)")
-    profile = _parse("base", base)
+        if classes[needed]["seconds"] <= 0:
+            raise CalibrationError(f"--from-trace: {trace}'s {needed.replace('_', ' ')} kernels take no time")
+    profile = parse_profile("base", base)
     halved = set(json.loads(resources.files("moectl.profiler").joinpath(RULES_FILE).read_text())["halved_in_training"]) \
         if shape.training else set()
-    device_sms = (base.get("kernels") or {}).get("comm", {}).get("device_sms")
+    device_sms = ((base.get("kernels") or {}).get("comm") or {}).get("device_sms")
     if shape.comm_sms and not device_sms:
         raise CalibrationError("--comm-sms: the base profile gives no kernels.comm.device_sms to scale by")
     # compute that ran beside an all-to-all holding SMs had the rest of them: what the whole card does
     full_card = 1 - shape.comm_sms / device_sms if shape.comm_sms else 1.0
     if full_card <= 0:
         raise CalibrationError(f"--comm-sms: {shape.comm_sms} is not fewer than the card's {device_sms} SMs")
-    per_layer = {name: c["seconds"] / layers * (0.5 if name in halved else 1.0) * (1.0 if name == "all_to_all"
-                                                                                    else full_card)
-                 for name, c in classes.items()}
+    traced = {name: c["seconds"] / layers * (0.5 if name in halved else 1.0) for name, c in classes.items()}
+    per_layer = {name: t * (1.0 if name == "all_to_all" else full_card) for name, t in traced.items()}
     m, T = model, shape.tokens
     sh = m.shape
     peak = profile.peak_tflops(m.gemm_dtype) * 1e12
@@ -150,20 +151,22 @@ def calibrate_from_trace(trace: Path, model, base: dict, shape: TraceShape) -> t
     for label, value in (("grouped GEMM", grouped_eff), ("dense GEMM", dense_eff), ("attention", attention_eff)):
         if not 0 < value <= 1:
             raise CalibrationError(f"{label}: the trace's time gives {value:.2f} of the base profile's peak at "
-                                   f"--tokens {T} (above 1: the tokens, --layers or --ep do not match the trace)")
-    durations = [classes[name]["durations"] for name in SMALL_OP_CLASSES if name in classes]
-    # the card's floor: its shortest kernels' time; a class whose kernels all ran long at the trace's
-    # tokens shows none of its own, so its floor is the card's
-    card_floor = float(np.percentile(np.concatenate(durations), FLOOR_PERCENTILE)) * 1e6 * full_card \
-        if durations else 0.0
+                                   f"--tokens {T} (above 1: --tokens, --context, --layers or --ep do not match the trace)")
+    # floors from the kernels that ran: a copy engine's zero-length memset or a duration under the
+    # trace's microsecond quantum says nothing about a launch. Not scaled by --comm-sms: a launch
+    # and its tail take as long with fewer SMs
+    durations = [d[d > 0] for d in (classes[name]["durations"] for name in SMALL_OP_CLASSES if name in classes)]
+    durations = [d for d in durations if len(d)]
+    card_floor = float(np.percentile(np.concatenate(durations), FLOOR_PERCENTILE)) * 1e6 if durations else 0.0
     small = {}
     for name in SMALL_OP_CLASSES:
         c = classes.get(name)
-        if c is None:
+        ran = c["durations"][c["durations"] > 0] if c is not None else ()
+        if c is None or not len(ran):
             continue
         kernels = c["kernels"] / layers * (0.5 if name in halved else 1.0)
-        floor_us = min(float(c["durations"].min()) * 1e6 * full_card, card_floor)
-        rest_us = per_layer[name] * 1e6 - kernels * floor_us
+        floor_us = min(float(ran.min()) * 1e6, card_floor)
+        rest_us = (traced[name] * 1e6 - kernels * floor_us) * full_card
         small[name] = {"kernels": round(kernels, 3), "floor_us": round(floor_us, 3),
                        "us_per_token": round(max(0.0, rest_us) / T, 6)}
     notes = [f"{Path(trace).name}: {layers} layer passes of {T} tokens per device, context {shape.context}, EP{shape.ep}"]
@@ -189,38 +192,33 @@ def calibrate_from_trace(trace: Path, model, base: dict, shape: TraceShape) -> t
     kernels["small_ops"] = {"classes": small, "source": f"{where}: per class, its kernels per layer pass, each "
                                                         f"at least the card's floor (or the class's shortest kernel), "
                                                         f"the rest per token"}
-    if durations:
+    if card_floor > 0:
         kernels["kernel_floor_us"] = {"value": round(card_floor, 3),
                                       "source": f"{where}: the {FLOOR_PERCENTILE}th percentile of the small ops' "
                                                 f"kernel times"}
     fitted = {"layers": layers, "per_layer_us": {k: v * 1e6 for k, v in per_layer.items()},
               "training_only_us": {k: v / layers * 1e6 for k, v in found["training_only"].items()},
-              "unclassed_us": found["unclassed_s"] / layers * 1e6, "source": found["source"],
-              "rows_per_expert": rows_per_expert}
+              "unclassed_us": found["unclassed_s"] / layers * 1e6}
     return out, fitted
 
 
 def reproduce(profile, model, shape: TraceShape) -> dict:
     """Per table class, the simulator's time of one layer pass at the trace's shape under
-    `profile` (a HardwareProfile): what `calibrate_from_trace`'s tables price back."""
+    `profile` (a HardwareProfile), and "small_ops": all small ops as step_model.layer_times
+    prices them (before the dispatch on the device's tokens, around the experts on the rows it
+    receives): what `calibrate_from_trace`'s tables price back."""
     from moectl.engine.sim.routing import balanced
     from moectl.engine.sim.step_model import SimSpec, layer_times, uniform_load
 
     sh = model.shape
-    devices = max(shape.ep, profile.gpus_per_node) if shape.ep % profile.gpus_per_node == 0 else shape.ep
-    spec = SimSpec(model, profile, devices, balanced(sh.num_sparse, sh.num_experts), phase="prefill",
+    spec = SimSpec(model, profile, shape.ep, balanced(sh.num_sparse, sh.num_experts), phase="prefill",
                    tokens_per_device=shape.tokens, context=shape.context, ep=shape.ep)
     times = layer_times(spec, uniform_load(spec))
-    tables = profile.kernels
     core = float(times.attention_core[0])
     out = {"attention_core": core,
            "dense_gemm": float(times.attention[0] - core + times.router[0] + times.shared[0]),
-           "grouped_gemm": float(times.layer_expert[0, 0] - times.small_expert[0, 0])}
-    for name, ops in tables.small_ops.items():
-        out[name] = float(sum(op.seconds(shape.tokens) for op in ops))
+           "grouped_gemm": float(times.layer_expert[0, 0] - times.small_expert[0, 0]),
+           "small_ops": float(times.small_moe[0] + times.small_expert[0, 0])}
+    for name, op in profile.kernels.small_ops.items():
+        out[name] = float(op.seconds(shape.tokens))
     return {k: v * 1e6 for k, v in out.items()}
-
-
-def write_profile(profile: dict, out: Path) -> None:
-    out.write_text(json.dumps(profile, indent=1) + "\n")
-

@@ -40,7 +40,8 @@ class OverviewPanel(ShowsOnChange, VerticalScroll):
         backend = devices.get("backend") or state.backend
         kind = {"emulated": "emulated on one torch device", "multi-gpu": "real GPUs in one process",
                 "distributed": "distributed, one process per device",
-                "simulated": f"SIMULATED on the {state.hardware or '?'} profile"}.get(backend, backend)
+                "simulated": f"SIMULATED on the {state.hardware or '?'} profile"
+                             + (f" ({state.sim_pricing})" if state.sim_pricing else "")}.get(backend, backend)
         self.put(
             "#ov-title",
             f"[b]{state.model_name}[/b]  {state.num_layers} layers x {state.num_experts} experts  |  "

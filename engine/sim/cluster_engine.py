@@ -445,6 +445,7 @@ class SimulatedEngine:
         hw = self.hardware
         return {"clock": "simulated", "simulated": {
             "hardware": hw.name, "hardware_file": str(self.config.hardware), "devices": self.config.devices,
+            "pricing": "kernel tables" if hw.kernels is not None else "roofline only",
             "nodes": -(-self.config.devices // hw.gpus_per_node), "tp": self.config.tp, "overlap": self.config.overlap,
             "routing": self.routing_line, "drift": self.config.drift, "gemm_dtype": self.sim_model.gemm_dtype,
             "kv_blocks_per_device": self.blocks_per_group, "block_size": self.config.block_size,

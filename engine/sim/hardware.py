@@ -112,6 +112,11 @@ def raw_profile(name_or_path: str | Path) -> dict:
     return raw
 
 
+def parse_profile(key: str, raw: dict) -> HardwareProfile:
+    """A profile from its JSON as written (what load_profile reads from a file)."""
+    return _parse(key, raw)
+
+
 def _read(name_or_path: str | Path) -> tuple[str, dict]:
     text = str(name_or_path)
     if text.lower() in profile_names():

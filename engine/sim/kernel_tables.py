@@ -74,26 +74,40 @@ class LowLatency:
         return np.where(busy, latency * 1e-6 + np.maximum(inter / (gbps * 1e9), intra / (nvlink_gbps * 1e9)), 0.0)
 
 
+def _positive(value, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not np.isfinite(value) or value <= 0:
+        raise TableError(f"{what} must be a positive number, got {value!r}")
+    return float(value)
+
+
 def fit_low_latency(table: dict, gpus_per_node: int) -> tuple[float, float]:
     """(latency us, RDMA GB/s) of a published low-latency table {"tokens", "top_k", "row_bytes",
     "points": [[ep, us], ...]}: least squares of us = latency + bytes over RDMA / bandwidth over
     the points spanning nodes, a device's copies leaving its node being (ep - per node) / ep of
-    its tokens x top_k rows."""
-    points = [(ep, us) for ep, us in table["points"] if ep > gpus_per_node]
-    if len(points) < 2:
-        raise TableError("comm.low_latency: needs at least two points with ep above the devices per node")
-    rows = table["tokens"] * table["top_k"]
-    remote_bytes = np.array([rows * table["row_bytes"] * (ep - gpus_per_node) / ep for ep, _ in points])
+    its tokens x top_k rows. Within a node the same latency is taken (DeepEP's EP8 row is
+    NVLink's, priced at the profile's NVLink bandwidth)."""
+    if not isinstance(table, dict):
+        raise TableError("must be an object")
+    rows = _positive(table.get("tokens"), "tokens") * _positive(table.get("top_k"), "top_k")
+    row_bytes = _positive(table.get("row_bytes"), "row_bytes")
+    raw = table.get("points")
+    if not isinstance(raw, list) or not all(isinstance(p, list) and len(p) == 2 for p in raw):
+        raise TableError("points must be [[ep, us], ...]")
+    points = [(_positive(ep, "an ep"), _positive(us, "a latency")) for ep, us in raw]
+    points = [(ep, us) for ep, us in points if ep > gpus_per_node]
+    if len({ep for ep, _ in points}) < 2:
+        raise TableError("needs points at two or more ep above the devices per node")
+    remote_bytes = np.array([rows * row_bytes * (ep - gpus_per_node) / ep for ep, _ in points])
     us = np.array([u for _, u in points], dtype=np.float64)
     slope, latency = np.polyfit(remote_bytes, us, 1)  # us per byte, us
     if slope <= 0 or latency < 0:
-        raise TableError(f"comm.low_latency: the points give no positive latency and bandwidth ({points})")
+        raise TableError(f"the points give no positive latency and bandwidth ({points})")
     return float(latency), float(1e-3 / slope)  # bytes per us -> GB/s
 
 
 @dataclass(frozen=True)
 class KernelTables:
-    small_ops: dict[str, tuple[SmallOp, ...]]  # class -> its ops (a profile may give one per class)
+    small_ops: dict[str, SmallOp]  # class -> its ops, per layer pass
     grouped_gemm: object | None  # hardware.Curve by rows per expert, in place of efficiency.grouped_gemm
     dense_gemm: object | None  # hardware.Curve by rows
     attention_prefill: float | None
@@ -109,19 +123,13 @@ class KernelTables:
         dispatch ("pre"), around the experts ("expert"), or all (None); a dense layer runs no
         top-k or permute."""
         total = np.zeros_like(np.asarray(tokens, dtype=np.float64))
-        for name, ops in self.small_ops.items():
+        for name, op in self.small_ops.items():
             if not moe and name in MOE_ONLY_OPS:
                 continue
             if side is not None and (name in EXPERT_SIDE_OPS) != (side == "expert"):
                 continue
-            for op in ops:
-                total = total + op.seconds(tokens)
+            total = total + op.seconds(tokens)
         return total
-
-    @property
-    def compute_share_under_comm(self) -> float:
-        """The share of the SMs compute keeps while a normal-mode all-to-all runs beside it."""
-        return max(1e-3, 1 - self.comm_sms / self.device_sms) if self.device_sms else 1.0
 
 
 def parse_tables(key: str, node: dict, figure, curve_of, gpus_per_node: int, sources: dict) -> KernelTables:
@@ -141,25 +149,33 @@ def parse_tables(key: str, node: dict, figure, curve_of, gpus_per_node: int, sou
 
     def number(table: dict, name: str, field: str, minimum: float = 0.0) -> float:
         value = table.get(field)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= minimum \
-                or not np.isfinite(value):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not np.isfinite(value) \
+                or not value >= minimum:
             raise TableError(f"hardware {key}: kernels.{name}.{field} must be a number >= {minimum:g}, got {value!r}")
         return float(value)
 
-    small: dict[str, tuple[SmallOp, ...]] = {}
+    small: dict[str, SmallOp] = {}
     ops = sourced("small_ops")
-    for name, entry in ((ops or {}).get("classes") or {}).items():
+    classes = (ops or {}).get("classes") or {}
+    if not isinstance(classes, dict):
+        raise TableError(f"hardware {key}: kernels.small_ops.classes must be an object of classes")
+    for name, entry in classes.items():
         if name not in SMALL_OP_CLASSES:
             raise TableError(f"hardware {key}: kernels.small_ops.classes.{name}: not one of {', '.join(SMALL_OP_CLASSES)}")
         if not isinstance(entry, dict):
             raise TableError(f"hardware {key}: kernels.small_ops.classes.{name} must be an object")
-        small[name] = (SmallOp(number(entry, f"small_ops.classes.{name}", "kernels"),
-                               number(entry, f"small_ops.classes.{name}", "floor_us"),
-                               number(entry, f"small_ops.classes.{name}", "us_per_token")),)
+        small[name] = SmallOp(number(entry, f"small_ops.classes.{name}", "kernels"),
+                              number(entry, f"small_ops.classes.{name}", "floor_us"),
+                              number(entry, f"small_ops.classes.{name}", "us_per_token"))
     grouped = sourced("grouped_gemm")
     dense = sourced("dense_gemm")
     attention = sourced("attention_prefill")
     comm = sourced("comm") or {}
+    device_sms = number(comm, "comm", "device_sms", 1.0) if "device_sms" in comm else 0.0
+    comm_sms = number(comm, "comm", "normal_sms") if "normal_sms" in comm else 0.0
+    if comm_sms and not comm_sms < device_sms:
+        raise TableError(f"hardware {key}: kernels.comm.normal_sms ({comm_sms:g}) needs device_sms above it "
+                         f"(got {device_sms:g})")
     low = comm.get("low_latency")
     low_latency = None
     if low is not None:
@@ -168,23 +184,25 @@ def parse_tables(key: str, node: dict, figure, curve_of, gpus_per_node: int, sou
         fits = []
         for which in ("dispatch", "combine"):
             table = low.get(which)
+            if not isinstance(table, dict):
+                raise TableError(f"hardware {key}: kernels.comm.low_latency.{which} must be an object")
             try:
-                fits.append(fit_low_latency({**low, **(table or {})}, gpus_per_node))
-            except (KeyError, TypeError, ValueError) as exc:
+                fits.append(fit_low_latency({**low, **table}, gpus_per_node))
+            except TableError as exc:
                 raise TableError(f"hardware {key}: kernels.comm.low_latency.{which}: {exc}") from None
         share = number(low, "comm.low_latency", "sm_share") if "sm_share" in low else 0.0
         if share > 1:
             raise TableError(f"hardware {key}: kernels.comm.low_latency.sm_share must be a fraction in [0, 1]")
         low_latency = LowLatency(fits[0][0], fits[0][1], fits[1][0], fits[1][1], share)
+    prefill_compute = number(attention, "attention_prefill", "compute", 1e-6) if attention else None
+    if prefill_compute is not None and prefill_compute > 1:
+        raise TableError(f"hardware {key}: kernels.attention_prefill.compute must be a fraction in (0, 1]")
     overlap = sourced("overlap") or {}
     floor = figure("kernels.kernel_floor_us", optional=True)
     return KernelTables(
         small_ops=small, grouped_gemm=curve_of(grouped, "kernels.grouped_gemm") if grouped else None,
-        dense_gemm=curve_of(dense, "dense_gemm") if dense else None,
-        attention_prefill=number(attention, "attention_prefill", "compute", 1e-6) if attention else None,
-        kernel_floor_us=floor or 0.0,
-        comm_sms=number(comm, "comm", "normal_sms") if "normal_sms" in comm else 0.0,
-        device_sms=number(comm, "comm", "device_sms", 1.0) if "device_sms" in comm else 0.0,
-        low_latency=low_latency,
+        dense_gemm=curve_of(dense, "kernels.dense_gemm") if dense else None,
+        attention_prefill=prefill_compute,
+        kernel_floor_us=floor or 0.0, comm_sms=comm_sms, device_sms=device_sms, low_latency=low_latency,
         stage_sync_us=number(overlap, "overlap", "stage_sync_us") if "stage_sync_us" in overlap else 0.0,
         step_fixed_us=number(overlap, "overlap", "step_fixed_us") if "step_fixed_us" in overlap else 0.0)

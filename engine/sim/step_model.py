@@ -46,7 +46,7 @@ COMMS = ("auto", "normal", "low-latency")  # the all-to-all's mode (auto: low-la
 # and the outputs are summed over the ranks)
 EXCHANGES = ("all-to-all", "all-reduce")
 PARTS = ("attention", "router", "dispatch", "expert_gemm", "combine", "shared_dense", "small_ops", "lm_head", "mtp",
-         "overhead", "idle")
+         "overhead", "overlap_cost", "idle")
 
 
 @dataclass
@@ -84,9 +84,9 @@ class SimSpec:
         if self.comm_sms is not None and (isinstance(self.comm_sms, bool) or not isinstance(self.comm_sms, int)
                                           or tables is None or not tables.device_sms
                                           or not 0 <= self.comm_sms < tables.device_sms):
-            limit = f"[0, {tables.device_sms:g})" if tables is not None and tables.device_sms else \
-                "a profile with kernels.comm.device_sms"
-            raise ValueError(f"--comm-sms: must be an integer in {limit}, got {self.comm_sms!r}")
+            if tables is None or not tables.device_sms:
+                raise ValueError(f"--comm-sms: hardware {self.hardware.key} gives no SM count (kernels.comm.device_sms)")
+            raise ValueError(f"--comm-sms: must be an integer in [0, {tables.device_sms:g}), got {self.comm_sms!r}")
         if isinstance(self.mtp_draft, bool) or not isinstance(self.mtp_draft, int) or not 0 <= self.mtp_draft <= 4:
             raise ValueError(f"--mtp-draft: must be an integer in [0, 4], got {self.mtp_draft!r}")
         if isinstance(self.mtp_accept, bool) or not isinstance(self.mtp_accept, (int, float)) \
@@ -277,6 +277,8 @@ class LayerTimes:
         self.small_moe = zeros if self.small_moe is None else self.small_moe
         self.small_dense = zeros if self.small_dense is None else self.small_dense
         self.attention_core = zeros if self.attention_core is None else self.attention_core
+        if self.small_expert is None:
+            self.small_expert = np.zeros_like(self.layer_expert)
 
     @property
     def pre_moe(self) -> float:
@@ -309,14 +311,15 @@ def allreduce_seconds(spec: SimSpec, nbytes: float) -> float:
     return 2 * (D - 1) / D * nbytes / bandwidth + 2 * 2 * (D - 1) * hw.a2a_latency_us * 1e-6
 
 
-def comm_mode(spec: SimSpec) -> str:
-    """The all-to-all `spec` runs: its --comm, or by phase (decode: low-latency where the profile
-    has the mode's table; else normal)."""
+def comm_mode(spec: SimSpec, load: StepLoad) -> str:
+    """The all-to-all a step of `load` runs: --comm, or as SGLang's DeepEP "auto" mode picks it per
+    batch: low-latency for a batch of decode tokens only (where the profile has that mode's
+    table), normal for one holding prompt tokens."""
     if spec.comm != "auto":
         return spec.comm
     tables = spec.hardware.kernels
-    return "low-latency" if spec.phase == "decode" and tables is not None and tables.low_latency is not None \
-        else "normal"
+    decode_only = not float(np.asarray(load.prefill).sum())
+    return "low-latency" if decode_only and tables is not None and tables.low_latency is not None else "normal"
 
 
 def layer_times(spec: SimSpec, load: StepLoad) -> LayerTimes:
@@ -365,7 +368,7 @@ def layer_times(spec: SimSpec, load: StepLoad) -> LayerTimes:
     off_node_tokens = T.sum() - np.bincount(node_of, weights=T, minlength=nodes)  # [nodes]
     exchange_s = allreduce_seconds(spec, float(load.tokens.max()) * shape.top_k * shape.hidden_size * m.high_bytes) \
         if spec.exchange == "all-reduce" else 0.0
-    low_latency = comm_mode(spec) == "low-latency"
+    low_latency = comm_mode(spec, load) == "low-latency"
     if low_latency and (tables is None or tables.low_latency is None):
         raise ValueError(f"--comm low-latency: hardware {hw.key} has no low-latency all-to-all table "
                          f"(kernels.comm.low_latency)")
@@ -430,23 +433,24 @@ def simulate(spec: SimSpec, load: StepLoad | None = None, detail: bool = False) 
     groups = spec.devices // spec.ep
     full = layer_times(spec, load)
     tables = hw.kernels
+    mode = comm_mode(spec, load)
     overlapped = spec.overlap != "none" and load.tokens.max() > 1
-    slowdown, held = 1.0, 0.0
     if overlapped:
         half = layer_times(spec, load.half())
-        if comm_mode(spec) == "normal" and spec.exchange == "all-to-all" and tables is not None:
-            sms = tables.comm_sms if spec.comm_sms is None else spec.comm_sms
-            slowdown = 1 / max(1e-3, 1 - sms / tables.device_sms) if tables.device_sms else 1.0
-        elif comm_mode(spec) == "low-latency":
+        share, held = 1.0, 0.0  # of the SMs compute keeps beside an all-to-all; of its time it holds them
+        if mode == "normal" and spec.exchange == "all-to-all" and tables is not None and tables.device_sms:
+            share = 1 - (tables.comm_sms if spec.comm_sms is None else spec.comm_sms) / tables.device_sms
+        elif mode == "low-latency":
             held = tables.low_latency.sm_share
         sync_s = (tables.stage_sync_us if tables is not None else 0.0) * 1e-6
-        moe_layers = micro_batch_schedule(half, spec.overlap, slowdown, sync_s, held)
+        moe_layers = micro_batch_schedule(half, spec.overlap, share, sync_s, held)
         dense_s, head_s = 2 * half.dense_layer, 2 * float(half.lm_head.max())
     else:
         moe_layers = [c + mm for c, mm in zip(full.moe_compute, full.moe_comm)]
         dense_s, head_s = full.dense_layer, float(full.lm_head.max())
-    # MTP: the draft module (one layer like the model's MoE layers) runs once per draft token
-    mtp_s = spec.mtp_draft * float(np.mean(moe_layers)) if spec.mtp_draft and moe_layers else 0.0
+    # MTP: the draft module (one layer like the model's MoE layers, and the LM head it shares) runs
+    # once per draft token
+    mtp_s = spec.mtp_draft * (float(np.mean(moe_layers)) + head_s) if spec.mtp_draft and moe_layers else 0.0
     # a calibrated profile's costs beyond the kernels: per layer, and per sequence sampled (the
     # busiest attention group's); 0 in the GPU profiles, which have no sourced figure for them
     overhead = (shape.num_layers * hw.layer_overhead_us + float(load.sequences.max()) * hw.sequence_overhead_us
@@ -454,22 +458,33 @@ def simulate(spec: SimSpec, load: StepLoad | None = None, detail: bool = False) 
                 + (tables.step_fixed_us if tables is not None else 0.0)) * 1e-6
     step = float(sum(moe_layers) + shape.num_dense * dense_s + head_s + mtp_s + overhead)
     comm = sum(full.dispatch) + sum(full.combine)
+    small_expert = full.small_expert.sum(0)  # [D] the small ops around the experts, over the MoE layers
     busy = shape.num_layers * full.attention + shape.num_sparse * (full.router + full.shared + full.small_moe) \
         + shape.num_dense * (full.dense + full.small_dense) + full.lm_head + full.device_expert + overhead  # [D]
     # the mean device's step: its own work, the links, and its wait for the slowest device (at
     # every layer's dispatch and combine); without overlap the parts add up to the step
     parts = {
         "attention": shape.num_layers * full.attention.mean(), "router": shape.num_sparse * full.router.mean(),
-        "dispatch": sum(full.dispatch), "expert_gemm": full.device_expert.mean(), "combine": sum(full.combine),
+        "dispatch": sum(full.dispatch), "expert_gemm": (full.device_expert - small_expert).mean(),
+        "combine": sum(full.combine),
         "shared_dense": shape.num_sparse * full.shared.mean() + shape.num_dense * full.dense.mean(),
-        "small_ops": shape.num_sparse * full.small_moe.mean() + shape.num_dense * full.small_dense.mean(),
+        "small_ops": shape.num_sparse * full.small_moe.mean() + shape.num_dense * full.small_dense.mean()
+        + small_expert.mean(),
         "lm_head": full.lm_head.mean(), "mtp": mtp_s, "overhead": overhead,
     }
-    unhidden = max(0.0, sum(full.moe_compute) + sum(full.moe_comm) - sum(moe_layers))
-    parts["idle"] = max(0.0, step + unhidden - comm - busy.mean() - mtp_s)
+    # overlap hides part of the serial step, or (small batches: each half pays every kernel's
+    # floor at half the rows) costs more than it hides
+    serial = sum(full.moe_compute) + sum(full.moe_comm) + shape.num_dense * full.dense_layer \
+        + float(full.lm_head.max())
+    overlapped_part = sum(moe_layers) + shape.num_dense * dense_s + head_s
+    unhidden = serial - overlapped_part if overlapped else 0.0
+    parts["overlap_cost"] = max(0.0, -unhidden)
+    parts["idle"] = max(0.0, step + max(0.0, unhidden) - parts["overlap_cost"] - comm - busy.mean() - mtp_s)
     balancedness = [r.mean() / r.max() for r in full.rows if r.max() > 0]
     tokens = float(load.tokens.sum()) * groups
-    if spec.phase == "decode" and spec.mtp_draft:  # each sequence's accepted tokens, not its verified ones
+    if spec.phase == "decode" and spec.mtp_draft:
+        # uniform_load counts each sequence's verified tokens (1 + draft) as its tokens and its
+        # sequences: a step delivers each sequence's accepted ones
         tokens = float(load.sequences.sum()) * groups * mtp_tokens_per_step(spec.mtp_draft, spec.mtp_accept) \
             / (1 + spec.mtp_draft)
     return {
@@ -480,8 +495,8 @@ def simulate(spec: SimSpec, load: StepLoad | None = None, detail: bool = False) 
         "utilisation": np.tile(busy / step, groups).tolist(),
         "balancedness": float(np.mean(balancedness)) if balancedness else 1.0,
         "breakdown_ms": {k: float(v) * 1e3 for k, v in parts.items()},
-        "overlap_hidden_ms": float(unhidden) * 1e3 if overlapped else 0.0,
-        "comm": comm_mode(spec), "kernel_tables": tables is not None,
+        "overlap_hidden_ms": max(0.0, unhidden) * 1e3,
+        "comm": mode, "kernel_tables": tables is not None,
         **({"detail": {"busy_s": busy, "rows": full.rows, "layers": full, "step_s": step}} if detail else {}),
     }
 

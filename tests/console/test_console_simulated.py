@@ -21,7 +21,7 @@ def test_the_console_rebalances_a_simulated_cluster_and_shows_the_simulated_outc
 
     async def body(app, pilot):
         await until(pilot, lambda: app.state.steps_seen > 30 and app.state.throughput() > 0, timeout=60)
-        assert "SIMULATED on the NVIDIA H800 SXM5 profile" in text_of(app, "#ov-title")
+        assert "SIMULATED on the NVIDIA H800 SXM5 profile (kernel tables)" in text_of(app, "#ov-title")
         assert "simulated clock" in text_of(app, "#ov-metrics")
         await pilot.press("4")
         await until(pilot, lambda: "per step (simulated)" in text_of(app, "#tl-breakdown"), timeout=20)

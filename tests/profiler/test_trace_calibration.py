@@ -15,7 +15,7 @@ import pytest
 from typer.testing import CliRunner
 
 from moectl.cli.main import app
-from moectl.engine.sim.hardware import _parse, load_profile
+from moectl.engine.sim.hardware import load_profile, parse_profile
 from moectl.engine.sim.model_shape import load_sim_model
 from moectl.profiler.trace_calibration import CalibrationError, TraceShape, calibrate_from_trace, reproduce
 from tests.paths import DOCS
@@ -37,10 +37,18 @@ def h800_base() -> dict:
 def test_deepseeks_profile_gives_tables_that_price_each_class_of_a_layer_back_within_10pct():
     profile, fitted = calibrate_from_trace(TRAIN, DSV3, h800_base(), TRAIN_SHAPE)
     assert fitted["layers"] == 4 and fitted["unclassed_us"] == 0  # "Each chunk contains 4 MoE layers"
-    priced = reproduce(_parse("h800", profile), DSV3, TRAIN_SHAPE)
+    priced = reproduce(parse_profile("h800", profile), DSV3, TRAIN_SHAPE)
     for name in ("attention_core", "dense_gemm", "grouped_gemm", "norm", "cast", "rope", "topk", "permute",
                  "activation", "elementwise"):
         assert priced[name] == pytest.approx(fitted["per_layer_us"][name], rel=0.10), name
+    # the small ops as the step model prices a layer (before the dispatch on the device's tokens,
+    # around the experts on the rows it receives), against the trace's
+    small = sum(fitted["per_layer_us"][k] for k in ("norm", "cast", "rope", "topk", "permute", "activation",
+                                                    "elementwise"))
+    assert priced["small_ops"] == pytest.approx(small, rel=0.10)
+    # floors from kernels that ran: the fixture's zero-length memsets set none
+    floors = [c["floor_us"] for c in profile["kernels"]["small_ops"]["classes"].values()]
+    assert min(floors) > 0 and profile["kernels"]["kernel_floor_us"]["value"] > 0
     # the forward layer of 4K tokens: about 8.6 ms of compute, what DeepSeek's 16K-token prefill
     # (62,713 tok/s per node: 2.09 s a step of 61 layers) spends per 4K tokens
     layer_us = sum(v for k, v in fitted["per_layer_us"].items() if k != "all_to_all")
@@ -100,6 +108,16 @@ def _at(base: dict, rows: float) -> float:
 
 
 def test_what_cannot_be_calibrated_is_refused(tmp_path):
+    zero = tmp_path / "zero.json"
+    zero.write_text(json.dumps({"traceEvents": [_event("flash_fwd_kernel", 0, 5), _event("nvjet_gemm", 6, 0),
+                                                _event("m_grouped_gemm_masked", 7, 9)]}))
+    with pytest.raises(CalibrationError, match="dense gemm kernels take no time"):
+        calibrate_from_trace(zero, DSV3, h800_base(), TraceShape(tokens=16, context=16, ep=8))
+    no_comm = h800_base()
+    no_comm["kernels"] = {"comm": None}
+    with pytest.raises(CalibrationError, match="gives no kernels.comm.device_sms"):
+        calibrate_from_trace(TRAIN, DSV3, no_comm, TraceShape(tokens=4096, context=4096, ep=64, training=True,
+                                                              comm_sms=20))
     with pytest.raises(CalibrationError, match="pass --training"):
         calibrate_from_trace(TRAIN, DSV3, h800_base(), TraceShape(tokens=4096, context=4096, ep=64))
     with pytest.raises(CalibrationError, match="above 1"):  # the trace's tokens misread 8x
@@ -139,12 +157,14 @@ def test_the_command_writes_a_profile_that_moectl_sim_runs_on(tmp_path):
     (["--tokens", "0", "--ep", "64", "--training"], "--tokens: must be a positive integer"),
     (["--tokens", "4096", "--ep", "7", "--training"], "--ep: 7 does not divide"),
     (["--ep", "64", "--training"], "--tokens: required with --from-trace"),
+    (["--tokens", "4096", "--ep", "16", "--context", "999999", "--training"], "--context: must be in"),
 ])
 def test_bad_calibration_input_is_one_line_and_exit_2(tmp_path, args, message):
     res = _cli(["--from-trace", str(TRAIN), "--model", str(DOCS / "configs" / "deepseek-v3.json"), "--base", "h800",
                 "--out", str(tmp_path / "x.json"), *args])
     assert res.exit_code == 2, res.output
     assert message in res.stderr and res.stderr.count("\n") == 1
+    assert not (tmp_path / "x.json").exists()  # nothing written that does not read back
 
 
 def test_a_corrupt_trace_is_one_line(tmp_path):

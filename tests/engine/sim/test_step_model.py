@@ -130,6 +130,7 @@ def test_a_trace_routes_the_simulation_and_the_human_output_says_simulated():
     (["--devices", "16", "--phase", "prefill", "--mtp-draft", "1"], "--mtp-draft: multi-token prediction is a decode"),
     (["--devices", "16", "--overlap", "three"], "--overlap: 'three' is not one of"),
     (["--devices", "16", "--hardware", "mtt-s5000", "--comm", "low-latency"], "has no low-latency all-to-all table"),
+    (["--devices", "16", "--hardware", "mtt-s5000", "--comm-sms", "8"], "gives no SM count"),
     (["--devices", "16", "--redundant", "-1"], "--redundant"),
     (["--devices", "16", "--tp", "3"], "--tp: 3 must divide"),
     (["--devices", "16", "--tp", "2", "--dp-attention"], "--dp-attention"),
