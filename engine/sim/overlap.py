@@ -52,8 +52,8 @@ def micro_batch_schedule(half, overlap: str, share: float, sync_s: float, held: 
     """Seconds per MoE layer of the step with two micro-batches of `half` (step_model.LayerTimes
     of one half), laid out on the two streams in `overlap`'s order (the module's docstring): each
     layer's share is the time its cycle moved the compute stream on; the drain (a lagging
-    micro-batch's last experts, the last combines) is added to the last layer. `share`: of its
-    speed compute keeps while a normal-mode all-to-all runs beside it; `held`: of a low-latency
+    micro-batch's last experts, the last combines) is added to the last layer. `share`: of the SMs,
+    what compute is given for the step (a normal-mode all-to-all holds the rest); `held`: of a low-latency
     all-to-all's time, its kernels hold SMs (sending, receiving) and compute waits for them;
     `sync_s`: each wait for an all-to-all's result.
 
@@ -92,7 +92,6 @@ def micro_batch_schedule(half, overlap: str, share: float, sync_s: float, held: 
         out.append(compute_free - start)
     drain = out.pop() + max(0.0, comm_free - compute_free)  # the lagging experts, the last combines
     out[-1] += drain
-
     return out
 
 
