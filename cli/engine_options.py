@@ -61,7 +61,8 @@ PLACEMENT_OPT = typer.Option(None, "--placement", help="Initial expert placement
 ROUTING_HINT = ("balanced, zipf:S, sample (what moectl recorded on sample-dsv3, scaled), or a moectl trace "
                 "(recorded, or imported with `moectl trace import`)")
 HARDWARE_OPT = typer.Option("h800", "--hardware", help="simulated backend: a shipped hardware profile (h100, h800, "
-                                                       "h200, a100, mi300x, ascend-910b) or a profile JSON file.")
+                                                       "h200, a100, mi300x, ascend-910b, mtt-s5000) or a profile "
+                                                       "JSON file.")
 SIM_ROUTING_OPT = typer.Option("sample", "--routing", help=f"simulated backend: expert loads, {ROUTING_HINT}.")
 DRIFT_OPT = typer.Option(0.0, "--drift", help="simulated backend: swaps of two experts' shares per expert and step "
                                               "(which experts are hot wanders; the skew stays).")
