@@ -242,14 +242,25 @@ def _gpu_timeline(traces, source: Path, theme: str) -> None:
 
 
 @handles_errors
-def attach(url: str = typer.Argument(..., help="A running `moectl serve`, e.g. http://127.0.0.1:8000"),
+def attach(url: str = typer.Argument(..., help="A running `moectl serve`, e.g. http://127.0.0.1:8000 (with "
+                                                 "--vllm: a vLLM server)"),
            token: str | None = typer.Option(None, "--token", help="Bearer token: lets the console's controls act "
                                                                   "on the remote engine (read-only without)."),
+           vllm: bool = typer.Option(False, "--vllm", help="The server is vLLM's: the console shows its /metrics, "
+                                                           "every figure labelled as vLLM's (no controls)."),
            theme: str = THEME_OPT):
     """Open the console on a remote engine (`moectl serve`): its telemetry stream live; with the
-    server's token, rebalancing and knobs act on it."""
+    server's token, rebalancing and knobs act on it. With --vllm: a running vLLM server, read
+    from its Prometheus /metrics."""
     from moectl.console.app import MoectlApp
     from moectl.console.sources import AttachSource
 
     check_theme(theme)
+    if vllm:
+        from moectl.console.vllm_source import VllmSource
+
+        if token is not None:
+            raise BadInput("--token: moectl drives no control on a vLLM server; drop it with --vllm")
+        MoectlApp(VllmSource(url), theme=theme).run()
+        return
     MoectlApp(AttachSource(url, token), theme=theme).run()

@@ -161,6 +161,7 @@ class MoectlApp(App):
             return
         if self._alerts_from_engine:
             self._engine_alerts()
+        self._external_figures()
         error = self._engine_error()
         if self.state.version == self._shown_version and error == self._shown_error:
             if self.replay:  # play/pause and position still change the transport's line
@@ -177,6 +178,14 @@ class MoectlApp(App):
             self._alerts_asked += 1
             self.compute_alerts(list(self.state.window), self.state.placement_shown, self._alerts_asked)
         self.refresh_panels()
+
+    def _external_figures(self) -> None:
+        """Another engine's server (VllmSource): its latest figures, when a scrape brought new ones."""
+        version = getattr(self.source, "figures_version", None)
+        if version is not None and version != getattr(self, "_figures_version", None):
+            self._figures_version = version
+            self.state.external_figures = self.source.figures
+            self.state.version += 1
 
     @property
     def _alerts_from_engine(self) -> bool:

@@ -58,6 +58,10 @@ class ConsoleState:
         # a trace made by `trace import` from another engine's expert-load records: only the
         # routing was measured there, so serving figures are absent rather than zero
         self.imported: dict | None = header.get("imported") if isinstance(header.get("imported"), dict) else None
+        # another engine's live server (a vLLM server's /metrics: console/vllm_source.py): its own
+        # figures, no step records
+        self.external: dict | None = header.get("external") if isinstance(header.get("external"), dict) else None
+        self.external_figures: dict | None = None
         self.error: str | None = None
         self.alerts: list[dict] = []
         self.preview: dict | None = None  # the last rebalance preview's summary

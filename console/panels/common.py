@@ -73,8 +73,14 @@ def fmt_bytes(n) -> str:
 
 
 def absent_in_import(state, what: str) -> str | None:
-    """On a trace imported from another engine's expert-load records: the line saying `what` is
-    absent there (its records hold the routing only); None on the engine's own traces."""
+    """On a trace imported from another engine's expert-load records, or on another engine's live
+    server: the line saying `what` is absent there (its records hold the routing only; its
+    metrics hold no step records); None on the engine's own records."""
+    external = state.external
+    if external is not None:
+        source = f"{external.get('engine', '?')} {external.get('engine_version') or ''}".strip()
+        return (f"[b]absent[/b]: {what} are not exported by {source}'s /metrics (no step records); its own "
+                f"figures are on the Overview tab")
     imported = state.imported
     if imported is None:
         return None

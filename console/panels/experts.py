@@ -7,7 +7,7 @@ from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.widgets import Button, Input, Label, Select, Static, Switch
 
-from moectl.console.panels.common import ActionRequested, ShowsOnChange
+from moectl.console.panels.common import ActionRequested, ShowsOnChange, absent_in_import
 from moectl.console.widgets import ColourLegend, HeatMap
 from moectl.console.widgets.bars import StackedBars
 from moectl.console.widgets.chart import Chart
@@ -63,6 +63,10 @@ class ExpertsPanel(ShowsOnChange, VerticalScroll):
         self.plan = None
 
     def show(self, state) -> None:
+        absent = absent_in_import(state, "per-expert loads and the placement") if state.external is not None else None
+        if absent is not None:
+            self.put("#ex-cell", absent)
+            return
         heat = self.query_one(HeatMap)
         routing = state.routing_window()
         heat.set_data(routing)

@@ -6,7 +6,7 @@ from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.widgets import Button, Static
 
-from moectl.console.panels import gpu
+from moectl.console.panels import gpu, vllm
 from moectl.console.panels.common import ActionRequested, ShowsOnChange, fmt_bytes, fmt_s
 from moectl.console.widgets.bars import Bars
 from moectl.wire.actions import Action
@@ -35,6 +35,9 @@ class OverviewPanel(ShowsOnChange, VerticalScroll):
         yield Static(id="ov-alerts")
 
     def show(self, state, source_error: str | None = None) -> None:
+        if state.external is not None:
+            self._show_external(state, source_error)
+            return
         latest = state.latest or {}
         devices = latest.get("devices") or {}
         backend = devices.get("backend") or state.backend
@@ -97,6 +100,19 @@ class OverviewPanel(ShowsOnChange, VerticalScroll):
             "#ov-alerts",
             "\n".join(f"[b]{a['severity']}[/b] {a['message']}  [dim]-> {a['action']}[/]" for a in alerts)
             or "[dim]none[/]")
+
+    def _show_external(self, state, source_error: str | None) -> None:
+        self.put("#ov-title", vllm.title(state.external))
+        self.query_one("#ov-error-box").set_class(source_error is None, "hidden")
+        self.query_one("#ov-restart", Button).display = False
+        if source_error is not None:
+            self.put("#ov-error", f"[b red]connection:[/] {source_error}")
+        self.put("#ov-metrics", vllm.metrics(state.external, state.external_figures))
+        self.put("#ov-load-title", "Expert rows per device")
+        self.query_one("#ov-load", Bars).set_rows([], empty=f"absent: not exported by {state.external.get('engine')}")
+        self.query_one("#ov-hbm", Bars).set_rows([], empty=f"absent: not exported by {state.external.get('engine')}")
+        self.query_one("#ov-gpu-box").display = False
+        self.put("#ov-alerts", "[dim]none (moectl's alerts read step records)[/]")
 
     def _show_imported(self, state) -> None:
         imported = state.imported

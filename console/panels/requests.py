@@ -118,7 +118,8 @@ class RequestsPanel(ShowsOnChange, VerticalScroll):
         self._filled = True
 
     def show(self, state) -> None:
-        absent = absent_in_import(state, "requests, latencies and batching knobs")
+        absent = absent_in_import(state, "requests, latencies and batching knobs" if state.external is None
+                                  else "per-request rows and batching knobs")
         if absent is not None:
             self.put("#rq-counts", absent)
             return

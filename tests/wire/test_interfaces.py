@@ -13,6 +13,7 @@ import pytest
 from moectl.console.engine_client import EngineSource
 from moectl.console.live_source import LiveSource
 from moectl.console.sources import AttachSource, ReplaySource
+from moectl.console.vllm_source import VllmSource
 from moectl.engine.core.config import EngineConfig
 from moectl.engine.core.engine import EngineCore
 from moectl.engine.experts.control import ExpertControl
@@ -76,7 +77,7 @@ def test_their_expert_layers_are_engine_experts(engines):
     assert mismatches(EngineExperts, SimExperts, sim.experts) == []
 
 
-@pytest.mark.parametrize("source", [ReplaySource, AttachSource, EngineSource, LiveSource])
+@pytest.mark.parametrize("source", [ReplaySource, AttachSource, EngineSource, LiveSource, VllmSource])
 def test_every_console_source_is_a_console_source(source):
     assert ConsoleSource in source.__mro__  # it gives them its defaults (close, error, mode, header)
     assert mismatches(ConsoleSource, source) == []
