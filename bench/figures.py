@@ -26,6 +26,7 @@ import datetime
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -496,6 +497,18 @@ def serve_load(r: dict) -> list[tuple[str, str]]:
              f"{r['errors']} errors, {r['kv_blocks_used_after']} KV blocks left in use")]
 
 
+def peers_vllm(r: dict) -> list[tuple[str, str]]:
+    w = r["workload"]
+    lo, hi = r["ratio_range"]
+    return [(f"moectl vs vLLM's CPU build {r['vllm']} ({r['vllm_mode']}), {r['dtype']}, {r['threads']} threads each: "
+             f"{w['requests']} requests at once ({w['prompt_tokens']:,} prompt, {w['output_tokens']:,} output tokens, "
+             f"greedy), alternating rounds",
+             f"output tok/s moectl / vLLM {r['ratio_median']:.2f}x (range {lo:.2f}-{hi:.2f}x over "
+             f"{len(r['moectl_tok_s'])} rounds; moectl {statistics.median(r['moectl_tok_s']):,.0f}, vLLM "
+             f"{statistics.median(r['vllm_tok_s']):,.0f}); goal >= 1.0x: {_met(r['ratio_median'] >= 1.0)}; greedy "
+             f"outputs identical in {r['greedy_identical']} of {r['of']}")]
+
+
 def sim_machine(r: dict) -> list[tuple[str, str]]:
     cases, t = r["cases"], r["target"]
     errs = [c["error_median"] for c in cases]
@@ -573,6 +586,7 @@ BENCHES = {
                        "docs/configs/kimi-k2.json", "--json"], sim_rebalance),
     "sim-validation": (["python", "bench/sim_validation.py", "--json"], sim_validation),
     "sim-machine": (["python", "bench/sim_machine_validation.py", "--json"], sim_machine),
+    "peers-vllm-fp32": (["python", "bench/peers/compare_vllm.py", "--rounds", "5", "--json"], peers_vllm),
     "console-dsv3": (["python", "bench/console_bench.py", "--model", "sample-dsv3", "--frames", "1", "--tabs", "overview",
                       "--big-presses", "0", "--json"],
                      console_live("console, live on sample-dsv3 (4 emulated devices), its engine in a process of its "
