@@ -169,6 +169,7 @@ def calibrate_from_trace(trace: Path, model, base: dict, shape: TraceShape) -> t
         rest_us = (traced[name] * 1e6 - kernels * floor_us) * full_card
         small[name] = {"kernels": round(kernels, 3), "floor_us": round(floor_us, 3),
                        "us_per_token": round(max(0.0, rest_us) / T, 6)}
+        per_layer[name] = (kernels * floor_us + max(0.0, rest_us)) * 1e-6  # on the whole card, as tabled
     notes = [f"{Path(trace).name}: {layers} layer passes of {T} tokens per device, context {shape.context}, EP{shape.ep}"]
     if shape.comm_sms:
         notes.append(f"compute beside an all-to-all on {shape.comm_sms} of {device_sms} SMs (scaled to the whole card)")
