@@ -116,12 +116,14 @@ def _roofline_only(profile):
     return replace(profile, kernels=None)
 
 
-def run_cases(cases: list | None = None) -> list[dict]:
-    from moectl.engine.sim.hardware import load_profile
+def run_cases(cases: list | None = None, load_profile=None) -> list[dict]:
+    """Each case simulated; `load_profile`: how a profile is loaded (default: the shipped ones)."""
+    from moectl.engine.sim.hardware import load_profile as shipped
     from moectl.engine.sim.model_shape import load_sim_model
     from moectl.engine.sim.routing import balanced
     from moectl.engine.sim.step_model import SimSpec, simulate
 
+    load_profile = load_profile or shipped
     model = load_sim_model(ROOT / "docs" / "configs" / "deepseek-v3.json")
     shape = model.shape
     even = balanced(shape.num_sparse, shape.num_experts)
@@ -147,12 +149,13 @@ def run_cases(cases: list | None = None) -> list[dict]:
     return rows
 
 
-def run_ablation() -> list[dict]:
-    from moectl.engine.sim.hardware import load_profile
+def run_ablation(load_profile=None) -> list[dict]:
+    from moectl.engine.sim.hardware import load_profile as shipped
     from moectl.engine.sim.model_shape import load_sim_model
     from moectl.engine.sim.routing import balanced
     from moectl.engine.sim.step_model import SimSpec, simulate
 
+    load_profile = load_profile or shipped
     model = load_sim_model(ROOT / "docs" / "configs" / "deepseek-v3.json")
     even = balanced(model.shape.num_sparse, model.shape.num_experts)
     rows = []
@@ -168,9 +171,34 @@ def run_ablation() -> list[dict]:
     return rows
 
 
-def summarise(rows: list[dict], ablation: list[dict], held_out: list[dict]) -> dict:
+SM_SHARES = (0.0, 0.6)  # the low-latency all-to-all's SM share the decode cases are re-run at (h800/h100: 0.35)
+
+
+def run_sensitivity() -> dict:
+    """What the decode cases depend on: each again with the low-latency all-to-all holding SMs for
+    another share of its time (SGLang's 256-token ablation beside them), and DeepSeek's profile
+    decode with MTP at the V3 report's acceptance (one draft token, 85%)."""
+    from moectl.engine.sim.hardware import load_profile
+
+    decode = [c for c in CASES if c[2] == "decode"]
+    out = {"sm_share": {}}
+    for share in SM_SHARES:
+        def at_share(name, share=share):
+            profile = load_profile(name)
+            tables = profile.kernels
+            return replace(profile, kernels=replace(tables, low_latency=replace(tables.low_latency, sm_share=share)))
+        out["sm_share"][str(share)] = {
+            "cases": {r["case"]: r["deployed"]["error"] for r in run_cases(decode, at_share)},
+            "ablation_256": next(a["predicted_gain"] for a in run_ablation(at_share) if a["tokens_per_device"] == 256)}
+    name, *rest = CASES[0]
+    with_mtp = run_cases([(f"{name}, MTP 1 draft at 85%", *rest[:6], 1, 0.85, *rest[8:])])[0]["deployed"]
+    out["mtp"] = {"case": CASES[0][0], "error": with_mtp["error"]}
+    return out
+
+
+def summarise(rows: list[dict], ablation: list[dict], held_out: list[dict], sensitivity: dict | None = None) -> dict:
     summary = {"cases": rows, "ablation": ablation, "held_out": held_out, "target": TARGET,
-               "ablation_target_points": ABLATION_TARGET * 100}
+               "ablation_target_points": ABLATION_TARGET * 100, "sensitivity": sensitivity}
     for key in ("deployed", "deployed_recorded_eplb", "no_overlap", "roofline_only"):
         errors = [abs(r[key]["error"]) for r in rows]
         summary[key] = {"median_abs_error": statistics.median(errors), "within_target": sum(e <= TARGET for e in errors)}
@@ -187,7 +215,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    summary = summarise(run_cases(), run_ablation(), run_cases(HELD_OUT))
+    summary = summarise(run_cases(), run_ablation(), run_cases(HELD_OUT), run_sensitivity())
     if args.json:
         print(json.dumps(summary, indent=1))
         return
@@ -214,6 +242,12 @@ def main() -> None:
         published = f"{low:+.1%}" if low == high else f"{low:+.0%} to {high:+.0%}"
         print(f"  {a['case']}: published {published}, simulated {a['predicted_gain']:+.1%} "
               f"({a['points_off']:+.1f} points outside; target within {ABLATION_TARGET * 100:.0f})")
+    sens = summary["sensitivity"]
+    print("what the decode cases depend on (the low-latency all-to-all's SM share; the profiles' is 0.35):")
+    for share, got in sens["sm_share"].items():
+        print(f"  at {share}: " + ", ".join(f"{case} {err:+.1%}" for case, err in got["cases"].items())
+              + f"; SGLang's 256-token ablation {got['ablation_256']:+.1%}")
+    print(f"  {sens['mtp']['case']} with MTP (1 draft token, 85% accepted): {sens['mtp']['error']:+.1%}")
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ import typer
 from moectl.cli.common import (
     JSON_OPT,
     BadInput,
+    check_output_file,
     check_seed,
     emit_json,
     handles_errors,
@@ -207,12 +208,10 @@ def calibrate(
     tables")."""
     import json
 
-    if out.is_dir():
-        raise BadInput(f"--out: {out} is a directory")
+    # never the trace or the base profile read: --overwrite would lose them
+    check_output_file(out, "--out", *[Path(p) for p in (from_trace, base) if p is not None])
     if out.exists() and not overwrite:
         raise BadInput(f"--out: {out} exists (use --overwrite to replace it)")
-    if not out.parent.is_dir():
-        raise BadInput(f"--out: {out.parent} is not an existing directory")
     if from_trace is not None:
         _calibrate_from_trace(out, from_trace, model, base, tokens, context, ep, layers, training, comm_sms, as_json)
         return

@@ -167,6 +167,14 @@ def test_bad_calibration_input_is_one_line_and_exit_2(tmp_path, args, message):
     assert not (tmp_path / "x.json").exists()  # nothing written that does not read back
 
 
+def test_the_trace_read_is_never_the_profile_written(tmp_path):
+    trace = tmp_path / "card.json.gz"
+    trace.write_bytes(TRAIN.read_bytes())
+    res = _cli(["--from-trace", str(trace), "--model", str(DOCS / "configs" / "deepseek-v3.json"), "--base", "h800",
+                "--tokens", "4096", "--ep", "64", "--training", "--out", str(trace), "--overwrite"])
+    assert res.exit_code == 2 and "is the input" in res.stderr and trace.read_bytes() == TRAIN.read_bytes()
+
+
 def test_a_corrupt_trace_is_one_line(tmp_path):
     bad = tmp_path / "bad.json.gz"
     bad.write_bytes(gzip.compress(b'{"traceEvents": [{"ph": "X", "cat": "kernel", "name": "a", "ts": "x"'))
