@@ -509,6 +509,41 @@ def peers_vllm(r: dict) -> list[tuple[str, str]]:
              f"outputs identical in {r['greedy_identical']} of {r['of']}")]
 
 
+def peers_llama(r: dict) -> list[tuple[str, str]]:
+    w, b = r["workload"], r["bs1"]
+    lo, hi = r["ratio_range"]
+    blo, bhi = b["ratio_range"]
+    return [(f"moectl vs llama.cpp {r['llama_cpp']} (llama-cpp-python, GGUF {r['gguf']}, KV {r['kv_cache']}), "
+             f"{r['model']}, {r['threads']} threads each: {w['requests']} requests at once ({w['prompt_tokens']:,} "
+             f"prompt, {w['output_tokens']:,} output tokens, greedy), alternating rounds; moectl's prefix cache off "
+             f"(llama.cpp's is cleared every round)",
+             f"output tok/s moectl / llama.cpp {r['ratio_median']:.2f}x (range {lo:.2f}-{hi:.2f}x over "
+             f"{len(r['moectl_tok_s'])} rounds; moectl {statistics.median(r['moectl_tok_s']):,.0f}, llama.cpp "
+             f"{statistics.median(r['llama_tok_s']):,.0f}); greedy outputs identical in {r['greedy_identical']} of "
+             f"{r['of']}; batch-1 TPOT ({b['output_tokens']} tokens) moectl "
+             f"{statistics.median(b['moectl_tpot_s']) * 1e3:.2f} ms vs {statistics.median(b['llama_tpot_s']) * 1e3:.2f} "
+             f"ms: {b['ratio_median']:.2f}x (range {blo:.2f}-{bhi:.2f}x; goal <= 1.0x: {_met(b['ratio_median'] <= 1.0)})")]
+
+
+def _gain(x: float) -> str:
+    return f"{x:+.1%}"
+
+
+def two_batch(r: dict) -> list[tuple[str, str]]:
+    rows = []
+    for regime, s in r["regimes"].items():
+        auto, forced, p = s["two-batch"], s["two-batch forced"], s["predicted"]
+        rows.append((f"two-batch overlap on the ranks ({r['model']}, {r['nproc']} gloo ranks on this CPU), the "
+                     f"rebalance suite's {regime} regime, {r['requests']} requests, {r['rounds']} alternating rounds",
+                     f"gain over one batch {_gain(auto['gain_median'])} [{_gain(auto['gain_min'])}, "
+                     f"{_gain(auto['gain_max'])}] with the engine's fallback ({auto['split_steps']} of {auto['steps']} "
+                     f"steps split), {_gain(forced['gain_median'])} forced on every step; greedy tokens "
+                     f"{'identical' if auto['identical'] and forced['identical'] else 'DIFFERENT'}; simulated "
+                     f"(this machine's calibrated profile): {_gain(p['gain_auto'])} with the fallback, "
+                     f"{_gain(p['gain_forced'])} forced"))
+    return rows
+
+
 def sim_machine(r: dict) -> list[tuple[str, str]]:
     cases, t = r["cases"], r["target"]
     errs = [c["error_median"] for c in cases]
@@ -587,6 +622,12 @@ BENCHES = {
     "sim-validation": (["python", "bench/sim_validation.py", "--json"], sim_validation),
     "sim-machine": (["python", "bench/sim_machine_validation.py", "--json"], sim_machine),
     "peers-vllm-fp32": (["python", "bench/peers/compare_vllm.py", "--rounds", "5", "--json"], peers_vllm),
+    "peers-vllm-bf16": (["python", "bench/peers/compare_vllm.py", "--dtype", "bfloat16", "--rounds", "5", "--json"],
+                        peers_vllm),
+    "peers-llama-f32": (["python", "bench/peers/compare_llama.py", "--rounds", "5", "--json"], peers_llama),
+    "peers-llama-dsv3-f32": (["python", "bench/peers/compare_llama.py", "--model", "sample-dsv3", "--rounds", "5",
+                              "--json"], peers_llama),
+    "two-batch-overlap": (["python", "bench/two_batch_overlap.py", "--rounds", "5", "--json"], two_batch),
     "console-dsv3": (["python", "bench/console_bench.py", "--model", "sample-dsv3", "--frames", "1", "--tabs", "overview",
                       "--big-presses", "0", "--json"],
                      console_live("console, live on sample-dsv3 (4 emulated devices), its engine in a process of its "

@@ -174,7 +174,7 @@ def bench(
                 spec = WorkloadSpec.from_option(workload)
             except ValueError as exc:
                 raise BadInput(f"--workload: {exc}") from None
-        result = run_rebalance_bench(path, backend=backend, devices=count, rounds=rounds,
+        result = run_rebalance_bench(path, backend=backend, devices=count, rounds=rounds, overlap=options.overlap,
                                      redundant=redundant_slots(options.redundant),
                                      requests=48 if requests == 64 else requests, dtype=dtype, threads=threads,
                                      regime=regime or "decode", spec=spec, log=log)

@@ -244,6 +244,7 @@ def engine_config(options: EngineOptions, *, device: str = "cpu", **fields) -> E
         raise BadInput(f"{count_flag}: must be in 1-{MAX_DEVICES}, got {devices}")
     if backend == "distributed":
         _check_ranks(model, devices, count_flag)
+        fields["overlap"] = options.overlap  # none or two-batch (refuse_sim_options checked it)
     if host_mem is not None:
         if backend == "distributed":
             raise BadInput("--host-mem: not on the distributed backend (each rank loads its own experts)")

@@ -70,7 +70,10 @@ TP_OPT = typer.Option(1, "--tp", help="simulated backend: attention tensor-paral
                                       "attention, each device its own batch).")
 OVERLAP_OPT = typer.Option("none", "--overlap", help="simulated backend: none | two-batch | five-stage (two "
                                                      "micro-batches, one's all-to-all behind the other's compute, "
-                                                     "scheduled as SGLang and DeepSeek run them).")
+                                                     "scheduled as SGLang and DeepSeek run them); distributed "
+                                                     "backend: none | two-batch (each step of at least 512 tokens as "
+                                                     "two micro-batches, one's collectives in flight while the "
+                                                     "other computes).")
 SIM_SEED_OPT = typer.Option(0, "--sim-seed", help="simulated backend: the routing draws and the workload's seed.")
 # the options only the simulated backend reads (sim_backend.py)
 SIM_OPTIONS = ("hardware", "routing", "drift", "tp", "overlap", "sim_seed")

@@ -37,9 +37,19 @@ def recorded_routing(routing: str):
 
 
 def refuse_sim_options(options: EngineOptions) -> None:
-    """A simulated-backend option given with another backend is bad input, not ignored."""
-    if options.backend != SIMULATED:
-        refuse_given(options, SIM_OPTIONS, "only with --backend simulated")
+    """A simulated-backend option given with another backend is bad input, not ignored. --overlap
+    also runs on the distributed backend (none or two-batch: real micro-batches on the ranks)."""
+    if options.backend == SIMULATED:
+        return
+    if options.backend == "distributed":
+        from moectl.engine.core.config import OVERLAP_MODES
+
+        if options.overlap not in OVERLAP_MODES:
+            raise BadInput(f"--overlap: the distributed backend runs {' or '.join(OVERLAP_MODES)}, got "
+                           f"{options.overlap!r} (five-stage is simulated only)")
+    else:
+        refuse_given(options, ("overlap",), "only with --backend simulated or distributed")
+    refuse_given(options, [name for name in SIM_OPTIONS if name != "overlap"], "only with --backend simulated")
 
 
 def refuse_real_engine_options(options: EngineOptions) -> None:

@@ -355,6 +355,21 @@ class ConsoleState:
         total = hits + misses
         return [float(h / t) if t else 0.0 for h, t in zip(hits, total)]
 
+    def micro_batches(self) -> dict | None:
+        """Two-batch overlap on the ranks over the window (None when no step there was split):
+        the steps split of those recorded, and per split step the busiest rank's collective time
+        in flight under the other micro-batch's compute and the time a micro-batch was blocked on
+        them (all measured)."""
+        recs = [r.get("devices") or {} for r in self.window]
+        recs = [d for d in recs if "micro_batches" in d]
+        split = [d for d in recs if len(d["micro_batches"]) == 2]
+        if not split:
+            return None
+        hidden = [max(d["link_hidden_s"]) for d in split]
+        blocked = [max(np.add(d["link_s"], d["link_wait_s"])) for d in split]
+        return {"steps": len(recs), "split": len(split), "hidden_s": float(np.mean(hidden)),
+                "blocked_s": float(np.mean(blocked)), "last": split[-1]["micro_batches"]}
+
     def tier_traffic(self) -> dict | None:
         """The host and disk tiers over the window (disk tier only): host hits and misses, and the
         reads from disk, their bytes and the compute path's wait on them."""

@@ -65,6 +65,12 @@ Step record (format 1):
                                  older traces lack the later terms: a missing _loop or _large term
                                  is its grouped one's)},
                    "telemetry_s": float (distributed: rank 0's time in the per-step gather),
+                   "micro_batches": [int] (distributed: the step's tokens per micro-batch: one
+                                    entry, or two under --overlap two-batch),
+                   "link_hidden_s": [float] (distributed, measured: per rank, the time its
+                                    collectives were in flight while the other micro-batch
+                                    computed; link_s and link_wait_s then count only the
+                                    time a micro-batch was blocked on them),
                    "process": [{"rss_bytes", "cuda"}] (distributed: each rank's, measured),
                    "traffic_bytes": int64 [D, D] (emulated: the modeled all-to-all's dispatch bytes src x dst,
                                     its combine the transpose; distributed: the expert output

@@ -20,6 +20,9 @@ class OverviewPanel(ShowsOnChange, VerticalScroll):
             yield Static(id="ov-error")
             yield Button("Restart engine", id="ov-restart", variant="error")
         yield Static(id="ov-metrics")
+        overlap = Static(id="ov-overlap")  # the ranks' two-batch overlap: shown once a step is split
+        overlap.display = False
+        yield overlap
         with Horizontal(id="ov-bars"):
             with Vertical():
                 yield Static(id="ov-load-title", classes="section-title")
@@ -79,6 +82,14 @@ class OverviewPanel(ShowsOnChange, VerticalScroll):
         span = "over the window"
         if window is not None and window.get("device_steps", window["steps"]) < window["steps"]:
             span = f"over the {window['device_steps']} steps since the placement changed"
+        overlap = state.micro_batches()
+        if overlap is not None:
+            self.put("#ov-overlap", f"two-batch overlap: {overlap['split']} of {overlap['steps']} steps as two "
+                                    f"micro-batches (last {overlap['last'][0]} + {overlap['last'][1]} tok); per split "
+                                    f"step, collectives in flight under the other's compute "
+                                    f"{fmt_s(overlap['hidden_s'])}, blocked on {fmt_s(overlap['blocked_s'])} "
+                                    f"(busiest rank, measured)")
+        self.query_one("#ov-overlap").display = overlap is not None
         self.put(
             "#ov-load-title",
             f"Expert rows per device {span}, "

@@ -14,6 +14,11 @@ from moectl.placement.topology import Topology
 POLICIES = ("fcfs", "priority")  # scheduling order
 OBJECTIVES = ("step_time", "balance")  # what a rebalance plans for (AutoRebalancePolicy.objective)
 ROUTING_POLICIES = REPLICA_POLICIES  # how a token picks among an expert's replicas (placement/replica_policy.py)
+OVERLAP_MODES = ("none", "two-batch")  # the distributed backend's step: one batch, or two overlapped
+# two-batch's fallback: smaller steps run as one batch. 512: above the break-even that this machine's
+# calibrated step model puts on its ranks (a second pass over the layers costs more than it hides
+# below it); bench/two_batch_overlap.py measures both sides
+OVERLAP_MIN_TOKENS = 512
 
 
 class KnobError(ValueError):
@@ -146,6 +151,10 @@ class EngineConfig:
     # re-measured as the engine runs (core/threads.py); None: leave torch's setting
     num_threads: int | str | None = None
     reserved_cores: int = 0  # cores "auto" leaves to other work of this process (the console's UI)
+    # the distributed backend: none, or two-batch (each step as two micro-batches, one's
+    # collectives in flight while the other computes; moectl.engine.parallel.two_batch)
+    overlap: str = "none"
+    overlap_min_tokens: int = OVERLAP_MIN_TOKENS  # two-batch: a step with fewer tokens runs as one batch
 
     def __post_init__(self):
         _int_in("block_size", self.block_size, 1, 1024)
@@ -162,6 +171,9 @@ class EngineConfig:
                 raise KnobError(f"num_threads: must be an integer >= 1 or auto, got {self.num_threads!r}")
             _int_in("num_threads", self.num_threads, 1, 4096)
         _int_in("reserved_cores", self.reserved_cores, 0, 4096)
+        if self.overlap not in OVERLAP_MODES:
+            raise KnobError(f"overlap: must be one of {', '.join(OVERLAP_MODES)}, got {self.overlap!r}")
+        _int_in("overlap_min_tokens", self.overlap_min_tokens, 2, 1 << 30)
         if self.routing_policy not in ROUTING_POLICIES:
             raise KnobError(f"routing_policy: must be one of {', '.join(ROUTING_POLICIES)}, got {self.routing_policy!r}")
         _int_in("redundant_slots", self.redundant_slots, 0, 1024)

@@ -16,6 +16,8 @@ from moectl.engine.models.decoder import MoEForCausalLM
 class RoutingProbe:
     """Per-step token counts per (layer, expert): what the routing heat map shows."""
 
+    splittable = True  # counts add up: a step run as two micro-batches reports the same (two_batch.py)
+
     def __init__(self, num_layers: int, num_experts: int):
         self.counts = torch.zeros(num_layers, num_experts, dtype=torch.int64)
 

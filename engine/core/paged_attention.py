@@ -109,3 +109,57 @@ class PagedContext:
             mask = window_mask(torch.arange(n, device=q.device) + p.cached_len, total, window, p.first_position)
             out[p.start:p.end] = sdpa(qs, ks[:, :total], vs[:, :total], scale, mask=mask[None, None], sinks=sinks)[0]
         return out
+
+
+def split_context(ctx: PagedContext, at: int) -> tuple[PagedContext, PagedContext]:
+    """The step's tokens [0, at) and [at, N) as two contexts over the same cache (two micro-batches).
+    A decode group or a prefill chunk that straddles `at` is split too: the second part of a chunk
+    reads the first part's K/V from the cache, so its micro-batch must run each layer's attention
+    after the first's (yield_points.interleave keeps the first one stage ahead)."""
+    n = ctx.slot_mapping.numel()
+    if not 0 < at < n:
+        raise ValueError(f"split_context: {at} must be inside the step's {n} tokens")
+    first, second = _split_view(ctx, at)
+    if ctx.window is not None:
+        first.window, second.window = _split_view(ctx.window, at)
+    return first, second
+
+
+def _split_view(ctx: PagedContext, at: int) -> tuple[PagedContext, PagedContext]:
+    b = ctx.num_decodes
+    head_rows = min(at, b)
+    lens = ctx.decode_context_lens
+    first = PagedContext(ctx.cache, ctx.slot_mapping[:at], head_rows,
+                         lens[:head_rows] if lens is not None and head_rows else None)
+    second = PagedContext(ctx.cache, ctx.slot_mapping[at:], b - head_rows,
+                          lens[head_rows:] if lens is not None and b > head_rows else None)
+    for g in ctx.decode_groups:
+        if g.end <= at:
+            first.decode_groups.append(_rows_of(g, g.start, g.end, 0))
+        elif g.start >= at:
+            second.decode_groups.append(_rows_of(g, g.start, g.end, at))
+        else:
+            first.decode_groups.append(_rows_of(g, g.start, at, 0))
+            second.decode_groups.append(_rows_of(g, at, g.end, at))
+    for p in ctx.prefills:
+        if p.end <= at:
+            first.prefills.append(p)
+        elif p.start >= at:
+            second.prefills.append(PrefillSlice(p.start - at, p.end - at, p.cached_len, p.block_table, p.first_position))
+        else:
+            first.prefills.append(PrefillSlice(p.start, at, p.cached_len, p.block_table, p.first_position))
+            second.prefills.append(PrefillSlice(0, p.end - at, p.cached_len + at - p.start, p.block_table,
+                                                p.first_position))
+    return first, second
+
+
+def _rows_of(g: DecodeGroup, start: int, end: int, shift: int) -> DecodeGroup:
+    """Rows [start, end) of decode group g, renumbered from `shift`."""
+    lo, hi = start - g.start, end - g.start
+    rows = g.end - g.start
+
+    def cut(t):
+        return None if t is None else t[lo:hi]
+
+    blocks = g.blocks[lo:hi] if g.blocks.dim() == 2 else g.blocks.view(rows, g.width)[lo:hi].reshape(-1)
+    return DecodeGroup(start - shift, end - shift, blocks, g.width, cut(g.mask), cut(g.first_positions), cut(g.lens))

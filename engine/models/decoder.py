@@ -17,6 +17,7 @@ from moectl.engine.models.layers import DenseMLP, RMSNorm, RotaryEmbedding
 from moectl.engine.models.mla import MLAttention
 from moectl.engine.models.moe import ExpertFFN, GroupedSigmoidRouter, MoEBlock
 from moectl.engine.models.tracing import NULL_TRACER, NullTracer
+from moectl.engine.models.yield_points import Stages, run_stages
 
 
 class DecoderLayer(nn.Module):
@@ -37,12 +38,21 @@ class DecoderLayer(nn.Module):
             self.mlp = DenseMLP(cfg.hidden_size, cfg.dense_intermediate_size)
 
     def forward(self, x, positions, ctx, probe=None, tracer: NullTracer = NULL_TRACER):
+        return run_stages(self.stages(x, positions, ctx, probe, tracer))
+
+    def stages(self, x, positions, ctx, probe=None, tracer: NullTracer = NULL_TRACER) -> Stages:
+        """The layer, yielding at its collectives (see yield_points): the attention output's
+        all_reduce when tensor parallelism set `output_collective`, the expert layer's own."""
         mark = tracer.mark()
-        x = x + self.attn(self.input_norm(x), positions, ctx)
+        attn = self.attn(self.input_norm(x), positions, ctx)
+        reduce = getattr(self.attn, "output_collective", None)
+        if reduce is not None:
+            yield reduce(attn)  # in place: attn is read only after the wait
         tracer.close(mark, "attention", 0, self.attn.layer_idx)
+        x = x + attn
         h = self.post_norm(x)
         if isinstance(self.mlp, MoEBlock):
-            return x + self.mlp(h, probe, tracer)
+            return x + (yield from self.mlp.stages(h, probe, tracer))
         mark = tracer.mark()
         out = x + self.mlp(h)
         tracer.close(mark, "dense_mlp", 0, self.attn.layer_idx)
@@ -64,11 +74,18 @@ class MoEForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx, probe=None) -> torch.Tensor:
         """Flat tokens in, final normed hidden states out ([N, H]). `ctx` says where K/V live."""
+        return run_stages(self.stages(input_ids, positions, ctx, probe))
+
+    def stages(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx, probe=None, tracer=None) -> Stages:
+        """The forward as stages with yield points at every collective (one micro-batch's, when
+        the distributed backend overlaps two: moectl.engine.parallel.two_batch). tracer: the
+        micro-batch's own (default: the model's)."""
+        tracer = self.tracer if tracer is None else tracer
         x = self.embed(input_ids)
         if probe is not None:
             probe.on_hidden(0, x)
         for i, layer in enumerate(self.layers):
-            x = layer(x, positions, ctx, probe, self.tracer)
+            x = yield from layer.stages(x, positions, ctx, probe, tracer)
             if probe is not None:
                 probe.on_hidden(i + 1, x)
         return self.norm(x)

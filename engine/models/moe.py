@@ -16,6 +16,7 @@ from torch import nn
 
 from moectl.engine.models.layers import swiglu
 from moectl.engine.models.tracing import NULL_TRACER, NullTracer
+from moectl.engine.models.yield_points import Stages, run_stages
 
 # The grouped GEMM beats the per-expert loop from 4 rows up: one call per projection instead of two
 # matmuls and an activation per expert hit (`python bench/decode_bench.py`, sample model shapes,
@@ -249,6 +250,10 @@ class MoEBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, probe=None, tracer: NullTracer = NULL_TRACER) -> torch.Tensor:
         """x: [N, H] flat tokens. tracer: spans for the router and the expert work."""
+        return run_stages(self.stages(x, probe, tracer))
+
+    def stages(self, x: torch.Tensor, probe=None, tracer: NullTracer = NULL_TRACER) -> Stages:
+        """forward, yielding at the expert layer's collectives where it has them (the ranks')."""
         mark = tracer.mark()
         logits, weights, ids = self.route(x)
         counts_t = torch.bincount(ids.flatten(), minlength=self.num_experts)
@@ -259,7 +264,9 @@ class MoEBlock(nn.Module):
         if probe is not None:
             probe.on_routing(self.layer_idx, counts_t, ids)
         mark = tracer.mark()
-        out = self.experts.dispatch(x, weights, ids, counts_t)
+        staged = getattr(self.experts, "dispatch_stages", None)
+        out = ((yield from staged(x, weights, ids, counts_t)) if staged is not None
+               else self.experts.dispatch(x, weights, ids, counts_t))
         tracer.close(mark, "experts", 0, self.layer_idx)
         if self.shared_w13 is not None:  # its own span: the routed experts' share of a step is measured apart
             mark = tracer.mark()

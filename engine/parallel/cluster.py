@@ -143,12 +143,19 @@ class DistributedCluster(ClusterBase):
             "step_time": self._time_step(wall_s, float(link_s.max()), len(s.token_device), measured_parallel=True,
                                          t_start=t_start),
             "telemetry_s": self.telemetry_s,  # rank 0's time in the per-step gather of these figures
+            "micro_batches": self._micro_batches(),
+            "link_hidden_s": f["hidden_s"].tolist(),  # measured: collectives in flight under the other micro-batch
             "process": [{"rss_bytes": int(f["rss_bytes"][r]),
                          "cuda": ({"allocated": int(f["cuda_allocated"][r]), "reserved": int(f["cuda_reserved"][r]),
                                    "max_allocated": int(f["cuda_max_allocated"][r])}
                                   if f["cuda_reserved"][r] else None)} for r in range(self.world)],
         }
         return record
+
+    def _micro_batches(self) -> list[int]:
+        """The step's tokens in each micro-batch: one entry, or two under two-batch overlap."""
+        tokens, split = len(self.stats.token_device), self.rank_stats.split
+        return [split, tokens - split] if split else [tokens]
 
     def memory(self, work: list[dict], kv_bytes_used: list[int]) -> dict:
         """Each rank's weights (rank 0's shard sizes: tensor-parallel shards are equal), its expert

@@ -13,7 +13,8 @@ Rank 0 runs the real LLMEngine (scheduler, block manager, sampler, telemetry). I
 prepares each step's tensors as usual; just before the forward they are broadcast to every
 other rank over a gloo control group (`StepChannel`), every rank runs the same forward on its
 shards, and rank 0 alone computes logits and samples. The other ranks run `worker_loop` until
-rank 0 publishes "stop".
+rank 0 publishes "stop". With --overlap two-batch rank 0 also publishes where the step splits
+into two micro-batches, so every rank runs the same interleaved schedule (two_batch.py).
 
 Before serving, every rank fingerprints the model it loaded (config.json, tensor names and
 shapes, sampled weight bytes) and the launch settings; any disagreement makes every rank raise
@@ -57,6 +58,7 @@ from moectl.engine.experts.control import ExpertControl
 from moectl.engine.llm_engine import LLMEngine
 from moectl.engine.models.config import ModelConfig
 from moectl.engine.models.loader import load_model
+from moectl.engine.parallel import two_batch
 from moectl.engine.parallel.cluster import DistributedCluster
 from moectl.engine.parallel.rank_experts import RankStepStats, install, migrate
 from moectl.engine.parallel.sharding import (
@@ -282,8 +284,9 @@ class StepChannel:
             self._broadcast(torch.tensor([payload.numel()], dtype=torch.int64))
             self._broadcast(payload)
 
-    def publish(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: PagedContext) -> None:
-        self._send(pack_step(input_ids, positions, ctx))
+    def publish(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: PagedContext, split: int = 0,
+                interleaved: bool = True) -> None:
+        self._send(pack_step(input_ids, positions, ctx, split, interleaved))
 
     def publish_placement(self, placement: Placement) -> None:
         slots = placement.slots
@@ -295,7 +298,7 @@ class StepChannel:
             self._broadcast(torch.zeros(1, dtype=torch.int64))
 
     def receive(self, cache: KVCache, device: torch.device):
-        """("step", input_ids, positions, ctx) or ("placement", Placement) of the next message,
+        """("step", input_ids, positions, ctx, split, interleaved) or ("placement", Placement) of the next message,
         or None when rank 0 said stop."""
         length = torch.zeros(1, dtype=torch.int64)
         self._broadcast(length)
@@ -313,9 +316,12 @@ def _i64(t: torch.Tensor) -> torch.Tensor:
     return t.detach().reshape(-1).to("cpu", torch.int64)
 
 
-def pack_step(input_ids: torch.Tensor, positions: torch.Tensor, ctx: PagedContext) -> torch.Tensor:
+def pack_step(input_ids: torch.Tensor, positions: torch.Tensor, ctx: PagedContext, split: int = 0,
+              interleaved: bool = True) -> torch.Tensor:
+    """split: where the step's two micro-batches divide its tokens (0: one batch; two_batch.py);
+    interleaved False: they run one after the other (the bench's split-without-overlap control)."""
     n, b = input_ids.numel(), ctx.num_decodes
-    head = [_MAGIC, n, b, len(ctx.prefills), int(ctx.window is not None)]
+    head = [_MAGIC, n, b, len(ctx.prefills), int(ctx.window is not None), split, int(interleaved)]
     parts = [torch.tensor(head, dtype=torch.int64), _i64(input_ids), _i64(positions)]
     if b:
         parts.append(_i64(ctx.decode_context_lens))
@@ -341,8 +347,8 @@ def unpack_step(payload: torch.Tensor, cache: KVCache, device: torch.device):
         cur += count
         return out
 
-    magic, n, b, num_prefills, has_window = take(5).tolist()
-    if magic != _MAGIC or has_window != (cache.window is not None):
+    magic, n, b, num_prefills, has_window, split, interleaved = take(7).tolist()
+    if magic != _MAGIC or has_window != (cache.window is not None) or not 0 <= split < max(n, 1):
         raise DistributedError("distributed: corrupt step message from rank 0")
     ids, positions = take(n).to(device), take(n).to(device)
     lens = take(b) if b else None
@@ -375,23 +381,35 @@ def unpack_step(payload: torch.Tensor, cache: KVCache, device: torch.device):
         ctx.window = view(cache.window, True)
     if cur != payload.numel():
         raise DistributedError("distributed: corrupt step message from rank 0")
-    return ids, positions, ctx
+    return ids, positions, ctx, split, bool(interleaved)
 
 
 class _PublishingModel:
     """Stands in for the model inside rank 0's ModelRunner: publishes each step's inputs to the
     other ranks, then runs the real (sharded) forward."""
 
-    def __init__(self, model, channel: StepChannel):
+    def __init__(self, model, channel: StepChannel, overlap: str = "none", stats: RankStepStats | None = None,
+                 overlap_min_tokens: int = two_batch.DEFAULT_MIN_TOKENS):
         self.model, self.channel = model, channel
         self.cfg = model.cfg
         self.after_forward = None  # rank 0's cluster: gathers every rank's figures for the step
         self.health = None  # see DistributedModelRunner.health
+        self.overlap = overlap  # none | two-batch: read every step, so it can change between steps
+        self.overlap_min_tokens = overlap_min_tokens
+        self.interleaved = True  # False: the two micro-batches one after the other (bench/two_batch_overlap.py)
+        self.stats = stats
 
     def __call__(self, input_ids, positions, ctx, probe=None):
         try:
-            self.channel.publish(input_ids, positions, ctx)
-            hidden = self.model(input_ids, positions, ctx, probe)
+            # a probe that reads the step's hidden states whole (verify's layer-by-layer one) keeps
+            # one batch; the routing counts add up over micro-batches
+            whole = probe is not None and not getattr(probe, "splittable", False)
+            split = 0 if whole else two_batch.choose_split(self.overlap, input_ids.numel(), self.overlap_min_tokens)
+            if self.stats is not None:
+                self.stats.split = split
+            self.channel.publish(input_ids, positions, ctx, split, self.interleaved)
+            hidden = two_batch.forward(self.model, input_ids, positions, ctx, split, self.stats, probe,
+                                       self.interleaved)
             if self.after_forward is not None:
                 self.after_forward()
         except Exception as exc:  # noqa: BLE001 - from the publish to the gather the ranks run in
@@ -409,8 +427,9 @@ class DistributedModelRunner(ModelRunner):
     """Rank 0's runner: ModelRunner's own input preparation, with every forward mirrored on the
     other ranks. `shutdown()` releases them."""
 
-    def __init__(self, model, cache: KVCache, device: torch.device, channel: StepChannel):
-        super().__init__(_PublishingModel(model, channel), cache, device)
+    def __init__(self, model, cache: KVCache, device: torch.device, channel: StepChannel, overlap: str = "none",
+                 stats: RankStepStats | None = None, overlap_min_tokens: int = two_batch.DEFAULT_MIN_TOKENS):
+        super().__init__(_PublishingModel(model, channel, overlap, stats, overlap_min_tokens), cache, device)
         self.channel = channel
         self.closed = False
 
@@ -447,10 +466,10 @@ def worker_loop(model, cache: KVCache, channel: StepChannel, device: torch.devic
                 report = migrate(experts, message[1], state.rank, state.world_size, None)
                 dist.all_gather_object([None] * state.world_size, report, group=state.ctrl_group)
                 continue
-            _, ids, positions, ctx = message
+            _, ids, positions, ctx, split, interleaved = message
             if stats is not None:
                 stats.reset()
-            model(ids, positions, ctx)
+            two_batch.forward(model, ids, positions, ctx, split, stats, interleaved=interleaved)
             steps += 1
             if stats is not None:
                 dist.gather(stats.pack(), None, dst=0, group=state.ctrl_group)
@@ -493,7 +512,9 @@ def _make_engine(config: EngineConfig, model, kv_heads: int, channel: StepChanne
         return ExpertControl(engine, cluster, "none")
 
     return LLMEngine(config, model=model, kv_heads=kv_heads, experts=expert_layer, kv_pools=1,
-                     runner_factory=lambda m, cache, device: DistributedModelRunner(m, cache, device, channel))
+                     runner_factory=lambda m, cache, device: DistributedModelRunner(m, cache, device, channel,
+                                                                                     config.overlap, stats,
+                                                                                     config.overlap_min_tokens))
 
 
 def run_rank(config: EngineConfig, job: Callable[[LLMEngine], Any], tp: int | None = None,

@@ -17,7 +17,10 @@ dispatch and combine of the seeds' clusters pay off when each rank holds other t
 Every collective is timed on this rank (`RankStepStats`): the expert compute (busy), a
 two-value all_reduce before the outputs are summed (the time spent *waiting* for slower ranks:
 a collective moving 16 bytes is all wait; its values check that every rank routed alike), and
-the outputs' all_reduce (the *transfer*). At
+the outputs' all_reduce (the *transfer*). Both are started asynchronously and yielded
+(`dispatch_stages`, models/yield_points.py): in one batch each is waited for at once; under
+two-batch overlap the other micro-batch computes while it is in flight (`hidden_s`), and the two
+figures count only the time a micro-batch was blocked on them. At
 the end of a step the figures travel to rank 0 in one fixed-size tensor (`pack` / `unpack`).
 
 `migrate` changes the placement between steps with real transfers: every rank derives the same
@@ -41,10 +44,11 @@ from torch import nn
 from moectl.engine.experts.replica_routing import RoutingState, assign_replicas, prepare
 from moectl.engine.models.moe import SWIGLU, ExpertFFN, MoEBlock, grouped_offsets, grouped_swiglu
 from moectl.engine.models.tracing import NULL_TRACER
+from moectl.engine.models.yield_points import Collective, run_stages
 from moectl.placement.placement import Placement, migration_in
 
 MEMORY_SAMPLE_S = 0.5  # RSS is read at most this often (psutil costs tens of microseconds)
-_SCALARS = ("wait_s", "combine_s", "rss_bytes", "cuda_allocated", "cuda_reserved",
+_SCALARS = ("wait_s", "combine_s", "hidden_s", "rss_bytes", "cuda_allocated", "cuda_reserved",
             "cuda_max_allocated")
 
 
@@ -70,7 +74,8 @@ class RankStepStats:
         self.rows = np.zeros(L)
         self.active = np.zeros(L)
         self.send_rows = np.zeros(self.world)  # expert output rows this rank contributed to each other rank
-        self.wait_s = self.combine_s = 0.0
+        self.wait_s = self.combine_s = self.hidden_s = 0.0
+        self.split = 0  # rank 0: where this step's batch split into two micro-batches (0: one batch)
 
     @staticmethod
     def size(num_layers: int, world: int) -> int:
@@ -86,7 +91,7 @@ class RankStepStats:
         return self._memory
 
     def pack(self) -> torch.Tensor:
-        scalars = [self.wait_s, self.combine_s, *self._sample_memory()]
+        scalars = [self.wait_s, self.combine_s, self.hidden_s, *self._sample_memory()]
         return torch.from_numpy(np.concatenate([self.busy, self.rows, self.active, self.send_rows,
                                                 np.asarray(scalars, dtype=np.float64)]))
 
@@ -150,8 +155,13 @@ class RankExperts(nn.Module):
         return out, t1 - t0
 
     def dispatch(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, counts_t: torch.Tensor):
+        return run_stages(self.dispatch_stages(x, weights, ids, counts_t))
+
+    def dispatch_stages(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, counts_t: torch.Tensor):
+        """dispatch, yielding at its two collectives (yield_points): one batch waits for each at
+        once; two micro-batches compute the other's stage while it is in flight."""
         n, hidden = x.shape
-        W, S, rank, group, stats = self.world, self.slots, self.rank, self.group, self.stats
+        W, S, rank, stats = self.world, self.slots, self.rank, self.stats
         top_k = ids.shape[1]
         # (1) a replica for every (token, choice), the same on every rank: each rank routes the
         #     whole batch (it holds every token), so no rank needs to be told the choice
@@ -180,12 +190,11 @@ class RankExperts(nn.Module):
         #     ranks computed would be dropped or doubled silently), then the sum
         check = zlib.crc32(dest.numpy().tobytes())
         flag = torch.tensor([check, -check], dtype=torch.int64, device=x.device)
-        _, wait = self._timed(lambda: dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group), "wait for ranks",
-                              link_lane)
+        yield self._collective(flag, dist.ReduceOp.MAX, "wait for ranks", link_lane, "wait_s")
         if flag.tolist() != [check, -check]:
             raise RuntimeError(f"distributed: the ranks chose different experts' replicas in layer {self.layer_idx} "
                                f"(their hidden states differ)")
-        _, transfer = self._timed(lambda: dist.all_reduce(outputs, group=group), "all_reduce combine", link_lane)
+        yield self._collective(outputs, dist.ReduceOp.SUM, "all_reduce combine", link_lane, "combine_s")
         # (5) the weighted sum in moe.combine's order: the same bits as one process
         layer = self.layer_idx
         stats.busy[layer] += busy
@@ -194,9 +203,24 @@ class RankExperts(nn.Module):
         sent = np.full(W, float(rows_per_rank[rank]))
         sent[rank] = 0.0
         stats.send_rows += sent
-        stats.wait_s += wait
-        stats.combine_s += transfer
         return (outputs.view(n, top_k, hidden) * weights.unsqueeze(-1)).sum(1).to(x.dtype)
+
+    def _collective(self, tensor: torch.Tensor, op, name: str, lane: int, figure: str) -> Collective:
+        """An all_reduce in place, started now. Once waited for: the time its micro-batch was
+        blocked on it goes to `figure` (all of it in one batch), the time it was in flight while
+        the other micro-batch computed to `hidden_s`, and its span (start to done) to the timeline."""
+        stats, layer = self.stats, self.layer_idx
+
+        def done(issued: float, waited_from: float, finished: float) -> None:
+            setattr(stats, figure, getattr(stats, figure) + finished - waited_from)
+            stats.hidden_s += waited_from - issued
+            if stats.tracer.enabled:
+                stats.tracer.add_measured(name, lane, layer, issued, finished)
+
+        sync = (lambda: torch.cuda.synchronize(stats.device)) if stats.cuda else None
+        if sync is not None:
+            sync()  # the expert kernels are done before the clock starts, as _timed's spans
+        return Collective(dist.all_reduce(tensor, op=op, group=self.group, async_op=True), done, sync)
 
     def _home(self, n: int) -> torch.Tensor:
         """Each token's home rank, which the locality policy prefers: the batch in W contiguous

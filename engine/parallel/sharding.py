@@ -1,8 +1,8 @@
 """Tensor parallelism added to a loaded model by small hooks (gpt-fast style).
 
 `apply_tensor_parallel` shards every Attention by heads: the fused qkv projection is split by
-rows (column parallel), o_proj by columns (row parallel), and a forward hook on o_proj
-all-reduces its partial output over the tensor-parallel group. Latent attention (MLA) splits
+rows (column parallel), o_proj by columns (row parallel), and the decoder layer all-reduces
+the partial output over the tensor-parallel group (`output_collective`, a yield point). Latent attention (MLA) splits
 its per-head projections the same way (q_b_proj or q_proj and kv_b_proj by rows, o_proj by
 columns); the latent itself (q_a_proj, kv_a_proj and their norms) is computed whole on every
 rank, so every rank caches the same latent, as MLA serving does. Expert parallelism (any
@@ -21,6 +21,7 @@ from torch import nn
 
 from moectl.engine.models.attention import Attention
 from moectl.engine.models.mla import MLAttention
+from moectl.engine.models.yield_points import Collective
 
 MAX_TP = 8
 
@@ -79,11 +80,12 @@ class _TPFullRMSNorm(nn.Module):
         return self.weight * x32.to(dtype)
 
 
-def _all_reduce_hook(group):
-    def hook(module, inputs, output):
-        dist.all_reduce(output, group=group)
-        return output
-    return hook
+def _output_collective(group):
+    """The attention output's all_reduce over the tensor-parallel group, started asynchronously:
+    the decoder layer yields it (models.yield_points), so two micro-batches can overlap it."""
+    def start(output: torch.Tensor) -> Collective:
+        return Collective(dist.all_reduce(output, group=group, async_op=True))
+    return start
 
 
 def _shard_attention(attn: Attention, tp_rank: int, tp_size: int, group) -> None:
@@ -113,7 +115,7 @@ def _shard_attention(attn: Attention, tp_rank: int, tp_size: int, group) -> None
         attn.sinks = nn.Parameter(attn.sinks[q_heads.start:q_heads.stop].clone(), requires_grad=False)
     attn.num_heads, attn.num_kv_heads = len(q_heads), len(kv_heads)
     attn.q_size, attn.kv_size = len(q_heads) * d, len(kv_heads) * d
-    o.register_forward_hook(_all_reduce_hook(group))
+    attn.output_collective = _output_collective(group)
 
 
 def _rows(linear: nn.Linear, rows: torch.Tensor) -> None:
@@ -139,7 +141,7 @@ def _shard_mla(attn: MLAttention, tp_rank: int, tp_size: int, group) -> None:
     if o.bias is not None and tp_rank != 0:
         o.bias = None
     attn.num_heads = per
-    o.register_forward_hook(_all_reduce_hook(group))
+    attn.output_collective = _output_collective(group)
 
 
 def apply_tensor_parallel(model: nn.Module, tp_rank: int, tp_size: int, group=None) -> nn.Module:

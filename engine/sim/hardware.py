@@ -76,6 +76,9 @@ class HardwareProfile:
     layer_overhead_us: float = 0.0
     sequence_overhead_us: float = 0.0  # per sequence sampled in a step: scheduler, sampler, bookkeeping
     prompt_token_overhead_us: float = 0.0  # per prompt token: a CPU prefill path's costs beyond its kernels
+    # per layer, what running a step as two micro-batches adds beyond their kernels (the second pass's
+    # launches and Python; calibrated profiles measure it on the ranks' two-batch overlap; 0 elsewhere)
+    micro_batch_overhead_us: float = 0.0
     sources: dict[str, str] = field(default_factory=dict)
     assumed: tuple[str, ...] = ()  # figures borrowed from another device
     # kernel cost tables (kernel_tables.py): priced in place of the roofline where given; None:
@@ -207,5 +210,6 @@ def _parse(key: str, raw: dict) -> HardwareProfile:
         layer_overhead_us=figure("layer_overhead_us", optional=True) or 0.0,
         sequence_overhead_us=figure("sequence_overhead_us", optional=True) or 0.0,
         prompt_token_overhead_us=figure("prompt_token_overhead_us", optional=True) or 0.0, kernels=tables,
+        micro_batch_overhead_us=figure("micro_batch_overhead_us", optional=True) or 0.0,
         assumed=tuple(sorted(k for k, v in sources.items() if v.lstrip().lower().startswith("assumed"))))
     return profile

@@ -348,6 +348,9 @@ def layer_times(spec: SimSpec, load: StepLoad) -> LayerTimes:
     if tp > 1:
         attention = attention + roof.links(2 * (tp - 1) / tp * load.tokens * shape.hidden_size * m.high_bytes,
                                            0 * load.tokens)
+    # a calibrated CPU profile's per-prompt-token cost beyond the kernels (the prefill path's masks,
+    # copies and gathers) is work inside the layers, spread over them: a micro-batch carries its share
+    attention = attention + hw.prompt_token_overhead_us * 1e-6 * load.prefill / shape.num_layers
     attention, core = attention[group_of], core[group_of]
     # the router, embeddings and LM head stay BF16 in fp8 and mxfp4 checkpoints
     router = roof.gemms(T, m.router_macs(), m.part_bytes("router"), bf16=True, dense=True, kernels=1)
@@ -452,9 +455,11 @@ def simulate(spec: SimSpec, load: StepLoad | None = None, detail: bool = False) 
     # once per draft token
     mtp_s = spec.mtp_draft * (float(np.mean(moe_layers)) + head_s) if spec.mtp_draft and moe_layers else 0.0
     # a calibrated profile's costs beyond the kernels: per layer, and per sequence sampled (the
-    # busiest attention group's); 0 in the GPU profiles, which have no sourced figure for them
-    overhead = (shape.num_layers * hw.layer_overhead_us + float(load.sequences.max()) * hw.sequence_overhead_us
-                + float(load.prefill.max()) * hw.prompt_token_overhead_us
+    # busiest attention group's; per prompt token: in the layers, see layer_times); 0 in the GPU
+    # profiles, which have no sourced figure for them. Two micro-batches: each layer's second pass
+    # costs its own launches and host time beyond the kernels.
+    split_us = shape.num_layers * hw.micro_batch_overhead_us if overlapped else 0.0
+    overhead = (shape.num_layers * hw.layer_overhead_us + split_us + float(load.sequences.max()) * hw.sequence_overhead_us
                 + (tables.step_fixed_us if tables is not None else 0.0)) * 1e-6
     step = float(sum(moe_layers) + shape.num_dense * dense_s + head_s + mtp_s + overhead)
     comm = sum(full.dispatch) + sum(full.combine)

@@ -100,12 +100,12 @@ def _summary(wall: float, records: list[dict]) -> dict:
 
 
 def suite_config(model_dir, devices: int, redundant: int, concurrency: int, dtype=None,
-                 threads: int | None = None) -> EngineConfig:
+                 threads: int | None = None, overlap: str = "none") -> EngineConfig:
     """The suite's engine: `concurrency` sequences at most, the prefix cache off (so every phase
-    schedules the same batches)."""
+    schedules the same batches). overlap: the distributed backend's (none | two-batch)."""
     return EngineConfig(model=str(model_dir), dtype=dtype, topology=Topology(num_devices=devices),
                         redundant_slots=redundant, num_threads=threads, enable_prefix_caching=False,
-                        knobs=SchedulerKnobs(max_num_seqs=concurrency, max_num_batched_tokens=1024))
+                        knobs=SchedulerKnobs(max_num_seqs=concurrency, max_num_batched_tokens=1024), overlap=overlap)
 
 
 def settle(engine, requests: list, concurrency: int) -> None:
@@ -117,7 +117,7 @@ def settle(engine, requests: list, concurrency: int) -> None:
 
 def run_rebalance_bench(model_dir, backend: str = "local", devices: int = 2, requests: int = 48, rounds: int = 10,
                         concurrency: int = 16, redundant: int = 0, dtype=None, threads: int | None = None,
-                        regime: str = "decode", spec=None, log=print) -> dict:
+                        regime: str = "decode", spec=None, log=print, overlap: str = "none") -> dict:
     """redundant: spare expert slots per device for replicas of hot experts; 0 re-hashes the
     experts over the devices (the seeds' move), without replicas to choose between. regime: the
     built-in workload's (workload()); spec: a WorkloadSpec (a JSONL file of {"prompt",
@@ -125,7 +125,7 @@ def run_rebalance_bench(model_dir, backend: str = "local", devices: int = 2, req
     measured ones (split_workload)."""
     if spec is None:
         draws = (workload(requests, 0, regime), workload(requests, 1, regime), workload(requests, 2, regime))
-    config = suite_config(model_dir, devices, redundant, concurrency, dtype, threads)
+    config = suite_config(model_dir, devices, redundant, concurrency, dtype, threads, overlap)
     if backend not in ("local", "distributed"):
         raise ValueError(f"--backend: the rebalance suite runs on local or distributed, got {backend!r}")
     engines = Engines(config, backend)

@@ -22,7 +22,11 @@ What it measures, at the engine's dtype on this machine (fp32 on a CPU):
   and then 16 sequences: each median step's measured time less what the profile's figures above
   price its work at; the batch-1 excess over the model's layers is the per-layer overhead
   (launches, Python, small ops, the ranks' per-step bookkeeping: what no roofline sees), what
-  16 sequences add beyond it the per-sequence overhead (scheduler, sampler, block tables).
+  16 sequences add beyond it the per-sequence overhead (scheduler, sampler, block tables); the
+  16-sequence decode as two micro-batches (two-batch overlap forced) in 3 pairs alternating with one
+  batch: the median of what the split adds beyond the one-batch step's excess, per layer, is the
+  micro-batch overhead (the second pass's
+  launches and Python), which the step model adds to an overlapped step.
   Both runs decode short prompts at fixed batches, none of the validation cases' workloads.
 
 Each figure is the median of its repeats; the run takes about half a minute.
@@ -36,6 +40,7 @@ import platform
 import statistics
 import tempfile
 import time
+from dataclasses import replace
 
 import psutil
 import torch
@@ -145,6 +150,7 @@ def link(ranks: int) -> tuple[float, float]:
 
 BATCH = 16  # sequences of the second overhead run
 PROMPTS, PROMPT_LEN = 4, 128  # the prefill run's prompts
+PAIRS = 3  # one-batch / two-micro-batch decode runs, alternating, for the micro-batch overhead
 OVERHEAD_FLOOR_US = 1e-3  # what a profile holds for an overhead the ranks did not show (a positive figure)
 
 
@@ -187,6 +193,23 @@ def engine_overheads(model_dir, dtype: str, ranks: int, profile_for, steps: int 
             measured = statistics.median(decode[len(decode) // 4:])  # the first steps warm the ranks up
             load = ranks_load(shape, 0, batch, batch, batch * (4 + steps / 2), 4)
             runs[batch] = (measured, simulate(spec, load)["step_ms"] / 1e3)
+        # the same BATCH decode as two micro-batches (two-batch overlap forced on every step), in
+        # PAIRS alternating with one batch: the split's cost is the median of the pairs' differences
+        load = ranks_load(shape, 0, BATCH, BATCH, BATCH * (4 + steps / 2), 4)
+        priced = {mode: simulate(replace(spec, overlap=mode), load)["step_ms"] / 1e3 for mode in ("none", "two-batch")}
+        publisher, pairs = engine.runner.model, []
+        for _ in range(PAIRS):
+            pair = {}
+            for mode in ("none", "two-batch"):
+                publisher.overlap, publisher.overlap_min_tokens = mode, 2
+                engine.step_log.clear()
+                prompts = torch.randint(1, vocab, (BATCH, 4), generator=gen).tolist()
+                engine.generate(prompts, SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True))
+                decode = [s.devices["step_time"]["step_s"] for s in engine.step_log
+                          if s.decode_tokens == BATCH and not s.prefill_tokens and s.devices]
+                pair[mode] = statistics.median(decode[len(decode) // 4:]) - priced[mode]
+            pairs.append(pair["two-batch"] - pair["none"])
+        publisher.overlap = "none"
         prefill = []
         for _ in range(5):
             engine.step_log.clear()
@@ -206,8 +229,11 @@ def engine_overheads(model_dir, dtype: str, ranks: int, profile_for, steps: int 
     sequence_s = (excess[BATCH] - excess[1]) / (BATCH - 1)
     layer_s = (excess[1] - max(sequence_s, 0.0)) / shape.num_layers  # the one sequence's share is not the layers'
     prompt_s = (excess["prefill"] - excess[1] - (PROMPTS - 1) * max(sequence_s, 0.0)) / (PROMPTS * PROMPT_LEN)
+    # what the split adds beyond the one-batch step's own excess (the step model prices the halves'
+    # kernels and the collectives they hide)
+    split_s = statistics.median(pairs) / shape.num_layers
     return {"layer_us": layer_s * 1e6, "sequence_us": sequence_s * 1e6, "prompt_token_us": prompt_s * 1e6,
-            "runs": runs}
+            "micro_batch_us": split_s * 1e6, "micro_batch_pairs_us": [p * 1e6 for p in pairs], "runs": runs}
 
 
 def calibrate(model_dir, dtype: str = "float32", ranks: int = 2, log=print, attach=None) -> dict:
@@ -291,8 +317,9 @@ def calibrate(model_dir, dtype: str = "float32", ranks: int = 2, log=print, atta
         ("1 sequence", runs[1]), (f"{BATCH} sequences", runs[BATCH]),
         (f"{PROMPTS} prompts of {PROMPT_LEN}", runs["prefill"])))
     log(f"the distributed backend on {ranks} ranks: {described}: {costs['layer_us']:.0f} us per layer, "
-        f"{costs['sequence_us']:.0f} us per sequence, {costs['prompt_token_us']:.1f} us per prompt token beyond "
-        f"the kernels")
+        f"{costs['sequence_us']:.0f} us per sequence, {costs['prompt_token_us']:.1f} us per prompt token, "
+        f"{costs['micro_batch_us']:.0f} us per layer for a second micro-batch (pairs: "
+        f"{', '.join(f'{p / shape.num_layers:.0f}' for p in costs['micro_batch_pairs_us'])}), beyond the kernels")
     recorded = ", its steps recorded as `moectl record` does" if attach else ""
     run = (f"the distributed backend ({ranks} ranks, {shape.name}{recorded}) "
            f"decoding 1 and {BATCH} sequences and prefilling {PROMPTS} prompts of {PROMPT_LEN} tokens: {described} by "
@@ -301,7 +328,10 @@ def calibrate(model_dir, dtype: str = "float32", ranks: int = 2, log=print, atta
             ("layer_overhead_us", costs["layer_us"], f"the batch-1 excess over {shape.num_layers} layers"),
             ("sequence_overhead_us", costs["sequence_us"], f"what {BATCH} sequences add beyond it, per sequence"),
             ("prompt_token_overhead_us", costs["prompt_token_us"],
-             "what the prefill adds beyond both, per prompt token")):
+             "what the prefill adds beyond both, per prompt token"),
+            ("micro_batch_overhead_us", costs["micro_batch_us"],
+             f"what decoding the {BATCH} sequences as two micro-batches (--overlap two-batch) adds beyond the "
+             f"one-batch step's excess, per layer (median of {PAIRS} alternating pairs)")):
         raw[field] = {"value": max(figure, OVERHEAD_FLOOR_US), "source": f"{run}; {what}; {how}"}
         if figure < OVERHEAD_FLOOR_US:
             raw[field]["source"] += (f"; measured {figure:.1f} us: the step model already prices at least what the "

@@ -141,6 +141,12 @@ def test_flags_become_the_same_config_with_what_was_given():
     (["generate", "x", "--engine", "/nonexistent", "--threads", "2"], "--threads: configures an engine; --engine"),
     (["web", "--replay", "t.trace", "--devices", "2"], "--devices: an option of the live console, not for --replay"),
     (["bench", "--suite", "kv-int8", "--tp", "2"], "--tp: not read by --suite kv-int8"),
+    (["record", "t.trace", "--steps", "1", "--overlap", "two-batch"],
+     "--overlap: only with --backend simulated or distributed"),
+    (["record", "t.trace", "--steps", "1", "--backend", "distributed", "--overlap", "five-stage"],
+     "--overlap: the distributed backend runs none or two-batch, got 'five-stage' (five-stage is simulated only)"),
+    (["bench", "--suite", "profiler", "--backend", "distributed", "--overlap", "two-batch"],
+     "--overlap: not read by --suite profiler (only by rebalance)"),
 ])
 def test_options_given_on_the_command_line_are_still_told_from_defaults(tmp_path, monkeypatch, args, words):
     """EngineOptions.given keeps what `given(ctx, name)` told: an option a backend or mode ignores

@@ -120,3 +120,22 @@ def test_a_hung_rank_is_named_within_the_bound(ckpt):
         assert detected < STALE_S + 3.0 <= 10.0, detected
         assert "stopped responding" in source.error
     on_ranks(ckpt, body)
+
+
+def test_two_batch_overlap_on_ranks_is_shown_measured(ckpt):
+    """--overlap two-batch: the Overview says how many steps ran as two micro-batches and how long
+    the collectives were in flight under the other one's compute; rank 0's timeline names both."""
+    # prompts long enough that steps pass the 512-token fallback (the later --workload wins)
+    source = live(ckpt, "--backend", "distributed", "--nproc", "2", "--overlap", "two-batch", "--workload",
+                  "rate=80,prompt=200-300,output=2-4")
+
+    async def run(app, pilot):
+        await until(pilot, lambda: app.state.micro_batches() is not None, timeout=90)
+        await pilot.press("1")
+        await until(pilot, lambda: "two-batch overlap" in text_of(app, "#ov-overlap"), timeout=10)
+        text = text_of(app, "#ov-overlap")
+        assert "micro-batches" in text and "in flight under the other's compute" in text and "measured" in text
+        split = [r for r in app.state.window if len((r.get("devices") or {}).get("micro_batches", ())) == 2]
+        names = set(split[-1]["spans"]["names"])
+        assert {"experts (mb 0)", "experts (mb 1)"} <= names, names
+    run_app(MoectlApp(source), run)

@@ -141,7 +141,8 @@ def test_in_place_groups_cross_to_the_ranks_with_their_window_offsets():
                        decode_groups=[main])
     ctx.window = PagedContext(cache=cache.window, slot_mapping=torch.tensor([5, 6]), num_decodes=2,
                               decode_context_lens=abs_lens, decode_groups=[win])
-    _, _, got = unpack_step(pack_step(torch.tensor([1, 2]), torch.tensor([5, 22]), ctx), cache, torch.device("cpu"))
+    _, _, got, _, _ = unpack_step(pack_step(torch.tensor([1, 2]), torch.tensor([5, 22]), ctx), cache,
+                               torch.device("cpu"))
     assert got.decode_groups[0].lens.tolist() == [6, 23]
     assert got.window.decode_groups[0].lens.tolist() == [6, 7]
     assert got.window.decode_groups[0].blocks.tolist() == [[9, 10], [11, 12]]

@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -127,7 +128,21 @@ class Sessions:
         self.sessions = sessions
 
     def __call__(self, state):
-        return {key: run_rank(_config(path), BothJob(), tp, state) for key, path, tp in self.sessions}
+        return {key: run_rank(replace(_config(path), **extra[0]) if extra else _config(path),
+                              TwoBatchJob() if extra else BothJob(), tp, state)
+                for key, path, tp, *extra in self.sessions}
+
+
+class TwoBatchJob(BothJob):
+    """BothJob, and what the step records say of the micro-batches and the collectives."""
+
+    def __call__(self, engine):
+        out = super().__call__(engine)
+        records = [s.as_record() for s in engine.step_log]
+        out["micro_batches"] = [r["devices"]["micro_batches"] for r in records]
+        out["hidden_s"] = [r["devices"]["link_hidden_s"] for r in records]
+        out["span_names"] = sorted({n for r in records for n in r["spans"]["names"]})
+        return out
 
 
 class PerRankModel:
@@ -149,20 +164,39 @@ def sessions(ckpts):
     plan = [("mixtral_tp2", ckpts["mixtral"], 2), ("mixtral_tp1", ckpts["mixtral"], 1),
             ("olmoe_tp2", ckpts["olmoe"], 2), ("qwen2_moe_tp2", ckpts["qwen2_moe"], 2),
             ("deepseek_v3_tp2", ckpts["deepseek_v3"], 2), ("gpt_oss_tp2", ckpts["gpt_oss"], 2)]
+    # two-batch overlap from 4 tokens a step: chunks and decode groups split between micro-batches
+    tbo = {"overlap": "two-batch", "overlap_min_tokens": 4}
+    plan += [(f"{key}_tbo", path, tp, tbo) for key, path, tp in plan if key != "mixtral_tp2"]
     return launch(Sessions(plan), nproc=2, timeout_s=120, collective_timeout_s=60, num_threads=1)
 
 
 @pytest.mark.parametrize("key", ["mixtral_tp2", "mixtral_tp1", "olmoe_tp2", "qwen2_moe_tp2", "deepseek_v3_tp2",
-                                 "gpt_oss_tp2"])
+                                 "gpt_oss_tp2", "mixtral_tp1_tbo", "olmoe_tp2_tbo", "qwen2_moe_tp2_tbo",
+                                 "deepseek_v3_tp2_tbo", "gpt_oss_tp2_tbo"])
 def test_two_ranks_match_single_process(sessions, reference, key):
-    got, ref = sessions[key], reference[key.rsplit("_", 1)[0]]
+    got, ref = sessions[key], reference[key.removesuffix("_tbo").rsplit("_", 1)[0]]
     assert got["tokens"] == ref["tokens"]
     diff = (got["logits"] - ref["logits"]).abs().max().item()
     assert diff <= 1e-4, diff
     assert got["steps"] > PARAMS.max_tokens  # prefill took several chunked steps
-    tp = int(key[-1])
+    tp = int(key.removesuffix("_tbo")[-1])
     # each rank caches only its kv heads; MLA's one latent "head" is whole on every rank
     assert got["kv_heads"] == (1 if key.startswith("deepseek") else 2 // tp)
+
+
+@pytest.mark.parametrize("key", ["mixtral_tp1_tbo", "deepseek_v3_tp2_tbo", "gpt_oss_tp2_tbo"])
+def test_two_batch_overlap_splits_steps_and_measures_hidden_collectives(sessions, key):
+    got = sessions[key]
+    split = [m for m in got["micro_batches"] if len(m) == 2]
+    assert split and all(a > 0 and b > 0 for a, b in split)  # steps ran as two micro-batches
+    assert any(len(m) == 1 and m[0] < 4 for m in got["micro_batches"])  # small steps ran as one batch
+    hidden = [h for m, h in zip(got["micro_batches"], got["hidden_s"]) if len(m) == 2]
+    assert all(len(h) == 2 for h in hidden) and sum(map(sum, hidden)) > 0
+    one_batch = [h for m, h in zip(got["micro_batches"], got["hidden_s"]) if len(m) == 1]
+    assert all(h == [0.0, 0.0] for h in one_batch)  # nothing is in flight under compute in one batch
+    names = got["span_names"]
+    for name in ("experts (mb 0)", "experts (mb 1)", "all_reduce combine (mb 1)", "attention (mb 0)"):
+        assert name in names, names
 
 
 def test_generate_distributed_api(ckpts, reference):
@@ -253,9 +287,12 @@ def test_step_message_round_trip():
     ctx.decode_groups = [DecodeGroup(0, 1, torch.tensor([1]), 1, torch.tensor([[[[True, True, False, False]]]])),
                          DecodeGroup(1, 2, torch.tensor([2, 3]), 2, None)]
     ctx.prefills = [PrefillSlice(2, 4, 0, torch.tensor([4]))]
-    ids, pos, got = unpack_step(pack_step(torch.tensor([7, 8, 9, 10]), torch.tensor([1, 5, 0, 1]), ctx),
-                                cache, torch.device("cpu"))
-    assert ids.tolist() == [7, 8, 9, 10] and pos.tolist() == [1, 5, 0, 1]
+    ids, pos, got, split, interleaved = unpack_step(pack_step(torch.tensor([7, 8, 9, 10]), torch.tensor([1, 5, 0, 1]),
+                                                              ctx, 3, False), cache, torch.device("cpu"))
+    assert ids.tolist() == [7, 8, 9, 10] and pos.tolist() == [1, 5, 0, 1] and (split, interleaved) == (3, False)
+    with pytest.raises(DistributedError, match="corrupt"):  # a split outside the step's tokens
+        unpack_step(pack_step(torch.tensor([7, 8, 9, 10]), torch.tensor([1, 5, 0, 1]), ctx, 4), cache,
+                    torch.device("cpu"))
     assert got.slot_mapping.tolist() == [5, 9, 10, 11] and got.num_decodes == 2
     assert got.decode_context_lens.tolist() == [2, 6]
     for a, b in zip(got.decode_groups, ctx.decode_groups):

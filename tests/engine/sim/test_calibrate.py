@@ -5,6 +5,7 @@ ranks' all-reduce exchange worked by hand, and a recorded distributed step price
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -41,7 +42,7 @@ def test_every_figure_is_measured_here_and_the_profile_loads(profile):
     assert hw.inter_node_gbps is None
     # an overhead is what the ranks measured beyond the step model's price; a run where the model
     # already prices more (timing noise decides, on a shared machine) writes the floor and says so
-    for field in ("layer_overhead_us", "sequence_overhead_us", "prompt_token_overhead_us"):
+    for field in ("layer_overhead_us", "sequence_overhead_us", "prompt_token_overhead_us", "micro_batch_overhead_us"):
         value, source = raw[field]["value"], raw[field]["source"]
         assert getattr(hw, field) == value and value >= OVERHEAD_FLOOR_US
         assert ("floored at" in source) == (value == OVERHEAD_FLOOR_US), (field, value, source)
@@ -52,6 +53,23 @@ def test_every_figure_is_measured_here_and_the_profile_loads(profile):
                               "--tp", "2", "--dtype", "fp32", "--batch-seqs", "8", "--context", "128", "--json"])
     assert out.exit_code == 0, out.output
     assert json.loads(out.stdout)["breakdown_ms"]["overhead"] > 0
+    assert "as two micro-batches" in raw["micro_batch_overhead_us"]["source"]
+
+
+def test_two_micro_batches_pay_the_measured_second_pass_and_hide_the_all_reduce(profile):
+    """On this machine's profile: a decode step as two micro-batches costs the calibrated
+    micro-batch overhead per layer beyond the halves' kernels; a prefill step hides part of its
+    outputs' all_reduce under the other micro-batch's compute."""
+    model = load_sim_model("engine/sample_model_dsv3", "fp32")
+    shape, hw = model.shape, load_profile(profile)
+    spec = SimSpec(model, hw, 2, balanced(shape.num_sparse, shape.num_experts), tokens_per_device=16, context=64,
+                   tp=2, exchange="all-reduce")
+    one, two = simulate(spec), simulate(replace(spec, overlap="two-batch"))
+    assert two["breakdown_ms"]["overhead"] - one["breakdown_ms"]["overhead"] == pytest.approx(
+        shape.num_layers * hw.micro_batch_overhead_us * 1e-3)
+    prefill = replace(spec, phase="prefill", tokens_per_device=512, context=512)
+    one, two = simulate(prefill), simulate(replace(prefill, overlap="two-batch"))
+    assert 0 < two["overlap_hidden_ms"] <= one["breakdown_ms"]["combine"] + 1e-9
 
 
 def test_bad_calibrate_input_is_one_line(tmp_path):
