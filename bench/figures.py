@@ -533,11 +533,15 @@ def two_batch(r: dict) -> list[tuple[str, str]]:
     rows = []
     for regime, s in r["regimes"].items():
         auto, forced, p = s["two-batch"], s["two-batch forced"], s["predicted"]
+        # with few steps split the fallback mode is one batch: its difference is the runs' own spread
+        spread = "; the rest one batch, so the difference is run-to-run spread" if auto["split_steps"] < 0.1 * auto[
+            "steps"] else ""
         rows.append((f"two-batch overlap on the ranks ({r['model']}, {r['nproc']} gloo ranks on this CPU), the "
                      f"rebalance suite's {regime} regime, {r['requests']} requests, {r['rounds']} alternating rounds",
                      f"gain over one batch {_gain(auto['gain_median'])} [{_gain(auto['gain_min'])}, "
                      f"{_gain(auto['gain_max'])}] with the engine's fallback ({auto['split_steps']} of {auto['steps']} "
-                     f"steps split), {_gain(forced['gain_median'])} forced on every step; greedy tokens "
+                     f"steps split{spread}), {_gain(forced['gain_median'])} forced on every step, "
+                     f"{_gain(s['split, no overlap']['gain_median'])} split without overlap; greedy tokens "
                      f"{'identical' if auto['identical'] and forced['identical'] else 'DIFFERENT'}; simulated "
                      f"(this machine's calibrated profile): {_gain(p['gain_auto'])} with the fallback, "
                      f"{_gain(p['gain_forced'])} forced"))

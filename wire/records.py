@@ -69,8 +69,10 @@ Step record (format 1):
                                     entry, or two under --overlap two-batch),
                    "link_hidden_s": [float] (distributed, measured: per rank, the time its
                                     collectives were in flight while the other micro-batch
-                                    computed; link_s and link_wait_s then count only the
-                                    time a micro-batch was blocked on them),
+                                    computed, to their completion or their micro-batch's
+                                    return to wait, whichever came first (a GPU: the latter,
+                                    an upper bound); link_s and link_wait_s then count only
+                                    the time a micro-batch was blocked on them),
                    "process": [{"rss_bytes", "cuda"}] (distributed: each rank's, measured),
                    "traffic_bytes": int64 [D, D] (emulated: the modeled all-to-all's dispatch bytes src x dst,
                                     its combine the transpose; distributed: the expert output

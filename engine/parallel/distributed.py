@@ -404,7 +404,8 @@ class _PublishingModel:
             # a probe that reads the step's hidden states whole (verify's layer-by-layer one) keeps
             # one batch; the routing counts add up over micro-batches
             whole = probe is not None and not getattr(probe, "splittable", False)
-            split = 0 if whole else two_batch.choose_split(self.overlap, input_ids.numel(), self.overlap_min_tokens)
+            split = 0 if whole else two_batch.choose_split(self.overlap, input_ids.numel(), self.overlap_min_tokens,
+                                                           ctx)
             if self.stats is not None:
                 self.stats.split = split
             self.channel.publish(input_ids, positions, ctx, split, self.interleaved)

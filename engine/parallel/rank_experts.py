@@ -142,12 +142,12 @@ class RankExperts(nn.Module):
     def _timed(self, fn, name: str | None = None, lane: int = 0):
         """fn() and its seconds (synchronised on a GPU: collectives and kernels are asynchronous);
         with a name, also a measured span on rank 0's timeline (this rank's own lanes)."""
-        if self.stats.cuda:
-            torch.cuda.synchronize(self.stats.device)
+        if self.stats.cuda:  # the compute stream (not another micro-batch's collective in flight)
+            torch.cuda.current_stream(self.stats.device).synchronize()
         t0 = time.monotonic()  # the engine clock, which span times are on
         out = fn()
         if self.stats.cuda:
-            torch.cuda.synchronize(self.stats.device)
+            torch.cuda.current_stream(self.stats.device).synchronize()
         t1 = time.monotonic()
         tracer = self.stats.tracer
         if name is not None and tracer.enabled:
@@ -199,7 +199,7 @@ class RankExperts(nn.Module):
         layer = self.layer_idx
         stats.busy[layer] += busy
         stats.rows[layer] += positions.numel()
-        stats.active[layer] += sum(1 for c in counts_list if c)
+        stats.active[layer] += sum(1 for c in counts_list if c)  # per micro-batch: each runs its own GEMMs
         sent = np.full(W, float(rows_per_rank[rank]))
         sent[rank] = 0.0
         stats.send_rows += sent
@@ -211,13 +211,15 @@ class RankExperts(nn.Module):
         the other micro-batch computed to `hidden_s`, and its span (start to done) to the timeline."""
         stats, layer = self.stats, self.layer_idx
 
-        def done(issued: float, waited_from: float, finished: float) -> None:
+        def done(issued: float, hidden_until: float, waited_from: float, finished: float) -> None:
             setattr(stats, figure, getattr(stats, figure) + finished - waited_from)
-            stats.hidden_s += waited_from - issued
+            stats.hidden_s += hidden_until - issued
             if stats.tracer.enabled:
                 stats.tracer.add_measured(name, lane, layer, issued, finished)
 
-        sync = (lambda: torch.cuda.synchronize(stats.device)) if stats.cuda else None
+        # the compute stream only: a device-wide sync would also wait for the other micro-batch's
+        # collective in flight on its own stream
+        sync = (lambda: torch.cuda.current_stream(stats.device).synchronize()) if stats.cuda else None
         if sync is not None:
             sync()  # the expert kernels are done before the clock starts, as _timed's spans
         return Collective(dist.all_reduce(tensor, op=op, group=self.group, async_op=True), done, sync)

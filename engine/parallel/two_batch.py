@@ -8,6 +8,9 @@ runs the model's stages (models.yield_points: the layers are written once, with 
 their collectives) for the two halves with `interleave`. Each micro-batch has its own span names
 ("attention (mb 1)", ...); a span that waited across the other micro-batch's work keeps only its
 own running time (on the CPU; on a GPU, events cannot be clipped and spans keep their whole length).
+A prefill chunk written to an INT8 cache is never cut (`choose_split` moves the cut to a chunk's
+edge): its second part would read the first part's K/V back quantized, where one batch uses them
+exact.
 """
 
 from __future__ import annotations
@@ -24,24 +27,35 @@ MODES = OVERLAP_MODES
 DEFAULT_MIN_TOKENS = OVERLAP_MIN_TOKENS  # below this many tokens in a step, one batch: see choose_split
 
 
-def choose_split(mode: str, num_tokens: int, min_tokens: int = DEFAULT_MIN_TOKENS) -> int:
-    """Where the step's tokens split: 0 (one batch) unless two-batch and at least min_tokens."""
+def choose_split(mode: str, num_tokens: int, min_tokens: int = DEFAULT_MIN_TOKENS, ctx: PagedContext | None = None) -> int:
+    """Where the step's tokens split: 0 (one batch) unless two-batch and at least min_tokens; half
+    the tokens, or over an INT8 cache (ctx) the nearest edge of a fresh prefill chunk the half cuts."""
     if mode == "none" or num_tokens < max(min_tokens, 2):
         return 0
-    return num_tokens // 2
+    at = num_tokens // 2
+    if ctx is None or not getattr(ctx.cache, "quantized", False):
+        return at
+    for p in ctx.prefills:
+        if p.cached_len == 0 and p.start < at < p.end:
+            edges = [e for e in (p.start, p.end) if 0 < e < num_tokens]
+            return min(edges, key=lambda e: abs(e - at)) if edges else 0
+    return at
 
 
 class MicroBatchTracer:
-    """One micro-batch's view of the step's tracer: its spans named "name (mb i)", and a span
-    opened before a yield closes with only the time this micro-batch was running."""
+    """One micro-batch's view of the step's tracer: its spans named "name (mb i)", and (clip: on
+    the CPU, where a span's ends are clock reads) a span opened before a yield closes with only the
+    time this micro-batch was running. On a GPU a span is a pair of events on the stream and keeps
+    its whole length."""
 
-    def __init__(self, inner, index: int):
-        self.inner, self.index = inner, index
+    def __init__(self, inner, index: int, clip: bool = True):
+        self.inner, self.index, self.clip = inner, index, clip
         self.enabled = inner.enabled
         self.running: list[list[float]] = []  # [start, end] of each stretch this micro-batch ran
 
     def resume(self) -> None:
-        self.running.append([time.monotonic(), float("inf")])
+        if not self.running or self.running[-1][1] != float("inf"):  # not already running
+            self.running.append([time.monotonic(), float("inf")])
 
     def suspend(self) -> None:
         if self.running and self.running[-1][1] == float("inf"):
@@ -51,10 +65,15 @@ class MicroBatchTracer:
         return f"{name} (mb {self.index})"
 
     def mark(self):
+        if not self.clip:
+            return self.inner.mark()
         return time.monotonic() if self.enabled else None
 
     def close(self, mark, name: str, lane: int = 0, layer: int = -1) -> None:
         if not self.enabled:
+            return
+        if not self.clip:
+            self.inner.close(mark, self._name(name), lane, layer)
             return
         now = time.monotonic()
         for start, end in self.running:
@@ -80,16 +99,16 @@ def forward(model, input_ids: torch.Tensor, positions: torch.Tensor, ctx: PagedC
         return model(input_ids, positions, ctx, probe)
     first, second = split_context(ctx, split)
     inner = model.tracer
-    clip = inner.enabled and not getattr(inner, "cuda", False)
-    tracers = [MicroBatchTracer(inner, i) for i in (0, 1)] if clip else [inner, inner]
+    clip = not getattr(inner, "cuda", False)
+    tracers = [MicroBatchTracer(inner, i, clip) for i in (0, 1)]
     expert_tracer = stats.tracer if stats is not None else None
+    expert_views = [MicroBatchTracer(expert_tracer, i, clip) for i in (0, 1)] if stats is not None else None
 
     def switch(i: int) -> None:
-        if clip:
-            tracers[1 - i].suspend()
-            tracers[i].resume()
-        if stats is not None and expert_tracer.enabled:
-            stats.tracer = MicroBatchTracer(expert_tracer, i) if clip else expert_tracer
+        tracers[1 - i].suspend()
+        tracers[i].resume()
+        if stats is not None:
+            stats.tracer = expert_views[i]
 
     try:
         stages = (model.stages(input_ids[:split], positions[:split], first, probe, tracers[0]),
@@ -102,9 +121,8 @@ def forward(model, input_ids: torch.Tensor, positions: torch.Tensor, ctx: PagedC
             switch(1)
             b = run_stages(stages[1])
     finally:
-        if clip:
-            tracers[0].suspend()
-            tracers[1].suspend()
+        tracers[0].suspend()
+        tracers[1].suspend()
         if stats is not None:
             stats.tracer = expert_tracer
     return torch.cat([a, b])

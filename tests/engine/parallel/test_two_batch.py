@@ -49,10 +49,15 @@ def test_run_stages_waits_where_each_collective_starts():
 
 def test_a_collective_reports_its_time_in_flight_and_blocked():
     seen = []
-    c = Collective(FakeWork([], "x"), on_done=lambda issued, waited, done: seen.append((issued, waited, done)))
+    c = Collective(FakeWork([], "x"), on_done=lambda *times: seen.append(times))
     c.finish(overlapped=False)
-    issued, waited, done = seen[0]
-    assert issued == waited <= done  # one batch: nothing ran under it
+    issued, hidden_until, waited, done = seen[0]
+    assert issued == hidden_until == waited <= done  # one batch: nothing ran under it
+    c = Collective(FakeWork([], "y"), on_done=lambda *times: seen.append(times))
+    c.completed = c.issued  # done before its micro-batch came back: nothing of the wait counts as hidden
+    c.finish()
+    issued, hidden_until, waited, done = seen[1]
+    assert hidden_until == issued <= waited <= done
 
 
 def test_choose_split_falls_back_to_one_batch_for_small_steps():
@@ -60,6 +65,24 @@ def test_choose_split_falls_back_to_one_batch_for_small_steps():
     assert two_batch.choose_split("two-batch", 63, 64) == 0
     assert two_batch.choose_split("two-batch", 64, 64) == 32
     assert two_batch.choose_split("two-batch", 3, 2) == 1
+
+
+def test_an_int8_cache_never_cuts_a_fresh_prefill_chunk():
+    """Its second part would read the first's K/V back quantized, where one batch uses them exact."""
+    from moectl.engine.core.kv_cache import KVCache
+    from moectl.engine.core.paged_attention import PagedContext, PrefillSlice
+
+    def ctx(quantized: bool, cached: int = 0) -> PagedContext:
+        c = PagedContext(KVCache(1, 8, 4, 1, 2, torch.float32, quantized=quantized), torch.arange(100))
+        c.num_decodes = 10
+        c.prefills = [PrefillSlice(10, 70, cached, torch.tensor([0])), PrefillSlice(70, 100, 0, torch.tensor([1]))]
+        return c
+    assert two_batch.choose_split("two-batch", 100, 2, ctx(False)) == 50
+    assert two_batch.choose_split("two-batch", 100, 2, ctx(True)) == 70  # the chunk's nearer edge
+    assert two_batch.choose_split("two-batch", 100, 2, ctx(True, cached=5)) == 50  # read from the cache either way
+    one = ctx(True)
+    one.num_decodes, one.prefills = 0, [PrefillSlice(0, 100, 0, torch.tensor([0]))]
+    assert two_batch.choose_split("two-batch", 100, 2, one) == 0  # one fresh chunk: one batch
 
 
 def test_overlap_settings_are_checked():
@@ -99,6 +122,40 @@ def _engine(checkpoint, **config):
     knobs = SchedulerKnobs(max_num_batched_tokens=12, long_prefill_token_threshold=7)
     return LLMEngine(EngineConfig(model=str(checkpoint), knobs=knobs, block_size=4, num_kv_blocks=96,
                                   num_threads=1, **config))
+
+
+def test_micro_batch_spans_keep_only_their_own_running_time():
+    """A span opened before a yield and closed after it keeps the stretches its micro-batch ran,
+    each once, however many yields came before."""
+    from moectl.engine.core.spans import SpanRecorder
+
+    recorder = SpanRecorder(1)
+    recorder.begin_step()
+    views = [two_batch.MicroBatchTracer(recorder, i) for i in (0, 1)]
+
+    def stages(i: int):
+        for layer in range(4):
+            mark = views[i].mark()
+            yield Collective(FakeWork([], f"{i}{layer}"))
+            views[i].close(mark, "attention", 0, layer)
+        return i
+
+    def switch(i: int) -> None:
+        views[1 - i].suspend()
+        views[i].resume()
+
+    interleave(stages(0), stages(1), switch)
+    for view in views:
+        view.suspend()
+        assert all(end != float("inf") for _, end in view.running)
+    cols = recorder.collect()
+    names = [cols["names"][n] for n in cols["name"]]
+    for i in (0, 1):  # one piece per layer: the stretch before its yield is empty-or-tiny, the one after is its own
+        pieces = [(s, d) for n, s, d in zip(names, cols["start_s"], cols["dur_s"]) if n == f"attention (mb {i})"]
+        assert 1 <= len(pieces) <= 8, pieces
+    starts = sorted((s, s + d, n) for n, s, d in zip(names, cols["start_s"], cols["dur_s"]))
+    for (s0, e0, n0), (s1, e1, n1) in zip(starts, starts[1:]):
+        assert n0 == n1 or e0 <= s1 + 1e-9  # the two micro-batches' spans never overlap
 
 
 @pytest.mark.parametrize("at", [lambda n: n // 2, lambda n: 1, lambda n: n - 1], ids=["half", "first", "last"])
