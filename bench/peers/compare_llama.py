@@ -43,7 +43,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from bench.peers.compare_vllm import THREADS, load_avg  # noqa: E402  (after the path: run as a script)
+from bench.peers.compare_vllm import THREADS, load_avg, moectl_engine, peer_stopped  # noqa: E402  (after the path: run as a script)
 
 LLAMA_PYTHON = Path(os.environ.get("MOECTL_LLAMA_PYTHON", ROOT / ".peers" / "llama" / "bin" / "python"))
 CONVERTER = ROOT / ".peers" / "llama" / "src"  # convert_hf_to_gguf.py, conversion/ and gguf-py of llama.cpp
@@ -222,9 +222,7 @@ def main() -> None:
     import torch
 
     from moectl.engine import sample_model_dir
-    from moectl.engine.core.config import EngineConfig
     from moectl.engine.core.sampling import SamplingParams
-    from moectl.engine.llm_engine import LLMEngine
     from moectl.engine.tools.workload import WorkloadItem, run_workload
 
     model_dir = sample_model_dir(args.model)
@@ -264,36 +262,16 @@ def main() -> None:
     if not ready.get("ready"):
         worker_failed("did not start")
 
-    block_size = 16
-    need = sum(-(-(len(it.prompt_ids) + it.params.max_tokens) // block_size) for it in items)
     # no prefix caching: llama.cpp's cache is cleared before each run, so neither side reuses an
     # earlier round's prompts (moectl would: the rounds repeat the same prompts)
-    engine = LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", block_size=block_size,
-                                    num_kv_blocks=need + 64, seed=0, num_threads=THREADS,
-                                    enable_prefix_caching=False))
-    engine.generate([items[0].prompt_ids[:8]], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
-
-    import psutil
-
-    def llama_processes() -> list:
-        parent = psutil.Process(worker.pid)
-        return [parent, *parent.children(recursive=True)]
+    engine = moectl_engine(model_dir, items, "float32", prefix_caching=False)
 
     def run_moectl() -> dict:
-        # llama.cpp's OpenMP threads spin briefly after a llama_decode: stopped while moectl runs
-        stopped = llama_processes()
-        for proc in stopped:
-            proc.suspend()
-        time.sleep(1.0)
-        before = load_avg()
-        try:
+        with peer_stopped(worker.pid) as before:  # llama.cpp's OpenMP threads spin briefly after a decode
             res = run_workload(engine, items, realtime=True, keep_outputs=True)
             one = run_workload(engine, [WorkloadItem(0.0, prompt1, SamplingParams(max_tokens=args.bs1_tokens,
                                                                                   ignore_eos=True))],
                                keep_outputs=True).requests[0]
-        finally:
-            for proc in stopped:
-                proc.resume()
         seconds = res.summary["duration_s"]
         return {"seconds": seconds, "output_tok_s": total_out / seconds, "load_before": before,
                 "outputs": [r["output_ids"] for r in res.requests], "tpot": one["tpot"], "bs1": one["output_ids"]}

@@ -24,6 +24,7 @@ import statistics
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -77,6 +78,38 @@ def load_avg() -> float | None:
     return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
 
 
+def moectl_engine(model_dir, items, dtype: str, prefix_caching: bool = True):
+    """moectl's engine for the workload: KV blocks for every request at once, warmed up."""
+    from moectl.engine.core.config import EngineConfig
+    from moectl.engine.core.sampling import SamplingParams
+    from moectl.engine.llm_engine import LLMEngine
+
+    block_size = 16
+    need = sum(-(-(len(it.prompt_ids) + it.params.max_tokens) // block_size) for it in items)
+    engine = LLMEngine(EngineConfig(model=str(model_dir), dtype=dtype, block_size=block_size, num_kv_blocks=need + 64,
+                                    seed=0, num_threads=THREADS, enable_prefix_caching=prefix_caching))
+    engine.generate([items[0].prompt_ids[:8]], SamplingParams(max_tokens=4, ignore_eos=True))
+    return engine
+
+
+@contextmanager
+def peer_stopped(pid: int):
+    """The peer's processes stopped (SIGSTOP) while moectl runs, so each side has the cores (an
+    idle peer may poll or spin); yields the load average after a second's settling."""
+    import psutil
+
+    parent = psutil.Process(pid)
+    stopped = [parent, *parent.children(recursive=True)]
+    for proc in stopped:
+        proc.suspend()
+    time.sleep(1.0)
+    try:
+        yield load_avg()
+    finally:
+        for proc in stopped:
+            proc.resume()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
@@ -94,9 +127,6 @@ def main() -> None:
 
     import torch
 
-    from moectl.engine.core.config import EngineConfig
-    from moectl.engine.core.sampling import SamplingParams
-    from moectl.engine.llm_engine import LLMEngine
     from moectl.engine.tools.workload import run_workload
 
     model_dir, items = workload(args.requests, 0)
@@ -121,30 +151,11 @@ def main() -> None:
     if not ready.get("ready"):
         sys.exit("compare_vllm: vLLM's worker did not start (run it by hand to see why)")
 
-    block_size = 16
-    need = sum(-(-(len(it.prompt_ids) + it.params.max_tokens) // block_size) for it in items)
-    engine = LLMEngine(EngineConfig(model=str(model_dir), dtype=args.dtype, block_size=block_size,
-                                    num_kv_blocks=need + 64, seed=0, num_threads=THREADS))
-    engine.generate([items[0].prompt_ids[:8]], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
-
-    import psutil
-
-    def vllm_processes() -> list:
-        parent = psutil.Process(worker.pid)
-        return [parent, *parent.children(recursive=True)]
+    engine = moectl_engine(model_dir, items, args.dtype)
 
     def run_moectl() -> dict:
-        # vLLM's engine core polls while idle: stopped while moectl runs, so each side has the cores
-        stopped = vllm_processes()
-        for proc in stopped:
-            proc.suspend()
-        time.sleep(1.0)
-        before = load_avg()
-        try:
+        with peer_stopped(worker.pid) as before:  # vLLM's engine core polls while idle
             res = run_workload(engine, items, realtime=True, keep_outputs=True)
-        finally:
-            for proc in stopped:
-                proc.resume()
         seconds = res.summary["duration_s"]
         return {"seconds": seconds, "output_tok_s": total_out / seconds, "load_before": before,
                 "outputs": [r["output_ids"] for r in res.requests]}
