@@ -15,9 +15,9 @@ POLICIES = ("fcfs", "priority")  # scheduling order
 OBJECTIVES = ("step_time", "balance")  # what a rebalance plans for (AutoRebalancePolicy.objective)
 ROUTING_POLICIES = REPLICA_POLICIES  # how a token picks among an expert's replicas (placement/replica_policy.py)
 OVERLAP_MODES = ("none", "two-batch")  # the distributed backend's step: one batch, or two overlapped
-# two-batch's fallback: smaller steps run as one batch. 512: above the break-even that this machine's
-# calibrated step model puts on its ranks (a second pass over the layers costs more than it hides
-# below it); bench/two_batch_overlap.py measures both sides
+# two-batch's fallback: smaller steps run as one batch. 512 lies between the step sizes measured on
+# this machine's ranks: decode steps of tens of tokens lose when split, prefill steps of ~1K tokens
+# gain (bench/two_batch_overlap.py measures both sides)
 OVERLAP_MIN_TOKENS = 512
 
 
