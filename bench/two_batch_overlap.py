@@ -83,8 +83,8 @@ def predict(records: list[dict], model_dir: str, profile: Path, placement, ranks
     from moectl.engine.sim.trace_load import load_from_record, mean_prompt
     from moectl.placement.placement import Placement
 
-    shape = load_sim_model(model_dir, "fp32").shape
     model = load_sim_model(model_dir, "fp32")
+    shape = model.shape
     moe = [i for i, sparse in enumerate(shape.sparse_layers) if sparse]
     prompt = mean_prompt(e for r in records for e in r.get("requests") or ())
     spec = SimSpec(model, load_profile(profile), ranks, balanced(shape.num_sparse, shape.num_experts),
