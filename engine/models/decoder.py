@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moectl.engine.kernels.small_batch import Linear
 from moectl.engine.models.attention import Attention, DenseContext
 from moectl.engine.models.config import ModelConfig
 from moectl.engine.models.layers import DenseMLP, RMSNorm, RotaryEmbedding
@@ -67,7 +68,7 @@ class MoEForCausalLM(nn.Module):
         rope = RotaryEmbedding(cfg.rope_dim, cfg.rope_theta, cfg.max_position_embeddings, cfg.rope_scaling)
         self.layers = nn.ModuleList(DecoderLayer(i, cfg, rope) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tracer = NULL_TRACER  # the engine's SpanRecorder while it records spans
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight

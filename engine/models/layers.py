@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moectl.engine.kernels.small_batch import linear, rms_norm
+
 
 class RMSNorm(nn.Module):
     """RMSNorm computed in fp32 and cast back, as the reference implementations do."""
@@ -21,7 +23,7 @@ class RMSNorm(nn.Module):
         # torch's fused kernel: one op instead of six; in fp32 the weight goes in too (bit for bit
         # the same result), in lower precision it multiplies after the cast, as the references do
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+            return rms_norm(x, self.weight, self.eps)
         return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
 
 
@@ -60,6 +62,9 @@ class RotaryEmbedding(nn.Module):
         self._cache_len = 0
         self._cos = self._sin = None
         self._cast: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}  # the tables in each model dtype
+        # the last (positions, dtype, cos, sin): every layer of a step asks for the same positions
+        # tensor, and a lookup costs a small step more than its matmuls (positions.max() syncs)
+        self._last: tuple | None = None
 
     def _table(self, length: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         if length > self._cache_len or self._cos.device != device:
@@ -75,11 +80,16 @@ class RotaryEmbedding(nn.Module):
     def _tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [N, 1, D] for `positions`, computed in fp32 and cast to the model dtype (as HF's
         rotary embedding does: bf16 results match it bit for bit)."""
+        last = self._last
+        if last is not None and last[0] is positions and last[1] == dtype:
+            return last[2], last[3]
         cos_t, sin_t = self._table(int(positions.max()) + 1, positions.device)
         if dtype not in self._cast:
             self._cast[dtype] = (cos_t.to(dtype), sin_t.to(dtype))
         cos_t, sin_t = self._cast[dtype]
-        return cos_t[positions].unsqueeze(1), sin_t[positions].unsqueeze(1)
+        cos, sin = cos_t[positions].unsqueeze(1), sin_t[positions].unsqueeze(1)
+        self._last = (positions, dtype, cos, sin)
+        return cos, sin
 
     def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """x: [N, H, D] (any heads: q and k side by side rotate in one pass)."""
@@ -100,8 +110,8 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 def swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
     """SwiGLU with gate and up projections fused in w13 = [gate; up] of shape [2I, H]."""
-    gate, up = F.linear(x, w13).chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, w2)
+    gate, up = linear(x, w13).chunk(2, dim=-1)
+    return linear(F.silu(gate) * up, w2)
 
 
 class DenseMLP(nn.Module):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from moectl.engine.kernels.small_batch import Linear
 from moectl.engine.models.config import ModelConfig
 from moectl.engine.models.layers import RMSNorm, RotaryEmbedding
 
@@ -28,15 +29,15 @@ class MLAttention(nn.Module):
         h, qk = cfg.hidden_size, cfg.head_dim
         bias = cfg.attention_bias
         if cfg.q_lora_rank:
-            self.q_a_proj = nn.Linear(h, cfg.q_lora_rank, bias=bias)
+            self.q_a_proj = Linear(h, cfg.q_lora_rank, bias=bias)
             self.q_a_norm = RMSNorm(cfg.q_lora_rank, LATENT_NORM_EPS)
-            self.q_b_proj = nn.Linear(cfg.q_lora_rank, cfg.num_heads * qk, bias=False)
+            self.q_b_proj = Linear(cfg.q_lora_rank, cfg.num_heads * qk, bias=False)
         else:
-            self.q_proj = nn.Linear(h, cfg.num_heads * qk, bias=False)
-        self.kv_a_proj = nn.Linear(h, self.latent + self.rope_dim, bias=bias)
+            self.q_proj = Linear(h, cfg.num_heads * qk, bias=False)
+        self.kv_a_proj = Linear(h, self.latent + self.rope_dim, bias=bias)
         self.kv_a_norm = RMSNorm(self.latent, LATENT_NORM_EPS)
-        self.kv_b_proj = nn.Linear(self.latent, cfg.num_heads * (self.nope + self.v_dim), bias=False)
-        self.o_proj = nn.Linear(cfg.num_heads * self.v_dim, h, bias=bias)
+        self.kv_b_proj = Linear(self.latent, cfg.num_heads * (self.nope + self.v_dim), bias=False)
+        self.o_proj = Linear(cfg.num_heads * self.v_dim, h, bias=bias)
         self.rope = rope
         self.scale = cfg.attention_scale
 

@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moectl.engine.kernels import small_batch
+from moectl.engine.kernels.small_batch import linear
 from moectl.engine.models.layers import swiglu
 from moectl.engine.models.tracing import NULL_TRACER, NullTracer
 from moectl.engine.models.yield_points import Stages, run_stages
@@ -72,7 +74,7 @@ class ExpertFFN:
 
     def __call__(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
         x = F.pad(x, (0, 1), value=1.0) if self.biased else x
-        return F.linear(self.activate(F.linear(x, w13)), w2)
+        return linear(self.activate(linear(x, w13)), w2)
 
 
 SWIGLU = ExpertFFN()
@@ -140,6 +142,9 @@ class StackedExperts(nn.Module):
         """The seam where placement and parallelism plug in: tokens x [N, H] with their top-k
         weights and expert ids [N, k] in, the weighted sum of their experts' outputs out.
         This version runs every expert here; emulated devices and expert parallelism replace it."""
+        plain = not self.ffn.biased and self.ffn.limit is None  # SwiGLU as Mixtral and DeepSeek have it
+        if plain and small_batch.experts_take(x, self.w13):  # a few decode tokens, in one call
+            return small_batch.experts(x, weights, ids, self.w13, self.w2)
         top_k = ids.shape[1]
         order = torch.argsort(ids.flatten(), stable=True)
         offsets = grouped_offsets(counts_t, order.numel(), self.w13, self.w2, self.ffn, self.training)
@@ -238,7 +243,7 @@ class MoEBlock(nn.Module):
         """Returns (router logits, fp32 top-k weights, top-k expert ids)."""
         if self.grouped_sigmoid is not None:
             return self._route_grouped_sigmoid(x)
-        logits = F.linear(x, self.gate, self.gate_bias)
+        logits = linear(x, self.gate, self.gate_bias)
         if self.softmax_after_topk:
             top, ids = torch.topk(logits, self.top_k, dim=-1)
             return logits, torch.softmax(top, dim=-1).float(), ids

@@ -1,0 +1,171 @@
+// A decode step's weight-bound work at small batch, fp32 on a CPU: linear layers and the routed
+// experts of an MoE layer for a few tokens (and their RMSNorms, whose cost there is all dispatch). There the work is reading each weight once; the BLAS
+// path reads it at about half the rate this code does (bench/small_batch_bench.py), and the
+// experts' per-expert loop in Python costs a dozen dispatches per expert. Each weight row is
+// read once, its dot product taken with every input row while it is in cache, and the rows are
+// split across torch's threads. Anything the ops do not take goes back to the torch path.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/linear.h>
+#include <ATen/ops/rms_norm.h>
+#include <ATen/ops/zeros.h>
+#include <torch/library.h>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kMaxRows = 4;  // linear: the input rows one register tile covers
+
+#if defined(__AVX2__) && defined(__FMA__)
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#endif
+
+// out[m * ldo + j] = x[m] . w[j] (+ b[j]) for every m < M and j in [lo, hi); x rows K apart
+template <int M>
+void rows(const float* x, const float* w, const float* b, float* out, int64_t K, int64_t ldo, int64_t lo,
+          int64_t hi) {
+  for (int64_t j = lo; j < hi; ++j) {
+    const float* wj = w + j * K;
+    float sums[M];
+    int64_t k = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    __m256 acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
+    for (; k + 8 <= K; k += 8) {
+      const __m256 wv = _mm256_loadu_ps(wj + k);
+      for (int m = 0; m < M; ++m) acc[m] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + k), wv, acc[m]);
+    }
+    for (int m = 0; m < M; ++m) sums[m] = hsum(acc[m]);
+#else
+    for (int m = 0; m < M; ++m) sums[m] = 0.f;
+#endif
+    for (int m = 0; m < M; ++m) {
+      for (int64_t r = k; r < K; ++r) sums[m] += x[m * K + r] * wj[r];
+      out[m * ldo + j] = sums[m] + (b ? b[j] : 0.f);
+    }
+  }
+}
+
+void rows_any(int64_t M, const float* x, const float* w, const float* b, float* out, int64_t K, int64_t ldo,
+              int64_t lo, int64_t hi) {
+  switch (M) {
+    case 1: rows<1>(x, w, b, out, K, ldo, lo, hi); break;
+    case 2: rows<2>(x, w, b, out, K, ldo, lo, hi); break;
+    case 3: rows<3>(x, w, b, out, K, ldo, lo, hi); break;
+    default: rows<4>(x, w, b, out, K, ldo, lo, hi); break;
+  }
+}
+
+bool cpu_float(const at::Tensor& t) { return t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous(); }
+
+at::Tensor small_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
+  const bool bias_ok = !bias.has_value() || (cpu_float(*bias) && bias->dim() == 1 && bias->size(0) == w.size(0));
+  if (x.dim() != 2 || w.dim() != 2 || x.size(0) == 0 || x.size(0) > kMaxRows || !cpu_float(x) || !cpu_float(w) ||
+      x.size(1) != w.size(1) || !bias_ok) {
+    return at::linear(x, w, bias);
+  }
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  auto out = at::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  float* op = out.data_ptr<float>();
+  // about 64 KiB of W per task: a small layer stays on one thread (waking another costs more
+  // than it saves), a large one (the LM head) is split across all of them
+  const int64_t grain = std::max<int64_t>(1, (64 * 1024) / std::max<int64_t>(1, K * 4));
+  at::parallel_for(0, N, grain, [&](int64_t lo, int64_t hi) { rows_any(M, xp, wp, bp, op, K, N, lo, hi); });
+  return out;
+}
+
+// The routed experts of a few tokens, SwiGLU (gate and up stacked in w13 [E, 2I, H], down in
+// w2 [E, H, I]): out[t] = sum_j weights[t, j] * down(silu(gate) * up)(x[t]) over the token's
+// chosen experts ids[t, j], the terms summed in j order. One task per (token, choice): the
+// expert's weights are read once per token that chose it.
+at::Tensor small_experts(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& ids, const at::Tensor& w13,
+                         const at::Tensor& w2) {
+  TORCH_CHECK(x.dim() == 2 && weights.dim() == 2 && ids.sizes() == weights.sizes() && ids.size(0) == x.size(0),
+              "small_experts: x [N, H], weights and ids [N, k]");
+  TORCH_CHECK(cpu_float(x) && cpu_float(weights) && cpu_float(w13) && cpu_float(w2) && ids.is_contiguous() &&
+                  ids.scalar_type() == at::kLong,
+              "small_experts: contiguous fp32 tensors on the CPU, int64 ids");
+  const int64_t N = x.size(0), k = ids.size(1), H = x.size(1), E = w13.size(0), I = w2.size(2);
+  TORCH_CHECK(w13.dim() == 3 && w2.dim() == 3 && w13.size(1) == 2 * I && w13.size(2) == H && w2.size(0) == E &&
+                  w2.size(1) == H,
+              "small_experts: w13 [E, 2I, H] and w2 [E, H, I] for hidden ", H);
+  const int64_t* idp = ids.data_ptr<int64_t>();
+  for (int64_t p = 0; p < N * k; ++p) TORCH_CHECK(idp[p] >= 0 && idp[p] < E, "small_experts: expert id out of range");
+  const float* xp = x.data_ptr<float>();
+  const float* w13p = w13.data_ptr<float>();
+  const float* w2p = w2.data_ptr<float>();
+  std::vector<float> terms(N * k * H);
+  at::parallel_for(0, N * k, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> gate_up(2 * I);
+    for (int64_t p = lo; p < hi; ++p) {
+      const int64_t e = idp[p];
+      rows<1>(xp + (p / k) * H, w13p + e * 2 * I * H, nullptr, gate_up.data(), H, 0, 0, 2 * I);
+      for (int64_t i = 0; i < I; ++i) {
+        const float g = gate_up[i];
+        gate_up[i] = g / (1.f + std::exp(-g)) * gate_up[I + i];
+      }
+      rows<1>(gate_up.data(), w2p + e * H * I, nullptr, terms.data() + p * H, I, 0, 0, H);
+    }
+  });
+  auto out = at::zeros({N, H}, x.options());
+  float* op = out.data_ptr<float>();
+  const float* wp = weights.data_ptr<float>();
+  for (int64_t t = 0; t < N; ++t)
+    for (int64_t j = 0; j < k; ++j) {
+      const float scale = wp[t * k + j];
+      const float* term = terms.data() + (t * k + j) * H;
+      for (int64_t h = 0; h < H; ++h) op[t * H + h] += scale * term[h];
+    }
+  return out;
+}
+
+// RMSNorm of a few fp32 rows: torch's fused kernel took 10-25 us a call at one row of 256
+// (its dispatch and thread start-up), this one well under one
+at::Tensor small_rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  if (x.dim() != 2 || x.size(0) > kMaxRows || !cpu_float(x) || !cpu_float(w) || w.dim() != 1 ||
+      w.size(0) != x.size(1)) {
+    return at::rms_norm(x, {x.size(-1)}, w, eps);
+  }
+  const int64_t M = x.size(0), D = x.size(1);
+  auto out = at::empty_like(x);
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m) {
+    const float* row = xp + m * D;
+    float sq = 0.f;
+#pragma omp simd reduction(+ : sq)
+    for (int64_t d = 0; d < D; ++d) sq += row[d] * row[d];
+    const float inv = 1.f / std::sqrt(sq / static_cast<float>(D) + static_cast<float>(eps));
+    for (int64_t d = 0; d < D; ++d) op[m * D + d] = row[d] * inv * wp[d];
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(moectl_small, m) {
+  m.def("linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
+  m.def("experts(Tensor x, Tensor weights, Tensor ids, Tensor w13, Tensor w2) -> Tensor");
+  m.impl("linear", c10::DispatchKey::CPU, TORCH_FN(small_linear));
+  m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
+  m.impl("experts", c10::DispatchKey::CPU, TORCH_FN(small_experts));
+  m.impl("rms_norm", c10::DispatchKey::CPU, TORCH_FN(small_rms_norm));
+}

@@ -1,0 +1,86 @@
+"""A decode step's weight-bound work at small batch on a CPU (small_batch.cpp): `linear` for
+F.linear, `experts` for the routed experts of a few tokens, `rms_norm` for F.rms_norm; fp32.
+
+Only without autograd (the engine runs under inference mode; training keeps the torch path), and
+only where the source was built: `MOECTL_SMALL_BATCH=0` forces the torch path, and
+`set_enabled(False)` does in one process (A/B benchmarks).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moectl.engine.kernels.build import NativeKernel
+
+MAX_ROWS = 4  # linear: small_batch.cpp's kMaxRows, the input rows one register tile covers
+MAX_EXPERT_TOKENS = 4  # experts: tokens per call (each chooses top-k experts)
+_KERNEL = NativeKernel("moectl.engine.kernels", "small_batch.cpp", "moectl_small", "MOECTL_SMALL_BATCH")
+_ops = None  # torch.ops.moectl_small once built, so the hot path is one global read
+_off = False  # set_enabled(False)
+
+
+def kernels():
+    """The built ops (torch.ops.moectl_small), or None (`failure()` says why)."""
+    global _ops
+    if _off:
+        return None
+    if _ops is None:
+        _ops = _KERNEL.ops()
+    return _ops
+
+
+def failure() -> str | None:
+    return "switched off" if _off else _KERNEL.failure
+
+
+def set_enabled(on: bool) -> None:
+    """The kernels off (the torch path everywhere) or back on, in this process."""
+    global _ops, _off
+    _off = not on
+    _ops = None
+
+
+def describe() -> str:
+    """What a small decode batch's linears and experts run on: what benchmark results record."""
+    return "small-batch kernels" if kernels() is not None else f"torch path ({failure()})"
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    # the op checks the rest (contiguity, device, shapes) and hands anything else to at::linear
+    if x.dtype is torch.float32 and x.dim() == 2 and x.shape[0] <= MAX_ROWS and not torch.is_grad_enabled():
+        ops = _ops if _ops is not None else kernels()
+        if ops is not None:
+            return ops.linear(x, w, b)
+    return F.linear(x, w, b)
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """F.rms_norm over the last dimension, weight included."""
+    if x.dtype is torch.float32 and x.dim() == 2 and x.shape[0] <= MAX_ROWS and not torch.is_grad_enabled():
+        ops = _ops if _ops is not None else kernels()
+        if ops is not None:
+            return ops.rms_norm(x, w, eps)
+    return F.rms_norm(x, w.shape, w, eps)
+
+
+def experts_take(x: torch.Tensor, w13: torch.Tensor) -> bool:
+    """Whether `experts` takes these tokens on these stacked weights (plain SwiGLU experts is the
+    caller's to know)."""
+    return (x.dtype is torch.float32 and x.shape[0] <= MAX_EXPERT_TOKENS and x.device.type == "cpu"
+            and w13.dtype is torch.float32 and not torch.is_grad_enabled() and kernels() is not None)
+
+
+def experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor,
+            w2: torch.Tensor) -> torch.Tensor:
+    """[N, H] tokens, their top-k fp32 weights and expert ids [N, k] -> the weighted sum of their
+    experts' SwiGLU outputs [N, H] (call when experts_take)."""
+    return _ops.experts(x.contiguous(), weights.contiguous(), ids.contiguous(), w13, w2)
+
+
+class Linear(nn.Linear):
+    """nn.Linear (same parameters and state dict) whose forward is `linear`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)

@@ -1,0 +1,134 @@
+"""The small-batch kernels against the torch path, and the cases they hand back to it."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moectl.engine.kernels import small_batch
+from moectl.engine.kernels.build import NativeKernel
+from moectl.engine.kernels.small_batch import MAX_ROWS, Linear, linear
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    assert small_batch.kernels() is not None, small_batch.failure()
+
+
+@pytest.mark.parametrize("rows", range(1, MAX_ROWS + 1))
+@pytest.mark.parametrize("k, n", [(256, 192), (97, 33), (64, 5000), (8, 1)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_matches_f_linear(rows, k, n, bias):
+    gen = torch.Generator().manual_seed(rows * 1000 + k + n)
+    x, w = torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen)
+    b = torch.randn(n, generator=gen) if bias else None
+    with torch.inference_mode():
+        got = linear(x, w, b)
+        # the kernel itself, not a fallback: same values through the op directly
+        torch.testing.assert_close(small_batch.kernels().linear(x, w, b), got, rtol=0, atol=0)
+    torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+def test_other_inputs_take_f_linear():
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(16, 32, generator=gen)
+    cases = [torch.randn(MAX_ROWS + 1, 32, generator=gen),  # too many rows
+             torch.randn(32, 2, generator=gen).t(),  # strided
+             torch.randn(2, 3, 32, generator=gen)]  # 3-D
+    with torch.inference_mode():
+        for x in cases:
+            torch.testing.assert_close(linear(x, w), F.linear(x, w), rtol=0, atol=0)
+        x = torch.randn(2, 32, generator=gen)
+        torch.testing.assert_close(linear(x.bfloat16(), w.bfloat16()), F.linear(x.bfloat16(), w.bfloat16()),
+                                   rtol=0, atol=0)
+        strided = w.t().contiguous().t()
+        torch.testing.assert_close(small_batch.kernels().linear(x, strided, None), F.linear(x, strided), rtol=0, atol=0)
+
+
+def test_autograd_keeps_f_linear():
+    layer = Linear(8, 4)
+    out = layer(torch.randn(1, 8))
+    assert out.grad_fn is not None
+    out.sum().backward()
+    assert layer.weight.grad is not None
+
+
+def test_linear_module_is_nn_linear_for_checkpoints():
+    torch.manual_seed(0)
+    ours, theirs = Linear(12, 6, bias=True), nn.Linear(12, 6, bias=True)
+    ours.load_state_dict(theirs.state_dict())
+    assert ours.state_dict().keys() == theirs.state_dict().keys()
+    x = torch.randn(3, 12)
+    with torch.inference_mode():
+        torch.testing.assert_close(ours(x), theirs(x), rtol=1e-5, atol=1e-6)
+
+
+def test_switch_off_says_why(monkeypatch):
+    monkeypatch.setenv("MOECTL_TEST_SWITCH", "0")
+    kernel = NativeKernel("moectl.engine.kernels", "small_batch.cpp", "moectl_small", "MOECTL_TEST_SWITCH")
+    assert kernel.ops() is None
+    assert kernel.failure == "disabled by MOECTL_TEST_SWITCH=0"
+
+
+def test_build_failure_is_one_line(monkeypatch):
+    monkeypatch.setenv("CXX", "no-such-compiler-here")
+    kernel = NativeKernel("moectl.engine.kernels", "small_batch.cpp", "moectl_small", "MOECTL_TEST_SWITCH")
+    assert kernel.ops() is None
+    assert kernel.failure == "RuntimeError: no C++ compiler (no-such-compiler-here) on PATH"
+
+
+def _torch_experts(x, weights, ids, w13, w2):
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            gate, up = F.linear(x[t], w13[ids[t, j]]).chunk(2)
+            out[t] += weights[t, j] * F.linear(F.silu(gate) * up, w2[ids[t, j]])
+    return out
+
+
+@pytest.mark.parametrize("tokens, top_k, hidden, inter", [(1, 2, 256, 96), (1, 8, 64, 32), (4, 3, 37, 11)])
+def test_experts_match_swiglu(tokens, top_k, hidden, inter):
+    gen = torch.Generator().manual_seed(tokens * 100 + top_k)
+    num = 9
+    x = torch.randn(tokens, hidden, generator=gen)
+    w13, w2 = torch.randn(num, 2 * inter, hidden, generator=gen) / 8, torch.randn(num, hidden, inter, generator=gen) / 8
+    ids = torch.stack([torch.randperm(num, generator=gen)[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k, generator=gen)
+    with torch.inference_mode():
+        assert small_batch.experts_take(x, w13)
+        got = small_batch.experts(x, weights, ids, w13, w2)
+    torch.testing.assert_close(got, _torch_experts(x, weights, ids, w13, w2), rtol=1e-5, atol=1e-5)
+
+
+def test_experts_bad_ids_are_an_error_not_a_crash():
+    x, w13, w2 = torch.randn(1, 8), torch.randn(4, 6, 8), torch.randn(4, 8, 3)
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="expert id out of range"):
+        small_batch.experts(x, torch.ones(1, 2), torch.tensor([[0, 4]]), w13, w2)
+
+
+def test_experts_take_only_small_inference_batches():
+    w13 = torch.randn(4, 6, 8)
+    with torch.inference_mode():
+        assert not small_batch.experts_take(torch.randn(small_batch.MAX_EXPERT_TOKENS + 1, 8), w13)
+        assert not small_batch.experts_take(torch.randn(1, 8).bfloat16(), w13.bfloat16())
+    assert not small_batch.experts_take(torch.randn(1, 8), w13)  # autograd on
+
+
+def test_set_enabled_switches_the_torch_path_in():
+    try:
+        small_batch.set_enabled(False)
+        assert small_batch.kernels() is None and small_batch.describe() == "torch path (switched off)"
+        with torch.inference_mode():
+            assert not small_batch.experts_take(torch.randn(1, 8), torch.randn(4, 6, 8))
+    finally:
+        small_batch.set_enabled(True)
+    assert small_batch.describe() == "small-batch kernels"
+
+
+@pytest.mark.parametrize("rows, dim", [(1, 256), (4, 37), (small_batch.MAX_ROWS + 1, 16)])
+def test_rms_norm_matches(rows, dim):
+    gen = torch.Generator().manual_seed(rows + dim)
+    x, w = torch.randn(rows, dim, generator=gen) * 30, torch.randn(dim, generator=gen)
+    with torch.inference_mode():
+        got = small_batch.rms_norm(x, w, 1e-6)
+    torch.testing.assert_close(got, F.rms_norm(x, (dim,), w, 1e-6), rtol=1e-6, atol=1e-6)
