@@ -29,12 +29,14 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from moectl.wire.link_spans import with_link_spans  # noqa: E402
+
 
 def breakdown(records: list[dict]) -> dict:
     """Span seconds by (lane, name) and the rebalance ceiling, over these step records."""
     spans: dict[str, float] = defaultdict(float)
     for record in records:
-        table = record["spans"]
+        table = with_link_spans(record)["spans"]  # the emulated backend's modeled link spans too
         for lane, name, dur in zip(table["lane"], table["name"], table["dur_s"]):
             spans[f"{table['lanes'][lane]}: {table['names'][name]}"] += float(dur)
     step_s = sum(r["devices"]["step_time"]["step_s"] for r in records)

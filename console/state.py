@@ -16,6 +16,7 @@ from moectl.placement.rebalancer import LOAD_WINDOW_STEPS, LoadWindow
 from moectl.profiler.analysis import utilisation as device_utilisation
 from moectl.profiler.outcome import StepTiming, matched_outcome, step_timing
 from moectl.wire.actions import Action
+from moectl.wire.link_spans import with_link_spans
 
 WINDOW_STEPS = LOAD_WINDOW_STEPS  # the moving window behind the heat map, loads, balancedness and throughput
 HISTORY_STEPS = 600  # curves over time
@@ -132,6 +133,7 @@ class ConsoleState:
             self._placed_at = at
 
     def _apply_step(self, record: dict) -> None:
+        record = with_link_spans(record)  # the engine sends what modeled link spans are made of
         self.latest = record
         self.window.append(record)
         timing = step_timing(record)

@@ -30,6 +30,7 @@ from moectl.placement.rebalancer import plan_rebalance
 from moectl.placement.replica_policy import POLICIES
 from moectl.placement.step_planner import StepCost
 from moectl.placement.topology import Topology
+from moectl.wire.link_spans import with_link_spans
 from moectl.wire.records import ENGINE_LANE
 
 # ---- alert thresholds ------------------------------------------------------------------------
@@ -304,7 +305,7 @@ def _step_categories(rec: dict) -> tuple[dict, float, dict]:
     wrap); otherwise it is other. Device work nested inside an engine "dispatch"/"experts" span is
     so never counted twice. Spans are clipped to the step."""
     wall = max(_wall(rec), 0.0)
-    spans = rec.get("spans")
+    spans = with_link_spans(rec).get("spans")  # a live record's modeled link spans too
     seconds = dict.fromkeys(CATEGORIES, 0.0)
     if not spans or len(spans.get("lane", ())) == 0:
         seconds["other"] = wall

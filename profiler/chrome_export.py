@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from moectl.wire.link_spans import with_link_spans
 from moectl.wire.records import ENGINE_LANE
 
 ENGINE_PID = 1
@@ -174,8 +175,8 @@ def to_chrome_trace(records: Iterable[dict], header: dict | None = None, actions
         step = int(rec["step"])
         for d in range(len((rec.get("devices") or {}).get("busy_s") or ())):
             threads.device(d)  # every device gets its process even on a step without spans
-        if rec.get("spans"):
-            events += _span_events(rec["spans"], step, origin, threads, kernels=False)
+        if rec.get("spans"):  # a live record's modeled link spans are derived here (a trace's: by its reader)
+            events += _span_events(with_link_spans(rec)["spans"], step, origin, threads, kernels=False)
         if rec.get("kernels"):
             events += _span_events(rec["kernels"], step, origin, threads, kernels=True)
         counters, last_rss = _step_counters(rec, _us(origin), threads, last_rss)

@@ -83,6 +83,7 @@ def run_profiler_overhead(model_dir: str | Path, *, rounds: int = 16, devices: i
         cpu_start = writer.writer_stats.get("cpu_s")  # its start-up (imports) is not the per-step cost
         on_engine.telemetry.cost.reset()
         recorder.record_s = writer.handoff_s = 0.0
+        sender_0 = writer.sender_s
         link = overhead_cost.LinkSpanTimer(on_engine)
 
         def flush_writer() -> None:  # the writer's deferred work belongs to the profiled run
@@ -99,7 +100,7 @@ def run_profiler_overhead(model_dir: str | Path, *, rounds: int = 16, devices: i
                 on_wall += wall if profiled else 0.0
             log(f"round {r + 1}/{rounds}: off {off[-1]:.0f} tok/s, on {on[-1]:.0f} tok/s")
         cost = on_engine.telemetry.cost.as_dict()
-        record_s, handoff_s = recorder.record_s, writer.handoff_s
+        record_s, handoff_s, sender_s = recorder.record_s, writer.handoff_s, writer.sender_s - sender_0
         # as of the last profiled run's flush: closing the file (its checkpoint) is not per-step work
         cpu_end = writer.writer_stats.get("cpu_s")
         recorder.close()
@@ -109,7 +110,7 @@ def run_profiler_overhead(model_dir: str | Path, *, rounds: int = 16, devices: i
     span_costs = overhead_cost.span_call_costs_for(on_engine)
     writer_cpu = None if cpu_start is None or cpu_end is None else cpu_end - cpu_start
     direct = overhead_cost.direct_overhead(cost, on_wall, record_s=record_s, handoff_s=handoff_s, link=link,
-                                           span_costs=span_costs, writer_cpu_s=writer_cpu)
+                                           span_costs=span_costs, writer_cpu_s=writer_cpu, sender_s=sender_s)
     ratios = [b / a for a, b in zip(off, on)]
     mean_ratio = statistics.fmean(ratios)
     lo, hi = bootstrap_ci(ratios)

@@ -21,6 +21,7 @@ from moectl.profiler.codec import TraceError
 from moectl.profiler.trace_format import APPLICATION_ID, FORMAT_VERSION, software_versions
 from moectl.profiler.trace_format import SQLITE_MAGIC as _SQLITE_MAGIC
 from moectl.profiler.trace_writer import TraceWriter
+from moectl.wire.link_spans import with_link_spans
 
 __all__ = ["FORMAT_VERSION", "TraceError", "TraceReader", "TraceWriter", "software_versions"]
 
@@ -208,7 +209,7 @@ class TraceReader:
         payload = self._one(_SEEK_STEP_SQL, (int(n),))
         if payload is None:
             raise TraceError(f"step {n} is past the end of the trace (last step: {self.last_step})")
-        return self._decode(payload, f"step {n}")
+        return self._decode_step(payload, f"step {n}")
 
     def seek_time(self, t: float, *, relative: bool = False) -> dict:
         """The step running at time t: the latest one with t_start <= t. t is on the trace's
@@ -222,7 +223,7 @@ class TraceReader:
         payload = self._one(_SEEK_TIME_SQL, (t,))
         if payload is None:
             raise TraceError(f"time {t:.6f} s is before the first step of the trace")
-        return self._decode(payload, f"step at t={t}")
+        return self._decode_step(payload, f"step at t={t}")
 
     def step_times(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(step int64, t_start float64, t_end float64) of every step, in step order; read from
@@ -256,8 +257,9 @@ class TraceReader:
         while True:
             with self._lock:
                 rows = self._query(lambda c: c.execute(sql, (after_key, after_rowid, hi, self.PAGE)).fetchall())
+            decode = self._decode_step if what == "step" else self._decode
             for key, rowid, payload in rows:
-                yield self._decode(payload, f"{what} {key}")
+                yield decode(payload, f"{what} {key}")
             if len(rows) < self.PAGE:
                 return
             after_key, after_rowid = rows[-1][0], rows[-1][1]
@@ -283,6 +285,11 @@ class TraceReader:
             return codec.decode(payload)
         except TraceError as e:
             raise TraceError(f"{self.path}: {what}: {e}") from None
+
+    def _decode_step(self, payload, what) -> dict:
+        """A step record with its modeled link spans derived (moectl.wire.link_spans): the engine
+        records only their traffic, and every reader of the file sees the spans it once wrote."""
+        return with_link_spans(self._decode(payload, what))
 
     def close(self) -> None:
         if self._conn is not None:

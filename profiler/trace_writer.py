@@ -13,13 +13,24 @@ queue_size records and max_backlog_bytes bytes; a record arriving with the backl
 dropped and counted; that count and the count of records that could not be pickled travel
 with every frame, so the trace file itself says how much it lost, also after a crash.
 
+With batch_s > 0 (the engine's recorder: TraceRecorder) records are batched: their frames
+gather here and go into the pipe together, in one write, by the write that finds BATCH_RECORDS
+of them or BATCH_BYTES waiting or the batch batch_s old, and at flush(), close() and a read of
+`pending`: one system call for many steps instead of one each. A batch no write came to send
+(the engine went idle) is sent by a sender thread once it is twice batch_s old: the thread
+never contends with a stepping engine for the lock (whose holder may sit in a pipe write with
+the GIL released: on a loaded machine such a wait cost the engine thread milliseconds) and
+sleeps while no batch waits. The file's crash rule (kill -9 loses at most the last second)
+holds: 2 * batch_s is well under it.
+
 The backlog goes into the pipe at the next write, flush(), close() and read of `pending`;
 when the pipe is full the writer process is woken (a byte on its kick pipe) so that it drains
-promptly. There is no background thread: while the engine is idle, a backlog (only ever there
+promptly. Only the batch has a thread: while the engine is idle, a backlog (only ever there
 when the writer process is behind) stays here, and live readers of the file do not see those
 records until the next write or flush. A writer that is never closed is closed at interpreter
 exit (atexit, bounded by EXIT_CLOSE_S); one garbage-collected unclosed, or a process killed
-outright, loses its backlog: the file then holds what reached the pipe, as a crashed trace.
+outright, loses its backlog and batch: the file then holds what reached the pipe, as a crashed
+trace.
 """
 
 from __future__ import annotations
@@ -68,6 +79,8 @@ MAX_BACKLOG_BYTES = 128 << 20  # default byte budget of the local backlog: ~1000
 # (~130 KB pickled), or the 256 synthetic 410 KB records bench/console_bench.py keeps in flight
 EXIT_CLOSE_S = 10.0  # the most an unclosed writer's close at interpreter exit waits
 READY_TIMEOUT_S = 30.0  # the most the constructor waits for the writer process to open the file
+BATCH_RECORDS = 32  # a batch goes into the pipe once it holds this many records (well under IOV_MAX frames)
+BATCH_BYTES = 256 << 10  # or this many bytes
 _POLL_S = 0.05  # how often waits look again (process exit, a concurrent close)
 
 
@@ -126,12 +139,13 @@ class TraceWriter:
 
     def __init__(self, path, header: dict, *, queue_size: int = 1024, flush_interval_s: float = 0.25,
                  overwrite: bool = False, str_keys: bool = False, max_backlog_bytes: int = MAX_BACKLOG_BYTES,
-                 nice: int = NICE):
+                 nice: int = NICE, batch_s: float = 0.0):
         """str_keys: every record's dict keys are str (as the engine's are): encode on the fast path.
-        nice: the writer process's niceness increment (background work, but not starved)."""
+        nice: the writer process's niceness increment (background work, but not starved).
+        batch_s: > 0 batches records, each batch in the pipe at the latest this long after its first."""
         self.path = Path(path)
-        if queue_size < 1 or not flush_interval_s > 0 or max_backlog_bytes < 1:
-            raise TraceError("queue_size and max_backlog_bytes must be >= 1 and flush_interval_s > 0")
+        if queue_size < 1 or not flush_interval_s > 0 or max_backlog_bytes < 1 or not batch_s >= 0:
+            raise TraceError("queue_size and max_backlog_bytes must be >= 1, flush_interval_s > 0 and batch_s >= 0")
         if not isinstance(header, dict):
             raise TraceError(f"header must be a dict, not {type(header).__name__}")
         if self.path.exists():
@@ -150,8 +164,18 @@ class TraceWriter:
 
         self._queue_size = queue_size
         self._max_backlog_bytes = max_backlog_bytes
-        self._backlog: deque = deque()  # [kind, [unwritten parts of the frame]] not yet in the pipe
+        self._backlog: deque = deque()  # [records, [unwritten parts of its frames]] not yet in the pipe
         self._backlog_bytes = 0
+        self._backlog_records = 0
+        self._batch: list[memoryview] = []  # the frames' parts of records not yet in the backlog
+        self._batch_records = self._batch_bytes = 0
+        self._batch_t0 = 0.0  # when the batch's first record came (time.monotonic)
+        self._batch_s = batch_s
+        self._batch_waits = threading.Event()  # set when a batch begins: the sender looks at it later
+        self._stop = threading.Event()  # set by close: the sender thread ends
+        # seconds of batch work outside write_step/write_action (batch_s > 0), each written by one
+        # thread only: the sender thread's looks and sends, and flush()'s send of a waiting batch
+        self._sender_thread_s = self._flush_batch_s = 0.0
         self._lock = threading.Lock()  # the backlog, the pipe's fds, the counts, _closed
         self._read_lock = threading.Lock()  # one reader of the answers at a time
         self._dropped = 0
@@ -196,6 +220,8 @@ class TraceWriter:
         os.set_blocking(self._out, False)
         self._wait_ready(time.monotonic() + READY_TIMEOUT_S)
         _open_writers.add(self)
+        if batch_s > 0:
+            _start_sender(self)
 
     def _wait_ready(self, deadline: float) -> None:
         """Until the writer process has the file open; a process that dies first is a TraceError
@@ -256,12 +282,16 @@ class TraceWriter:
         with self._lock:
             if self._closed:
                 raise TraceError(f"trace writer for {self.path} is closed")
-            self._drain()
+            if self._backlog:
+                self._drain()
             size = FRAME.size + len(payload)
-            if (self._broken is not None or len(self._backlog) >= self._queue_size
-                    or self._backlog_bytes + size > self._max_backlog_bytes):
+            if (self._broken is not None or self._backlog_records + self._batch_records >= self._queue_size
+                    or self._backlog_bytes + self._batch_bytes + size > self._max_backlog_bytes):
                 self._dropped += 1
                 accepted = False
+            elif self._batch_s > 0:
+                self._add_to_batch(kind, payload)
+                accepted = True
             else:
                 self._append(kind, payload)
                 self._drain()
@@ -269,13 +299,69 @@ class TraceWriter:
             self.handoff_s += time.perf_counter() - t0
         return accepted
 
-    def _append(self, kind: int, payload) -> None:
-        """A frame at the end of the backlog (header and payload apart: the payload is not copied).
-        Under self._lock."""
+    def _frame(self, kind: int, payload) -> list[memoryview]:
+        """A frame's parts: header and payload apart (the payload is not copied)."""
         header = FRAME.pack(len(payload), self._dropped, self._local_failed, kind)
-        parts = [memoryview(header), memoryview(payload)] if len(payload) else [memoryview(header)]
-        self._backlog.append([kind, parts])
-        self._backlog_bytes += len(header) + len(payload)
+        return [memoryview(header), memoryview(payload)] if len(payload) else [memoryview(header)]
+
+    def _append(self, kind: int, payload) -> None:
+        """A frame at the end of the backlog, after the batch (records keep their order). Under self._lock."""
+        self._seal_batch()
+        self._backlog.append([1 if kind in RECORD_KINDS else 0, self._frame(kind, payload)])
+        self._backlog_bytes += FRAME.size + len(payload)
+        self._backlog_records += kind in RECORD_KINDS
+
+    def _add_to_batch(self, kind: int, payload) -> None:
+        """A record's frame into the batch; a full or batch_s old batch goes into the pipe now.
+        Under self._lock."""
+        now = time.monotonic()
+        if not self._batch_records:
+            self._batch_t0 = now
+            self._batch_waits.set()
+        self._batch += self._frame(kind, payload)
+        self._batch_records += 1
+        self._batch_bytes += FRAME.size + len(payload)
+        if (self._batch_records >= BATCH_RECORDS or self._batch_bytes >= BATCH_BYTES
+                or now - self._batch_t0 >= self._batch_s):
+            self._seal_batch()
+            self._drain()
+
+    def _seal_batch(self) -> None:
+        """The batch, whole frames one after another, becomes one backlog entry: one write. Under self._lock."""
+        if not self._batch_records:
+            return
+        self._backlog.append([self._batch_records, self._batch])
+        self._backlog_bytes += self._batch_bytes
+        self._backlog_records += self._batch_records
+        self._batch, self._batch_records, self._batch_bytes = [], 0, 0
+
+    def _overdue_at(self) -> float | None:
+        """When the waiting batch is the sender's to send (None: no batch waits). Read without
+        the lock: a stale answer only makes the sender look once more."""
+        return self._batch_t0 + 2 * self._batch_s if self._batch_records else None
+
+    def _sender_look(self) -> float | None:
+        """The sender thread's look: an overdue batch (no write came to send it) into the pipe.
+        When to look next, None while no batch waits. Timed, the look included: its wake-up is
+        this process's work too. The lock is taken only for an overdue batch: a stepping
+        engine's writes send theirs first, so the two never wait on each other then."""
+        t0 = time.perf_counter()
+        due = self._overdue_at()
+        if due is not None and due <= time.monotonic():
+            with self._lock:
+                due = self._overdue_at()
+                if not self._closed and due is not None and due <= time.monotonic():
+                    self._seal_batch()
+                    self._drain()
+                due = self._overdue_at()
+        self._sender_thread_s += time.perf_counter() - t0
+        return due
+
+    @property
+    def sender_s(self) -> float:
+        """Seconds of batch work outside write_step/write_action: the sender thread's (its looks
+        and sends) and flush()'s sends of a waiting batch."""
+        return self._sender_thread_s + self._flush_batch_s
 
     def _drain(self) -> bool:
         """Into the pipe what fits now, frame by frame (a partial write keeps its tail first in
@@ -301,7 +387,7 @@ class TraceWriter:
                 parts[0] = parts[0][n:]
                 self._wake_writer()
                 return False
-            backlog.popleft()
+            self._backlog_records -= backlog.popleft()[0]
         self._kicked = False
         return True
 
@@ -318,11 +404,12 @@ class TraceWriter:
         if self._broken is not None:
             return
         self._broken = reason
-        lost = sum(1 for kind, _ in self._backlog if kind in RECORD_KINDS)
+        self._seal_batch()
+        lost = sum(records for records, _ in self._backlog)
         self._lost += lost
         self._dropped += lost
         self._backlog.clear()
-        self._backlog_bytes = 0
+        self._backlog_bytes = self._backlog_records = 0
         tail = self._stderr_tail()
         log.warning("the trace writer process for %s failed (%s)%s; recording to it stops", self.path, reason,
                     f": {tail}" if tail else "")
@@ -364,12 +451,13 @@ class TraceWriter:
         """Records waiting on this side for room in the pipe, after moving what the pipe takes now
         (so a caller waiting for this to fall sees it fall). 0 once the writer is gone."""
         with self._lock:
+            self._seal_batch()
             self._drain()
-            return len(self._backlog)
+            return self._backlog_records
 
     @property
     def backlog_bytes(self) -> int:
-        return self._backlog_bytes
+        return self._backlog_bytes + self._batch_bytes
 
     @property
     def writer_pid(self) -> int:
@@ -392,8 +480,11 @@ class TraceWriter:
             if not closed:
                 self._flushes += 1
                 seq = self._flushes
-                self._append(FLUSH, seq.to_bytes(8, "little", signed=True))
+                t0, batched = time.perf_counter(), self._batch_records > 0
+                self._append(FLUSH, seq.to_bytes(8, "little", signed=True))  # after the batch
                 tail = not self._drain()  # part of it still waits here: kick again once it is in
+                if batched:  # the batch's write is the hand-off's, done here instead of in a write
+                    self._flush_batch_s += time.perf_counter() - t0
                 # woken after the frame is in the pipe: a writer woken before it would find nothing,
                 # go back to sleep, and answer at its next poll (tests/profiler/test_trace_store.py)
                 self._kicked = False
@@ -485,10 +576,12 @@ class TraceWriter:
                 return
             self._closed = True
             _open_writers.discard(self)
+            self._stop.set()  # the sender thread ends; the batch goes out here, before STOP
+            self._batch_waits.set()
             if self._broken is None:
-                self._append(STOP, b"")
+                self._append(STOP, b"")  # after the batch (a broken writer's was counted lost)
             backlog, self._backlog = self._backlog, deque()
-            self._backlog_bytes = 0
+            self._backlog_bytes = self._backlog_records = 0
             fd, self._fd = self._fd, -1
             kick, self._kick = self._kick, -1
         try:
@@ -526,7 +619,7 @@ class TraceWriter:
                     continue  # the next write fails with EPIPE
             else:
                 backlog.popleft()
-        lost = sum(1 for kind, _ in backlog if kind in RECORD_KINDS)
+        lost = sum(records for records, _ in backlog)
         with contextlib.suppress(OSError):
             self._proc.stdin.close()
         with contextlib.suppress(OSError):
@@ -612,3 +705,26 @@ def _seconds(x) -> float:
     if not math.isfinite(t):
         raise ValueError(f"time {t} is not finite")
     return t
+
+
+def _start_sender(writer: TraceWriter) -> None:
+    """The thread that sends a batch no write came to send. It holds the writer only weakly (one
+    never closed is still collected, which ends the thread), sleeps on an event while no batch
+    waits, and otherwise until the waiting batch is overdue."""
+    ref, waits, stop = weakref.ref(writer), writer._batch_waits, writer._stop
+
+    def run() -> None:
+        while not stop.is_set():
+            waits.wait()
+            waits.clear()  # before looking: a batch begun after the look sets it again
+            while not stop.is_set():
+                w = ref()
+                if w is None:
+                    return
+                due = w._sender_look()
+                del w
+                if due is None or stop.wait(max(0.0, due - time.monotonic())):
+                    break
+
+    weakref.finalize(writer, lambda: (stop.set(), waits.set()))
+    threading.Thread(target=run, name="moectl-trace-batch", daemon=True).start()

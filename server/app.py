@@ -39,6 +39,7 @@ from moectl.server.state import STATE, ServerState
 from moectl.server.streams import EngineBridge
 from moectl.server.telemetry import TelemetryHub
 from moectl.server.tokenize_api import TokenizeApi
+from moectl.wire.link_spans import with_link_spans
 from moectl.wire.protocol import token_matches
 
 log = logging.getLogger(__name__)
@@ -292,6 +293,7 @@ async def _consume(state: ServerState, interval_s: float) -> None:
     while True:
         try:
             records, actions = state.driver.poll()
+            records = [with_link_spans(r) for r in records]  # every client sees the modeled link spans
             fan_out(state, records, actions)
             if records or actions:
                 for sink in state.record_sinks:

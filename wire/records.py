@@ -38,6 +38,11 @@ Step record (format 1):
                   device's expert work, measured), "link d" (its collectives: the all-to-all,
                   modeled on the local backend (modeled[i] is True); on ranks the measured wait
                   and the outputs' all_reduce)
+                  On the local backend the engine writes no modeled link spans itself: spans has
+                  "links" instead, the traffic they are derived from ({"layer", "dispatch_s",
+                  "combine_s", "traffic", "s_per_byte"}, moectl.wire.link_spans), and readers
+                  (the trace reader, the console, the server) call with_link_spans(record) to get
+                  the spans as above; records recorded before carry the spans themselves
   kernels         only in steps of a deep capture: torch.profiler events on the same clock,
                   {"lanes": [str], "names": [str], "lane", "name", "start_s", "dur_s"} like spans
   devices         None without devices, else the cluster's record:

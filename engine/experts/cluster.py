@@ -31,6 +31,7 @@ from moectl.placement.replica_policy import expected_work
 from moectl.placement.step_planner import StepCost, plan_between
 from moectl.placement.step_time import ExpertCostModel, parallel_step
 from moectl.placement.topology import Topology, format_size
+from moectl.wire.link_spans import link_seconds
 
 AUTO_PLAN_DEADLINE_S = 0.05  # auto mode's plan search runs between steps: it stops at this
 PREVIEW_PLAN_DEADLINE_S = 2.0  # an operator waits on a preview (small models' searches end far sooner)
@@ -290,8 +291,7 @@ class LocalCluster(ClusterBase):
                                                       redundant_slots)
         self._init_base(model, topology, placement, policy, auto, window_steps)
         self.stats = StepDeviceStats(topology.num_devices, next(model.parameters()).device, cfg.num_layers)
-        self.stats.link_seconds = self.link_seconds
-        self.stats.last_moe_layer = max(self.moe_layers)  # where the step's modeled link spans are built
+        self.stats.set_links(self.moe_layers, self._link_s_per_byte())  # what readers price link spans with
         self.routing_state = RoutingState(topology.devices_per_node)
         self.layers: list[PlacedExperts] = []
         moe_layers = [layer.mlp for layer in model.layers if isinstance(layer.mlp, MoEBlock)]
@@ -415,10 +415,9 @@ class LocalCluster(ClusterBase):
         """Modeled seconds each device's links are busy for one all-to-all of `traffic` bytes
         (src x dst): every off-diagonal transfer over its link's bandwidth (within or between
         nodes), counted on both ends; links are full-duplex. One array expression, also over a
-        stack of layers' traffic ([..., D, D] -> [..., D]): the step's link spans price every MoE
-        layer in one call (a loop over device pairs had cost ~0.4 ms a step)."""
-        seconds = traffic * self._link_s_per_byte()
-        return seconds.sum(axis=-1) + seconds.sum(axis=-2)
+        stack of layers' traffic ([..., D, D] -> [..., D]); the readers' link spans price theirs
+        with the same function (moectl.wire.link_spans)."""
+        return link_seconds(traffic, self._link_s_per_byte())
 
     def _link_s_per_byte(self) -> np.ndarray:
         """[D, D] seconds per byte on each device pair's link; 0 on the diagonal (no transfer)."""

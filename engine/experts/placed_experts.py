@@ -35,9 +35,21 @@ class StepDeviceStats:
         self.cuda = device.type == "cuda"
         self.token_device = torch.zeros(0, dtype=torch.int64)
         self.tracer = NULL_TRACER  # the engine's SpanRecorder while spans are recorded
-        self.link_seconds = None  # traffic [..., D, D] bytes -> each device's modeled seconds (set by the cluster)
-        self.last_moe_layer = -1  # the MoE layer after which the step's link spans are built (set by the cluster)
+        self.link_s_per_byte: np.ndarray | None = None  # None: no link traffic kept (see set_links)
         self.reset()
+
+    def set_links(self, moe_layers: list[int], s_per_byte: np.ndarray) -> None:
+        """Keep each step's link traffic, for the modeled link spans readers derive
+        (moectl.wire.link_spans): preallocated arrays, one row per MoE layer, written in place by
+        each layer while spans are on. s_per_byte: [D, D] link seconds per byte."""
+        d, n = self.num_devices, len(moe_layers)
+        self.link_s_per_byte = s_per_byte
+        self.moe_layers = np.array(moe_layers, dtype=np.int16)
+        self.moe_row = {layer: i for i, layer in enumerate(moe_layers)}
+        self.last_moe_layer = max(moe_layers)  # after it, the step's traffic goes to the tracer
+        self.link_dispatch = np.full(n, -np.inf)  # each layer's all-to-all starts, engine clock
+        self.link_combine = np.zeros(n)
+        self.link_traffic = np.zeros((n, d, d), dtype=np.int64)
 
     def reset(self) -> None:
         d = self.num_devices
@@ -49,24 +61,31 @@ class StepDeviceStats:
         self.rows_layer = np.zeros((d, self.num_layers), dtype=np.int64)
         self.active_layer = np.zeros((d, self.num_layers), dtype=np.int64)
         self.traffic = np.zeros((d, d), dtype=np.int64)  # dispatch bytes, src x dst
-        self.pending_links: list[tuple] = []  # (layer, dispatch start, combine start, traffic) of this step
         self._events: list[tuple[int, int, torch.cuda.Event, torch.cuda.Event]] = []
 
-    def link_spans(self) -> None:
-        """The step's all-to-alls on each device's link lane, every MoE layer priced in one call
-        once the last has run: their length is modeled, not measured (on one machine nothing
-        crosses a link), and each span says so. Combine moves the dispatch's bytes back."""
-        pending, self.pending_links = self.pending_links, []
-        if not pending:
-            return
-        layers, t_dispatch, t_combine, traffic = zip(*pending)
-        seconds = self.link_seconds(np.array(traffic))  # [layers, D]
-        i, d = np.nonzero(seconds)
-        lanes, s = 1 + self.num_devices + d, seconds[i, d]
-        starts = np.array((t_dispatch, t_combine))[:, i]
-        layers = np.array(layers)[i]
-        self.tracer.add_modeled("all_to_all dispatch", lanes, layers, starts[0], s)
-        self.tracer.add_modeled("all_to_all combine", lanes, layers, starts[1], s)
+    def note_link(self, layer: int, t_dispatch: float, t_combine: float, traffic: np.ndarray) -> None:
+        """One MoE layer's all-to-all, into the preallocated arrays (spans on only); the last MoE
+        layer hands the step's to the tracer."""
+        row = self.moe_row[layer]
+        self.link_dispatch[row] = t_dispatch
+        self.link_combine[row] = t_combine
+        self.link_traffic[row] = traffic
+        if layer >= self.last_moe_layer:
+            self.tracer.add_links(self.link_record())
+
+    def link_record(self) -> dict:
+        """The step's all-to-alls as spans["links"] (moectl.wire.link_spans), copied out of the
+        arrays (the next step reuses them). Their spans are modeled, not measured (on one machine
+        nothing crosses a link): readers derive them, so the engine thread only copies bytes and
+        times here. The layer and seconds-per-byte arrays never change: every record shares them."""
+        t0 = self.tracer.t0
+        dispatch = self.link_dispatch - t0
+        links = {"layer": self.moe_layers, "dispatch_s": dispatch, "combine_s": self.link_combine - t0,
+                 "traffic": self.link_traffic.copy(), "s_per_byte": self.link_s_per_byte}
+        ran = dispatch >= 0
+        if not ran.all():  # a MoE layer that did not run this step holds an earlier step's start
+            links.update({k: links[k][ran] for k in ("layer", "dispatch_s", "combine_s", "traffic")})
+        return links
 
     def timed(self, device: int, fn, torch_device: torch.device | None = None, layer: int = -1):
         """Run fn as `device`'s work and add its time; CUDA events on GPU (recorded on the stream
@@ -207,10 +226,8 @@ class PlacedExperts(nn.Module):
         bytes_per_row = x.shape[-1] * x.element_size()
         traffic = traffic_matrix(token_device.cpu(), devices_cpu, bytes_per_row, self.placement.num_devices).numpy()
         stats.traffic += traffic
-        if tracer.enabled and stats.link_seconds is not None:
-            stats.pending_links.append((self.layer_idx, t_dispatch, time.monotonic(), traffic))
-            if self.layer_idx >= stats.last_moe_layer:
-                stats.link_spans()
+        if tracer.enabled and stats.link_s_per_byte is not None:
+            stats.note_link(self.layer_idx, t_dispatch, time.monotonic(), traffic)
         mark = tracer.mark()
         result = combine(out, order, weights, x.dtype)
         tracer.close(mark, "combine", 0, self.layer_idx)

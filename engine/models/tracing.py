@@ -27,5 +27,8 @@ class NullTracer:
     def add_modeled(self, name: str, lanes, layers, starts, seconds) -> None:
         return None
 
+    def add_links(self, links: dict) -> None:
+        return None
+
 
 NULL_TRACER = NullTracer()

@@ -83,3 +83,24 @@ def _families(metrics):
     from prometheus_client.parser import text_string_to_metric_families
 
     return {f.name: f for f in text_string_to_metric_families(metrics.render(None).decode())}
+
+
+def test_a_live_console_draws_the_modeled_link_spans_the_engine_only_describes(tmp_path, single_thread):
+    """The engine sends each step's link traffic, not its link spans (wire/link_spans.py); the
+    console state derives them, so the Timeline's link lanes fill in live as in replay."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_checkpoint(tmp_path / "ckpt")), topology=Topology(num_devices=2),
+                                    num_threads=1, profile_spans=True))
+    records: list[dict] = []
+    engine.add_listener(on_step=lambda stats: records.append(stats.as_record()))
+    engine.generate(prompts(4), SamplingParams(max_tokens=4, ignore_eos=True))
+    sent = records[-1]["spans"]
+    assert "links" in sent and "all_to_all dispatch" not in sent["names"]
+
+    state = ConsoleState(engine_header(engine), "live")
+    state.apply(records)
+    spans = state.latest["spans"]
+    names = [spans["names"][i] for i in spans["name"]]
+    links = [i for i, name in enumerate(names) if name.startswith("all_to_all")]
+    assert links and all(spans["modeled"][i] for i in links)
+    assert {spans["lanes"][spans["lane"][i]] for i in links} <= {"link 0", "link 1"}
+    assert "links" not in spans and "links" in records[-1]["spans"]  # the engine's record is left as sent

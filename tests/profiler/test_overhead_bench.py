@@ -40,6 +40,12 @@ def test_the_profiled_runs_are_recorded_whole_and_their_steps_priced(bench):
     direct = result["direct"]
     assert direct["steps"] > 0 and direct["components"]
     assert result["overhead"] == direct["direct_overhead"] > 0
+    parts = direct["components"]
+    # the link traffic is noted every MoE layer and handed over once a step; the batches' writes
+    # outside write_step (the sender thread, each run's flush) are counted as well
+    assert direct["link_notes"] > direct["link_span_builds"] == direct["steps"]
+    assert parts["span_link_model"]["measured"] == "timed + counted x calibrated"
+    assert parts["handoff_sender"]["seconds"] > 0  # at least the flush that ends each profiled run
     assert any(line.startswith("profiler cost, measured directly:") for line in lines)
 
 

@@ -254,7 +254,7 @@ def test_telemetry_websocket_hello_then_matching_steps(server):
                         return await r.json()
                 done = await asyncio.gather(*(complete(i) for i in range(3)))
                 wanted = {d["id"]: d["usage"]["completion_tokens"] for d in done}
-                finished, seen_in_batch = {}, set()
+                finished, seen_in_batch, link_spans = {}, set(), set()
                 async with asyncio.timeout(15):
                     while set(finished) != set(wanted):
                         msg = await ws.receive_json()
@@ -262,11 +262,15 @@ def test_telemetry_websocket_hello_then_matching_steps(server):
                             continue
                         rec = msg["record"]
                         assert isinstance(rec["routing"], list) and len(rec["routing"]) == 2
+                        spans = rec["spans"]  # the modeled link spans derived for the client, not the traffic
+                        assert "links" not in spans
+                        link_spans |= {spans["names"][i] for i, m in zip(spans["name"], spans["modeled"]) if m}
                         seen_in_batch |= set(rec["batch"]["request_ids"]) & set(wanted)
                         for ev in rec["requests"]:
                             if ev["event"] == "finished" and ev["id"] in wanted:
                                 finished[ev["id"]] = ev["output_tokens"]
                 assert finished == wanted and seen_in_batch == set(wanted)
+                assert link_spans == {"all_to_all dispatch", "all_to_all combine"}
 
                 # a client that does not read: the hub drops its oldest messages and says so
                 hub = server.app[STATE].hub
