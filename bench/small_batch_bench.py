@@ -7,7 +7,10 @@
    rows: the kernel's and F.linear's time per pass, alternating, best of 5 blocks each, and the
    weight bytes read per second. Against this machine's DRAM read bandwidth (machine_limits, all
    threads, in the same run) as a scale only: the sample's weights fit this CPU's L3.
-2. The engine at batch 1, both sample models, fp32: TPOT of one request (a 55-token prompt,
+2. Experts over rows grouped by expert: the op (groups of up to 16 rows in the kernel, larger
+   ones through torch's ops) against torch._grouped_mm (what the torch path runs from 4 rows) at
+   8-1024 rows over the sample's 16 experts, random routing, alternating, best of 3 blocks each.
+3. The engine at batch 1, both sample models, fp32: TPOT of one request (a 55-token prompt,
    --tokens outputs) with the kernels and with the torch path, in alternating rounds, the same
    engine switched between them (small_batch.set_enabled); the median ratio with its range, and
    whether the two sides' greedy tokens agree.
@@ -76,6 +79,36 @@ def layers(model, rows: int, reps: int = 50) -> dict:
             "kernel_read_bw": nbytes / min(kernel), "f_linear_read_bw": nbytes / min(blas)}
 
 
+def grouped(rows: int, reps: int = 20) -> dict:
+    from moectl.engine.models.moe import grouped_offsets, grouped_swiglu
+
+    gen = torch.Generator().manual_seed(rows)
+    num, hidden, inter = 16, 256, 96
+    w13, w2 = torch.randn(num, 2 * inter, hidden, generator=gen) / 16, torch.randn(num, hidden, inter, generator=gen) / 10
+    counts_t = torch.bincount(torch.randint(0, num, (rows,), generator=gen), minlength=num)
+    counts, x = counts_t.tolist(), torch.randn(rows, hidden, generator=gen)
+
+    def timed(kernel: bool) -> float:
+        small_batch.set_enabled(kernel)
+        offsets = grouped_offsets(counts_t, rows, w13, w2)
+        grouped_swiglu(x, counts, w13, w2, offsets)
+        t = time.perf_counter()
+        for _ in range(reps):
+            grouped_swiglu(x, counts, w13, w2, offsets)
+        return (time.perf_counter() - t) / reps
+
+    with torch.inference_mode():
+        try:
+            kernel, gemm = [], []
+            for _ in range(3):
+                kernel.append(timed(True))
+                gemm.append(timed(False))
+        finally:
+            small_batch.set_enabled(True)
+    return {"rows": rows, "kernel_us": min(kernel) * 1e6, "grouped_mm_us": min(gemm) * 1e6,
+            "speedup": min(gemm) / min(kernel)}
+
+
 def engine_ab(name: str, rounds: int, tokens: int) -> dict:
     engine = LLMEngine(EngineConfig(model=str(sample_model_dir(name)), dtype="float32", block_size=16,
                                     num_kv_blocks=256, seed=0, num_threads=THREADS))
@@ -121,7 +154,8 @@ def main() -> None:
     engines = [engine_ab(name, args.rounds, args.tokens) for name in ("sample", "sample-dsv3")]
     model = LLMEngine(EngineConfig(model=str(sample_model_dir()), dtype="float32", num_kv_blocks=16)).model
     result = {"threads": THREADS, "read_bw": memory_bandwidth()["read_bw"],
-              "layers": [layers(model, rows) for rows in (1, 2, 4)], "engine": engines}
+              "layers": [layers(model, rows) for rows in (1, 2, 4)],
+              "grouped": [grouped(rows) for rows in (8, 32, 128, 256, 512, 1024)], "engine": engines}
     if args.json:
         print(json.dumps(result))
         return
@@ -131,6 +165,9 @@ def main() -> None:
         print(f"  sample model's {s['linears']} step linears, {s['rows']} row(s), {s['weight_bytes'] / 2**20:.1f} MiB: "
               f"kernel {s['kernel_us']:.0f} us ({s['kernel_read_bw'] / 1e9:.1f} GB/s, {s['kernel_read_bw'] / bw:.1f}x DRAM), "
               f"F.linear {s['f_linear_us']:.0f} us ({s['f_linear_read_bw'] / 1e9:.1f} GB/s): {s['speedup']:.2f}x")
+    for g in result["grouped"]:
+        print(f"  experts grouped by expert, {g['rows']:>4} rows over 16: op {g['kernel_us']:.0f} us, "
+              f"torch._grouped_mm {g['grouped_mm_us']:.0f} us: {g['speedup']:.2f}x")
     for e in engines:
         print(f"  {e['model']}, batch 1, {e['tokens']} tokens: TPOT kernels {e['kernel_tpot_ms']:.2f} ms, torch path "
               f"{e['torch_tpot_ms']:.2f} ms: {e['ratio_median']:.2f}x ({e['ratio_range'][0]:.2f}-"

@@ -52,6 +52,7 @@ from itertools import combinations
 
 import torch
 
+from moectl.engine.kernels import small_batch
 from moectl.engine.models.moe import SWIGLU
 
 Key = Hashable  # (layer, expert) in the engine; any hashable in the simulations
@@ -521,6 +522,10 @@ class ExpertCache:
         """x_grouped holds rows[i] tokens for experts[i], group after group, in that order. Looks
         the experts up first (copying the misses in), then runs each group on its cached weights."""
         slots, _ = self.lookup(layer, experts)
+        ffn = self.ffn
+        if not ffn.biased and ffn.limit is None and small_batch.grouped_takes(x_grouped, self.w13_cache, self.w2_cache):
+            # the kernel the uncached experts run: the same bits from the cache (small_batch.py)
+            return small_batch.grouped_swiglu(x_grouped, list(slots), list(rows), self.w13_cache, self.w2_cache)
         out = torch.empty_like(x_grouped)
         start = 0
         for slot, n in zip(slots, rows):

@@ -9,7 +9,9 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/linear.h>
+#include <ATen/ops/mul.h>
 #include <ATen/ops/rms_norm.h>
+#include <ATen/ops/silu.h>
 #include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
@@ -23,7 +25,8 @@
 
 namespace {
 
-constexpr int64_t kMaxRows = 4;  // linear: the input rows one register tile covers
+constexpr int64_t kMaxRows = 4;  // linear: the input rows it takes (at 8 the BLAS path is as fast, hot in cache)
+constexpr int64_t kTileRows = 8;  // rows one register tile covers: 8 accumulators + a weight vector
 
 #if defined(__AVX2__) && defined(__FMA__)
 inline float hsum(__m256 v) {
@@ -66,7 +69,11 @@ void rows_any(int64_t M, const float* x, const float* w, const float* b, float* 
     case 1: rows<1>(x, w, b, out, K, ldo, lo, hi); break;
     case 2: rows<2>(x, w, b, out, K, ldo, lo, hi); break;
     case 3: rows<3>(x, w, b, out, K, ldo, lo, hi); break;
-    default: rows<4>(x, w, b, out, K, ldo, lo, hi); break;
+    case 4: rows<4>(x, w, b, out, K, ldo, lo, hi); break;
+    case 5: rows<5>(x, w, b, out, K, ldo, lo, hi); break;
+    case 6: rows<6>(x, w, b, out, K, ldo, lo, hi); break;
+    case 7: rows<7>(x, w, b, out, K, ldo, lo, hi); break;
+    default: rows<8>(x, w, b, out, K, ldo, lo, hi); break;
   }
 }
 
@@ -136,6 +143,73 @@ at::Tensor small_experts(const at::Tensor& x, const at::Tensor& weights, const a
   return out;
 }
 
+// SwiGLU experts over tokens already grouped: group g is rows[g] consecutive rows of x_grouped
+// for the expert whose weights are w13[ids[g]], w2[ids[g]]. A decode batch's groups (at most
+// kGroupRows rows) are one task each, which reads the expert's weights once for its rows,
+// kTileRows rows at a time: torch._grouped_mm on a CPU is a GEMM call per expert, and at a few
+// rows each those calls cost several times what reading the weights does. Larger groups take
+// torch's own ops (at::linear, at::silu), one after another, each on all threads. A group's
+// result depends only on its rows and weights, never on the other groups: every path that runs
+// an expert through this op (one device, placed devices, the expert cache) gets the same bits.
+constexpr int64_t kGroupRows = 16;
+
+void small_group(const float* x, const float* w13, const float* w2, float* out, int64_t n, int64_t H, int64_t I,
+                 std::vector<float>& gate_up, std::vector<float>& act) {
+  for (int64_t r = 0; r < n; r += kTileRows) {
+    const int64_t m = std::min(kTileRows, n - r);
+    rows_any(m, x + r * H, w13, nullptr, gate_up.data(), H, 2 * I, 0, 2 * I);
+    for (int64_t i = 0; i < m; ++i)
+      for (int64_t j = 0; j < I; ++j) {
+        const float g = gate_up[i * 2 * I + j];
+        act[i * I + j] = g / (1.f + std::exp(-g)) * gate_up[i * 2 * I + I + j];
+      }
+    rows_any(m, act.data(), w2, nullptr, out + r * H, I, H, 0, H);
+  }
+}
+
+at::Tensor grouped_swiglu(const at::Tensor& x_grouped, const at::Tensor& ids, const at::Tensor& rows_per_group,
+                          const at::Tensor& w13, const at::Tensor& w2) {
+  TORCH_CHECK(x_grouped.dim() == 2 && cpu_float(x_grouped) && cpu_float(w13) && cpu_float(w2) && w13.dim() == 3 &&
+                  w2.dim() == 3,
+              "grouped_swiglu: contiguous fp32 x_grouped [R, H], w13 [E, 2I, H], w2 [E, H, I] on the CPU");
+  TORCH_CHECK(ids.dim() == 1 && rows_per_group.sizes() == ids.sizes() && ids.scalar_type() == at::kLong &&
+                  rows_per_group.scalar_type() == at::kLong && ids.device().is_cpu() &&
+                  rows_per_group.device().is_cpu() && ids.is_contiguous() && rows_per_group.is_contiguous(),
+              "grouped_swiglu: ids and rows, int64 [G] on the CPU");
+  const int64_t R = x_grouped.size(0), H = x_grouped.size(1), E = w13.size(0), I = w2.size(2), G = ids.size(0);
+  TORCH_CHECK(w13.size(1) == 2 * I && w13.size(2) == H && w2.size(0) == E && w2.size(1) == H,
+              "grouped_swiglu: shapes do not match (hidden ", H, ", experts ", E, ")");
+  const int64_t* idp = ids.data_ptr<int64_t>();
+  const int64_t* np = rows_per_group.data_ptr<int64_t>();
+  std::vector<int64_t> starts(G + 1, 0), small, large;
+  for (int64_t g = 0; g < G; ++g) {
+    TORCH_CHECK(np[g] >= 0 && idp[g] >= 0 && idp[g] < E, "grouped_swiglu: group ", g, " has expert ", idp[g],
+                " of ", E, " and ", np[g], " rows");
+    starts[g + 1] = starts[g] + np[g];
+    if (np[g]) (np[g] <= kGroupRows ? small : large).push_back(g);
+  }
+  TORCH_CHECK(starts[G] == R, "grouped_swiglu: the groups hold ", starts[G], " rows, not the ", R, " given");
+  auto out = at::empty({R, H}, x_grouped.options());
+  for (int64_t g : large) {
+    const auto x = x_grouped.narrow(0, starts[g], np[g]);
+    const auto gate_up = at::linear(x, w13[idp[g]]).chunk(2, -1);
+    out.narrow(0, starts[g], np[g]).copy_(at::linear(at::mul(at::silu(gate_up[0]), gate_up[1]), w2[idp[g]]));
+  }
+  const float* xp = x_grouped.data_ptr<float>();
+  const float* w13p = w13.data_ptr<float>();
+  const float* w2p = w2.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, static_cast<int64_t>(small.size()), 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> gate_up(kTileRows * 2 * I), act(kTileRows * I);
+    for (int64_t t = lo; t < hi; ++t) {
+      const int64_t g = small[t], e = idp[g];
+      small_group(xp + starts[g] * H, w13p + e * 2 * I * H, w2p + e * H * I, op + starts[g] * H, np[g], H, I,
+                  gate_up, act);
+    }
+  });
+  return out;
+}
+
 // RMSNorm of a few fp32 rows: torch's fused kernel took 10-25 us a call at one row of 256
 // (its dispatch and thread start-up), this one well under one
 at::Tensor small_rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
@@ -166,6 +240,8 @@ TORCH_LIBRARY(moectl_small, m) {
   m.def("experts(Tensor x, Tensor weights, Tensor ids, Tensor w13, Tensor w2) -> Tensor");
   m.impl("linear", c10::DispatchKey::CPU, TORCH_FN(small_linear));
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
+  m.def("grouped_swiglu(Tensor x_grouped, Tensor ids, Tensor rows, Tensor w13, Tensor w2) -> Tensor");
+  m.impl("grouped_swiglu", c10::DispatchKey::CPU, TORCH_FN(grouped_swiglu));
   m.impl("experts", c10::DispatchKey::CPU, TORCH_FN(small_experts));
   m.impl("rms_norm", c10::DispatchKey::CPU, TORCH_FN(small_rms_norm));
 }

@@ -1,5 +1,6 @@
 """A decode step's weight-bound work at small batch on a CPU (small_batch.cpp): `linear` for
-F.linear, `experts` for the routed experts of a few tokens, `rms_norm` for F.rms_norm; fp32.
+F.linear, `experts` for the routed experts of a few tokens, `grouped_swiglu` for experts over
+rows grouped by expert, `rms_norm` for F.rms_norm; fp32.
 
 Only without autograd (the engine runs under inference mode; training keeps the torch path), and
 only where the source was built: `MOECTL_SMALL_BATCH=0` forces the torch path, and
@@ -77,6 +78,24 @@ def experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torc
     """[N, H] tokens, their top-k fp32 weights and expert ids [N, k] -> the weighted sum of their
     experts' SwiGLU outputs [N, H] (call when experts_take)."""
     return _ops.experts(x.contiguous(), weights.contiguous(), ids.contiguous(), w13, w2)
+
+
+def grouped_takes(x_grouped: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
+    """Whether `grouped_swiglu` takes these rows on these stacked weights: fp32 on a CPU, no
+    autograd, contiguous weights."""
+    return (x_grouped.dtype is torch.float32 and w13.dtype is torch.float32 and x_grouped.device.type == "cpu"
+            and not torch.is_grad_enabled() and w13.is_contiguous() and w2.is_contiguous() and kernels() is not None)
+
+
+def grouped_swiglu(x_grouped: torch.Tensor, ids: list[int], rows: list[int], w13: torch.Tensor,
+                   w2: torch.Tensor) -> torch.Tensor:
+    """SwiGLU experts over grouped rows: group g is rows[g] consecutive rows for the expert whose
+    weights are w13[ids[g]], w2[ids[g]] (call when grouped_takes). Groups of a decode batch's size
+    run in the kernel, larger ones through torch's ops; a group's result never depends on the
+    others, so an expert computes the same bits on one device, on placed devices and from the
+    expert cache."""
+    return _ops.grouped_swiglu(x_grouped.contiguous(), torch.tensor(ids, dtype=torch.int64),
+                               torch.tensor(rows, dtype=torch.int64), w13, w2)
 
 
 class Linear(nn.Linear):

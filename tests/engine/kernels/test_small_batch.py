@@ -132,3 +132,63 @@ def test_rms_norm_matches(rows, dim):
     with torch.inference_mode():
         got = small_batch.rms_norm(x, w, 1e-6)
     torch.testing.assert_close(got, F.rms_norm(x, (dim,), w, 1e-6), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("groups", [[(0, 1), (2, 3)], [(0, 9), (1, 17), (3, 8)], [(3, 2)], [(2, 40), (0, 3), (2, 1)]])
+def test_grouped_swiglu_matches_swiglu_per_group(groups):
+    from moectl.engine.models.moe import SWIGLU
+
+    ids, rows = [g for g, _ in groups], [n for _, n in groups]
+    gen = torch.Generator().manual_seed(sum(rows))
+    hidden, inter = 40, 12
+    w13, w2 = torch.randn(4, 2 * inter, hidden, generator=gen) / 6, torch.randn(4, hidden, inter, generator=gen) / 4
+    x = torch.randn(sum(rows), hidden, generator=gen)
+    with torch.inference_mode():
+        assert small_batch.grouped_takes(x, w13, w2)
+        got = small_batch.grouped_swiglu(x, ids, rows, w13, w2)
+        want, start = torch.empty_like(x), 0
+        for expert, n in groups:
+            want[start:start + n] = SWIGLU(x[start:start + n], w13[expert], w2[expert])
+            start += n
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_groups_bits_do_not_depend_on_the_other_groups():
+    """What keeps placed devices and the expert cache bit for bit equal to one device."""
+    gen = torch.Generator().manual_seed(3)
+    w13, w2 = torch.randn(4, 24, 40, generator=gen), torch.randn(4, 40, 12, generator=gen)
+    x = torch.randn(3 + 20 + 5, 40, generator=gen)
+    with torch.inference_mode():
+        together = small_batch.grouped_swiglu(x, [1, 2, 3], [3, 20, 5], w13, w2)
+        alone = [small_batch.grouped_swiglu(x[:3], [1], [3], w13, w2),
+                 small_batch.grouped_swiglu(x[3:23], [0], [20], w13[2:3].contiguous(), w2[2:3].contiguous()),
+                 small_batch.grouped_swiglu(x[23:], [3], [5], w13, w2)]
+    torch.testing.assert_close(together, torch.cat(alone), rtol=0, atol=0)
+
+
+def test_grouped_swiglu_refuses_groups_that_do_not_fit():
+    w13, w2 = torch.randn(2, 6, 8), torch.randn(2, 8, 3)
+    with torch.inference_mode():
+        with pytest.raises(RuntimeError, match="the groups hold 3 rows, not the 4 given"):
+            small_batch.grouped_swiglu(torch.randn(4, 8), [0, 1], [1, 2], w13, w2)
+        with pytest.raises(RuntimeError, match="group 1 has expert 2 of 2"):
+            small_batch.grouped_swiglu(torch.randn(4, 8), [0, 2], [1, 3], w13, w2)
+
+
+def test_grouped_takes_fp32_inference_on_contiguous_weights():
+    w13, w2 = torch.randn(4, 6, 8), torch.randn(4, 8, 3)
+    with torch.inference_mode():
+        assert small_batch.grouped_takes(torch.randn(600, 8), w13, w2)
+        assert not small_batch.grouped_takes(torch.randn(4, 8), w13.transpose(1, 2).contiguous().transpose(1, 2), w2)
+        assert not small_batch.grouped_takes(torch.randn(4, 8).bfloat16(), w13.bfloat16(), w2.bfloat16())
+    assert not small_batch.grouped_takes(torch.randn(4, 8), w13, w2)  # autograd on
+
+
+def test_one_token_through_experts_or_grouped_gives_the_same_terms():
+    gen = torch.Generator().manual_seed(5)
+    w13, w2 = torch.randn(6, 24, 40, generator=gen) / 6, torch.randn(6, 40, 12, generator=gen) / 4
+    x = torch.randn(1, 40, generator=gen)
+    with torch.inference_mode():
+        one = small_batch.experts(x, torch.ones(1, 1), torch.tensor([[4]]), w13, w2)
+        grouped = small_batch.grouped_swiglu(x, [4], [1], w13, w2)
+    torch.testing.assert_close(one, grouped, rtol=0, atol=0)
