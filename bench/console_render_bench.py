@@ -12,9 +12,12 @@ the screen):
   layer 60, expert 383).
 * timeline: Timeline with 129 lanes (engine, 64 devices, 64 modeled links) and ~5,000 spans of
   one 61-layer step; frames alternate between "fit all" (every span on screen) and a 16x zoom.
+  "new record" frames alternate between two such steps (other expert durations), each set with
+  Timeline.set_columns inside the timed frame, as the Timeline panel does for a new record.
 
 A frame is `render_line(y)` for every visible row of the widget (the widget's whole cost: Textual
-calls exactly this for each dirty line). "compositor" frames add Textual's part: the widget's
+calls exactly this for each dirty line); "segments" is how many a frame of the first view draws,
+what Textual's own cost per frame follows. "compositor" frames add Textual's part: the widget's
 line cache is cleared and the screen's compositor renders all strips (`_compositor.render_strips`,
 a private API, skipped if it is missing). Figures are the median and the max over the frames, in
 ms, against a 16 ms budget per frame (60 fps) for both widgets together (the heat map alone should use
@@ -96,7 +99,8 @@ def _stats(samples_s: list[float]) -> dict:
     }
 
 
-async def _measure(widget, setup, views, reps: int, size: tuple[int, int]) -> dict:
+async def _measure(widget, setup, views, reps: int, size: tuple[int, int], timed_views: bool = False) -> dict:
+    """timed_views: the view change (a new record) is part of the timed frame."""
     app = OneWidget(widget)
     async with app.run_test(size=size) as pilot:
         setup(widget)
@@ -106,11 +110,17 @@ async def _measure(widget, setup, views, reps: int, size: tuple[int, int]) -> di
         comp_samples: list[float] = []
         compositor = getattr(app.screen, "_compositor", None)
         for i in range(reps):
-            views[i % len(views)](widget)
             t0 = time.perf_counter()
+            if not timed_views:
+                views[i % len(views)](widget)
+                t0 = time.perf_counter()
+            else:
+                views[i % len(views)](widget)
             for y in range(height):
                 widget.render_line(y)
             line_samples.append(time.perf_counter() - t0)
+        views[0](widget)
+        segments = sum(len(widget.render_line(y)) for y in range(height))
         if compositor is not None and hasattr(compositor, "render_strips"):
             for i in range(reps):
                 views[i % len(views)](widget)
@@ -118,7 +128,8 @@ async def _measure(widget, setup, views, reps: int, size: tuple[int, int]) -> di
                 widget._styles_cache.clear()
                 compositor.render_strips()
                 comp_samples.append(time.perf_counter() - t0)
-        result = {"widget_size": [widget.size.width, height], "render_line": _stats(line_samples)}
+        result = {"widget_size": [widget.size.width, height], "render_line": _stats(line_samples),
+                  "segments": segments}
         result["compositor"] = _stats(comp_samples) if comp_samples else None
         return result
 
@@ -143,9 +154,19 @@ def bench_heatmap(reps: int, size: tuple[int, int]) -> dict:
     return result
 
 
+def timeline_columns(spans: list[Span]) -> dict:
+    """The spans as Timeline.set_columns arguments (what the Timeline panel passes)."""
+    names = sorted({s.name for s in spans})
+    index = {name: i for i, name in enumerate(names)}
+    return {"lane": np.array([s.lane for s in spans]), "name": np.array([index[s.name] for s in spans]),
+            "names": names, "start_s": np.array([s.start_s for s in spans]), "dur_s": np.array([s.dur_s for s in spans]),
+            "modeled": np.array([s.modeled for s in spans]), "layer": np.array([s.layer for s in spans])}
+
+
 def bench_timeline(reps: int, size: tuple[int, int]) -> dict:
     lanes, spans = timeline_spans()
     timeline = Timeline()
+    records = [timeline_columns(timeline_spans(seed)[1]) for seed in (1, 2)]
 
     def setup(w: Timeline) -> None:
         w.set_spans(lanes, spans)
@@ -157,7 +178,12 @@ def bench_timeline(reps: int, size: tuple[int, int]) -> dict:
         w.fit()
         w.zoom(16.0)
 
+    def record(k: int):
+        return lambda w: w.set_columns(lanes, **records[k])
+
     result = asyncio.run(_measure(timeline, setup, [fit, zoomed], reps, size))
+    new_record = asyncio.run(_measure(Timeline(), setup, [record(0), record(1)], reps, size, timed_views=True))
+    result["new_record"] = new_record["render_line"]
     result["lanes"] = len(lanes)
     result["spans"] = len(spans)
     return result
@@ -200,8 +226,12 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"  {name:<9} {what:<26} widget {res['widget_size'][0]}x{res['widget_size'][1]}: "
             f"render_line median {line['median_ms']:.2f} ms, max {line['max_ms']:.2f} ms "
-            f"({line['median_ms'] / TARGET_MS:.2f} x target)"
+            f"({line['median_ms'] / TARGET_MS:.2f} x target), {res['segments']:,} segments"
         )
+        if "new_record" in res:
+            rec = res["new_record"]
+            print(f"  {'':<9} {'':<26} new record (set_columns + render_line): median {rec['median_ms']:.2f} ms, "
+                  f"max {rec['max_ms']:.2f} ms")
         if res["compositor"]:
             comp = res["compositor"]
             print(

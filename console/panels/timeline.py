@@ -62,6 +62,19 @@ class TimelinePanel(ShowsOnChange, Vertical):
         self.frozen = False
         self.count = 1
         self.shown_step = None
+        self._breakdowns: dict[tuple, dict] = {}  # per shown record: its step_breakdown
+
+    def breakdown(self, records: list[dict]) -> tuple[dict[str, float], float]:
+        """Per step over `records`: mean measured seconds by category, mean modeled communication.
+        Each record's breakdown is computed once while it stays shown, so a new record costs one
+        record's, whatever the number of steps shown (step_breakdown of all of them again is that
+        many times more)."""
+        keys = [(rec["step"], rec["t_start"]) for rec in records]
+        held = self._breakdowns
+        self._breakdowns = {key: held.get(key) or step_breakdown([rec]) for key, rec in zip(keys, records)}
+        parts = [self._breakdowns[key] for key in keys]
+        measured = {k: sum(b["measured_s"][k] for b in parts) / len(parts) for k in parts[0]["measured_s"]}
+        return measured, sum(b["communication_modeled_s"] for b in parts) / len(parts)
 
     def show(self, state) -> None:
         absent = absent_in_import(state, "step times, spans and kernels")
@@ -76,14 +89,14 @@ class TimelinePanel(ShowsOnChange, Vertical):
         self.shown_step = records[-1]["step"]
         lanes, columns = columns_of(records)
         self.query_one(Timeline).set_columns(lanes, **columns)
-        b = step_breakdown(records)
-        parts = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in b["measured_mean_s"].items())
+        measured, modeled = self.breakdown(records)
+        parts = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in measured.items())
         self.put(
             "#tl-breakdown",
             f"steps {records[0]['step']}-{records[-1]['step']}, per step "
             f"({'simulated' if self.app.state.simulated else 'measured'}): {parts}; "
             f"communication ({'simulated' if self.app.state.simulated else 'modeled'}) "
-            f"{b['communication_modeled_mean_s'] * 1e3:.4f} ms")
+            f"{modeled * 1e3:.4f} ms")
         self.put(
             "#tl-status",
             "kernels from a deep capture shown" if any(r.get("kernels") for r in records) else "")

@@ -6,13 +6,19 @@
 Layout: a time ruler on the first row, one row per lane (lane name in a fixed left gutter,
 `gutter` characters), and a legend on the last row ("█ measured  ░ modeled", the visible range,
 the selected span). Lanes scroll vertically; time is zoomed and panned with keys instead of a
-horizontal scrollbar. Measured spans are solid blocks of colour (with their name inside when it
-fits), modeled ones (a link transfer or a kernel the cost model estimated) are a "░" hatch in
-italic. Where spans on a lane overlap at one character, the shorter (inner) one is drawn on top.
+horizontal scrollbar. Measured spans are blocks of colour (with their name inside when it fits;
+a narrow piece beside a gap is "█" glyphs, which the gap's blanks share a segment with), modeled
+ones (a link transfer or a kernel the cost model estimated) are a "░" hatch in italic. Where spans
+on a lane overlap at one character, the shorter (inner) one is drawn on top; touching spans of one
+colour alternate shades.
 
-Spans are bucketed per lane and sorted by start when set; a row finds its visible spans with two
-binary searches (starts, and the running maximum of ends), so render cost follows what is on
-screen, not the total number of spans.
+Spans are sorted by lane and start once when set; a lane's arrays are built the first time a frame
+draws it (a new record costs one sort, not a build of every lane). A frame buckets the spans of all
+the lanes on screen into the track's columns in one numpy pass (a lane finds its visible spans with
+two binary searches: starts, and the running maximum of ends) and draws each lane in as few
+segments as it takes: a blank shows no foreground, so the blanks and glyphs of one colour are one
+segment. Textual's cost per frame follows the segments on screen, so it follows what the screen
+shows, not the number of spans.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import zlib
 from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 from rich.cells import cell_len
@@ -33,7 +40,7 @@ from rich.segment import Segment
 from rich.style import Style
 from textual import events
 from textual.binding import Binding, BindingType
-from textual.geometry import Size
+from textual.geometry import Region, Size
 from textual.message import Message
 from textual.scroll_view import ScrollView
 from textual.strip import Strip
@@ -82,53 +89,44 @@ class _Lane:
     """A lane's spans as columns sorted by start (longest first on ties), for fast visibility
     queries and rendering; Span objects are only built when someone asks for them (selection)."""
 
-    __slots__ = ("lane", "starts", "ends", "durs", "max_end", "style_ids", "modeled", "name_ids", "layers",
+    __slots__ = ("lane", "starts", "ends", "durs", "max_end", "colours", "modeled", "name_ids", "layers",
                  "steps", "kinds", "version", "_names", "_kinds", "_spans")
 
-    def __init__(self, lane: int, starts, durs, modeled, name_ids, layers, steps, kinds, style_ids,
+    def __init__(self, lane: int, starts, durs, modeled, name_ids, layers, steps, kinds, colours,
                  names: Sequence[str], kind_names: Sequence[str]) -> None:
         """Columns already in lane order (Timeline.set_columns sorts all lanes at once)."""
         self.lane = lane
         self.starts = starts
-        self.durs = np.maximum(durs, 0.0)
+        self.durs = durs
         self.ends = self.starts + self.durs
         # running max of ends is non-decreasing: spans before the first index where it exceeds t
         # all end by t, so a binary search finds where visible spans can begin
         self.max_end = np.maximum.accumulate(self.ends) if len(self.starts) else self.ends
-        self.modeled = modeled.tolist()
+        self.modeled = modeled  # bool array
         self.name_ids, self.layers, self.steps, self.kinds = name_ids, layers, steps, kinds
         self._names, self._kinds = names, kind_names
-        self.style_ids: list[int] = style_ids.tolist()  # per span: index into Timeline._styles
+        self.colours = colours  # per span: palette index (the shade is chosen when drawn)
         self.version = 0  # what the lane draws; equal versions draw the same row (Timeline.line_key)
         self._spans: list[Span] | None = None
 
-    def draws_like(self, other: _Lane) -> bool:
-        """Whether the two lanes draw the same row (their step numbers may differ)."""
-        return (self._names == other._names and np.array_equal(self.starts, other.starts)
-                and np.array_equal(self.durs, other.durs) and self.modeled == other.modeled
-                and np.array_equal(self.name_ids, other.name_ids) and np.array_equal(self.layers, other.layers))
-
     def __len__(self) -> int:
         return len(self.starts)
-
-    def label(self, i: int) -> str:
-        name, layer = self._names[self.name_ids[i]], int(self.layers[i])
-        return name if layer < 0 else f"{name} L{layer}"
 
     def span(self, i: int) -> Span:
         """The i-th span alone (a lane of a GPU trace holds millions: `spans` would build them all)."""
         if self._spans is not None:
             return self._spans[i]
         return Span(self.lane, self._names[int(self.name_ids[i])], float(self.starts[i]), float(self.durs[i]),
-                    self.modeled[i], int(self.layers[i]), int(self.steps[i]), self._kinds[int(self.kinds[i])])
+                    bool(self.modeled[i]), int(self.layers[i]), int(self.steps[i]), self._kinds[int(self.kinds[i])])
 
     @property
     def spans(self) -> list[Span]:
         if self._spans is None:
             names, kinds = self._names, self._kinds
             self._spans = [Span(self.lane, names[n], s, d, m, layer, step, kinds[k]) for n, s, d, m, layer, step, k in
-                           zip(self.name_ids.tolist(), self.starts.tolist(), self.durs.tolist(), self.modeled,
-                               self.layers.tolist(), self.steps.tolist(), self.kinds.tolist())]
+                           zip(self.name_ids.tolist(), self.starts.tolist(), self.durs.tolist(),
+                               self.modeled.tolist(), self.layers.tolist(), self.steps.tolist(),
+                               self.kinds.tolist())]
         return self._spans
 
     def visible(self, t0: float, t1: float) -> tuple[int, int]:
@@ -136,6 +134,63 @@ class _Lane:
         lo = int(np.searchsorted(self.max_end, t0, side="right"))
         hi = int(np.searchsorted(self.starts, t1, side="left"))
         return lo, max(lo, hi)
+
+
+class _Lanes(Sequence[_Lane]):
+    """Every lane of a Timeline over one set of columns sorted by lane. A lane's _Lane is built the
+    first time it is asked for: when a zoomed frame searches the lane for its spans in view, or for
+    a selection (a frame that shows every span needs none); building all 129 lanes of a 64-device
+    step on every new record took longer than sorting its spans."""
+
+    def __init__(self, cols: list[np.ndarray], bounds: np.ndarray, versions: list[int], names: Sequence[str],
+                 kinds: Sequence[str]) -> None:
+        self.columns, self.bounds = cols, bounds  # sorted by lane; lane i is bounds[i]:bounds[i + 1]
+        self._bounds, self._versions = bounds.tolist(), versions
+        self._names, self._kinds = names, kinds
+        self._built: dict[int, _Lane] = {}
+
+    def __len__(self) -> int:
+        return len(self._versions)
+
+    def __getitem__(self, i: int) -> _Lane:  # type: ignore[override]  (ints only: no caller slices)
+        data = self._built.get(i)
+        if data is None:
+            if not 0 <= i < len(self._versions):
+                raise IndexError(i)
+            a, b = self._bounds[i], self._bounds[i + 1]
+            data = self._built[i] = _Lane(i, *(c[a:b] for c in self.columns), self._names, self._kinds)
+            data.version = self._versions[i]
+        return data
+
+    def label(self, flat: int) -> str:
+        """The name drawn in the span at `flat` in the columns (all lanes), without its lane."""
+        return _label(self._names[int(self.columns[3][flat])], int(self.columns[4][flat]))
+
+    def version(self, i: int) -> int:
+        """Lane i's version (Timeline.line_key), without building it."""
+        return self._versions[i]
+
+    @property
+    def built(self) -> int:
+        """How many lanes have been built (tests: a frame builds only the lanes it draws)."""
+        return len(self._built)
+
+
+def _lane_order(lane: np.ndarray, start_s: np.ndarray, dur_s: np.ndarray, kept: int) -> np.ndarray:
+    """The first `kept` indexes of one sort for every lane: by lane, then start, longest first on
+    ties, as np.lexsort((-dur_s, start_s, lane)) (stable). A step's spans come in start order
+    within each lane: a stable sort by lane alone, checked, takes a fifth of lexsort's time."""
+    order = np.argsort(lane, kind="stable")[:kept]
+    same_lane = lane[order[1:]] == lane[order[:-1]]
+    starts, durs = start_s[order], dur_s[order]
+    later = starts[1:] - starts[:-1]
+    if np.all(~same_lane | (later > 0) | ((later == 0) & (durs[1:] <= durs[:-1]))):
+        return order
+    return np.lexsort((-dur_s, start_s, lane))[:kept]
+
+
+def _label(name: str, layer: int) -> str:
+    return name if layer < 0 else f"{name} L{layer}"
 
 
 @functools.lru_cache(maxsize=4096)
@@ -196,9 +251,131 @@ def _span_styles(colour: str, shade: int) -> tuple[Style, Style]:
     return Style(bgcolor=c, color=_contrast(c)), Style(color=c, italic=True)
 
 
-# (measured, modeled) per style id: palette index * 2 + shade (every other span on a lane darker)
+# (measured, modeled) per style id: palette index * 2 + shade (1: darker, for a span that touches
+# one of its colour)
 _STYLES = [_span_styles(colour, shade) for colour in PALETTE for shade in (0, 1)]
+# per style id: (measured, modeled) drawn as a glyph in the colour, on the widget's background
+_GLYPH_STYLES = [(Style(color=measured.bgcolor), modeled) for measured, modeled in _STYLES]
 _LANE_VERSIONS = itertools.count(1)
+_BLANK = -1  # _track_runs' key of a run of blank cells no glyph run takes in
+_GLYPH_CODES = np.array([ord(" "), ord(MEASURED_GLYPH), ord(MODELED_GLYPH)], dtype="<u4")
+
+
+@dataclass(slots=True)
+class _Raster:
+    """Which span draws each cell of some lanes' tracks, one row per lane (Timeline._raster_of).
+    The spans in view are "slots" 0..n-1; per slot arrays say what to draw."""
+
+    width: int
+    owner: np.ndarray  # int64 [rows * width]: the slot drawn at each cell, -1 for none
+    lanes: list[int]  # per row: its lane
+    row: np.ndarray  # per slot: its row
+    index: np.ndarray  # per slot: the span's index in its lane
+    flat: np.ndarray  # per slot: the span's index in the columns of all lanes
+    first: np.ndarray  # per slot: the column where the span starts
+    colours: np.ndarray  # per slot: palette index
+    modeled: np.ndarray  # per slot: bool
+
+    def slot(self, lane: int, index: int) -> int:
+        """The slot of span `index` of `lane`, -2 where it is not in view."""
+        if lane not in self.lanes:
+            return -2
+        hit = np.flatnonzero((self.row == self.lanes.index(lane)) & (self.index == index))
+        return int(hit[0]) if len(hit) else -2
+
+
+def _paint(at: np.ndarray, length: np.ndarray, durs: np.ndarray, cells: int) -> np.ndarray:
+    """Per cell, the span drawn there (-1: none), for spans covering cells [at, at + length):
+    where several cover a cell the shortest (innermost) is on top, on equal durations the later
+    one, as painting them longest first in order would leave it, for all rows in one pass."""
+    span = np.repeat(np.arange(len(durs)), length)
+    cell = np.arange(len(span)) + np.repeat(at - (np.cumsum(length) - length), length)
+    shortest = np.full(cells, np.inf)
+    np.minimum.at(shortest, cell, durs[span])
+    on_top = durs[span] == shortest[cell]
+    top = np.full(cells, -1, dtype=np.int64)
+    np.maximum.at(top, cell[on_top], span[on_top])
+    return top
+
+
+def _glyph_text(owner: np.ndarray, modeled: np.ndarray) -> str:
+    """The tracks' characters, one per cell: blank, a measured "█" or a modeled "░" (the pieces
+    drawn on their own, _track_runs, write their own text)."""
+    drawn = owner >= 0
+    which = np.where(drawn, 1 + modeled[np.where(drawn, owner, 0)], 0) if len(modeled) else 0 * owner
+    return _GLYPH_CODES[which].tobytes().decode("utf-32-le")
+
+
+def _track_runs(raster: _Raster, selected: int) -> tuple[list[int], list[int], list[int], list[int], list[int]]:
+    """The segments that draw the raster's tracks, as lists (start cell, end cell, key, slot,
+    style id), one entry per segment, in cell order (a row starts a new segment).
+
+    A key >= 0 is a run of glyphs of one style (style id * 2 + modeled) with the blank cells
+    beside them: a blank shows no foreground, so it joins a glyph run next to it, and a lane of
+    narrow spans of one colour with gaps between is one segment instead of two per span.
+    _BLANK is blank cells with no glyph run beside them. A key below that is a piece with a
+    background of its own, one segment each: the span's name where the span starts (4 cells or
+    more), the `selected` slot, or any other measured piece but a narrow one beside a blank."""
+    owner, width = raster.owner, raster.width
+    if not len(raster.index):  # nothing in view: a blank run per row
+        starts = list(range(0, len(owner), width))
+        return starts, [a + width for a in starts], [_BLANK] * len(starts), [-1] * len(starts), [-1] * len(starts)
+    differs = owner[1:] != owner[:-1]
+    differs[width - 1 :: width] = True  # rows never share a run
+    a = np.concatenate(([0], np.flatnonzero(differs) + 1))
+    b = np.concatenate((a[1:], [len(owner)]))
+    row_first, row_last = a % width == 0, b % width == 0
+    slot = owner[a]
+    drawn = slot >= 0
+    at = np.where(drawn, slot, 0)  # a slot that is safe to read for blanks
+    colour = np.where(drawn, raster.colours[at], -1)
+    style = colour * 2 + _shades(drawn, colour, row_first)
+    modeled = drawn & raster.modeled[at]
+    key = np.where(drawn, style * 2 + modeled, _BLANK)
+    own = drawn & ((slot == selected) | ((b - a >= 4) & (raster.first[at] == a % width)))
+    # glyphs only for a measured piece too narrow for a name with a blank beside it to share a
+    # segment with (narrow spans are the many); others stay blocks of background, seamless where
+    # a font leaves gaps between "█"s (an SVG screenshot)
+    blank_beside = np.zeros(len(a), dtype=bool)
+    blank_beside[1:] |= ~drawn[:-1] & ~row_first[1:]
+    blank_beside[:-1] |= ~drawn[1:] & ~row_last[:-1]
+    own |= drawn & ~modeled & ~(blank_beside & (b - a < 4))
+    key = _blanks_joined(np.where(own, _BLANK - 1 - np.arange(len(a)), key), drawn, row_first, row_last)
+    cut = np.flatnonzero(np.concatenate(([True], (key[1:] != key[:-1]) | row_first[1:])))
+    ends = np.concatenate((a[cut[1:]], [len(owner)]))
+    return a[cut].tolist(), ends.tolist(), key[cut].tolist(), slot[cut].tolist(), style[cut].tolist()
+
+
+def _shades(drawn: np.ndarray, colour: np.ndarray, row_first: np.ndarray) -> np.ndarray:
+    """Per run, its shade: along a chain of touching runs of one colour every other one is
+    darker (1), so that where they meet shows; a run after a blank or another colour is 0."""
+    step = np.arange(len(drawn))
+    touching = np.zeros(len(drawn), dtype=bool)
+    touching[1:] = drawn[1:] & (colour[1:] == colour[:-1]) & ~row_first[1:]
+    chain = np.maximum.accumulate(np.where(touching, 0, step))  # where each run's chain began
+    return (step - chain) & 1
+
+
+def _blanks_joined(key: np.ndarray, drawn: np.ndarray, row_first: np.ndarray, row_last: np.ndarray) -> np.ndarray:
+    """The runs' keys with each blank run taking the key of a glyph run beside it in its row (the
+    one before it first); runs never repeat their owner, so blank runs are never side by side."""
+    before = np.concatenate(([_BLANK], key[:-1]))
+    before[row_first] = _BLANK
+    after = np.concatenate((key[1:], [_BLANK]))
+    after[row_last] = _BLANK
+    blank = ~drawn
+    return np.where(blank & (before >= 0), before, np.where(blank & (after >= 0), after, key))
+
+
+class _Geometry(NamedTuple):
+    """What every line of a frame looks at: the widget's size, scroll, base style."""
+
+    width: int
+    height: int  # of the scrollable content region
+    track: int  # characters of the time axis
+    scroll_y: int
+    base: Style
+    components: dict[str, Style]  # component class -> rich style, filled as lines ask
 
 
 class Timeline(LineCacheMixin, ScrollView, can_focus=True):
@@ -291,7 +468,7 @@ class Timeline(LineCacheMixin, ScrollView, can_focus=True):
         self._gutter = max(1, int(gutter))
         self.shows_modeled = True  # the legend's modeled swatch; a trace with none measured otherwise says so
         self._lane_names: list[str] = []
-        self._lanes: list[_Lane] = []
+        self._lanes = _Lanes([np.zeros(0)] * 8, np.zeros(1, dtype=np.int64), [], [], [])
         self._lane_offsets: list[int] = [0]
         self._count = 0
         self._extent = (0.0, 1.0)
@@ -299,8 +476,11 @@ class Timeline(LineCacheMixin, ScrollView, can_focus=True):
         self._selected: tuple[int, int] | None = None  # (lane, index in lane order)
         self._styles = _STYLES  # per style id (palette index * 2 + shade): (measured, modeled)
         self._swatch: int | None = None
-        self._segment_cache: dict[object, Segment] = {}
-        self._segment_cache_base: Style | None = None
+        self._glyph_base: Style | None = None
+        self._glyph_cache: list[Style] = []
+        self._tracks: dict[int, list[Segment]] = {}  # the lanes on screen, drawn together (_track_segments)
+        self._tracks_key: tuple | None = None
+        self._held_geometry: _Geometry | None = None  # during render_lines
         self.set_spans(list(lanes or []), list(spans or []))
 
     # ----------------------------------------------------------------------------- data
@@ -341,70 +521,67 @@ class Timeline(LineCacheMixin, ScrollView, can_focus=True):
         name = np.asarray(name, dtype=np.int64)
         keep = (lane >= 0) & (lane < len(lane_names)) & np.isfinite(start_s) & np.isfinite(dur_s)
         names, kinds = list(names), list(kinds)
-        # one sort for every lane: by lane, then start, longest first on ties (lexsort is stable)
-        order = np.lexsort((-dur_s, start_s, np.where(keep, lane, len(lane_names))))
-        order = order[: int(np.count_nonzero(keep))]
+        order = _lane_order(np.where(keep, lane, len(lane_names)), start_s, dur_s, int(np.count_nonzero(keep)))
         sorted_lane = lane[order]
         bounds = np.searchsorted(sorted_lane, np.arange(len(lane_names) + 1), side="left")
-        # alternate shades along each lane so that neighbours of one colour stay apart
+        # a span's colour follows its name (or colour key); touching neighbours of one colour get
+        # alternate shades when drawn (_track_runs)
         keys = list(colour_keys) if colour_keys is not None else names
         colours = np.array([_colour_of(k) for k in keys], dtype=np.int64) if names else np.zeros(1, np.int64)
-        position = np.arange(len(order)) - bounds[sorted_lane] if len(order) else np.zeros(0, np.int64)
-        style_ids = colours[name[order]] * 2 + (position & 1) if len(order) else np.zeros(0, np.int64)
+        span_colours = colours[name[order]] if len(order) else np.zeros(0, np.int64)
         if self._swatch is None and len(order):  # the legend's swatch: the first span's colour, ever
-            self._swatch = int(style_ids[0])
-        cols = [start_s[order], dur_s[order], modeled[order], name[order], layer[order], step[order], kind[order],
-                style_ids]
-        old = {data.lane: data for data in self._lanes} if self._lane_names == lane_names else {}
-        same = self._lanes_drawing_alike(lane_names, names, bounds, cols)
+            self._swatch = int(span_colours[0]) * 2
+        cols = [start_s[order], np.maximum(dur_s[order], 0.0), modeled[order], name[order], layer[order],
+                step[order], kind[order], span_colours]
+        versions = self._lane_versions(lane_names, names, bounds, cols)
+        self._previous_columns = (lane_names, names, bounds, cols, versions)
         self._lane_names = lane_names
-        self._lanes = []
-        for i in range(len(lane_names)):
-            a, b = bounds[i], bounds[i + 1]
-            data = _Lane(i, *(c[a:b] for c in cols), names, kinds)
-            previous = old.get(i)
-            alike = same[i] if same is not None else previous is not None and data.draws_like(previous)
-            data.version = previous.version if previous is not None and alike else next(_LANE_VERSIONS)
-            self._lanes.append(data)
-        self._previous_columns = (lane_names, list(names), bounds, cols)
-        offsets = [0]
-        for data in self._lanes:
-            offsets.append(offsets[-1] + len(data))
-        self._lane_offsets = offsets
-        self._count = offsets[-1]
-        starts = [data.starts[0] for data in self._lanes if len(data)]
-        ends = [data.max_end[-1] for data in self._lanes if len(data)]
-        if starts:
-            t0, t1 = min(starts), max(ends)
-            if t1 - t0 < MIN_VIEW_S:
-                t1 = t0 + max(MIN_VIEW_S, 1e-6)
-            self._extent = (float(t0), float(t1))
-        else:
-            self._extent = (0.0, 1.0)
+        self._lanes = _Lanes(cols, bounds, versions, names, kinds)
+        self._lane_offsets = bounds.tolist()
+        self._count = len(order)
+        self._extent = self._extent_of(cols[0], cols[1])
         self._selected = None
         self._matches = None
-        if fit or not starts:
+        if fit or not self._count:
             self._view = self._extent
         self.virtual_size = Size(0, HEADER_ROWS + len(lane_names) + FOOTER_ROWS)
         self.refresh()
 
-    def _lanes_drawing_alike(self, lane_names, names, bounds, cols) -> np.ndarray | None:
-        """Per lane, whether it draws as it did before this set_columns, in a few numpy calls
-        for all lanes; None where the lanes' span counts changed (then each lane compares)."""
+    @staticmethod
+    def _extent_of(starts: np.ndarray, durs: np.ndarray) -> tuple[float, float]:
+        if not len(starts):
+            return (0.0, 1.0)
+        t0, t1 = float(starts.min()), float((starts + durs).max())
+        if t1 - t0 < MIN_VIEW_S:
+            t1 = t0 + max(MIN_VIEW_S, 1e-6)
+        return (t0, t1)
+
+    def _lane_versions(self, lane_names: list[str], names: list[str], bounds: np.ndarray,
+                       cols: list[np.ndarray]) -> list[int]:
+        """Per lane, the version it had before this set_columns where it draws the same (its line
+        is then reused), else a new one: every lane whose span count is unchanged is compared span
+        by span in a few numpy calls for all of them, no lane built."""
         previous = getattr(self, "_previous_columns", None)
-        if previous is None or previous[0] != lane_names or previous[1] != list(names) \
-                or not np.array_equal(previous[2], bounds) or not len(cols[0]):
-            return None
-        before, now = previous[3], cols
-        # starts, durs, modeled, name ids, layers: what a lane draws (steps and kinds do not show)
-        equal = np.ones(len(now[0]), dtype=bool)
-        for k in (0, 1, 2, 3, 4):
-            equal &= before[k] == now[k]
+        if previous is None or previous[0] != lane_names or previous[1] != names:
+            return [next(_LANE_VERSIONS) for _ in lane_names]
+        old_bounds, before, old_versions = previous[2], previous[3], previous[4]
         counts = np.diff(bounds)
-        alike = np.ones(len(counts), dtype=bool)
-        nonempty = counts > 0
-        alike[nonempty] = np.logical_and.reduceat(equal, bounds[:-1][nonempty])
-        return alike
+        same_count = counts == np.diff(old_bounds)
+        lane_of = np.repeat(np.arange(len(lane_names)), counts)
+        if np.array_equal(bounds, old_bounds):
+            at = was = slice(None)
+        else:  # each span of such a lane against the one at the same place in it before
+            at = np.flatnonzero(same_count[lane_of])
+            lane_of = lane_of[at]
+            was = at - bounds[lane_of] + old_bounds[lane_of]
+        # starts, durs, modeled, name ids, layers, colours: what a lane draws (steps and kinds do not show)
+        equal = np.ones(len(lane_of), dtype=bool)
+        for k in (0, 1, 2, 3, 4, 7):
+            equal &= before[k][was] == cols[k][at]
+        differs = np.zeros(len(lane_names), dtype=bool)
+        differs[lane_of[~equal]] = True
+        alike = (same_count & ~differs).tolist()
+        return [old if same else next(_LANE_VERSIONS) for same, old in zip(alike, old_versions)]
 
     @property
     def lanes(self) -> list[str]:
@@ -440,7 +617,7 @@ class Timeline(LineCacheMixin, ScrollView, can_focus=True):
     @property
     def track_width(self) -> int:
         """Characters of the time axis (widget width less the lane gutter)."""
-        return max(1, self.scrollable_content_region.width - self._gutter)
+        return self._geometry().track
 
     def _clamp_view(self, start: float, width: float) -> tuple[float, float]:
         width = max(width, MIN_VIEW_S)
@@ -559,9 +736,9 @@ class Timeline(LineCacheMixin, ScrollView, can_focus=True):
             self._set_selected(key, post=True)
 
     def _visible_lanes(self) -> range:
-        rows = max(1, self.scrollable_content_region.height - HEADER_ROWS - FOOTER_ROWS)
-        sy = self.scroll_offset.y
-        return range(sy, min(len(self._lanes), sy + rows))
+        geometry = self._geometry()
+        rows = max(1, geometry.height - HEADER_ROWS - FOOTER_ROWS)
+        return range(geometry.scroll_y, min(len(self._lanes), geometry.scroll_y + rows))
 
     def _first_in_view(self) -> tuple[int, int] | None:
         v0, v1 = self._view
@@ -658,70 +835,94 @@ class Timeline(LineCacheMixin, ScrollView, can_focus=True):
     # --------------------------------------------------------------------- rendering
 
     def _raster(self, lane: int, width: int) -> np.ndarray | None:
-        """int32 [width]: index (in lane order) of the span drawn at each column, -1 for none."""
-        raster = self._raster_with_starts(lane, width)
-        return None if raster is None else raster[0]
+        """int64 [width]: index (in lane order) of the span drawn at each column, -1 for none."""
+        raster = self._raster_of([lane], width)
+        if not len(raster.index):
+            return None
+        return np.where(raster.owner >= 0, raster.index[np.maximum(raster.owner, 0)], -1)
 
-    def _raster_with_starts(self, lane: int, width: int) -> tuple[np.ndarray, dict[int, int]] | None:
-        """(owner per column as in _raster, {span index: column where it starts})."""
-        data = self._lanes[lane]
-        if not len(data) or width <= 0:
-            return None
+    def _raster_of(self, lanes: Sequence[int], width: int) -> _Raster:
+        """The spans of `lanes` (a row each) bucketed into `width` columns of the view, all rows
+        in a few numpy calls: what a frame draws, computed once for every lane on screen."""
         v0, v1 = self._view
-        lo, hi = data.visible(v0, v1)
-        if hi <= lo:
-            return None
-        ends = data.ends[lo:hi]
-        starts = data.starts[lo:hi]
-        keep = (ends > v0) | ((data.durs[lo:hi] == 0) & (starts >= v0))
-        idx = np.flatnonzero(keep)
-        if not len(idx):
-            return None
+        columns, bounds = self._lanes.columns, self._lanes.bounds
+        at = np.asarray(lanes, dtype=np.int64)
+        if v0 <= self._extent[0] and self._extent[1] <= v1:  # every span in view: no lane to search
+            begin, counts = bounds[at], bounds[at + 1] - bounds[at]
+        else:
+            ranges = [self._lanes[lane].visible(v0, v1) for lane in lanes]
+            counts = np.array([hi - lo for lo, hi in ranges], dtype=np.int64)
+            begin = np.array([bounds[lane] + lo for lane, (lo, _) in zip(lanes, ranges)], dtype=np.int64)
+        row = np.repeat(np.arange(len(lanes)), counts)
+        flat = np.arange(len(row)) + np.repeat(begin - (np.cumsum(counts) - counts), counts)
+        starts, durs = columns[0][flat], columns[1][flat]
+        ends = starts + durs
+        keep = np.flatnonzero((ends > v0) | ((durs == 0) & (starts >= v0)))
+        flat, row, starts, ends, durs = flat[keep], row[keep], starts[keep], ends[keep], durs[keep]
         scale = width / (v1 - v0)
-        c0 = np.floor((starts[idx] - v0) * scale)
-        c1 = np.ceil((ends[idx] - v0) * scale)
-        c0 = np.clip(c0, 0, width - 1).astype(np.int64)
-        c1 = np.clip(np.maximum(c1, c0 + 1), 1, width).astype(np.int64)
-        owner = np.full(width, -1, dtype=np.int32)
-        # longest first, so shorter (inner) spans end up on top
-        order = np.argsort(-data.durs[lo:hi][idx], kind="stable")
-        index = (idx + lo)[order].tolist()
-        first = c0[order].tolist()
-        for i, a, b in zip(index, first, c1[order].tolist()):
-            owner[a:b] = i
-        return owner, dict(zip(index, first))
+        c0 = np.clip(np.floor((starts - v0) * scale), 0, width - 1).astype(np.int64)
+        c1 = np.clip(np.maximum(np.ceil((ends - v0) * scale), c0 + 1), 1, width).astype(np.int64)
+        owner = _paint(row * width + c0, c1 - c0, durs, len(lanes) * width)
+        index = flat - bounds[at[row]]
+        return _Raster(width, owner, list(lanes), row, index, flat, c0, columns[7][flat], columns[2][flat])
+
+    def render_lines(self, crop: Region) -> list[Strip]:
+        # the geometry once per frame: line_key and render_line run for every line, and each look
+        # at the widget's region walks the DOM
+        self._held_geometry = None
+        self._held_geometry = self._geometry()
+        try:
+            return super().render_lines(crop)
+        finally:
+            self._held_geometry = None
+
+    def _geometry(self) -> _Geometry:
+        held = self._held_geometry
+        if held is not None:
+            return held
+        region = self.scrollable_content_region
+        return _Geometry(self.size.width, region.height, max(1, region.width - self._gutter), self.scroll_offset.y,
+                         self.visual_style.rich_style, {})
+
+    def _component_style(self, name: str) -> Style:
+        styles = self._geometry().components
+        style = styles.get(name)
+        if style is None:
+            style = styles[name] = self.get_component_rich_style(name)
+        return style
 
     def line_key(self, y: int):
         if not self._count:
             return ("empty", y)
-        height = self.scrollable_content_region.height
+        geometry = self._geometry()
+        height = geometry.height
         if y < HEADER_ROWS:
-            return ("ruler", self._view, self.track_width)
+            return ("ruler", self._view, geometry.track)
         if y == height - 1:
             sel = self._selected
-            where = (self._lanes[sel[0]].version, self._lane_names[sel[0]]) if sel is not None else None
+            where = (self._lanes.version(sel[0]), self._lane_names[sel[0]]) if sel is not None else None
             return ("legend", self._view, self._extent, self._count, self._swatch, sel, where)
-        lane = self.scroll_offset.y + y - HEADER_ROWS
+        lane = geometry.scroll_y + y - HEADER_ROWS
         if lane >= len(self._lanes) or y >= height:
             return ("blank",)
         sel = self._selected
-        return ("lane", lane, self._lanes[lane].version, self._lane_names[lane], self._view, self.track_width,
+        return ("lane", lane, self._lanes.version(lane), self._lane_names[lane], self._view, geometry.track,
                 self._gutter, sel[1] if sel is not None and sel[0] == lane else None)
 
     def render_line(self, y: int) -> Strip:
-        width = self.size.width
-        base = self.visual_style.rich_style
+        geometry = self._geometry()
+        width, base = geometry.width, geometry.base
         if not self._count:
             if y == 0:
-                style = self.get_component_rich_style("timeline--empty")
+                style = self._component_style("timeline--empty")
                 return Strip([Segment(" no spans", style)]).adjust_cell_length(width, base)
             return Strip.blank(width, base)
-        height = self.scrollable_content_region.height
+        height = geometry.height
         if y < HEADER_ROWS:
             return self._render_ruler(width, base)
         if y == height - 1:
             return self._render_legend(width, base)
-        lane = self.scroll_offset.y + y - HEADER_ROWS
+        lane = geometry.scroll_y + y - HEADER_ROWS
         if lane >= len(self._lanes) or y >= height:
             return Strip.blank(width, base)
         return self._render_lane(lane, width, base)
@@ -729,75 +930,69 @@ class Timeline(LineCacheMixin, ScrollView, can_focus=True):
     def _render_lane(self, lane: int, width: int, base: Style) -> Strip:
         gutter = self._gutter
         selected = self._selected
-        name_style = self.get_component_rich_style(
-            "timeline--lane-selected" if selected is not None and selected[0] == lane else "timeline--lane"
-        )
+        sel_index = selected[1] if selected is not None and selected[0] == lane else -2
+        name_style = self._component_style("timeline--lane-selected" if sel_index >= 0 else "timeline--lane")
         name = self._lane_names[lane]
         if cell_len(name) > gutter - 1:
             name = name[: max(0, gutter - 2)] + "…"
         segments = [Segment(name.ljust(gutter)[:gutter], name_style)]
-        track = self.track_width
-        raster = self._raster_with_starts(lane, track)
-        if raster is None:
-            segments.append(Segment(_repeat(_SPACES, " ", track), base))
-            return Strip(segments, gutter + track).adjust_cell_length(width, base)
-        owner, start_cols = raster
-        data = self._lanes[lane]
-        modeled_of = data.modeled
-        style_ids = data.style_ids
-        styles = self._styles
-        sel_index = selected[1] if selected is not None and selected[0] == lane else -2
-        sel_style = self.get_component_rich_style("timeline--selected") if sel_index >= 0 else None
-        change = np.flatnonzero(owner[1:] != owner[:-1]) + 1
-        bounds = [0, *change.tolist(), track]
-        values = owner[bounds[:-1]].tolist()
-        add = segments.append
-        spaces, hatch = _SPACES, _HATCH
-        # plain runs (blank, or a span piece without a label) repeat a lot: keep their Segments
-        cache = self._segment_cache
-        if self._segment_cache_base != base or len(cache) > 50_000:
-            cache.clear()
-            self._segment_cache_base = base
-        for value, a, b in zip(values, bounds, bounds[1:]):
-            n = b - a
-            if value < 0:
-                segment = cache.get(n)
-                if segment is None:
-                    segment = cache[n] = Segment(_repeat(spaces, " ", n), base)
-                add(segment)
-                continue
-            # the span's name goes in the piece where the span starts, if it fits (names are
-            # taken as one cell per character: kernel and span names are ASCII)
-            label = data.label(value) if n >= 4 and start_cols[value] == a else ""
-            modeled = modeled_of[value]
-            if not label and value != sel_index:
-                key = (style_ids[value], n, modeled)
-                segment = cache.get(key)
-                if segment is None:
-                    measured_style, modeled_style = styles[style_ids[value]]
-                    if modeled:
-                        segment = Segment(_repeat(hatch, MODELED_GLYPH, n), modeled_style)
-                    else:
-                        segment = Segment(_repeat(spaces, " ", n), measured_style)
-                    cache[key] = segment
-                add(segment)
-                continue
-            measured_style, modeled_style = styles[style_ids[value]]
-            if modeled:
-                style = modeled_style if value != sel_index else sel_style + _ITALIC
-                if label and n >= len(label) + 4:
-                    text = f"{MODELED_GLYPH} {label} {_repeat(hatch, MODELED_GLYPH, n - len(label) - 3)}"
-                else:
-                    text = _repeat(hatch, MODELED_GLYPH, n)
-            else:
-                style = measured_style if value != sel_index else sel_style
-                if label:
-                    text = f" {label}"[:n]
-                    text = text + _repeat(spaces, " ", n - len(text))
-                else:
-                    text = _repeat(spaces, " ", n)
-            add(Segment(text, style))
+        track = self._geometry().track
+        segments += self._track_segments(lane, track, base)
         return Strip(segments, gutter + track).adjust_cell_length(width, base)
+
+    def _track_segments(self, lane: int, track: int, base: Style) -> list[Segment]:
+        """A lane's track in as few segments as draw it (_track_runs): Textual's cost per frame
+        follows the number of segments on screen, not cells. The lanes on screen are drawn
+        together, once per view, width, selection and set of spans (a new record: once)."""
+        lanes = self._visible_lanes()
+        if lane not in lanes:
+            lanes = range(lane, lane + 1)
+        key = (self._lanes, self._view, track, self._selected, base, lanes)
+        if self._tracks_key != key:
+            self._tracks, self._tracks_key = self._draw_tracks(lanes, track, base), key
+        return self._tracks[lane]
+
+    def _draw_tracks(self, lanes: Sequence[int], track: int, base: Style) -> dict[int, list[Segment]]:
+        """Per lane, its track's segments."""
+        raster = self._raster_of(lanes, track)
+        selected = raster.slot(*self._selected) if self._selected is not None else -2
+        text = _glyph_text(raster.owner, raster.modeled)
+        glyph_styles = self._glyph_styles(base)
+        out: dict[int, list[Segment]] = {lane: [] for lane in lanes}
+        for a, b, key, slot, style_id in zip(*_track_runs(raster, selected)):
+            segments = out[raster.lanes[a // track]]
+            if key >= 0:
+                segments.append(Segment(text[a:b], glyph_styles[key]))
+            elif key == _BLANK:
+                segments.append(Segment(text[a:b], base))
+            else:
+                label = self._lanes.label(raster.flat[slot]) if b - a >= 4 and raster.first[slot] == a % track else ""
+                modeled = bool(raster.modeled[slot])
+                segments.append(self._piece(modeled, style_id, b - a, label, slot == selected, glyph_styles))
+        return out
+
+    def _glyph_styles(self, base: Style) -> list[Style]:
+        """Per glyph key (style id * 2 + modeled): the colour as a foreground over the widget's
+        background, so that blank cells beside the glyphs can share their segment."""
+        if self._glyph_base != base:
+            self._glyph_base = base
+            self._glyph_cache = [base + style for pair in _GLYPH_STYLES for style in pair]
+        return self._glyph_cache
+
+    def _piece(self, modeled: bool, style_id: int, n: int, label: str, selected: bool,
+               glyph_styles: list[Style]) -> Segment:
+        """A piece of a span drawn on its own: it shows the span's name or is the selection."""
+        if modeled:
+            if selected:
+                style = self.get_component_rich_style("timeline--selected") + _ITALIC
+            else:
+                style = glyph_styles[style_id * 2 + 1]
+            if label and n >= len(label) + 4:
+                return Segment(f"{MODELED_GLYPH} {label} {_repeat(_HATCH, MODELED_GLYPH, n - len(label) - 3)}", style)
+            return Segment(_repeat(_HATCH, MODELED_GLYPH, n), style)
+        style = self.get_component_rich_style("timeline--selected") if selected else self._styles[style_id][0]
+        # names are taken as one cell per character: kernel and span names are ASCII
+        return Segment(f" {label}"[:n].ljust(n) if label else _repeat(_SPACES, " ", n), style)
 
     def _render_ruler(self, width: int, base: Style) -> Strip:
         gutter = self._gutter
@@ -832,11 +1027,13 @@ class Timeline(LineCacheMixin, ScrollView, can_focus=True):
         swatch_measured, swatch_modeled = self._styles[self._swatch] if self._swatch is not None else (Style(), Style())
         v0, v1 = self._view
         zoom = (self._extent[1] - self._extent[0]) / (v1 - v0) if v1 > v0 else 1.0
+        # the swatches on the widget's background, as the tracks draw them (unset, a terminal
+        # shows its own background there: black behind them in the light theme)
         segments = [
-            Segment(" "),
-            Segment(MEASURED_GLYPH, Style(color=swatch_measured.bgcolor)),
+            Segment(" ", base),
+            Segment(MEASURED_GLYPH, base + Style(color=swatch_measured.bgcolor)),
             Segment(" measured", style),
-            *([Segment("  ", style), Segment(MODELED_GLYPH, swatch_modeled), Segment(" modeled", style)]
+            *([Segment("  ", style), Segment(MODELED_GLYPH, base + swatch_modeled), Segment(" modeled", style)]
               if self.shows_modeled else []),
             Segment(
                 f"  │ {format_duration(v0)} – {format_duration(v1)}  ×{zoom:.3g}"

@@ -6,6 +6,7 @@ Async Textual tests run through asyncio.run in plain test functions (no pytest-a
 from __future__ import annotations
 
 import asyncio
+import math
 
 import numpy as np
 import pytest
@@ -283,7 +284,8 @@ def test_timeline_measured_and_modeled_spans_look_different():
             char, style = cell_at(measured_row, x_measured)
             assert char != "░" and style.bgcolor is not None
             char, style = cell_at(modeled_row, x_modeled)
-            assert char == "░" and style.italic and style.bgcolor is None
+            # a hatch in the span's colour over the widget's own background, no block of colour
+            assert char == "░" and style.italic and style.bgcolor == timeline.visual_style.rich_style.bgcolor
             assert cell_at(modeled_row, gutter + 1)[0] == " "  # nothing before 2 ms
             assert "attn" in measured_row.text  # label inside the block
             legend = timeline.render_line(timeline.size.height - 1).text
@@ -412,6 +414,150 @@ def test_timeline_129_lanes_thousands_of_spans():
             assert v0 <= last.start_s and last.end_s <= v1
 
     asyncio.run(body())
+
+
+def test_timeline_draws_a_lane_of_narrow_spans_of_one_colour_as_one_segment():
+    """Blank cells show no foreground, so they share the segment of the glyphs beside them: a lane
+    of narrow spans with gaps is one segment for its whole track, and its cells are the same as
+    drawing each span alone would give ("█" in the span's colour on the widget's background)."""
+    starts = [k * 0.8 * MS for k in range(10)]
+    lanes, spans = ["gpu0", "gpu1"], [Span(0, "k", t, 0.1 * MS) for t in starts] + [Span(1, "k", 0.0, 8 * MS)]
+
+    async def body():
+        app = TimelineApp(lanes, spans)
+        async with app.run_test(size=(80, 8)) as pilot:
+            timeline = app.query_one(Timeline)
+            await pilot.pause()
+            gutter, track = 14, 80 - 14
+            row = timeline.render_line(1)
+            assert len(list(row)) == 2  # the lane's name, then one segment for the track
+            base = timeline.visual_style.rich_style
+            scale = track / (8 * MS)
+            covered = {c for t in starts for c in range(int(t * scale), max(math.ceil((t + 0.1 * MS) * scale),
+                                                                             int(t * scale) + 1))}
+            colour = cell_at(row, gutter + min(covered))[1].color
+            for c in range(track):
+                char, style = cell_at(row, gutter + c)
+                assert char == ("█" if c in covered else " ")
+                assert style.bgcolor == base.bgcolor and style.color == colour
+            timeline.set_spans(["gpu0"], spans[:10])
+            timeline.zoom(16.0, centre_s=4.4 * MS)  # between two spans: nothing in view on any lane
+            await pilot.pause()
+            assert timeline.render_line(1).text == "gpu0".ljust(80)
+
+    asyncio.run(body())
+
+
+def test_timeline_touching_spans_of_one_colour_alternate_shades():
+    spans = [Span(0, "k", k * MS, MS) for k in range(8)]  # back to back, 8 cells each: the name fits
+    narrow = [Span(0, "k", k * 0.1 * MS, 0.1 * MS) for k in range(80)]  # back to back, under a cell each
+
+    async def body():
+        app = TimelineApp(["gpu0"], narrow)
+        async with app.run_test(size=(80, 8)) as pilot:
+            timeline = app.query_one(Timeline)
+            await pilot.pause()
+            row = timeline.render_line(1)  # a block of colour a cell per span, no gap: no glyphs
+            colours = [cell_at(row, 14 + c)[1].bgcolor for c in range(66)]
+            assert row.text[14:] == " " * 66
+            assert len(set(colours)) == 2 and all(a != b for a, b in zip(colours, colours[1:]))
+            timeline.set_spans(["gpu0"], spans)  # wide enough for their names: blocks of background
+            await pilot.pause()
+            row = timeline.render_line(1)
+            backgrounds = [style.bgcolor for segment in list(row)[1:] for style in [segment.style]]
+            assert len(backgrounds) == 8 and all(a != b for a, b in zip(backgrounds, backgrounds[1:]))
+            assert row.text.count(" k") == 8
+
+    asyncio.run(body())
+
+
+def test_timeline_builds_and_draws_only_the_lanes_on_screen():
+    """A new set of columns builds no lane, nor does a frame that shows every span; a zoomed frame
+    builds the lanes it shows, all of them in one pass, and each lane is drawn as it would be alone."""
+    rng = np.random.default_rng(1)
+    lanes = ["engine"] + [f"gpu{i}" for i in range(64)] + [f"link{i}" for i in range(64)]
+    n = 6000
+    lane = rng.integers(0, len(lanes), n)
+    starts = rng.uniform(0, 10 * MS, n)
+    durs = rng.uniform(1e-6, 400e-6, n)
+    columns = dict(lane=lane, name=rng.integers(0, 5, n), names=[f"k{i}" for i in range(5)], start_s=starts,
+                   dur_s=durs, modeled=lane > 64, layer=rng.integers(0, 61, n))
+
+    async def body():
+        app = TimelineApp([], [])
+        async with app.run_test(size=(120, 40)) as pilot:
+            timeline = app.query_one(Timeline)
+            timeline.set_columns(lanes, **columns)
+            assert timeline._lanes.built == 0
+            await pilot.pause()
+            shown = timeline._visible_lanes()
+            assert len(shown) == 40 - 2 and timeline._lanes.built == 0  # all in view: the columns serve
+            track, base = timeline.track_width, timeline.visual_style.rich_style
+
+            def drawn_as_alone():
+                for y, lane_index in enumerate(timeline._visible_lanes(), start=1):
+                    alone = timeline._draw_tracks([lane_index], track, base)[lane_index]
+                    timeline._tracks_key = None  # the next line draws the lanes on screen together again
+                    assert list(timeline.render_line(y))[1 : 1 + len(alone)] == alone  # then padding
+
+            drawn_as_alone()
+            timeline.zoom(16.0)
+            await pilot.pause()
+            assert timeline._lanes.built == len(shown)
+            drawn_as_alone()
+            timeline.scroll_to(y=90, animate=False, immediate=True)
+            await pilot.pause()
+            assert timeline._lanes.built == len(shown) * 2  # the lanes scrolled to, no others
+            drawn_as_alone()
+
+    asyncio.run(body())
+
+
+def test_timeline_paint_and_sort_match_the_simple_versions():
+    """_paint (every lane on screen in one numpy pass) leaves each cell to the span that painting
+    spans longest first, one at a time, leaves there; _lane_order is lexsort's order."""
+    from moectl.console.widgets.timeline import _lane_order, _paint
+
+    rng = np.random.default_rng(2)
+    for trial in range(20):
+        n, width = int(rng.integers(1, 60)), 50
+        at = rng.integers(0, 3 * width, n)
+        length = np.minimum(rng.integers(1, 30, n), 3 * width - at)
+        durs = rng.choice([1.0, 2.0, 3.0, 5.0], n)  # ties on purpose
+        expected = np.full(3 * width, -1)
+        for i in np.argsort(-durs, kind="stable"):
+            expected[at[i] : at[i] + length[i]] = i
+        assert np.array_equal(_paint(at, length, durs, 3 * width), expected)
+
+        lanes = rng.integers(0, 5, n)
+        start = rng.choice([0.0, 1.0, 2.0], n) if trial % 2 else np.sort(rng.uniform(0, 1, n))
+        kept = int(rng.integers(0, n + 1))
+        lanes = np.where(np.arange(n) < kept, lanes, 5)  # dropped spans sort last
+        assert np.array_equal(_lane_order(lanes, start, durs, kept),
+                              np.lexsort((-durs, start, lanes))[:kept])
+
+
+def test_timeline_panel_breakdown_is_step_breakdown_computed_once_per_record(monkeypatch):
+    """The Timeline panel's per-step breakdown over the steps shown equals step_breakdown's, and a
+    new record costs one record's breakdown, not one per step shown."""
+    from moectl.console.panels import timeline as panel_module
+    from moectl.profiler.analysis import step_breakdown
+
+    def record(k: int) -> dict:
+        spans = {"lanes": ["engine", "device 0", "link 0"], "names": ["attention", "experts", "dispatch"],
+                 "lane": [0, 1, 2], "name": [0, 1, 2], "start_s": [0.0, 0.01, 0.02], "layer": [0, 0, 0],
+                 "dur_s": [0.01, 0.02 + k * 1e-3, 0.005 + k * 1e-4], "modeled": [False, False, True]}
+        return {"step": k, "t_start": k * 0.1, "t_end": k * 0.1 + 0.05, "spans": spans}
+
+    calls = []
+    monkeypatch.setattr(panel_module, "step_breakdown", lambda recs: calls.append(len(recs)) or step_breakdown(recs))
+    panel = panel_module.TimelinePanel()
+    panel.on_mount()
+    records = [record(k) for k in range(6)]
+    for shown in (records[:5], records[1:6]):
+        expected = step_breakdown(shown)
+        assert panel.breakdown(shown) == (expected["measured_mean_s"], expected["communication_modeled_mean_s"])
+    assert calls == [1] * 6  # five, then the new one
 
 
 # ----------------------------------------------------------------------------- scrub bar
