@@ -17,6 +17,7 @@ from moectl.engine.kernels.build import NativeKernel
 
 MAX_ROWS = 4  # linear: small_batch.cpp's kMaxRows, the input rows one register tile covers
 MAX_EXPERT_TOKENS = 4  # experts: tokens per call (each chooses top-k experts)
+GROUP_ROWS = 16  # grouped_swiglu: small_batch.cpp's kGroupRows, the largest group its kernel runs
 _KERNEL = NativeKernel("moectl.engine.kernels", "small_batch.cpp", "moectl_small", "MOECTL_SMALL_BATCH")
 _ops = None  # torch.ops.moectl_small once built, so the hot path is one global read
 _off = False  # set_enabled(False)
@@ -77,7 +78,7 @@ def experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torc
             w2: torch.Tensor) -> torch.Tensor:
     """[N, H] tokens, their top-k fp32 weights and expert ids [N, k] -> the weighted sum of their
     experts' SwiGLU outputs [N, H] (call when experts_take)."""
-    return _ops.experts(x.contiguous(), weights.contiguous(), ids.contiguous(), w13, w2)
+    return (_ops or kernels()).experts(x.contiguous(), weights.contiguous(), ids.contiguous(), w13, w2)
 
 
 def grouped_takes(x_grouped: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
@@ -94,7 +95,7 @@ def grouped_swiglu(x_grouped: torch.Tensor, ids: list[int], rows: list[int], w13
     run in the kernel, larger ones through torch's ops; a group's result never depends on the
     others, so an expert computes the same bits on one device, on placed devices and from the
     expert cache."""
-    return _ops.grouped_swiglu(x_grouped.contiguous(), torch.tensor(ids, dtype=torch.int64),
+    return (_ops or kernels()).grouped_swiglu(x_grouped.contiguous(), torch.tensor(ids, dtype=torch.int64),
                                torch.tensor(rows, dtype=torch.int64), w13, w2)
 
 

@@ -88,7 +88,11 @@ def grouped_swiglu(x_sorted: torch.Tensor, counts: list[int], w13: torch.Tensor,
     over experts, for batches large enough to hit many experts."""
     if not ffn.biased and ffn.limit is None and small_batch.grouped_takes(x_sorted, w13, w2):  # fp32 on a CPU
         hit = [e for e, n in enumerate(counts) if n]
-        return small_batch.grouped_swiglu(x_sorted, hit, [counts[e] for e in hit], w13, w2)
+        rows = [counts[e] for e in hit]
+        # with no group small enough for the kernel, the grouped GEMM (the same bits per group as
+        # the op's torch path for large groups) in one call
+        if not rows or offsets is None or min(rows) <= small_batch.GROUP_ROWS:
+            return small_batch.grouped_swiglu(x_sorted, hit, rows, w13, w2)
     if offsets is not None:
         gate_up = torch._grouped_mm(x_sorted, w13.transpose(1, 2), offs=offsets)
         return torch._grouped_mm(ffn.activate(gate_up), w2.transpose(1, 2), offs=offsets)

@@ -192,3 +192,20 @@ def test_one_token_through_experts_or_grouped_gives_the_same_terms():
         one = small_batch.experts(x, torch.ones(1, 1), torch.tensor([[4]]), w13, w2)
         grouped = small_batch.grouped_swiglu(x, [4], [1], w13, w2)
     torch.testing.assert_close(one, grouped, rtol=0, atol=0)
+
+
+def test_large_groups_get_the_grouped_gemms_bits_from_either_path():
+    """moe.grouped_swiglu hands a call with no small group to torch._grouped_mm: its bits per
+    group must be the op's, or an expert's result would depend on the company it keeps."""
+    from moectl.engine.models.moe import grouped_offsets, grouped_swiglu
+
+    gen = torch.Generator().manual_seed(7)
+    w13, w2 = torch.randn(4, 24, 32, generator=gen), torch.randn(4, 32, 12, generator=gen)
+    counts = [small_batch.GROUP_ROWS + 1, 0, 40, 23]
+    x = torch.randn(sum(counts), 32, generator=gen)
+    with torch.inference_mode():
+        offsets = grouped_offsets(torch.tensor(counts), x.shape[0], w13, w2)
+        assert offsets is not None
+        gemm = grouped_swiglu(x, counts, w13, w2, offsets)
+        op = small_batch.grouped_swiglu(x, [0, 2, 3], [counts[0], 40, 23], w13, w2)
+    torch.testing.assert_close(gemm, op, rtol=0, atol=0)
