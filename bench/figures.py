@@ -47,8 +47,9 @@ def _met(flag: bool) -> str:
 
 
 PROFILER_PARTS = {"handoff": "record hand-off", "span_collect": "span collection",
-                  "span_link_model": "modeled link spans", "span_calls": "span calls", "span_begin": "span begin",
-                  "record_dict": "record dict", "listeners_other": "other listeners"}
+                  "span_link_model": "link traffic for modeled spans", "span_calls": "span calls",
+                  "span_begin": "span begin", "record_dict": "record dict", "listeners_other": "other listeners",
+                  "handoff_sender": "batched hand-off writes"}
 
 
 def profiler(r: dict) -> list[tuple[str, str]]:
@@ -249,6 +250,25 @@ def decode(r: dict) -> list[tuple[str, str]]:
              f"{e['kernel']['tok_s']:,.0f} vs {e['torch']['tok_s']:,.0f} output tok/s ({e['throughput_ratio']:.2f}x), "
              f"process CPU {e['kernel']['cpu_s']:.1f} vs {e['torch']['cpu_s']:.1f} s"),
             ("decode attention step, in-place kernel vs padded gather + SDPA (rows x keys)", att)]
+
+
+def small_batch(r: dict) -> list[tuple[str, str]]:
+    rows = [(f"batch-1 TPOT, {e['model']} fp32, small-batch kernels (linear, experts, RMSNorm) vs the torch path",
+             f"{e['kernel_tpot_ms']:.2f} vs {e['torch_tpot_ms']:.2f} ms: {e['ratio_median']:.2f}x faster "
+             f"({e['ratio_range'][0]:.2f}-{e['ratio_range'][1]:.2f}x, {e['rounds']} alternating rounds of "
+             f"{e['tokens']} tokens); greedy tokens {'identical' if e['greedy_identical'] else 'DIFFERENT'}")
+            for e in r["engine"]]
+    bw = r["read_bw"]
+    rows.append(("the sample model's decode-step linears alone, small-batch kernel vs F.linear (rows: time, weight "
+                 "bytes read per second)",
+                 "; ".join(f"{s['rows']} row(s) {s['kernel_us']:.0f} vs {s['f_linear_us']:.0f} us, "
+                           f"{s['kernel_read_bw'] / 1e9:.0f} vs {s['f_linear_read_bw'] / 1e9:.0f} GB/s"
+                           for s in r["layers"])
+                 + f" (DRAM read bandwidth {bw / 1e9:.1f} GB/s; these weights fit in L3)"))
+    rows.append(("experts over rows grouped by expert (sample's 16; groups of up to 16 rows in the kernel), vs "
+                 "torch._grouped_mm",
+                 "; ".join(f"{g['rows']} rows {g['speedup']:.2f}x" for g in r["grouped"])))
+    return rows
 
 
 def kv_int8(r: dict) -> list[tuple[str, str]]:
@@ -578,6 +598,7 @@ BENCHES = {
     "import-roundtrip": (["python", "bench/import_roundtrip.py", "--json"], import_roundtrip),
     "kineto-hta": (["python", "bench/kineto_hta_check.py", "--json"], kineto_hta),
     "decode": (["python", "bench/decode_bench.py", "--json"], decode),
+    "small-batch": (["python", "bench/small_batch_bench.py", "--rounds", "5", "--json"], small_batch),
     "kv-int8": (["moectl", "bench", "--suite", "kv-int8", "--json"], kv_int8),
     "sample-routing": (["python", "bench/sample_routing_bench.py", "--json"], sample_routing),
     "expert-cache": (["python", "bench/expert_cache_bench.py", "--json"], expert_cache),
