@@ -315,12 +315,14 @@ class TraceWriter:
         """A record's frame into the batch; a full or batch_s old batch goes into the pipe now.
         Under self._lock."""
         now = time.monotonic()
-        if not self._batch_records:
+        first = not self._batch_records
+        if first:
             self._batch_t0 = now
-            self._batch_waits.set()
         self._batch += self._frame(kind, payload)
         self._batch_records += 1
         self._batch_bytes += FRAME.size + len(payload)
+        if first:  # after the count: a sender woken now must see the batch it was woken for
+            self._batch_waits.set()
         if (self._batch_records >= BATCH_RECORDS or self._batch_bytes >= BATCH_BYTES
                 or now - self._batch_t0 >= self._batch_s):
             self._seal_batch()

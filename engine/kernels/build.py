@@ -30,8 +30,9 @@ def _cpu_fingerprint() -> str:
     return platform.machine() + flags
 
 
-def build(package: str, filename: str, openmp: bool = False) -> None:
-    """Compiles and loads package/filename, whose TORCH_LIBRARY registers its ops under torch.ops."""
+def build(package: str, filename: str, openmp: bool = False, cflags: tuple[str, ...] = ()) -> None:
+    """Compiles and loads package/filename, whose TORCH_LIBRARY registers its ops under torch.ops.
+    cflags: the source's own (they join the library's name, so a change builds afresh)."""
     from torch.utils.cpp_extension import _get_build_directory, load
 
     if shutil.which(os.environ.get("CXX", "c++")) is None:
@@ -42,7 +43,8 @@ def build(package: str, filename: str, openmp: bool = False) -> None:
     text = source.read_bytes()
     # an edited kernel, or another CPU, builds afresh instead of loading a stale library
     stem = filename.rsplit(".", 1)[0]
-    name = f"moectl_{stem}_" + hashlib.sha256(text + _cpu_fingerprint().encode()).hexdigest()[:12]
+    name = f"moectl_{stem}_" + hashlib.sha256(text + _cpu_fingerprint().encode() + " ".join(cflags).encode()
+                                              ).hexdigest()[:12]
     build_dir = _get_build_directory(name, False)
     with open(os.path.join(build_dir, "moectl.lock"), "w") as lock_file:
         # our own lock, with a deadline: torch's lock file has no timeout and outlives a build that
@@ -63,7 +65,7 @@ def build(package: str, filename: str, openmp: bool = False) -> None:
         omp = ["-fopenmp"] if openmp else []
         with resources.as_file(source) as path:
             # -march=native: the library is built on the machine that runs it (the name says which CPU)
-            load(name=name, sources=[str(path)], extra_cflags=["-O3", "-march=native", "-fno-math-errno", *omp],
+            load(name=name, sources=[str(path)], extra_cflags=["-O3", "-march=native", "-fno-math-errno", *omp, *cflags],
                  extra_ldflags=omp, is_python_module=False, verbose=False)
 
 
@@ -78,10 +80,11 @@ class NativeKernel:
     """One C++ source's ops, built on first ask: `ops()` is torch.ops.<namespace> or None, and
     `failure` then says why (disabled by its environment switch, or the build's first error)."""
 
-    def __init__(self, package: str, filename: str, namespace: str, switch: str, openmp: bool = False):
+    def __init__(self, package: str, filename: str, namespace: str, switch: str, openmp: bool = False,
+                 cflags: tuple[str, ...] = ()):
         self.package, self.filename, self.namespace = package, filename, namespace
         self.switch = switch  # NAME=0 in the environment forces the torch path (A/B benchmarks)
-        self.openmp = openmp
+        self.openmp, self.cflags = openmp, cflags
         self.failure: str | None = None
         self._ops = None
         self._lock = threading.Lock()
@@ -95,7 +98,7 @@ class NativeKernel:
                     self.failure = f"disabled by {self.switch}=0"
                 else:
                     try:
-                        build(self.package, self.filename, self.openmp)
+                        build(self.package, self.filename, self.openmp, self.cflags)
                         import torch
 
                         self._ops = getattr(torch.ops, self.namespace)

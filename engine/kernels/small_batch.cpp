@@ -104,14 +104,14 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& w, const c10::opt
 // expert's weights are read once per token that chose it.
 at::Tensor small_experts(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& ids, const at::Tensor& w13,
                          const at::Tensor& w2) {
-  TORCH_CHECK(x.dim() == 2 && weights.dim() == 2 && ids.sizes() == weights.sizes() && ids.size(0) == x.size(0),
-              "small_experts: x [N, H], weights and ids [N, k]");
+  TORCH_CHECK(x.dim() == 2 && weights.dim() == 2 && ids.sizes() == weights.sizes() && ids.size(0) == x.size(0) &&
+                  w13.dim() == 3 && w2.dim() == 3,
+              "small_experts: x [N, H], weights and ids [N, k], w13 [E, 2I, H], w2 [E, H, I]");
   TORCH_CHECK(cpu_float(x) && cpu_float(weights) && cpu_float(w13) && cpu_float(w2) && ids.is_contiguous() &&
                   ids.scalar_type() == at::kLong,
               "small_experts: contiguous fp32 tensors on the CPU, int64 ids");
   const int64_t N = x.size(0), k = ids.size(1), H = x.size(1), E = w13.size(0), I = w2.size(2);
-  TORCH_CHECK(w13.dim() == 3 && w2.dim() == 3 && w13.size(1) == 2 * I && w13.size(2) == H && w2.size(0) == E &&
-                  w2.size(1) == H,
+  TORCH_CHECK(w13.size(1) == 2 * I && w13.size(2) == H && w2.size(0) == E && w2.size(1) == H,
               "small_experts: w13 [E, 2I, H] and w2 [E, H, I] for hidden ", H);
   const int64_t* idp = ids.data_ptr<int64_t>();
   for (int64_t p = 0; p < N * k; ++p) TORCH_CHECK(idp[p] >= 0 && idp[p] < E, "small_experts: expert id out of range");
@@ -149,8 +149,9 @@ at::Tensor small_experts(const at::Tensor& x, const at::Tensor& weights, const a
 // kTileRows rows at a time: torch._grouped_mm on a CPU is a GEMM call per expert, and at a few
 // rows each those calls cost several times what reading the weights does. Larger groups take
 // torch's own ops (at::linear, at::silu), one after another, each on all threads. A group's
-// result depends only on its rows and weights, never on the other groups: every path that runs
-// an expert through this op (one device, placed devices, the expert cache) gets the same bits.
+// result depends only on its rows and weights (its size picks the path), never on the other
+// groups: the same rows of an expert get the same bits on one device, on placed devices and
+// from the expert cache.
 constexpr int64_t kGroupRows = 16;
 
 void small_group(const float* x, const float* w13, const float* w2, float* out, int64_t n, int64_t H, int64_t I,
@@ -183,8 +184,8 @@ at::Tensor grouped_swiglu(const at::Tensor& x_grouped, const at::Tensor& ids, co
   const int64_t* np = rows_per_group.data_ptr<int64_t>();
   std::vector<int64_t> starts(G + 1, 0), small, large;
   for (int64_t g = 0; g < G; ++g) {
-    TORCH_CHECK(np[g] >= 0 && idp[g] >= 0 && idp[g] < E, "grouped_swiglu: group ", g, " has expert ", idp[g],
-                " of ", E, " and ", np[g], " rows");
+    TORCH_CHECK(np[g] >= 0 && np[g] <= R - starts[g] && idp[g] >= 0 && idp[g] < E, "grouped_swiglu: group ", g,
+                " has expert ", idp[g], " of ", E, " and ", np[g], " rows (", R - starts[g], " left)");
     starts[g + 1] = starts[g] + np[g];
     if (np[g]) (np[g] <= kGroupRows ? small : large).push_back(g);
   }
@@ -225,7 +226,6 @@ at::Tensor small_rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) 
   for (int64_t m = 0; m < M; ++m) {
     const float* row = xp + m * D;
     float sq = 0.f;
-#pragma omp simd reduction(+ : sq)
     for (int64_t d = 0; d < D; ++d) sq += row[d] * row[d];
     const float inv = 1.f / std::sqrt(sq / static_cast<float>(D) + static_cast<float>(eps));
     for (int64_t d = 0; d < D; ++d) op[m * D + d] = row[d] * inv * wp[d];

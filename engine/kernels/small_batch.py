@@ -15,10 +15,14 @@ from torch import nn
 
 from moectl.engine.kernels.build import NativeKernel
 
-MAX_ROWS = 4  # linear: small_batch.cpp's kMaxRows, the input rows one register tile covers
+MAX_ROWS = 4  # linear and rms_norm: small_batch.cpp's kMaxRows, the most input rows they take
 MAX_EXPERT_TOKENS = 4  # experts: tokens per call (each chooses top-k experts)
 GROUP_ROWS = 16  # grouped_swiglu: small_batch.cpp's kGroupRows, the largest group its kernel runs
-_KERNEL = NativeKernel("moectl.engine.kernels", "small_batch.cpp", "moectl_small", "MOECTL_SMALL_BATCH")
+# OpenMP: at::parallel_for splits a large layer's rows across torch's threads only when built
+# with it. No FMA contraction: a sum of products rounds each product as torch's ops do, so the
+# experts' combine in C++ gives the bits of moe.combine (tests/engine/kernels)
+_KERNEL = NativeKernel("moectl.engine.kernels", "small_batch.cpp", "moectl_small", "MOECTL_SMALL_BATCH", openmp=True,
+                       cflags=("-ffp-contract=off",))
 _ops = None  # torch.ops.moectl_small once built, so the hot path is one global read
 _off = False  # set_enabled(False)
 
@@ -51,7 +55,8 @@ def describe() -> str:
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     # the op checks the rest (contiguity, device, shapes) and hands anything else to at::linear
-    if x.dtype is torch.float32 and x.dim() == 2 and x.shape[0] <= MAX_ROWS and not torch.is_grad_enabled():
+    if (x.dtype is torch.float32 and x.dim() == 2 and x.shape[0] <= MAX_ROWS and x.device.type == "cpu"
+            and not torch.is_grad_enabled()):
         ops = _ops if _ops is not None else kernels()
         if ops is not None:
             return ops.linear(x, w, b)
@@ -60,18 +65,20 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """F.rms_norm over the last dimension, weight included."""
-    if x.dtype is torch.float32 and x.dim() == 2 and x.shape[0] <= MAX_ROWS and not torch.is_grad_enabled():
+    if (x.dtype is torch.float32 and x.dim() == 2 and x.shape[0] <= MAX_ROWS and x.device.type == "cpu"
+            and not torch.is_grad_enabled()):
         ops = _ops if _ops is not None else kernels()
         if ops is not None:
             return ops.rms_norm(x, w, eps)
     return F.rms_norm(x, w.shape, w, eps)
 
 
-def experts_take(x: torch.Tensor, w13: torch.Tensor) -> bool:
+def experts_take(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
     """Whether `experts` takes these tokens on these stacked weights (plain SwiGLU experts is the
     caller's to know)."""
     return (x.dtype is torch.float32 and x.shape[0] <= MAX_EXPERT_TOKENS and x.device.type == "cpu"
-            and w13.dtype is torch.float32 and not torch.is_grad_enabled() and kernels() is not None)
+            and w13.dtype is torch.float32 and w2.dtype is torch.float32 and not torch.is_grad_enabled()
+            and w13.is_contiguous() and w2.is_contiguous() and kernels() is not None)
 
 
 def experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor,
@@ -92,9 +99,10 @@ def grouped_swiglu(x_grouped: torch.Tensor, ids: list[int], rows: list[int], w13
                    w2: torch.Tensor) -> torch.Tensor:
     """SwiGLU experts over grouped rows: group g is rows[g] consecutive rows for the expert whose
     weights are w13[ids[g]], w2[ids[g]] (call when grouped_takes). Groups of a decode batch's size
-    run in the kernel, larger ones through torch's ops; a group's result never depends on the
-    others, so an expert computes the same bits on one device, on placed devices and from the
-    expert cache."""
+    run in the kernel, larger ones through torch's ops. A group's result depends only on its rows
+    and weights (its size picks the path, at GROUP_ROWS), never on the other groups: the same
+    rows of an expert give the same bits on one device, on placed devices and from the expert
+    cache."""
     return (_ops or kernels()).grouped_swiglu(x_grouped.contiguous(), torch.tensor(ids, dtype=torch.int64),
                                torch.tensor(rows, dtype=torch.int64), w13, w2)
 

@@ -150,7 +150,7 @@ class StackedExperts(nn.Module):
         weights and expert ids [N, k] in, the weighted sum of their experts' outputs out.
         This version runs every expert here; emulated devices and expert parallelism replace it."""
         plain = not self.ffn.biased and self.ffn.limit is None  # SwiGLU as Mixtral and DeepSeek have it
-        if plain and small_batch.experts_take(x, self.w13):  # a few decode tokens, in one call
+        if plain and small_batch.experts_take(x, self.w13, self.w2):  # a few decode tokens, in one call
             return small_batch.experts(x, weights, ids, self.w13, self.w2)
         top_k = ids.shape[1]
         order = torch.argsort(ids.flatten(), stable=True)

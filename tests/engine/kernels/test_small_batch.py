@@ -95,7 +95,7 @@ def test_experts_match_swiglu(tokens, top_k, hidden, inter):
     ids = torch.stack([torch.randperm(num, generator=gen)[:top_k] for _ in range(tokens)])
     weights = torch.rand(tokens, top_k, generator=gen)
     with torch.inference_mode():
-        assert small_batch.experts_take(x, w13)
+        assert small_batch.experts_take(x, w13, w2)
         got = small_batch.experts(x, weights, ids, w13, w2)
     torch.testing.assert_close(got, _torch_experts(x, weights, ids, w13, w2), rtol=1e-5, atol=1e-5)
 
@@ -107,11 +107,14 @@ def test_experts_bad_ids_are_an_error_not_a_crash():
 
 
 def test_experts_take_only_small_inference_batches():
-    w13 = torch.randn(4, 6, 8)
+    w13, w2 = torch.randn(4, 6, 8), torch.randn(4, 8, 3)
     with torch.inference_mode():
-        assert not small_batch.experts_take(torch.randn(small_batch.MAX_EXPERT_TOKENS + 1, 8), w13)
-        assert not small_batch.experts_take(torch.randn(1, 8).bfloat16(), w13.bfloat16())
-    assert not small_batch.experts_take(torch.randn(1, 8), w13)  # autograd on
+        assert small_batch.experts_take(torch.randn(1, 8), w13, w2)
+        assert not small_batch.experts_take(torch.randn(small_batch.MAX_EXPERT_TOKENS + 1, 8), w13, w2)
+        assert not small_batch.experts_take(torch.randn(1, 8).bfloat16(), w13.bfloat16(), w2.bfloat16())
+        assert not small_batch.experts_take(torch.randn(1, 8), w13.transpose(1, 2).contiguous().transpose(1, 2), w2)
+        assert not small_batch.experts_take(torch.randn(1, 8), w13, w2.double())
+    assert not small_batch.experts_take(torch.randn(1, 8), w13, w2)  # autograd on
 
 
 def test_set_enabled_switches_the_torch_path_in():
@@ -119,7 +122,7 @@ def test_set_enabled_switches_the_torch_path_in():
         small_batch.set_enabled(False)
         assert small_batch.kernels() is None and small_batch.describe() == "torch path (switched off)"
         with torch.inference_mode():
-            assert not small_batch.experts_take(torch.randn(1, 8), torch.randn(4, 6, 8))
+            assert not small_batch.experts_take(torch.randn(1, 8), torch.randn(4, 6, 8), torch.randn(4, 8, 3))
     finally:
         small_batch.set_enabled(True)
     assert small_batch.describe() == "small-batch kernels"
@@ -209,3 +212,47 @@ def test_large_groups_get_the_grouped_gemms_bits_from_either_path():
         gemm = grouped_swiglu(x, counts, w13, w2, offsets)
         op = small_batch.grouped_swiglu(x, [0, 2, 3], [counts[0], 40, 23], w13, w2)
     torch.testing.assert_close(gemm, op, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("top_k", [2, 4, 8])
+def test_experts_equal_the_grouped_path_and_its_combine_bit_for_bit(top_k):
+    """The batch-1 op and the batch path (grouped_swiglu, then moe.combine) give one token the
+    same bits: the op's weighted sum rounds each product as torch's does (no FMA contraction)."""
+    from moectl.engine.models.moe import combine
+
+    gen = torch.Generator().manual_seed(top_k)
+    num, hidden, inter = 9, 64, 24
+    w13, w2 = torch.randn(num, 2 * inter, hidden, generator=gen) / 8, torch.randn(num, hidden, inter, generator=gen) / 5
+    x = torch.randn(3, hidden, generator=gen)
+    ids = torch.stack([torch.randperm(num, generator=gen)[:top_k] for _ in range(3)])
+    weights = torch.rand(3, top_k, generator=gen)
+    with torch.inference_mode():
+        one_call = small_batch.experts(x, weights, ids, w13, w2)
+        order = torch.argsort(ids.flatten(), stable=True)
+        counts = torch.bincount(ids.flatten(), minlength=num).tolist()
+        hit = [e for e, n in enumerate(counts) if n]
+        grouped = small_batch.grouped_swiglu(x.index_select(0, order // top_k), hit, [counts[e] for e in hit], w13, w2)
+        batch_path = combine(grouped, order, weights, x.dtype)
+    torch.testing.assert_close(one_call, batch_path, rtol=0, atol=0)
+
+
+def test_other_devices_keep_the_torch_path():
+    """The ops are CPU kernels: a tensor elsewhere (CUDA; meta here, which no machine lacks) goes
+    to F.linear and F.rms_norm."""
+    x, w = torch.empty(2, 8, device="meta"), torch.empty(4, 8, device="meta")
+    with torch.inference_mode():
+        assert linear(x, w).shape == (2, 4) and linear(x, w).device.type == "meta"
+        assert small_batch.rms_norm(x, torch.empty(8, device="meta"), 1e-6).device.type == "meta"
+        assert not small_batch.experts_take(x, torch.empty(3, 6, 8, device="meta"), torch.empty(3, 8, 3, device="meta"))
+        assert not small_batch.grouped_takes(x, torch.empty(3, 6, 8, device="meta"), torch.empty(3, 8, 3, device="meta"))
+
+
+def test_the_kernels_use_torchs_threads():
+    """Built with OpenMP, at::parallel_for splits the LM head's rows across threads; without it
+    every kernel runs on one thread whatever torch.get_num_threads() says."""
+    import pathlib
+
+    from torch.utils.cpp_extension import _get_build_directory
+
+    builds = list(pathlib.Path(_get_build_directory("x", False)).parent.glob("moectl_small_batch_*/build.ninja"))
+    assert builds and any("-fopenmp" in b.read_text() and "-ffp-contract=off" in b.read_text() for b in builds)
