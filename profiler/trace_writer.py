@@ -451,7 +451,9 @@ class TraceWriter:
     @property
     def pending(self) -> int:
         """Records waiting on this side for room in the pipe, after moving what the pipe takes now
-        (so a caller waiting for this to fall sees it fall). 0 once the writer is gone."""
+        (so a caller waiting for this to fall sees it fall). 0 once the writer is gone. It seals
+        the open batch: a caller that reads it every step turns batching off (tests and drains
+        read it, the engine's path does not)."""
         with self._lock:
             self._seal_batch()
             self._drain()
