@@ -1,6 +1,7 @@
 """The small-batch kernels (engine/kernels/small_batch.cpp) against the torch path, in one run.
 
     python bench/small_batch_bench.py [--rounds 5] [--tokens 128] [--json]
+    python bench/small_batch_bench.py --profile     # where a batch-1 step's time goes, with the kernels
 
 1. Linears: every linear of the sample model's decode step (its own weights, in step order, so
    each comes from wherever the previous ones left the caches, as in a step) at 1, 2 and 4
@@ -138,10 +139,36 @@ def engine_ab(name: str, rounds: int, tokens: int) -> dict:
             "greedy_identical": outputs["kernel"] == outputs["torch"]}
 
 
+def step_profile(name: str, tokens: int, top: int = 8) -> dict:
+    """Where a batch-1 step's time goes, with the kernels: ms per token (the best of 3 runs), then
+    a cProfile of one more run, its native calls by self time per step (what is left to fuse)."""
+    import cProfile
+    import pstats
+
+    engine = LLMEngine(EngineConfig(model=str(sample_model_dir(name)), dtype="float32", block_size=16,
+                                    num_kv_blocks=256, seed=0, num_threads=THREADS))
+    prompt, params = list(range(5, 60)), SamplingParams(max_tokens=tokens + 1, ignore_eos=True)
+    engine.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        engine.generate([prompt], params)
+        best = min(best, (time.perf_counter() - t) / (tokens + 1))
+    profile = cProfile.Profile()
+    profile.runcall(engine.generate, [prompt], params)
+    stats = pstats.Stats(profile).stats
+    native = sorted(((row[2], key[2]) for key, row in stats.items() if key[0] == "~"), reverse=True)[:top]
+    total = sum(row[2] for row in stats.values())
+    return {"model": name, "ms_per_token": best * 1e3, "profiled_ms_per_step": total / (tokens + 1) * 1e3,
+            "native_ms_per_step": {call: seconds / (tokens + 1) * 1e3 for seconds, call in native}}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=5, help="alternating engine rounds per side (1-20)")
     ap.add_argument("--tokens", type=int, default=128, help="output tokens of the batch-1 request (2-1024)")
+    ap.add_argument("--profile", action="store_true",
+                    help="instead: where a batch-1 step's time goes with the kernels, both sample models")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     if not 1 <= args.rounds <= 20:
@@ -151,6 +178,16 @@ def main() -> None:
     torch.set_num_threads(THREADS)
     if small_batch.kernels() is None:
         sys.exit(f"small_batch_bench: the kernels are not available here ({small_batch.failure()})")
+    if args.profile:
+        profiles = [step_profile(name, args.tokens) for name in ("sample", "sample-dsv3")]
+        if args.json:
+            print(json.dumps(profiles))
+        for p in [] if args.json else profiles:
+            print(f"{p['model']}: {p['ms_per_token']:.2f} ms a token (best of 3); profiled "
+                  f"{p['profiled_ms_per_step']:.2f} ms a step, its native calls by self time (ms a step):")
+            for call, ms in p["native_ms_per_step"].items():
+                print(f"  {call[:64]:64s} {ms:.3f}")
+        return
     engines = [engine_ab(name, args.rounds, args.tokens) for name in ("sample", "sample-dsv3")]
     model = LLMEngine(EngineConfig(model=str(sample_model_dir()), dtype="float32", num_kv_blocks=16)).model
     result = {"threads": THREADS, "read_bw": memory_bandwidth()["read_bw"],

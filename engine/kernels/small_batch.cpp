@@ -1,9 +1,10 @@
 // A decode step's weight-bound work at small batch, fp32 on a CPU: linear layers and the routed
-// experts of an MoE layer for a few tokens (and their RMSNorms, whose cost there is all dispatch). There the work is reading each weight once; the BLAS
-// path reads it at about half the rate this code does (bench/small_batch_bench.py), and the
-// experts' per-expert loop in Python costs a dozen dispatches per expert. Each weight row is
-// read once, its dot product taken with every input row while it is in cache, and the rows are
-// split across torch's threads. Anything the ops do not take goes back to the torch path.
+// experts of an MoE layer for a few tokens, and their RMSNorms (whose cost there is all
+// dispatch). There the work is reading each weight once; the BLAS path reads it at about half
+// the rate this code does (bench/small_batch_bench.py), and the experts' per-expert loop in
+// Python costs a dozen dispatches per expert. Each weight row is read once, its dot product
+// taken with every input row while it is in cache, and the rows are split across torch's
+// threads. Anything the ops do not take goes back to the torch path.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -25,7 +26,7 @@
 
 namespace {
 
-constexpr int64_t kMaxRows = 4;  // linear: the input rows it takes (at 8 the BLAS path is as fast, hot in cache)
+constexpr int64_t kMaxRows = 4;  // linear: the input rows it takes (bench/small_batch_bench.py times 1, 2 and 4)
 constexpr int64_t kTileRows = 8;  // rows one register tile covers: 8 accumulators + a weight vector
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -98,6 +99,22 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& w, const c10::opt
   return out;
 }
 
+// SwiGLU of n rows through one expert (w13 [2I, H], w2 [H, I]), kTileRows rows at a time: the
+// same arithmetic for a row whichever op runs it (the tiles' rows never mix)
+void small_group(const float* x, const float* w13, const float* w2, float* out, int64_t n, int64_t H, int64_t I,
+                 std::vector<float>& gate_up, std::vector<float>& act) {
+  for (int64_t r = 0; r < n; r += kTileRows) {
+    const int64_t m = std::min(kTileRows, n - r);
+    rows_any(m, x + r * H, w13, nullptr, gate_up.data(), H, 2 * I, 0, 2 * I);
+    for (int64_t i = 0; i < m; ++i)
+      for (int64_t j = 0; j < I; ++j) {
+        const float g = gate_up[i * 2 * I + j];
+        act[i * I + j] = g / (1.f + std::exp(-g)) * gate_up[i * 2 * I + I + j];
+      }
+    rows_any(m, act.data(), w2, nullptr, out + r * H, I, H, 0, H);
+  }
+}
+
 // The routed experts of a few tokens, SwiGLU (gate and up stacked in w13 [E, 2I, H], down in
 // w2 [E, H, I]): out[t] = sum_j weights[t, j] * down(silu(gate) * up)(x[t]) over the token's
 // chosen experts ids[t, j], the terms summed in j order. One task per (token, choice): the
@@ -120,15 +137,10 @@ at::Tensor small_experts(const at::Tensor& x, const at::Tensor& weights, const a
   const float* w2p = w2.data_ptr<float>();
   std::vector<float> terms(N * k * H);
   at::parallel_for(0, N * k, 1, [&](int64_t lo, int64_t hi) {
-    std::vector<float> gate_up(2 * I);
+    std::vector<float> gate_up(kTileRows * 2 * I), act(kTileRows * I);
     for (int64_t p = lo; p < hi; ++p) {
       const int64_t e = idp[p];
-      rows<1>(xp + (p / k) * H, w13p + e * 2 * I * H, nullptr, gate_up.data(), H, 0, 0, 2 * I);
-      for (int64_t i = 0; i < I; ++i) {
-        const float g = gate_up[i];
-        gate_up[i] = g / (1.f + std::exp(-g)) * gate_up[I + i];
-      }
-      rows<1>(gate_up.data(), w2p + e * H * I, nullptr, terms.data() + p * H, I, 0, 0, H);
+      small_group(xp + (p / k) * H, w13p + e * 2 * I * H, w2p + e * H * I, terms.data() + p * H, 1, H, I, gate_up, act);
     }
   });
   auto out = at::zeros({N, H}, x.options());
@@ -147,26 +159,13 @@ at::Tensor small_experts(const at::Tensor& x, const at::Tensor& weights, const a
 // for the expert whose weights are w13[ids[g]], w2[ids[g]]. A decode batch's groups (at most
 // kGroupRows rows) are one task each, which reads the expert's weights once for its rows,
 // kTileRows rows at a time: torch._grouped_mm on a CPU is a GEMM call per expert, and at a few
-// rows each those calls cost several times what reading the weights does. Larger groups take
-// torch's own ops (at::linear, at::silu), one after another, each on all threads. A group's
+// rows each those calls cost more than reading the weights does (the bench's grouped rows).
+// Larger groups take torch's own ops (at::linear, at::silu), one after another, each on all
+// threads. A group's
 // result depends only on its rows and weights (its size picks the path), never on the other
 // groups: the same rows of an expert get the same bits on one device, on placed devices and
 // from the expert cache.
 constexpr int64_t kGroupRows = 16;
-
-void small_group(const float* x, const float* w13, const float* w2, float* out, int64_t n, int64_t H, int64_t I,
-                 std::vector<float>& gate_up, std::vector<float>& act) {
-  for (int64_t r = 0; r < n; r += kTileRows) {
-    const int64_t m = std::min(kTileRows, n - r);
-    rows_any(m, x + r * H, w13, nullptr, gate_up.data(), H, 2 * I, 0, 2 * I);
-    for (int64_t i = 0; i < m; ++i)
-      for (int64_t j = 0; j < I; ++j) {
-        const float g = gate_up[i * 2 * I + j];
-        act[i * I + j] = g / (1.f + std::exp(-g)) * gate_up[i * 2 * I + I + j];
-      }
-    rows_any(m, act.data(), w2, nullptr, out + r * H, I, H, 0, H);
-  }
-}
 
 at::Tensor grouped_swiglu(const at::Tensor& x_grouped, const at::Tensor& ids, const at::Tensor& rows_per_group,
                           const at::Tensor& w13, const at::Tensor& w2) {
@@ -211,8 +210,8 @@ at::Tensor grouped_swiglu(const at::Tensor& x_grouped, const at::Tensor& ids, co
   return out;
 }
 
-// RMSNorm of a few fp32 rows: torch's fused kernel took 10-25 us a call at one row of 256
-// (its dispatch and thread start-up), this one well under one
+// RMSNorm of a few fp32 rows: at one row of a few hundred values torch's fused kernel is its
+// dispatch and thread start-up, and this loop is the arithmetic alone
 at::Tensor small_rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   if (x.dim() != 2 || x.size(0) > kMaxRows || !cpu_float(x) || !cpu_float(w) || w.dim() != 1 ||
       w.size(0) != x.size(1)) {

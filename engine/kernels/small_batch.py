@@ -53,24 +53,24 @@ def describe() -> str:
     return "small-batch kernels" if kernels() is not None else f"torch path ({failure()})"
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    # the op checks the rest (contiguity, device, shapes) and hands anything else to at::linear
+def _few_rows(x: torch.Tensor):
+    """The ops for x when linear and rms_norm take it (a few fp32 rows on a CPU, no autograd), else
+    None; they check the rest (contiguity, shapes) and hand anything else to torch's op."""
     if (x.dtype is torch.float32 and x.dim() == 2 and x.shape[0] <= MAX_ROWS and x.device.type == "cpu"
             and not torch.is_grad_enabled()):
-        ops = _ops if _ops is not None else kernels()
-        if ops is not None:
-            return ops.linear(x, w, b)
-    return F.linear(x, w, b)
+        return _ops if _ops is not None else kernels()
+    return None
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    ops = _few_rows(x)
+    return F.linear(x, w, b) if ops is None else ops.linear(x, w, b)
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """F.rms_norm over the last dimension, weight included."""
-    if (x.dtype is torch.float32 and x.dim() == 2 and x.shape[0] <= MAX_ROWS and x.device.type == "cpu"
-            and not torch.is_grad_enabled()):
-        ops = _ops if _ops is not None else kernels()
-        if ops is not None:
-            return ops.rms_norm(x, w, eps)
-    return F.rms_norm(x, w.shape, w, eps)
+    ops = _few_rows(x)
+    return F.rms_norm(x, w.shape, w, eps) if ops is None else ops.rms_norm(x, w, eps)
 
 
 def experts_take(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
