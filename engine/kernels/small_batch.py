@@ -103,8 +103,8 @@ def grouped_swiglu(x_grouped: torch.Tensor, ids: list[int], rows: list[int], w13
     and weights (its size picks the path, at GROUP_ROWS), never on the other groups: the same
     rows of an expert give the same bits on one device, on placed devices and from the expert
     cache."""
-    return (_ops or kernels()).grouped_swiglu(x_grouped.contiguous(), torch.tensor(ids, dtype=torch.int64),
-                               torch.tensor(rows, dtype=torch.int64), w13, w2)
+    ids_t, rows_t = torch.tensor(ids, dtype=torch.int64), torch.tensor(rows, dtype=torch.int64)
+    return (_ops or kernels()).grouped_swiglu(x_grouped.contiguous(), ids_t, rows_t, w13, w2)
 
 
 class Linear(nn.Linear):
