@@ -17,7 +17,14 @@ Step record (format 1):
   routing         int32 [layers, experts]: tokens routed to each logical expert (dense layers: 0)
   knobs           the batching knobs in force (SchedulerKnobs.as_dict())
   cache           {"kv_blocks_used", "kv_blocks_total", "prefix_queries", "prefix_hits" (cumulative),
-                   "preemptions" (cumulative)}
+                   "preemptions" (cumulative),
+                   "kv_retention": {"policy": "full"|"streaming"|"snapkv"|"h2o", "budget_tokens": int
+                                    (0: none), "budget_fraction": float (1: none), "token_bytes": int
+                                    (one token's K/V over the full-attention layers), and per KV
+                                    pool (device): "held_tokens" and "context_tokens" (of the
+                                    running sequences: what they keep, what full retention would
+                                    keep), "evicted_tokens" (cumulative)} (absent in older traces
+                                    and on the simulated backend)}
   process         {"rss_bytes", "sys_used_bytes", "sys_total_bytes", "sampled_at": float,
                    "cuda": {"allocated", "reserved", "max_allocated"} or None}
                   (psutil / torch.cuda, sampled at most every PROCESS_SAMPLE_S)

@@ -9,6 +9,12 @@ read another's KV blocks). One pool is the single-device case.
 A freed block keeps its hash and stays reusable until the pool hands it out again (oldest
 freed first), so a later request with the same prefix finds it.
 
+KV retention (retention.py) evicts whole blocks of a sequence: its block_table keeps their place
+with -1 (positions still map to blocks by position // block_size), `held` lists what it still
+reads, and the block is released: back in the pool once no other sequence (a shared prefix)
+holds it. Blocks computed after a sequence's first eviction saw a pruned context, so they never
+enter the prefix cache under the full context's hash.
+
 A model with sliding-window layers keeps their K/V in a second pool (`window`, see
 window_blocks.py) that releases blocks as they slide out of the window; every method here
 keeps the two in step, so the scheduler sees one manager.
@@ -49,6 +55,7 @@ class BlockManager:
         self._roots = [0] + [hash(("kv pool", p)) for p in range(1, num_pools)]  # separate prefix chains
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0  # of those, tokens served from it
+        self.evicted_tokens = [0] * num_pools  # KV retention: tokens evicted from each pool's sequences, ever
         self.window = None
         if window:
             store = BlockManager(window_blocks, block_size, enable_prefix_caching, num_pools)
@@ -190,7 +197,8 @@ class BlockManager:
             return
         bs = self.block_size
         parent = seq.block_hashes[-1] if seq.block_hashes else self._roots[self.pool_of(seq)]
-        for i in range(len(seq.block_hashes), seq.num_computed // bs):
+        exact = seq.num_computed // bs if seq.kv_exact_blocks is None else seq.kv_exact_blocks
+        for i in range(len(seq.block_hashes), min(seq.num_computed // bs, exact)):
             tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
             parent = _chain_hash(parent, tokens)
             block = seq.block_table[i]
@@ -200,16 +208,32 @@ class BlockManager:
                 self.block_hash[block], self.block_tokens[block] = parent, tokens
         self.release_window(seq)
 
+    def evict(self, seq: Sequence, indices) -> None:
+        """Drop the sequence's blocks at table positions `indices` (full blocks it holds)."""
+        pool = self.pool_of(seq)
+        if seq.kv_exact_blocks is None:
+            seq.kv_exact_blocks = seq.num_computed // self.block_size
+        for i in indices:
+            block = seq.block_table[i]
+            if block < 0 or (i + 1) * self.block_size > seq.num_computed:
+                raise ValueError(f"evict: block {i} of {seq.request_id} is not a full block it holds")
+            self._release(block, pool)
+            seq.block_table[i] = -1
+            seq.kv_evicted_tokens += self.block_size
+            self.evicted_tokens[pool] += self.block_size
+
     def free(self, seq: Sequence) -> None:
         # tail blocks first, so the shared head of a prefix stays cached longest
         pool = self.pool_of(seq)
         for block in reversed(seq.block_table):
-            self._release(block, pool)
+            if block >= 0:
+                self._release(block, pool)
         if self.window is not None:
             self.window.free(seq, pool)
         seq.block_table = []
         seq.block_hashes = []
         seq.num_computed = 0
+        seq.kv_evicted_tokens, seq.kv_exact_blocks, seq.kv_scores = 0, None, None
 
     def check_invariants(self) -> None:
         """Exact accounting: every block is either referenced or in the pool, never both."""

@@ -14,7 +14,11 @@ from moectl.placement.topology import Topology
 POLICIES = ("fcfs", "priority")  # scheduling order
 OBJECTIVES = ("step_time", "balance")  # what a rebalance plans for (AutoRebalancePolicy.objective)
 ROUTING_POLICIES = REPLICA_POLICIES  # how a token picks among an expert's replicas (placement/replica_policy.py)
-OVERLAP_MODES = ("none", "two-batch")  # the distributed backend's step: one batch, or two overlapped
+OVERLAP_MODES = ("none", "two-batch")
+# which KV of the full-attention layers a sequence keeps (core/retention.py): all of it, attention
+# sinks plus the recent window (StreamingLLM), or sinks, the recent window and the blocks that drew
+# the most attention, scored at each prefill chunk's end (SnapKV) or accumulated (H2O)
+RETENTION_POLICIES = ("full", "streaming", "snapkv", "h2o")  # the distributed backend's step: one batch, or two overlapped
 # two-batch's fallback: smaller steps run as one batch. 512 lies between the step sizes measured on
 # this machine's ranks: decode steps of tens of tokens lose when split, prefill steps of ~1K tokens
 # gain (bench/two_batch_overlap.py measures both sides)
@@ -49,6 +53,13 @@ class SchedulerKnobs:
     max_num_batched_tokens: int = 1024  # tokens in one step, prefill and decode together
     long_prefill_token_threshold: int = 256  # cap on one prefill's tokens per step (the prefill chunk)
     policy: str = "fcfs"  # fcfs | priority (lower value first)
+    # KV retention of the full-attention layers (RETENTION_POLICIES): a sequence keeps at most
+    # kv_budget tokens (0: no cap in tokens) and at most kv_budget_fraction of its context
+    kv_retention: str = "full"
+    kv_budget: int = 0
+    kv_budget_fraction: float = 1.0
+    kv_sink_tokens: int = 4  # the first tokens, always kept (rounded up to whole blocks)
+    kv_recent_tokens: int = 64  # scored policies: the last tokens, always kept (and their queries score the rest)
 
     def __post_init__(self):
         _int_in("max_num_seqs", self.max_num_seqs, 1, 4096)
@@ -56,6 +67,17 @@ class SchedulerKnobs:
         _int_in("long_prefill_token_threshold", self.long_prefill_token_threshold, 1, 1 << 20)
         if self.policy not in POLICIES:
             raise KnobError(f"policy: must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if self.kv_retention not in RETENTION_POLICIES:
+            raise KnobError(f"kv_retention: must be one of {', '.join(RETENTION_POLICIES)}, got {self.kv_retention!r}")
+        _int_in("kv_budget", self.kv_budget, 0, 1 << 40)
+        f = self.kv_budget_fraction
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1:
+            raise KnobError(f"kv_budget_fraction: must be a fraction in (0, 1], got {f!r}")
+        _int_in("kv_sink_tokens", self.kv_sink_tokens, 0, 1 << 20)
+        _int_in("kv_recent_tokens", self.kv_recent_tokens, 0, 1 << 20)
+        if self.kv_retention != "full" and not self.kv_budget and f == 1:
+            raise KnobError(f"kv_retention: {self.kv_retention} needs a budget (kv_budget tokens or a "
+                            "kv_budget_fraction below 1)")
 
     def updated(self, **changes) -> SchedulerKnobs:
         unknown = set(changes) - {f.name for f in fields(self)}

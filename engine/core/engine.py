@@ -31,6 +31,7 @@ from moectl.engine.core.config import EngineConfig, KnobError, SchedulerKnobs
 from moectl.engine.core.kv_cache import KVCache
 from moectl.engine.core.model_runner import ModelRunner
 from moectl.engine.core.outputs import EngineLost, RequestOutput, RequestStream, StepFailed, describe_error
+from moectl.engine.core.retention import Retention
 from moectl.engine.core.sampling import PenaltyHistory, SamplingParams, _GeneratorFactory, sample, token_logprobs
 from moectl.engine.core.scheduler import ScheduledBatch, Scheduler
 from moectl.engine.core.sequence import Sequence
@@ -78,6 +79,8 @@ class EngineCore:
         self.commands = CommandQueue()
         device = torch.device(config.device)
         self.runner = (runner_factory or ModelRunner)(self.model, self.kv_cache, device)
+        self.runner.knobs = config.knobs
+        self.retention = Retention(self.blocks)
         self.telemetry = Telemetry(num_devices, device.type == "cuda", config.profile_spans)
         self.model.tracer = self.telemetry.tracer
         self.experts = None
@@ -307,6 +310,7 @@ class EngineCore:
         for seq, n in batch.items:
             seq.num_computed += n
             self.blocks.commit_full_blocks(seq)
+            self.retention.apply(seq, self.scheduler.knobs)
             token = new_tokens.get(id(seq))
             if token is None:
                 if seq.params.max_tokens == 0 and seq.num_computed == seq.num_tokens:
@@ -388,7 +392,7 @@ class EngineCore:
             self._emit(seq, [])
 
     def _set_knobs(self, knobs: SchedulerKnobs, changes: dict) -> None:
-        self.scheduler.knobs = knobs
+        self.scheduler.knobs = self.runner.knobs = knobs
         if self.experts is not None:
             self.experts.knobs = knobs
         self.record_action(Action.KNOBS, dict(changes), knobs.as_dict())
@@ -458,6 +462,21 @@ class EngineCore:
             out = [b + n * window for b, n in zip(out, store.used_per_pool() if used else store.pool_sizes)]
         return out
 
+    def retention_record(self) -> dict:
+        """KV retention in force and what it keeps, per device pool (the step record's
+        cache.kv_retention): tokens the running sequences hold and the tokens of their contexts
+        (what full retention would hold), and the tokens evicted so far (cumulative)."""
+        knobs, blocks = self.scheduler.knobs, self.blocks
+        held, context = [0] * blocks.num_pools, [0] * blocks.num_pools
+        for seq in self.scheduler.running:
+            pool = blocks.pool_of(seq)
+            held[pool] += seq.kv_held_tokens
+            context[pool] += seq.num_computed
+        return {"policy": knobs.kv_retention, "budget_tokens": knobs.kv_budget,
+                "budget_fraction": knobs.kv_budget_fraction,
+                "token_bytes": self.kv_block_bytes[0] // self.config.block_size,
+                "held_tokens": held, "context_tokens": context, "evicted_tokens": list(blocks.evicted_tokens)}
+
     def score(self, token_ids: list[int], probe=None) -> torch.Tensor:
         """fp32 logits for every position of one sequence, run through the real paged path
         in prefill chunks (for log-likelihoods and layer-by-layer checks). The engine must be idle."""
@@ -478,6 +497,7 @@ class EngineCore:
                 parts.append(self.runner.run([(seq, n)], all_logits=True, probe=probe))
                 seq.num_computed += n
                 self.blocks.release_window(seq)
+                self.retention.apply(seq, self.scheduler.knobs)  # as a step would, between chunks
         finally:
             self.blocks.free(seq)
         return torch.cat(parts)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from moectl.engine.core import paged_decode
+from moectl.engine.core import paged_decode, retention
 from moectl.engine.core.kv_cache import KVCache
 from moectl.engine.core.paged_attention import DecodeGroup, PagedContext, PrefillSlice
 from moectl.engine.core.sampling import LOGPROB_ROWS, token_logprobs
@@ -42,6 +42,7 @@ class ModelRunner:
         # decodes read the cache in place (one table per row, no padding mask) when the kernel serves it
         self.decode_kernel = paged_decode.serves(cache)
         self.prompt_scores: dict = {}  # the last step's, for sequences scoring their prompt (_score_prompts)
+        self.knobs = None  # the engine's SchedulerKnobs: KV retention's scored policies need attention scores
 
     def _slots(self, table: list[int], start: int, end: int) -> np.ndarray:
         pos = np.arange(start, end)
@@ -124,6 +125,21 @@ class ModelRunner:
             cursor += n
         return out
 
+    def _keep_scores(self, decodes, prefills, ctx: PagedContext) -> None:
+        """Hand each sequence the attention mass its held blocks drew this step (scored retention)."""
+        fresh = self.knobs.kv_retention == "snapkv"  # SnapKV: a prefill chunk's window replaces the scores
+
+        def positions(seq):
+            return np.flatnonzero(np.asarray(seq.block_table) >= 0)
+
+        for g in ctx.decode_groups:
+            mass = g.mass.sum(1).cpu().numpy()
+            for row, (seq, _) in enumerate(decodes[g.start:g.end]):
+                where = positions(seq)
+                retention.add_scores(seq, where, mass[row, :len(where)], fresh=False)
+        for (seq, _), p in zip(prefills, ctx.prefills):
+            retention.add_scores(seq, positions(seq), p.mass.cpu().numpy(), fresh=fresh)
+
     @torch.inference_mode()
     def run(self, items: list[tuple[Sequence, int]], all_logits: bool = False, probe=None) -> torch.Tensor:
         """Runs one step. Returns fp32 logits for every sequence that completes its pending tokens
@@ -142,14 +158,25 @@ class ModelRunner:
             slots.append(self._slots(seq.block_table, start, start + n))
         dev = self.device
         ctx = PagedContext(cache=self.cache, slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev))
+        # KV retention: each sequence's held blocks, first_position the tokens evicted before them
+        scoring = self.knobs is not None and retention.scored(self.knobs)
         if decodes:
             ctx.num_decodes = len(decodes)
             ctx.decode_context_lens = torch.tensor([s.num_computed + 1 for s, _ in decodes], device=dev)
-            ctx.decode_groups = self._decode_groups(decodes, [s.block_table for s, _ in decodes])
+            evicted = [s.kv_evicted_tokens for s, _ in decodes]
+            ctx.decode_groups = self._decode_groups(decodes, [s.held_blocks for s, _ in decodes],
+                                                    evicted if any(evicted) else None)
+            if scoring:
+                for g in ctx.decode_groups:
+                    g.mass = torch.zeros(g.end - g.start, self.cache.k.shape[3], g.width, device=dev)
         offset = len(decodes)
         for seq, n in prefills:
+            held = seq.held_blocks
             ctx.prefills.append(PrefillSlice(offset, offset + n, seq.num_computed,
-                                             torch.tensor(seq.block_table, dtype=torch.int64, device=dev)))
+                                             torch.tensor(held, dtype=torch.int64, device=dev), seq.kv_evicted_tokens))
+            if scoring:
+                ctx.prefills[-1].observe = retention.observed_rows(self.knobs, n)
+                ctx.prefills[-1].mass = torch.zeros(len(held), device=dev)
             offset += n
         if self.cache.window is not None:
             ctx.window = self._window_context(ordered, decodes, prefills, ctx.decode_context_lens)
@@ -158,6 +185,8 @@ class ModelRunner:
             self.experts.begin_step(torch.from_numpy(homes).to(dev))
         hidden = self.model(torch.tensor(ids, device=dev), torch.from_numpy(np.concatenate(positions)).to(dev),
                             ctx, probe or self.probe)
+        if scoring:
+            self._keep_scores(decodes, prefills, ctx)
         if all_logits:
             return self.model.logits(hidden)
         if any(s.prompt_logprobs is not None for s, _ in ordered):

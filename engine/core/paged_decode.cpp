@@ -31,7 +31,7 @@ inline float dot(const float* q, const T* k, int64_t n) {
 template <typename T>
 void decode(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& tables,
             const at::Tensor& lens, const at::Tensor& lo, const at::Tensor& sinks, double scale, bool latent,
-            at::Tensor& out) {
+            at::Tensor& out, at::Tensor& mass) {
   const int64_t B = q.size(0), Hq = q.size(1), Dq = q.size(2);
   const int64_t bs = kc.size(1), Hk = kc.size(2), Dk = kc.size(3), Dv = vc.size(3);
   const int64_t G = Hq / Hk, W = tables.size(1);
@@ -42,6 +42,7 @@ void decode(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, con
   const int64_t* lp = lens.data_ptr<int64_t>();
   const int64_t* op = lo.data_ptr<int64_t>();
   const float* sp = sinks.numel() ? sinks.data_ptr<float>() : nullptr;
+  float* mp = mass.numel() ? mass.data_ptr<float>() : nullptr;  // [B, Hk, W]: attention per table block
   T* outp = out.data_ptr<T>();
   const float fscale = static_cast<float>(scale);
   // KV heads [h0, h1) of row b: their query heads [h0 * G, h1 * G)
@@ -81,6 +82,12 @@ void decode(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, con
       }
       const float inv = den > 0.f ? 1.f / den : 0.f;
       for (int64_t j = 0; j < span; ++j) sh[j] *= inv;
+      // KV retention's scores: the probability each table block's keys drew (this task owns row
+      // b's KV heads [h0, h1), so no other thread writes these entries)
+      if (mp) {
+        float* mrow = mp + (b * Hk + head / G) * W;
+        for (int64_t j = 0; j < span; ++j) mrow[(first + j) / bs] += sh[j];
+      }
     }
     std::fill(acc.begin() + q0 * Dv, acc.begin() + q1 * Dv, 0.f);
     for (int64_t i = first; i < n;) {
@@ -130,10 +137,12 @@ static void check_rows(const at::Tensor& tables, const at::Tensor& lens, const a
 // q [B, Hq, Dq]; k_cache [blocks, block_size, Hk, Dk]; v_cache [blocks, block_size, Hk, Dv];
 // tables [B, W] int64 (each row's blocks, padded); lens [B]: keys of each row, counted from its
 // table's first slot; lo [B]: the first key each row sees (sliding window; 0 otherwise); sinks
-// [Hq] fp32 or empty; checked: skip the rows' checks (see below). Returns [B, Hq, Dv].
+// [Hq] fp32 or empty; checked: skip the rows' checks (see below); mass: [B, Hk, W] fp32 to which
+// each table block's attention probability (summed over its query heads) is added, or empty.
+// Returns [B, Hq, Dv].
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                         const at::Tensor& tables, const at::Tensor& lens, const at::Tensor& lo, const at::Tensor& sinks,
-                        double scale, bool latent, bool checked) {
+                        double scale, bool latent, bool checked, at::Tensor mass) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4, "paged_decode: bad ranks");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() && tables.is_contiguous(),
               "paged_decode: inputs must be contiguous");
@@ -154,6 +163,10 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
                   lens.is_contiguous() && lo.is_contiguous() && lens.numel() == q.size(0) && lo.numel() == q.size(0) &&
                   tables.size(0) == q.size(0),
               "paged_decode: tables, lens and lo must be contiguous int64, one row per query");
+  TORCH_CHECK(mass.numel() == 0 || (mass.scalar_type() == at::kFloat && mass.is_contiguous() && mass.dim() == 3 &&
+                                    mass.size(0) == q.size(0) && mass.size(1) == k_cache.size(2) &&
+                                    mass.size(2) == tables.size(1)),
+              "paged_decode: mass must be fp32 [rows, KV heads, table width]");
   // a row that claims more keys than its table holds would read other sequences' blocks (or
   // beyond the cache): refuse it here rather than read garbage. checked: the caller already ran
   // these checks on these very tables, lens and lo against a cache of this shape (the first
@@ -161,7 +174,7 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   if (!checked) check_rows(tables, lens, lo, k_cache.size(1), k_cache.size(0));
   auto out = at::empty({q.size(0), q.size(1), v_cache.size(3)}, q.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
-    decode<scalar_t>(q, k_cache, v_cache, tables, lens, lo, sinks, scale, latent, out);
+    decode<scalar_t>(q, k_cache, v_cache, tables, lens, lo, sinks, scale, latent, out, mass);
   });
   return out;
 }
@@ -170,6 +183,6 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
 // ATen's headers, not torch/extension.h and pybind11, which cuts its compile time severalfold.
 TORCH_LIBRARY(moectl, m) {
   m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor tables, Tensor lens, Tensor lo, "
-        "Tensor sinks, float scale, bool latent, bool checked=False) -> Tensor");
+        "Tensor sinks, float scale, bool latent, bool checked, Tensor(a!) mass) -> Tensor");
   m.impl("paged_decode", c10::DispatchKey::CPU, TORCH_FN(paged_decode));
 }

@@ -39,9 +39,11 @@ def serves(cache) -> bool:
 
 def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
            lo: torch.Tensor, scale: float, sinks: torch.Tensor | None = None, latent: bool = False,
-           checked: bool = False) -> torch.Tensor:
+           checked: bool = False, mass: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, Hq, Dq] -> [B, Hq, Dv]; see paged_decode.cpp for the arguments. checked: these same
-    tables, lens and lo were checked by an earlier call this step, against a cache of this shape."""
+    tables, lens and lo were checked by an earlier call this step, against a cache of this shape.
+    mass: [B, Hk, W] fp32, to which each table block's attention probability is added (KV retention)."""
     empty = q.new_empty(0, dtype=torch.float32)
     return kernel().paged_decode(q.contiguous(), k_cache, v_cache, tables, lens, lo,
-                                 empty if sinks is None else sinks.float().contiguous(), float(scale), latent, checked)
+                                 empty if sinks is None else sinks.float().contiguous(), float(scale), latent, checked,
+                                 empty if mass is None else mass)

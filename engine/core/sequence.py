@@ -33,6 +33,12 @@ class Sequence:
         self.window_table: list[int] = []
         self.window_first = 0
         self.window_committed = 0
+        # KV retention (retention.py): block_table entries of evicted blocks are -1; kv_exact_blocks:
+        # the full blocks computed before the first eviction (later ones saw a pruned context, so
+        # they never enter the prefix cache); kv_scores: attention mass per block (scored policies)
+        self.kv_evicted_tokens = 0  # tokens of the evicted blocks (whole blocks)
+        self.kv_exact_blocks: int | None = None
+        self.kv_scores = None
         self.num_computed = 0  # tokens whose K/V are in the cache
         self.num_cached_prompt = 0  # prompt tokens served from the prefix cache at admission
         self.num_preemptions = 0
@@ -53,6 +59,16 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def kv_held_tokens(self) -> int:
+        """Tokens of the full-attention layers' cache this sequence still reads."""
+        return self.num_computed - self.kv_evicted_tokens
+
+    @property
+    def held_blocks(self) -> list[int]:
+        """The full-attention blocks this sequence still reads, in position order."""
+        return [b for b in self.block_table if b >= 0] if self.kv_evicted_tokens else self.block_table
 
     @property
     def output_ids(self) -> list[int]:

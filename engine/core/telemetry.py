@@ -212,7 +212,8 @@ class Telemetry:
             kv_blocks_used=b.num_used, routing=routing, devices=devices,
             spans=spans, kernels=kernels, requests=self.take_request_events(),
             cache={"kv_blocks_used": b.num_used, "kv_blocks_total": b.num_blocks, "prefix_queries": b.prefix_queries,
-                   "prefix_hits": b.prefix_hits, "preemptions": engine.scheduler.num_preemptions},
+                   "prefix_hits": b.prefix_hits, "preemptions": engine.scheduler.num_preemptions,
+                   "kv_retention": engine.retention_record()},
             process=self.process_memory(), knobs=engine.scheduler.knobs.as_dict(), gpu=self.gpu_sample())
 
     def process_memory(self) -> dict:

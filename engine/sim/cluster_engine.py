@@ -192,6 +192,9 @@ class SimulatedEngine:
             new = self._pending_knobs.updated(**changes)
             if new.long_prefill_token_threshold > new.max_num_batched_tokens:
                 raise KnobError("long_prefill_token_threshold: above max_num_batched_tokens, no chunk could run")
+            if new.kv_retention != "full":
+                raise KnobError("kv_retention: the simulated backend keeps every token's KV (it does not model "
+                                "retention); `moectl plan memory --kv-budget` prices a budget")
             self._pending_knobs = new
             self.commands.submit(lambda: self._set_knobs(new, changes), Action.KNOBS)
         return new
