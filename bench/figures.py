@@ -271,6 +271,26 @@ def small_batch(r: dict) -> list[tuple[str, str]]:
     return rows
 
 
+def kv_retention(r: dict) -> list[tuple[str, str]]:
+    rows = []
+    for model, setups in r["models"].items():
+        for setup, e in setups.items():
+            ours = e["moectl"]
+            where = (f"{model}, {e['texts']} held-out texts of {e['context']}+{e['continuation']} tokens "
+                     f"({setup}), block {r['block_size']}")
+            for budget, v in e["verdict"].items():
+                figures = "; ".join(f"{p} {ours[f'{p}@{budget}']['nll']:.4f} (top-1 {ours[f'{p}@{budget}']['top1']:.3f})"
+                                    for p in ("streaming", "snapkv", "h2o"))
+                peer = (f"; kvpress best {v['kvpress_best']} {v['kvpress_best_nll']:.4f}: moectl "
+                        f"{'no worse' if v['no_worse_than_kvpress'] else 'WORSE'}") if "kvpress_best" in v else (
+                    f"; kvpress: {e['kvpress_status'].get('reason', 'not run')}")
+                rows.append((f"KV retention at {float(budget):.0%} of the context, {where}: NLL (full KV "
+                             f"{v['full_nll']:.4f})",
+                             f"{figures}; best scored {v['vs_full']:+.1%} vs full "
+                             f"({'within' if v['within_10pct'] else 'NOT within'} 10%){peer}"))
+    return rows
+
+
 def kv_int8(r: dict) -> list[tuple[str, str]]:
     return [("INT8 KV cache",
              f"{r['memory_ratio']:.2f}x the bytes of {r['model_dtype']} KV ({r['memory_ratio_vs_bf16']:.2f}x of bf16); "
@@ -600,6 +620,7 @@ BENCHES = {
     "decode": (["python", "bench/decode_bench.py", "--json"], decode),
     "small-batch": (["python", "bench/small_batch_bench.py", "--rounds", "5", "--json"], small_batch),
     "kv-int8": (["moectl", "bench", "--suite", "kv-int8", "--json"], kv_int8),
+    "kv-retention": (["python", "bench/kv_retention_bench.py", "--json"], kv_retention),
     "sample-routing": (["python", "bench/sample_routing_bench.py", "--json"], sample_routing),
     "expert-cache": (["python", "bench/expert_cache_bench.py", "--json"], expert_cache),
     "disk-tier": (["python", "bench/disk_tier_bench.py", "--json"], disk_tier),

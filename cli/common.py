@@ -17,7 +17,7 @@ import typer
 
 from moectl.cli.engine_options import DEFAULT_DEVICES, DEFAULT_REDUNDANT, MAX_REDUNDANT
 from moectl.engine import resolve_model
-from moectl.engine.core.config import EngineConfig
+from moectl.engine.core.config import RETENTION_POLICIES, EngineConfig, KnobError, SchedulerKnobs
 from moectl.placement.topology import MAX_DEVICES, Topology, parse_size
 
 if TYPE_CHECKING:
@@ -49,7 +49,8 @@ def _fail(message: str, code: int) -> None:
 # the engine's config fields as the command line spells them: the engine's errors name its field
 # (right for an API user), a command's name the flag that was typed
 FIELD_FLAGS = {"redundant_slots": "--redundant", "expert_cache_slots": "--expert-cache", "host_mem": "--host-mem",
-               "hbm": "--hbm", "num_threads": "--threads"}
+               "hbm": "--hbm", "num_threads": "--threads", "kv_retention": "--kv-retention", "kv_budget": "--kv-budget",
+               "kv_budget_fraction": "--kv-budget"}
 
 
 def flag_words(message: str) -> str:
@@ -212,11 +213,35 @@ def _check_ranks(model: Path | None, ranks: int, flag: str) -> None:
         raise BadInput(f"{flag}: {ranks} ranks exceed the model's {experts} experts (every rank must own at least one)")
 
 
+def retention_knobs(retention: str, budget: str | None) -> SchedulerKnobs:
+    """--kv-retention and --kv-budget as the engine's initial knobs (the rest at their defaults):
+    a policy other than full needs a budget, and full takes none."""
+    from moectl.wire.kv_budget import parse_kv_budget
+
+    if retention not in RETENTION_POLICIES:
+        raise BadInput(f"--kv-retention: must be one of {', '.join(RETENTION_POLICIES)}, got {retention!r}")
+    if budget is None:
+        if retention != "full":
+            raise BadInput(f"--kv-retention {retention}: needs --kv-budget (N tokens or P% of the context)")
+        return SchedulerKnobs()
+    if retention == "full":
+        raise BadInput("--kv-budget: only with --kv-retention streaming, snapkv or h2o (full keeps every token)")
+    try:
+        tokens, fraction = parse_kv_budget(budget, "--kv-budget")
+        return SchedulerKnobs(kv_retention=retention, kv_budget=tokens, kv_budget_fraction=fraction)
+    except KnobError as exc:  # a token count past the engine's range
+        raise BadInput(flag_words(str(exc))) from None
+    except ValueError as exc:
+        raise BadInput(str(exc)) from None
+
+
 def engine_config(options: EngineOptions, *, device: str = "cpu", **fields) -> EngineConfig:
     """The EngineConfig the engine options describe. devices None (not given): DEFAULT_DEVICES,
-    which --nproc replaces; redundant None: DEFAULT_REDUNDANT.
+    which --nproc replaces; redundant None: DEFAULT_REDUNDANT; the knobs: the defaults with
+    --kv-retention and --kv-budget (retention_knobs).
     fields: any other EngineConfig field (num_kv_blocks, kv_cache_dtype, ...)."""
     fields["num_threads"] = parse_threads(options.threads)
+    fields["knobs"] = retention_knobs(options.kv_retention, options.kv_budget)
     fields["dtype"] = options.dtype
     model, devices, backend, nproc = options.model, options.devices, options.backend, options.nproc
     expert_cache, host_mem, placement = options.expert_cache, options.host_mem, options.placement

@@ -75,6 +75,15 @@ OVERLAP_OPT = typer.Option("none", "--overlap", help="simulated backend: none | 
                                                      "two micro-batches, one's collectives in flight while the "
                                                      "other computes).")
 SIM_SEED_OPT = typer.Option(0, "--sim-seed", help="simulated backend: the routing draws and the workload's seed.")
+KV_RETENTION_OPT = typer.Option("full", "--kv-retention", help="Which KV of the full-attention layers a sequence "
+                                                               "keeps: full (all of it), streaming (the attention "
+                                                               "sinks and the most recent tokens), snapkv or h2o "
+                                                               "(sinks, recent tokens and the blocks that drew the "
+                                                               "most attention); all but full need --kv-budget. Not "
+                                                               "on the simulated backend.")
+KV_BUDGET_OPT = typer.Option(None, "--kv-budget", show_default=False,
+                             help="With --kv-retention other than full: the KV a sequence keeps, N tokens or P% of "
+                                  "its context (e.g. 4096, 25%), in whole blocks.")
 # the options only the simulated backend reads (sim_backend.py)
 SIM_OPTIONS = ("hardware", "routing", "drift", "tp", "overlap", "sim_seed")
 
@@ -111,6 +120,8 @@ class EngineOptions:
     tp: int = _option(TP_OPT)
     overlap: str = _option(OVERLAP_OPT)
     sim_seed: int = _option(SIM_SEED_OPT)
+    kv_retention: str = _option(KV_RETENTION_OPT)
+    kv_budget: str | None = _option(KV_BUDGET_OPT)
     given: frozenset[str] = frozenset()
 
     def given_flags(self) -> list[str]:

@@ -21,6 +21,7 @@ from moectl.cli.common import (
 from moectl.cli.engine_options import DEFAULT_DEVICES, DEFAULT_REDUNDANT, DEVICES_OPT, HBM_OPT, REDUNDANT_OPT, given
 from moectl.placement.placement import MAX_EXPERTS
 from moectl.placement.topology import MAX_DEVICES
+from moectl.wire.kv_budget import parse_kv_budget
 
 plan_app = typer.Typer(no_args_is_help=True, help="Offline planning: expert rebalancing and device memory.")
 # --synthetic's sizes: past any MoE model (DeepSeek-V3: 61 x 256, Kimi K2: 61 x 384), and small enough that
@@ -55,11 +56,17 @@ def plan_memory_cmd(
     offload: bool = typer.Option(False, "--offload", help="Plan the routed experts over three tiers: an HBM cache "
                                                           "per device, host memory per node (--host-mem), disk."),
     host_mem: str = typer.Option("2TiB", "--host-mem", help="With --offload: host memory per node for experts."),
+    kv_budget: str | None = typer.Option(None, "--kv-budget", show_default=False,
+                                         help="A KV retention budget (any --kv-retention but full): each sequence "
+                                              "keeps N tokens or P% of its context in the full-attention layers "
+                                              "(e.g. 4096, 25%); the table says what it saves against full "
+                                              "retention."),
     as_json: bool = JSON_OPT,
 ):
     """The operator-level memory table for each device: weights by category, KV cache, activations
     at peak, communication buffers and headroom; whether it fits and, if not, by how much. With
-    --offload, also the experts' three tiers (HBM cache, host, disk)."""
+    --offload, also the experts' three tiers (HBM cache, host, disk); with --kv-budget, the KV
+    cache under that retention budget."""
     from moectl.engine.planning.memory_plan import fit_suggestions, plan_memory
     from moectl.engine.planning.offload_plan import plan_offload
     from moectl.placement.topology import Topology
@@ -69,6 +76,8 @@ def plan_memory_cmd(
         raise BadInput("--host-mem: applies only with --offload (the experts' host-memory tier)")
     topo = Topology(num_devices=devices or DEFAULT_DEVICES, hbm_bytes=parse_cli_size(hbm, "--hbm"))
     kw = dict(tp=tp, ep=ep, context=context, batch=batch, dtype=dtype, kv_dtype=kv_dtype)
+    if kv_budget is not None:
+        kw["kv_budget"], kw["kv_budget_fraction"] = parse_kv_budget(kv_budget, "--kv-budget")
     model = model_dir(model, config_file=True)
     plan = plan_memory(model, topo, **kw)
     tiers = plan_offload(plan, parse_cli_size(host_mem, "--host-mem")) if offload else None

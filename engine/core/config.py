@@ -14,11 +14,11 @@ from moectl.placement.topology import Topology
 POLICIES = ("fcfs", "priority")  # scheduling order
 OBJECTIVES = ("step_time", "balance")  # what a rebalance plans for (AutoRebalancePolicy.objective)
 ROUTING_POLICIES = REPLICA_POLICIES  # how a token picks among an expert's replicas (placement/replica_policy.py)
-OVERLAP_MODES = ("none", "two-batch")
+OVERLAP_MODES = ("none", "two-batch")  # the distributed backend's step: one batch, or two overlapped
 # which KV of the full-attention layers a sequence keeps (core/retention.py): all of it, attention
 # sinks plus the recent window (StreamingLLM), or sinks, the recent window and the blocks that drew
 # the most attention, scored at each prefill chunk's end (SnapKV) or accumulated (H2O)
-RETENTION_POLICIES = ("full", "streaming", "snapkv", "h2o")  # the distributed backend's step: one batch, or two overlapped
+RETENTION_POLICIES = ("full", "streaming", "snapkv", "h2o")
 # two-batch's fallback: smaller steps run as one batch. 512 lies between the step sizes measured on
 # this machine's ranks: decode steps of tens of tokens lose when split, prefill steps of ~1K tokens
 # gain (bench/two_batch_overlap.py measures both sides)

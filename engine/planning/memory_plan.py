@@ -34,6 +34,7 @@ import torch
 
 from moectl.engine.core.config import SchedulerKnobs
 from moectl.engine.core.kv_cache import KVCache
+from moectl.engine.core.retention import budget_tokens
 from moectl.engine.models.config import (
     ARCHITECTURES,
     MODEL_TYPE_ALIASES,
@@ -47,6 +48,7 @@ from moectl.engine.models.config import (
     read_config_json,
 )
 from moectl.placement.topology import Topology, format_size
+from moectl.wire.kv_budget import format_kv_budget
 
 # architectures[0] -> planner family, beyond the runtime's four
 # plannable, not runnable (DeepSeek-V3 / Kimi-K2 are runnable: ModelConfig reads them)
@@ -356,16 +358,40 @@ class PlanModel:
                                        dtype, quantized)
 
     def kv_bytes_per_sequence(self, tp: int, block_size: int, dtype: torch.dtype, quantized: bool, context: int,
-                              chunk: int) -> tuple[int, int]:
+                              chunk: int, budget: int | None = None) -> tuple[int, int]:
         """(KV bytes of one sequence of `context` tokens, its blocks in the full layers' pool). Sliding
-        layers hold at most (window - 1 + chunk) / block_size + 1 blocks (the engine's window pool)."""
+        layers hold at most (window - 1 + chunk) / block_size + 1 blocks (the engine's window pool).
+        budget: the tokens KV retention keeps of the full layers (None: all), which hold at most
+        kv_budget_blocks of them."""
         blocks = _cdiv(context, block_size)
+        if budget is not None:
+            blocks = min(blocks, kv_budget_blocks(budget, block_size, chunk))
         windows = [w for w in self.layer_windows if w]
         full = self.kv_bytes_per_block(tp, block_size, dtype, quantized, self.num_layers - len(windows)) * blocks
         if not windows:
             return full, blocks
         held = min(blocks, KVCache.window_blocks_per_sequence(max(windows), block_size, chunk))
         return full + held * self.kv_bytes_per_block(tp, block_size, dtype, quantized, len(windows)), blocks
+
+
+def kv_budget_blocks(budget: int, block_size: int, chunk: int) -> int:
+    """The most full-attention blocks a sequence holds under a KV retention budget of `budget`
+    tokens (engine/core/retention.py): between steps at most `budget` tokens, kept in whole blocks
+    (the evicted blocks are whole, so the kept ones fill ceil(budget / block_size) blocks at most),
+    and during a step the tokens of one chunk of at most `chunk` tokens on top, evicted once the
+    step's blocks are committed: ceil((budget + chunk) / block_size) (a decode step's one token:
+    ceil(budget / block_size) blocks plus the one being written)."""
+    return _cdiv(budget + chunk, block_size)
+
+
+def kv_budget_tokens(kv_budget: int, kv_budget_fraction: float, context: int) -> int | None:
+    """The tokens a sequence of `context` tokens keeps under a budget of kv_budget tokens (0: no
+    cap in tokens) and kv_budget_fraction of its context (1: none), as the engine's retention
+    reckons it (any policy but full); None when neither caps it."""
+    if not kv_budget and kv_budget_fraction >= 1:
+        return None
+    return budget_tokens(SchedulerKnobs(kv_retention="streaming", kv_budget=kv_budget,
+                                        kv_budget_fraction=kv_budget_fraction), context)
 
 
 def plan_model_of(cfg: ModelConfig, name: str, notes: list[str]) -> PlanModel:
@@ -571,6 +597,60 @@ class MemoryPlan:
     devices: list[DevicePlan]
     notes: list[str]
     weights: WeightFormat = PARAMS  # how `dtype` stores them
+    # KV retention (plan_memory's kv_budget, kv_budget_fraction): the tokens a sequence keeps of its
+    # context in the full-attention layers (None: no budget, all of them), and one sequence's KV
+    # blocks (full-attention pool) and bytes with the budget and under full retention
+    kv_budget: int = 0
+    kv_budget_fraction: float = 1.0
+    kv_held_tokens: int | None = None
+    kv_blocks_per_sequence: int = 0
+    kv_bytes_per_sequence: int = 0
+    kv_full_blocks_per_sequence: int = 0
+    kv_full_bytes_per_sequence: int = 0
+
+    # -- KV retention
+    @property
+    def kv_budgeted(self) -> bool:
+        return self.kv_held_tokens is not None
+
+    @property
+    def kv_saved_per_sequence(self) -> int:
+        """Bytes one sequence's KV budget saves against full retention (0 without a budget)."""
+        return self.kv_full_bytes_per_sequence - self.kv_bytes_per_sequence
+
+    def kv_full(self, d: DevicePlan) -> int:
+        """Device d's KV cache under full retention."""
+        return d.sequences * self.kv_full_bytes_per_sequence
+
+    def kv_saved(self, d: DevicePlan) -> int:
+        """Bytes of device d's KV cache the budget saves against full retention."""
+        return d.sequences * self.kv_saved_per_sequence
+
+    def kv_retention(self) -> dict | None:
+        """The budget and what it saves (None without one): per sequence, and on the device that
+        holds the most sequences (the others hold fewer, or none)."""
+        if not self.kv_budgeted:
+            return None
+        most = max(self.devices, key=lambda d: (d.sequences, -d.device))
+        return {"budget": format_kv_budget(self.kv_budget, self.kv_budget_fraction),
+                "budget_tokens": self.kv_budget, "budget_fraction": self.kv_budget_fraction,
+                "held_tokens_per_sequence": self.kv_held_tokens, "context_tokens_per_sequence": self.context,
+                "blocks_per_sequence": self.kv_blocks_per_sequence,
+                "full_blocks_per_sequence": self.kv_full_blocks_per_sequence,
+                "bytes_per_sequence": self.kv_bytes_per_sequence,
+                "full_bytes_per_sequence": self.kv_full_bytes_per_sequence,
+                "saved_bytes_per_sequence": self.kv_saved_per_sequence,
+                "device": most.device, "sequences_on_device": most.sequences, "kv_cache_bytes_per_device": most.kv_cache,
+                "full_kv_cache_bytes_per_device": self.kv_full(most), "saved_bytes_per_device": self.kv_saved(most)}
+
+    def _kv_budget_line(self) -> str:
+        r = self.kv_retention()
+        return (f"KV budget {r['budget']}: keeps {r['held_tokens_per_sequence']:,} of {self.context:,} tokens per "
+                f"sequence in the full-attention layers ({r['blocks_per_sequence']:,} "
+                f"blocks, not {r['full_blocks_per_sequence']:,}): saves {format_size(r['saved_bytes_per_sequence'])} "
+                f"per sequence, {format_size(r['saved_bytes_per_device'])} per device (KV cache "
+                f"{format_size(r['kv_cache_bytes_per_device'])}, not {format_size(r['full_kv_cache_bytes_per_device'])}"
+                f", on device {r['device']}: {r['sequences_on_device']} seq)")
 
     # -- summary
     @property
@@ -622,8 +702,10 @@ class MemoryPlan:
             "embeddings": (f"vocab rows {_shard(m.vocab_size, tp, d.tp_rank)}/{m.vocab_size} (vocab-parallel), "
                            + ("tied" if m.tie_word_embeddings else "embed + lm_head")),
             "norms_routers": f"replicated; routers {m.num_experts} x {m.hidden_size} x {m.num_sparse} layers",
-            "kv_cache": (f"{d.sequences} seq x {_cdiv(self.context, self.block_size)} blocks of {self.block_size} = "
-                         f"{d.kv_blocks} blocks, {self.kv_dtype}"),
+            "kv_cache": (f"{d.sequences} seq x {self.kv_blocks_per_sequence or _cdiv(self.context, self.block_size)} "
+                         f"blocks of {self.block_size} = {d.kv_blocks} blocks, {self.kv_dtype}"
+                         + (f"; budget {self.kv_held_tokens:,} tokens/seq, saves {format_size(self.kv_saved(d))} "
+                            f"against full ({format_size(self.kv_full(d))})" if self.kv_budgeted else "")),
             "activations": ", ".join(f"{k} {format_size(v)}" for k, v in d.activation_detail.items() if v),
             "comm_buffers": ", ".join(f"{k} {format_size(v)}" for k, v in d.comm_detail.items() if v) or "none",
         }
@@ -670,6 +752,7 @@ class MemoryPlan:
             + (f" ({self.topology.num_devices // self.ep} replicas)" if self.ep < self.topology.num_devices else ""),
             f"load: {self.batch} seq x {self.context:,} tokens; weights {self.dtype}, KV {kvd}, block {self.block_size}, "
             f"{self.tokens_per_step} tokens/step per DP group, attention {self.attn_impl}",
+        ] + ([self._kv_budget_line()] if self.kv_budgeted else []) + [
             "",
             line(header),
             line(["-" * w for w in widths]),
@@ -696,6 +779,7 @@ class MemoryPlan:
                 "bytes": d.categories(), "detail": det, "activation_detail": d.activation_detail,
                 "comm_detail": d.comm_detail, "weights_bytes": d.weights_total, "total_bytes": d.total,
                 "headroom_bytes": d.headroom, "fits": d.fits,
+                **({"kv_full_bytes": self.kv_full(d), "kv_saved_bytes": self.kv_saved(d)} if self.kv_budgeted else {}),
             })
         return {
             "fits": self.fits,
@@ -716,6 +800,7 @@ class MemoryPlan:
                            "tp": self.tp, "dp": self.dp, "ep": self.ep, "context": self.context, "batch": self.batch,
                            "dtype": self.dtype, "kv_dtype": self.kv_dtype, "block_size": self.block_size,
                            "tokens_per_step": self.tokens_per_step, "attn_impl": self.attn_impl},
+            "kv_retention": self.kv_retention(),
             "device_groups": groups,
             "notes": list(self.notes),
         }
@@ -833,7 +918,7 @@ def comm_buffers(m: PlanModel, *, tp: int, ep: int, tokens: int, recv_rows: int,
 def plan_memory(config: str | Path | dict | PlanModel, topology: Topology, *, tp: int = 1, ep: int | None = None,
                 context: int, batch: int = 1, dtype: str | None = None, kv_dtype: str = "auto",
                 max_batched_tokens: int | None = None, block_size: int = 16, attn_impl: str = "flash",
-                ep_capacity: float = 1.0) -> MemoryPlan:
+                ep_capacity: float = 1.0, kv_budget: int = 0, kv_budget_fraction: float = 1.0) -> MemoryPlan:
     """Per-device memory for `config` (config.json path/dir/dict) deployed on `topology`.
 
     Layout: devices = tp x dp. Device d is TP rank d % tp of DP group d // tp; attention, dense
@@ -859,6 +944,11 @@ def plan_memory(config: str | Path | dict | PlanModel, topology: Topology, *, tp
       logits: sampled rows r = min(T, sequences of the group): r*V/tp*a local + r*V*4 gathered fp32.
     Communication buffers: EP all-to-all (ep > 1): dispatch R*H*a + combine T_moe*k*H*a
     receive buffers; TP all-reduce (tp > 1): T*H*a.
+
+    KV retention: kv_budget tokens (0: no cap in tokens) and kv_budget_fraction of the context (1:
+    none; `--kv-budget N|P%`, wire/kv_budget.py) cap what each sequence keeps of the full-attention
+    layers, whatever the policy (streaming, snapkv, h2o): kv_budget_blocks per sequence, at most
+    the context's; sliding-window layers as without a budget.
     """
     m = config if isinstance(config, PlanModel) else load_plan_model(config)
     n = topology.num_devices if isinstance(topology, Topology) else 0
@@ -866,6 +956,11 @@ def plan_memory(config: str | Path | dict | PlanModel, topology: Topology, *, tp
     weights = weight_format(dtype, m)
     dtype = weights.name
     _validate(m, topology, tp, ep, context, batch, kv_dtype, max_batched_tokens, block_size, attn_impl, ep_capacity)
+    _positive_int("--kv-budget", kv_budget, 0, 1 << 40)
+    f = kv_budget_fraction
+    if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1:
+        raise PlanError(f"--kv-budget: a fraction of the context must be in (0, 1], got {f!r}")
+    budget = kv_budget_tokens(kv_budget, kv_budget_fraction, context)
     dp = n // tp
     act_dtype = WEIGHT_DTYPES[dtype][1]
     a = torch.empty((), dtype=act_dtype).element_size()
@@ -881,7 +976,9 @@ def plan_memory(config: str | Path | dict | PlanModel, topology: Topology, *, tp
     comm = comm_buffers(m, tp=tp, ep=ep, tokens=t, recv_rows=recv, act_bytes=a)
 
     kv_dtype_t = act_dtype  # auto KV: the activation dtype (bf16 under fp8 weights)
-    per_seq, blocks_per_seq = m.kv_bytes_per_sequence(tp, block_size, kv_dtype_t, quantized, context, mbt)
+    per_seq, blocks_per_seq = m.kv_bytes_per_sequence(tp, block_size, kv_dtype_t, quantized, context, mbt, budget)
+    full_per_seq, full_blocks = (m.kv_bytes_per_sequence(tp, block_size, kv_dtype_t, quantized, context, mbt)
+                                 if budget is not None else (per_seq, blocks_per_seq))
     devices = []
     for d in range(n):
         tp_rank, dp_group, ep_rank = d % tp, d // tp, d % ep
@@ -895,14 +992,18 @@ def plan_memory(config: str | Path | dict | PlanModel, topology: Topology, *, tp
             activation_detail=dict(act), comm_detail=dict(comm)))
 
     notes = _notes(m, topology, tp, dp, ep, weights, kv_dtype, kv_dtype_t, block_size, t, mbt, peak_stage,
-                   attn_impl, ep_capacity, batch, context)
+                   attn_impl, ep_capacity, batch, context, budget)
     return MemoryPlan(model=m, topology=topology, tp=tp, dp=dp, ep=ep, context=context, batch=batch, dtype=dtype,
                       kv_dtype=kv_dtype, block_size=block_size, tokens_per_step=t, attn_impl=attn_impl,
-                      devices=devices, notes=notes, weights=weights)
+                      devices=devices, notes=notes, weights=weights, kv_budget=kv_budget,
+                      kv_budget_fraction=float(kv_budget_fraction),
+                      kv_held_tokens=None if budget is None else min(budget, context),
+                      kv_blocks_per_sequence=blocks_per_seq, kv_bytes_per_sequence=per_seq,
+                      kv_full_blocks_per_sequence=full_blocks, kv_full_bytes_per_sequence=full_per_seq)
 
 
 def _notes(m: PlanModel, topo: Topology, tp, dp, ep, weights: WeightFormat, kv_dtype, kv_t, block_size, t, mbt,
-           peak_stage, attn_impl, ep_capacity, batch, context) -> list[str]:
+           peak_stage, attn_impl, ep_capacity, batch, context, budget=None) -> list[str]:
     n = topo.num_devices
     kvn = str(kv_t).replace("torch.", "")
     notes = [
@@ -917,8 +1018,16 @@ def _notes(m: PlanModel, topo: Topology, tp, dp, ep, weights: WeightFormat, kv_d
         + ("; tied: one matrix" if m.tie_word_embeddings else ""),
         _weights_note(m, weights) + "; no optimizer state, no weight offload to host",
         f"batch {batch} sequences dealt round-robin to the {dp} DP groups; each sequence's KV holds "
-        f"ceil({context} / {block_size}) blocks of {block_size} tokens (the engine's paged layout)",
+        f"ceil({context} / {block_size}) blocks of {block_size} tokens (the engine's paged layout)"
+        + ("" if budget is None else " under full retention"),
     ]
+    if budget is not None:
+        notes.append(f"KV retention budget {budget:,} tokens per sequence (any policy but full; the engine's "
+                     f"retention evicts whole blocks): the full-attention layers hold at most ceil(({budget:,} + a "
+                     f"{mbt}-token chunk) / {block_size}) = {kv_budget_blocks(budget, block_size, mbt):,} blocks per "
+                     "sequence (the budget kept between steps, one step's chunk on top until it is evicted), or the "
+                     "whole context where that is fewer; a budget below the blocks a policy never evicts (the "
+                     "attention sinks, the block being written, snapkv's and h2o's recent tokens) holds those")
     if m.attention == "mla":
         notes.append(f"MLA KV cache: one compressed latent of kv_lora_rank + qk_rope_head_dim = {m.kv_latent_dim} "
                      "elements per token and layer (no separate K and V); it is shared by all heads, so it is "
