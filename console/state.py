@@ -25,6 +25,25 @@ KEEP_FINISHED = 200  # finished requests kept for the table
 KEEP_LATENCIES = 2000
 
 
+def _retention(cache: dict) -> dict | None:
+    """A step record's cache.kv_retention, checked and summed (None where the record has none:
+    older traces, the simulated backend): the policy and budget in force, one token's K/V bytes,
+    and per KV pool (device) the tokens held, the tokens of the running sequences' contexts (what
+    full retention would hold) and the tokens evicted so far."""
+    found = cache.get("kv_retention")
+    if not isinstance(found, dict):
+        return None
+    held, context, evicted = (list(found.get(k) or ()) for k in ("held_tokens", "context_tokens", "evicted_tokens"))
+    pools = max(len(held), len(context), len(evicted))
+    held, context, evicted = ([int(v) for v in values] + [0] * (pools - len(values))
+                              for values in (held, context, evicted))
+    token_bytes = int(found.get("token_bytes") or 0)
+    return {"policy": str(found.get("policy") or "full"), "budget_tokens": int(found.get("budget_tokens") or 0),
+            "budget_fraction": float(found.get("budget_fraction", 1.0) or 1.0), "token_bytes": token_bytes,
+            "held_tokens": held, "context_tokens": context, "evicted_tokens": evicted,
+            "held_bytes": sum(held) * token_bytes, "context_bytes": sum(context) * token_bytes}
+
+
 def _sum_categories(memory) -> dict[str, int]:
     """HBM bytes per category summed over devices (one curve per category)."""
     out: dict[str, int] = {}
@@ -153,6 +172,7 @@ class ConsoleState:
             self._request_event(event)
         cache = record.get("cache") or {}
         devices = record.get("devices") or {}
+        retention = _retention(cache)
         self.history.append({
             "step": record["step"], "t": record["t_end"], "tok_s": self.throughput(),
             "balancedness": self.balancedness()["overall"],
@@ -160,6 +180,10 @@ class ConsoleState:
             "rss": (record.get("process") or {}).get("rss_bytes"),
             "memory": [sum(m.values()) for m in devices.get("memory") or ()],
             "categories": _sum_categories(devices.get("memory") or ()),
+            # KV of the full-attention layers: held, and what full retention would hold (None: not recorded)
+            "kv_policy": retention["policy"] if retention else None,
+            "kv_held_bytes": retention["held_bytes"] if retention else None,
+            "kv_full_bytes": retention["context_bytes"] if retention else None,
         })
 
     def _request_event(self, e: dict) -> None:
@@ -347,6 +371,18 @@ class ConsoleState:
                 "kv_usage": cache.get("kv_blocks_used", 0) / total if total else 0.0,
                 "prefix_hit_rate": cache.get("prefix_hits", 0) / queries if queries else 0.0,
                 "preemptions": cache.get("preemptions", 0)}
+
+    def kv_retention(self) -> dict | None:
+        """The newest record's KV retention (`_retention`: policy, budget, token_bytes, per pool
+        held_tokens, context_tokens and evicted_tokens, and the bytes held and that full retention
+        would hold); None where it is not recorded (older traces, the simulated backend)."""
+        return _retention((self.latest or {}).get("cache") or {})
+
+    def kv_retention_history(self) -> list[dict]:
+        """The history's steps that recorded KV retention, or [] unless a policy other than full
+        was in force in one of them (under full retention the two curves are one)."""
+        recorded = [h for h in self.history if h["kv_policy"] is not None]
+        return recorded if any(h["kv_policy"] != "full" for h in recorded) else []
 
     def expert_cache_hit_rate(self) -> list[float] | None:
         recs = [r["devices"]["expert_cache"] for r in self.window if (r.get("devices") or {}).get("expert_cache")]

@@ -1,5 +1,6 @@
-"""Memory: HBM over time per device, the categories each device holds now, the host tier, KV
-blocks, expert-cache hit rates, and the memory planner's table for this layout."""
+"""Memory: HBM over time per device, the categories each device holds now, KV retention per
+device (and, once a budget has been in force, what it saves over time), the host tier, KV blocks,
+expert-cache hit rates, and the memory planner's table for this layout."""
 
 from __future__ import annotations
 
@@ -24,8 +25,15 @@ class MemoryPanel(ShowsOnChange, VerticalScroll):
         yield Chart(id="mem-plot")
         yield Static("HBM over time by category, all devices (MiB)", classes="section-title")
         yield Chart(id="mem-cat-plot")
+        # only once a retention policy other than full has been in force: the gap is what it saves
+        kv_box = Vertical(Static(classes="section-title", id="mem-kv-title"), Chart(id="mem-kv-plot"), id="mem-kv-box")
+        kv_box.display = False
+        yield kv_box
         yield Static("HBM by category, now", classes="section-title")
         yield Static(id="mem-categories")
+        yield Static("KV retention (full-attention layers), now: tokens the running sequences hold of their context "
+                     "(what full retention holds), tokens evicted so far", classes="section-title")
+        yield Static(id="mem-retention")
         with Vertical(id="mem-gpu-box"):  # only with a GPU: hidden, it takes no room
             yield Static(gpu.TITLE + ", beside the engine's accounting above", classes="section-title")
             yield Static(id="mem-gpu")
@@ -58,9 +66,13 @@ class MemoryPanel(ShowsOnChange, VerticalScroll):
         categories = sorted(latest, key=lambda c: -latest[c])[:6]  # the six largest stay readable
         cat_curves = [[h["categories"].get(c, 0) / 2**20 for h in history] for c in categories]
         self.query_one("#mem-cat-plot", Chart).plot_lines(steps, list(zip(categories, cat_curves)))
+        self._kv_curves(state)
         memory = state.memory()
         self.put("#mem-categories", lambda: self._categories(state),
                  key=(tuple(tuple(m.items()) for m in memory[:16]), state.hbm_bytes))
+        retention = state.kv_retention()
+        self.put("#mem-retention", lambda: self._retention(state, retention),
+                 key=(repr(retention), state.simulated, state.num_devices, _retention_knobs(state.knobs)))
         sample = gpu.gpu_sample(state)
         self.query_one("#mem-gpu-box").display = sample is not None
         if sample is not None:
@@ -91,6 +103,51 @@ class MemoryPanel(ShowsOnChange, VerticalScroll):
         for label, cells in [header, *rows]:
             line = label.ljust(label_w) + "".join(" " + cell.rjust(cell_w) for cell in cells) + "\n"
             text.append(line, style="bold" if label in ("category", "total") else "")
+        text.rstrip()
+        return text
+
+    def _kv_curves(self, state) -> None:
+        """What full retention would hold against what the policy keeps, over time (all pools);
+        hidden while every step shown ran full retention (the two curves would be one)."""
+        history = state.kv_retention_history()
+        self.query_one("#mem-kv-box").display = bool(history)
+        if not history:
+            return
+        peak = max(h["kv_full_bytes"] for h in history)
+        unit, scale = ("MiB", 2**20) if peak >= 2**20 else ("KiB", 2**10)
+        policy = history[-1]["kv_policy"]
+        self.put("#mem-kv-title", f"KV of the full-attention layers over time, all devices ({unit}): held under "
+                                  f"{policy} vs what full retention would hold; the gap is the saving")
+        steps = [h["step"] for h in history]
+        self.query_one("#mem-kv-plot", Chart).plot_lines(steps, [
+            ("full retention would hold", [h["kv_full_bytes"] / scale for h in history]),
+            (f"held ({policy})", [h["kv_held_bytes"] / scale for h in history])], y_range=(0, None))
+
+    @staticmethod
+    def _retention(state, retention: dict | None) -> Text | str:
+        """The policy in force, then per device the tokens held of the running sequences' context
+        tokens (what full retention would hold), the tokens evicted so far, and their bytes."""
+        if retention is None:
+            if state.simulated:
+                return ("[dim]not modeled: the simulated backend keeps every token's KV "
+                        "(`moectl plan memory --kv-budget` prices a budget)[/]")
+            return "[dim]not recorded: these steps carry no KV retention figures (recorded before the engine sent them)[/]"
+        text = Text(no_wrap=True, overflow="crop")
+        text.append(f"policy {_describe_policy(retention, state.knobs)}\n", style="bold")
+        held, context, evicted = retention["held_tokens"], retention["context_tokens"], retention["evicted_tokens"]
+        token_bytes = retention["token_bytes"]
+        named = state.num_devices > 0 or len(held) > 1
+        rows = [(f"d{d}" if named else "engine", h, c, e) for d, (h, c, e) in enumerate(zip(held, context, evicted))]
+        if len(rows) > 1:
+            rows.append(("all", sum(held), sum(context), sum(evicted)))
+        header = ("device", "held tok", "context tok", "evicted tok", "KV held", "full retention", "saved")
+        cells = [header] + [(label, f"{h:,}", f"{c:,}", f"{e:,}", fmt_bytes(h * token_bytes),
+                             fmt_bytes(c * token_bytes), f"{1 - h / c:.0%}" if c else "-")
+                             for label, h, c, e in rows]
+        widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+        for row in cells:
+            line = row[0].ljust(widths[0]) + "".join("  " + cell.rjust(w) for cell, w in zip(row[1:], widths[1:]))
+            text.append(line + "\n", style="bold" if row is header or row[0] == "all" else "")
         text.rstrip()
         return text
 
@@ -149,3 +206,22 @@ class MemoryPanel(ShowsOnChange, VerticalScroll):
         if not isinstance(plan, dict):
             return "[dim]not available: the engine sent no memory plan[/]"
         return plan["table"] if "table" in plan else f"[dim]not available: {plan.get('absent')}[/]"
+
+
+def _retention_knobs(knobs: dict) -> tuple:
+    return tuple(knobs.get(k) for k in ("kv_sink_tokens", "kv_recent_tokens"))
+
+
+def _describe_policy(retention: dict, knobs: dict) -> str:
+    """E.g. "snapkv: a sequence keeps at most 64 tokens; sinks 4, recent 64 tokens always kept"."""
+    policy = retention["policy"]
+    if policy == "full":
+        return "full (every token kept, no budget)"
+    tokens, fraction = retention["budget_tokens"], retention["budget_fraction"]
+    caps = ([f"{tokens:,} tokens"] if tokens else []) + ([f"{fraction * 100:g}% of its context"] if fraction < 1 else [])
+    kept = [f"sinks {knobs['kv_sink_tokens']}"] if knobs.get("kv_sink_tokens") is not None else []
+    if policy in ("snapkv", "h2o") and knobs.get("kv_recent_tokens") is not None:
+        kept.append(f"recent {knobs['kv_recent_tokens']}")
+    budget = f"a sequence keeps at most {' and '.join(caps)}" if caps else "no budget"
+    return (f"{policy}: {budget}"
+            + (f"; {', '.join(kept)} tokens always kept" if kept else ""))

@@ -1,5 +1,5 @@
-"""Requests: running, waiting and finished requests, latency histograms, the batching knobs
-(editable live), and the demo workload's rate, lengths and pause."""
+"""Requests: running, waiting and finished requests, latency histograms, the batching knobs and
+the KV retention policy and budget (editable live), and the demo workload's rate, lengths and pause."""
 
 from __future__ import annotations
 
@@ -13,9 +13,12 @@ from moectl.console.panels.common import ActionRequested, ShowsOnChange, absent_
 from moectl.console.widgets.chart import Chart
 from moectl.console.widgets.line_cache import LineCacheMixin
 from moectl.wire.actions import Action
+from moectl.wire.kv_budget import format_kv_budget, parse_kv_budget
 
 KNOBS = (("max_num_seqs", "max seqs"), ("max_num_batched_tokens", "max batched tokens"),
          ("long_prefill_token_threshold", "prefill chunk"))
+RETENTION_POLICIES = ("full", "streaming", "snapkv", "h2o")  # engine/core/config.py's, for the Select
+NO_BUDGET = ("", "none")  # what the budget field takes for "no budget" (full retention needs none)
 SHOWN_ROWS = 200
 
 
@@ -71,13 +74,18 @@ class RequestsPanel(ShowsOnChange, VerticalScroll):
             with Vertical():
                 yield Static("TPOT (ms), finished requests", classes="section-title")
                 yield Chart(id="rq-tpot")
-        yield Static("Batching knobs (applied at the next step)", classes="section-title")
+        yield Static("Batching knobs and KV retention (applied at the next step)", classes="section-title")
         with Horizontal(classes="controls"):
             for name, label in KNOBS:
                 yield Label(label)
                 yield Input(id=f"rq-{name}", classes="small")
             yield Label("policy")
             yield Select([("fcfs", "fcfs"), ("priority", "priority")], id="rq-policy", allow_blank=False, value="fcfs")
+        with Horizontal(classes="controls"):
+            yield Label("KV retention")
+            yield Select([(p, p) for p in RETENTION_POLICIES], id="rq-kv_retention", allow_blank=False, value="full")
+            yield Label("budget")
+            yield Input(id="rq-kv_budget", classes="small", placeholder="4096 or 25%")
             yield Button("Apply knobs", id="rq-apply", variant="primary")
         yield Static("Workload generator", classes="section-title")
         with Horizontal(classes="controls"):
@@ -97,9 +105,11 @@ class RequestsPanel(ShowsOnChange, VerticalScroll):
         for column in RequestTable.COLUMNS:
             table.add_column(column, key=column)
         self._filled = False
+        self._knobs: dict = {}
 
     def fill_forms(self, knobs: dict, load) -> None:
         """Put the current values in the forms once (later edits are the operator's)."""
+        self._knobs = knobs  # the engine's, for what Apply may send
         if self._filled:
             return
         if self.app.state.mode == "replay":  # a recording cannot be re-batched: say so, show no dead forms
@@ -110,6 +120,10 @@ class RequestsPanel(ShowsOnChange, VerticalScroll):
         for name, _ in KNOBS:
             self.query_one(f"#rq-{name}", Input).value = str(knobs.get(name, ""))
         self.query_one("#rq-policy", Select).value = knobs.get("policy", "fcfs")
+        if knobs.get("kv_retention") in RETENTION_POLICIES:
+            self.query_one("#rq-kv_retention", Select).value = knobs["kv_retention"]
+        budget = format_kv_budget(int(knobs.get("kv_budget") or 0), float(knobs.get("kv_budget_fraction") or 1.0))
+        self.query_one("#rq-kv_budget", Input).value = "" if budget == "none" else budget
         if load is not None:
             self.query_one("#rq-rate", Input).value = f"{load.rate:g}"
             self.query_one("#rq-prompt", Input).value = load.prompt_len
@@ -149,12 +163,29 @@ class RequestsPanel(ShowsOnChange, VerticalScroll):
                     except ValueError:
                         raise ValueError(f"{label}: {text!r} is not an integer") from None
                 changes["policy"] = self.query_one("#rq-policy", Select).value
+                changes.update(self._retention_changes())
             except ValueError as exc:
                 self.show_error(str(exc))
                 return
             self.post_message(ActionRequested(Action.KNOBS, **changes))
         elif event.button.id == "rq-workload":
             self._request_workload()
+
+    def _retention_changes(self) -> dict:
+        """The retention policy and budget as the engine's knobs take them; ValueError for a budget
+        that is neither a token count nor a percentage. A policy other than full with no budget
+        goes to the engine as asked: its KnobError says what is missing. An engine that has no
+        retention knobs (its records name none) is sent them only when set away from full."""
+        policy = self.query_one("#rq-kv_retention", Select).value
+        text = self.query_one("#rq-kv_budget", Input).value.strip()
+        tokens, fraction = 0, 1.0
+        if text.lower() not in NO_BUDGET:
+            for part in text.split(" and "):  # format_kv_budget's "4096 and 25%": both caps
+                t, f = parse_kv_budget(part, "budget")
+                tokens, fraction = t or tokens, min(f, fraction)
+        if "kv_retention" not in self._knobs and policy == "full" and text.lower() in NO_BUDGET:
+            return {}
+        return {"kv_retention": policy, "kv_budget": tokens, "kv_budget_fraction": fraction}
 
     def on_switch_changed(self, event: Switch.Changed) -> None:
         if event.switch.id == "rq-pause":

@@ -55,16 +55,16 @@ async def _settle(pilot, condition, timeout_s: float = 30.0) -> None:
     raise AssertionError("the console did not settle")
 
 
-def before(key: str | None):
-    """run_before for snap_compare: seek to STEP (paused), wait for the alerts, show a panel."""
+def before(key: str | None, step: int = STEP):
+    """run_before for snap_compare: seek to `step` (paused), wait for the alerts, show a panel."""
 
     async def run_before(pilot) -> None:
         app = pilot.app
         await pilot.pause()
         app.source.pause()
-        app.source.seek_step(STEP)
-        app.tick()  # refills the window before STEP and starts the alerts worker
-        assert app.state.latest is not None and app.state.latest["step"] == STEP
+        app.source.seek_step(step)
+        app.tick()  # refills the window before the step and starts the alerts worker
+        assert app.state.latest is not None and app.state.latest["step"] == step
         await _settle(pilot, lambda: not app._alerts_running)
         if key is not None:
             await pilot.press(key)
@@ -93,6 +93,18 @@ def test_help_screen(snap_compare):
         assert pilot.app.screen.__class__.__name__ == "HelpScreen"
 
     assert snap_compare(replay_app("dark"), terminal_size=(80, 24), run_before=run_before)
+
+
+def test_memory_with_kv_retention(snap_compare, tmp_path):
+    """The Memory tab with KV retention in force, 160x80 (tall enough for the saving's curve and
+    the per-device table): a trace of synthetic records (tests/console/retention_trace.py), full
+    retention, then snapkv with a 64-token budget from step 20; at its last step, paused."""
+    from tests.console.retention_trace import STEPS, write_retention_trace
+
+    path = tmp_path / "retention.trace"
+    write_retention_trace(path)
+    app = MoectlApp(ReplaySource(path), theme="dark")
+    assert snap_compare(app, terminal_size=(160, 80), run_before=before(PANELS["memory"], STEPS))
 
 
 def test_gpu_timeline(snap_compare, tmp_path):
