@@ -281,9 +281,17 @@ def kv_retention(r: dict) -> list[tuple[str, str]]:
             for budget, v in e["verdict"].items():
                 figures = "; ".join(f"{p} {ours[f'{p}@{budget}']['nll']:.4f} (top-1 {ours[f'{p}@{budget}']['top1']:.3f})"
                                     for p in ("streaming", "snapkv", "h2o"))
-                peer = (f"; kvpress best {v['kvpress_best']} {v['kvpress_best_nll']:.4f}: moectl "
-                        f"{'no worse' if v['no_worse_than_kvpress'] else 'WORSE'}") if "kvpress_best" in v else (
-                    f"; kvpress: {e['kvpress_status'].get('reason', 'not run')}")
+                if "kvpress_best" in v:
+                    best = e["kvpress"][v["kvpress_best"]]
+                    peer = (f"; kvpress's best press {v['kvpress_best']} {best['nll']:.4f} (top-1 {best['top1']:.3f}): "
+                            f"moectl {'no worse' if v['no_worse_than_kvpress'] else 'WORSE'} in NLL")
+                else:
+                    status = e["kvpress_status"]
+                    peer = (f"; kvpress does not run on {status['architecture']} (bench/peers/README.md)"
+                            if status.get("supported") is False and status.get("architecture")
+                            else f"; kvpress: {status.get('reason', 'not run')}")
+                if e["context"] + e["continuation"] > 256 and v["vs_full"] < 0:
+                    peer += " (below full KV: past the model's 256 trained positions far context hurts)"
                 rows.append((f"KV retention at {float(budget):.0%} of the context, {where}: NLL (full KV "
                              f"{v['full_nll']:.4f})",
                              f"{figures}; best scored {v['vs_full']:+.1%} vs full "
