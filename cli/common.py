@@ -242,6 +242,11 @@ def engine_config(options: EngineOptions, *, device: str = "cpu", **fields) -> E
     fields: any other EngineConfig field (num_kv_blocks, kv_cache_dtype, ...)."""
     fields["num_threads"] = parse_threads(options.threads)
     fields["knobs"] = retention_knobs(options.kv_retention, options.kv_budget)
+    if options.mixed_precision:
+        if options.dtype not in ("fp16", "bf16", "float16", "bfloat16"):
+            raise BadInput("--mixed-precision: needs --dtype fp16 or bf16 (the residual stream is kept in fp32 "
+                           "beside half-precision matmuls)")
+        fields["mixed_precision"] = True
     fields["dtype"] = options.dtype
     model, devices, backend, nproc = options.model, options.devices, options.backend, options.nproc
     expert_cache, host_mem, placement = options.expert_cache, options.host_mem, options.placement

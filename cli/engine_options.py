@@ -84,6 +84,11 @@ KV_RETENTION_OPT = typer.Option("full", "--kv-retention", help="Which KV of the 
 KV_BUDGET_OPT = typer.Option(None, "--kv-budget", show_default=False,
                              help="With --kv-retention other than full: the KV a sequence keeps, N tokens or P% of "
                                   "its context (e.g. 4096, 25%), in whole blocks.")
+MIXED_PRECISION_OPT = typer.Option(False, "--mixed-precision",
+                                   help="With --dtype fp16 or bf16: keep the residual stream (and the norms' inputs "
+                                        "and sums) in fp32 while the matmuls run in the half dtype; repairs a "
+                                        "residual that outgrows fp16 (`moectl verify --dtype fp16 "
+                                        "--mixed-precision` shows where).")
 # the options only the simulated backend reads (sim_backend.py)
 SIM_OPTIONS = ("hardware", "routing", "drift", "tp", "overlap", "sim_seed")
 
@@ -122,6 +127,7 @@ class EngineOptions:
     sim_seed: int = _option(SIM_SEED_OPT)
     kv_retention: str = _option(KV_RETENTION_OPT)
     kv_budget: str | None = _option(KV_BUDGET_OPT)
+    mixed_precision: bool = _option(MIXED_PRECISION_OPT)
     given: frozenset[str] = frozenset()
 
     def given_flags(self) -> list[str]:

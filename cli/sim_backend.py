@@ -56,6 +56,7 @@ def refuse_real_engine_options(options: EngineOptions) -> None:
     """Options of a real engine that a simulated cluster has no use for: bad input, not ignored."""
     refuse_given(options, ("hbm", "nproc", "expert_cache", "host_mem", "threads"),
                  "not on the simulated backend (its devices are the hardware profile's)")
+    refuse_given(options, ("mixed_precision",), "not on the simulated backend (it runs no arithmetic to keep wider)")
     refuse_given(options, ("kv_retention", "kv_budget"), "not on the simulated backend (it keeps every token's KV; "
                  "`moectl plan memory --kv-budget` prices a budget)")
 

@@ -226,3 +226,30 @@ def prompts(n: int, seed: int = 0, lo: int = 3, hi: int = 40) -> list[list[int]]
     """n random token-id prompts with lengths in [lo, hi], reproducible from seed."""
     rng = random.Random(seed)
     return [[rng.randrange(2, 300) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def overflow_checkpoint(out_dir: Path, residual: float = 4.0e4, added: float = 3.0e4) -> Path:
+    """The tiny Mixtral (transformers' own classes) with a residual stream that outgrows fp16. Every
+    token's embedding holds `residual` in dimension 0, which then dominates the normed input, so
+    layer 0's values, and so its attention output, are about the same for every token; layer 0's
+    output projection turns that into `added` in dimension 0 (its row 0 carries the attention
+    output's signs). Each operator's output stays within fp16's 65,504, but the residual stream's
+    sum, residual + added, does not: in pure fp16 it overflows at layer 0's attention, and a
+    residual kept in fp32 (mixed precision) repairs it."""
+    import json as _json
+
+    from safetensors.torch import load_file, save_file
+
+    out_dir = tiny_checkpoint(Path(out_dir), "mixtral")
+    cfg = _json.loads((out_dir / "config.json").read_text())
+    hidden, heads, kv_heads = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    head_dim = cfg.get("head_dim") or hidden // heads
+    path = out_dir / "model.safetensors"
+    t = load_file(str(path))
+    t["model.embed_tokens.weight"][:, 0] = residual
+    # normed input ~ sqrt(hidden) * norm weight in dimension 0, ~0 elsewhere: v is one column of v_proj
+    v = t["model.layers.0.self_attn.v_proj.weight"][:, 0] * hidden ** 0.5 * t["model.layers.0.input_layernorm.weight"][0]
+    per_head = v.view(kv_heads, head_dim).repeat_interleave(heads // kv_heads, dim=0).reshape(-1)  # [q heads * D]
+    t["model.layers.0.self_attn.o_proj.weight"][0] = per_head.sign() * (added / per_head.abs().sum())
+    save_file(t, str(path), metadata={"format": "pt"})
+    return out_dir

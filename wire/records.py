@@ -35,6 +35,27 @@ Step record (format 1):
                    "memory_used_bytes", "memory_total_bytes", "util_gpu_pct", "util_memory_pct",
                    "power_w", "power_limit_w", "temperature_c", "sm_clock_mhz", "memory_clock_mhz"
                    the driver supports}]}
+  numerics        the activation watch, absent in older traces, on the simulated backend and with
+                  the watch off: {"dtype": the activations' dtype ("float32", "bfloat16",
+                  "float16"), "limit": float (its largest finite value), "fp16_limit": 65504.0,
+                  "residual_dtype": the residual stream's dtype (float32 on the mixed-precision
+                  path), "points": ["residual", "norm_sumsq", "attn_logits", "expert_out"],
+                  "limits": [float] per point, the largest value it can hold: the residual
+                  stream's dtype for residual and norm_sumsq (an accumulation in the stream's
+                  dtype), the activations' dtype for attn_logits and expert_out,
+                  "max": float32 [layers, 4], this step's largest value at each point of each layer:
+                    residual: max |x| of the residual stream entering the layer's two norms;
+                    norm_sumsq: max over tokens of the sum of x^2 over the hidden size at a norm's
+                      input: what an accumulation of the norm's mean square in the stream's dtype
+                      holds (moectl's norms accumulate in fp32; a pure-fp16 kernel overflows here
+                      first);
+                    attn_logits: the largest |q.k| * scale, as the bound max|q| * max|k| * scale
+                      (row norms; Cauchy-Schwarz) over this step's queries and every key the
+                      layer has cached (a running maximum);
+                    expert_out: max |y| of the layer's MoE block (or dense MLP) output;
+                  "bound": [bool] per point (attn_logits is an upper bound, the rest exact),
+                  "nonfinite": [[bool] * 4] per layer (an inf or NaN was seen there; its "max" is
+                  then fp32's largest, 3.4e38, past every limit)}
   requests        [{"id": str, "event": "arrived"|"scheduled"|"first_token"|"preempted"|"finished",
                     "t": float, ...}]; "finished" adds "reason", "prompt_tokens", "output_tokens",
                     "ttft_s", "tpot_s" (None when undefined)
@@ -188,6 +209,7 @@ class StepStats:
     process: dict = field(default_factory=dict)
     knobs: dict = field(default_factory=dict)
     gpu: dict | None = None  # NVML's sample; None without a GPU, and then the record has no "gpu"
+    numerics: dict | None = None  # the activation watch; None with it off (no "numerics" then)
 
     def as_record(self) -> dict:
         devices = self.devices
@@ -202,4 +224,6 @@ class StepStats:
             record["kernels"] = self.kernels
         if self.gpu is not None:
             record["gpu"] = self.gpu
+        if self.numerics is not None:
+            record["numerics"] = self.numerics
         return record

@@ -177,6 +177,12 @@ class EngineConfig:
     # collectives in flight while the other computes; moectl.engine.parallel.two_batch)
     overlap: str = "none"
     overlap_min_tokens: int = OVERLAP_MIN_TOKENS  # two-batch: a step with fewer tokens runs as one batch
+    # the numerics watch (models/numerics.py): per layer, the largest activations where half
+    # precision overflows first, in every step record
+    numerics_watch: bool = True
+    # mixed precision: the residual stream (the norms' inputs, the sums into it) in fp32 under
+    # half-precision weights, whose matmuls stay in their dtype
+    mixed_precision: bool = False
 
     def __post_init__(self):
         _int_in("block_size", self.block_size, 1, 1024)

@@ -40,6 +40,7 @@ from moectl.engine.core.threads import AdaptiveThreads
 from moectl.engine.models.config import ModelConfig
 from moectl.engine.models.decoder import MoEForCausalLM
 from moectl.engine.models.loader import load_model
+from moectl.engine.models.numerics import ActivationWatch
 from moectl.engine.models.tokenizer import Tokenizer
 from moectl.wire.actions import Action
 from moectl.wire.records import StepStats
@@ -80,6 +81,12 @@ class EngineCore:
         device = torch.device(config.device)
         self.runner = (runner_factory or ModelRunner)(self.model, self.kv_cache, device)
         self.runner.knobs = config.knobs
+        if config.mixed_precision:
+            self.model.set_residual_dtype(torch.float32)
+        self.watch = None
+        if config.numerics_watch:
+            self.watch = ActivationWatch(cfg.num_layers, [layer.attn.scale for layer in self.model.layers], device)
+            self.model.set_watch(self.watch)
         self.retention = Retention(self.blocks)
         self.telemetry = Telemetry(num_devices, device.type == "cuda", config.profile_spans)
         self.model.tracer = self.telemetry.tracer
@@ -221,6 +228,8 @@ class EngineCore:
         batch = self.scheduler.schedule()
         if not batch.empty:
             self.step_count += 1
+            if self.watch is not None:
+                self.watch.buffer.zero_()  # what a scoring pass or a failed step left is not this step's
             try:
                 with self.telemetry.step(self, batch, t_start):
                     logits = self.runner.run(batch.items)
@@ -461,6 +470,13 @@ class EngineCore:
             store = blocks.window.store
             out = [b + n * window for b, n in zip(out, store.used_per_pool() if used else store.pool_sizes)]
         return out
+
+    def numerics_record(self) -> dict | None:
+        """The step's activation watch (the step record's `numerics`), None with the watch off."""
+        if self.watch is None:
+            return None
+        model = self.model
+        return self.watch.collect(model.embed.weight.dtype, model.residual_dtype or model.embed.weight.dtype)
 
     def retention_record(self) -> dict:
         """KV retention in force and what it keeps, per device pool (the step record's

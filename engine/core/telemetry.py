@@ -214,7 +214,8 @@ class Telemetry:
             cache={"kv_blocks_used": b.num_used, "kv_blocks_total": b.num_blocks, "prefix_queries": b.prefix_queries,
                    "prefix_hits": b.prefix_hits, "preemptions": engine.scheduler.num_preemptions,
                    "kv_retention": engine.retention_record()},
-            process=self.process_memory(), knobs=engine.scheduler.knobs.as_dict(), gpu=self.gpu_sample())
+            process=self.process_memory(), knobs=engine.scheduler.knobs.as_dict(), gpu=self.gpu_sample(),
+            numerics=engine.numerics_record())
 
     def process_memory(self) -> dict:
         """RSS, system memory and CUDA allocator figures, sampled at most every PROCESS_SAMPLE_S."""

@@ -17,6 +17,7 @@ from torch import nn
 from moectl.engine.kernels.small_batch import Linear
 from moectl.engine.models.config import ModelConfig
 from moectl.engine.models.layers import RMSNorm, RotaryEmbedding
+from moectl.engine.models.numerics import KEY, NULL_WATCH, QUERY
 
 
 class Attention(nn.Module):
@@ -39,6 +40,7 @@ class Attention(nn.Module):
         self.scale = cfg.attention_scale
         self.window = cfg.layer_windows[layer_idx]
         self.sinks = nn.Parameter(torch.empty(cfg.num_heads)) if cfg.attention_sinks else None
+        self.watch = NULL_WATCH  # the numerics watch (MoEForCausalLM.set_watch)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
         qkv = self.qkv(x)
@@ -48,6 +50,9 @@ class Attention(nn.Module):
             qk = self.rope.rotate(positions, qkv[:, :self.q_size + self.kv_size].view(n, -1, self.head_dim))
             q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
             v = qkv[:, self.q_size + self.kv_size:].view(n, self.num_kv_heads, self.head_dim)
+            if self.watch.enabled:
+                self.watch.note(self.layer_idx, QUERY, q)
+                self.watch.note(self.layer_idx, KEY, k)
             out = ctx.attend(self.layer_idx, q, k, v, self.scale, window=self.window, sinks=self.sinks)
             return self.o_proj(out.reshape(n, self.q_size))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -61,6 +66,9 @@ class Attention(nn.Module):
         if self.qk_norm == "per_head":
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rope(positions, q, k)
+        if self.watch.enabled:
+            self.watch.note(self.layer_idx, QUERY, q)
+            self.watch.note(self.layer_idx, KEY, k)
         out = ctx.attend(self.layer_idx, q, k, v, self.scale, window=self.window, sinks=self.sinks)
         return self.o_proj(out.reshape(n, self.q_size))
 

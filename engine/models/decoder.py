@@ -17,6 +17,7 @@ from moectl.engine.models.config import ModelConfig
 from moectl.engine.models.layers import DenseMLP, RMSNorm, RotaryEmbedding
 from moectl.engine.models.mla import MLAttention
 from moectl.engine.models.moe import ExpertFFN, GroupedSigmoidRouter, MoEBlock
+from moectl.engine.models.numerics import NORM_INPUT, NULL_WATCH, OUTPUT
 from moectl.engine.models.tracing import NULL_TRACER, NullTracer
 from moectl.engine.models.yield_points import Stages, run_stages
 
@@ -37,6 +38,8 @@ class DecoderLayer(nn.Module):
                                 softmax_after_topk=cfg.router == "topk_softmax", router_bias=cfg.router_bias, ffn=ffn)
         else:
             self.mlp = DenseMLP(cfg.hidden_size, cfg.dense_intermediate_size)
+        self.watch = NULL_WATCH  # the numerics watch (MoEForCausalLM.set_watch)
+        self.compute_dtype = None  # the weights' dtype when the residual stream is kept wider (set_residual_dtype)
 
     def forward(self, x, positions, ctx, probe=None, tracer: NullTracer = NULL_TRACER):
         return run_stages(self.stages(x, positions, ctx, probe, tracer))
@@ -45,19 +48,31 @@ class DecoderLayer(nn.Module):
         """The layer, yielding at its collectives (see yield_points): the attention output's
         all_reduce when tensor parallelism set `output_collective`, the expert layer's own."""
         mark = tracer.mark()
-        attn = self.attn(self.input_norm(x), positions, ctx)
+        layer, watch = self.attn.layer_idx, self.watch
+        if watch.enabled:
+            watch.note(layer, NORM_INPUT, x)
+        attn = self.attn(self._compute(self.input_norm(x)), positions, ctx)
         reduce = getattr(self.attn, "output_collective", None)
         if reduce is not None:
             yield reduce(attn)  # in place: attn is read only after the wait
-        tracer.close(mark, "attention", 0, self.attn.layer_idx)
-        x = x + attn
-        h = self.post_norm(x)
+        tracer.close(mark, "attention", 0, layer)
+        x = x + attn  # a residual kept in fp32 (mixed precision) stays fp32: type promotion
+        if watch.enabled:
+            watch.note(layer, NORM_INPUT, x)
+        h = self._compute(self.post_norm(x))
         if isinstance(self.mlp, MoEBlock):
-            return x + (yield from self.mlp.stages(h, probe, tracer))
-        mark = tracer.mark()
-        out = x + self.mlp(h)
-        tracer.close(mark, "dense_mlp", 0, self.attn.layer_idx)
-        return out
+            out = yield from self.mlp.stages(h, probe, tracer)
+        else:
+            mark = tracer.mark()
+            out = self.mlp(h)
+            tracer.close(mark, "dense_mlp", 0, layer)
+        if watch.enabled:
+            watch.note(layer, OUTPUT, out)
+        return x + out
+
+    def _compute(self, h: torch.Tensor) -> torch.Tensor:
+        """A norm's output in the weights' dtype (it is fp32 when the residual stream is)."""
+        return h if self.compute_dtype is None or h.dtype == self.compute_dtype else h.to(self.compute_dtype)
 
 
 class MoEForCausalLM(nn.Module):
@@ -70,6 +85,7 @@ class MoEForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tracer = NULL_TRACER  # the engine's SpanRecorder while it records spans
+        self.residual_dtype = None  # set_residual_dtype: mixed precision
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
 
@@ -83,13 +99,30 @@ class MoEForCausalLM(nn.Module):
         micro-batch's own (default: the model's)."""
         tracer = self.tracer if tracer is None else tracer
         x = self.embed(input_ids)
+        if self.residual_dtype is not None:
+            x = x.to(self.residual_dtype)
         if probe is not None:
             probe.on_hidden(0, x)
         for i, layer in enumerate(self.layers):
             x = yield from layer.stages(x, positions, ctx, probe, tracer)
             if probe is not None:
                 probe.on_hidden(i + 1, x)
-        return self.norm(x)
+        out = self.norm(x)
+        return out if self.residual_dtype is None else out.to(self.embed.weight.dtype)
+
+    def set_watch(self, watch) -> None:
+        """The numerics watch every layer notes its activations to (numerics.NULL_WATCH: none)."""
+        for layer in self.layers:
+            layer.watch = layer.attn.watch = watch
+
+    def set_residual_dtype(self, dtype: torch.dtype | None) -> None:
+        """Mixed precision: the residual stream (and so every norm's input and the sums into it)
+        kept in `dtype`, typically fp32 under fp16 weights; the matmuls stay in the weights'
+        dtype. None: the residual stream in the weights' dtype, as the reference runs it."""
+        weights = self.embed.weight.dtype
+        self.residual_dtype = None if dtype in (None, weights) else dtype
+        for layer in self.layers:
+            layer.compute_dtype = None if self.residual_dtype is None else weights
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -15,6 +15,7 @@ from torch import nn
 from moectl.engine.kernels.small_batch import Linear
 from moectl.engine.models.config import ModelConfig
 from moectl.engine.models.layers import RMSNorm, RotaryEmbedding
+from moectl.engine.models.numerics import KEY, NULL_WATCH, QUERY
 
 LATENT_NORM_EPS = 1e-6  # transformers builds q_a_layernorm and kv_a_layernorm with the default eps
 
@@ -40,6 +41,7 @@ class MLAttention(nn.Module):
         self.o_proj = Linear(cfg.num_heads * self.v_dim, h, bias=bias)
         self.rope = rope
         self.scale = cfg.attention_scale
+        self.watch = NULL_WATCH  # the numerics watch (MoEForCausalLM.set_watch)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
         n, heads = x.shape[0], self.num_heads
@@ -52,7 +54,10 @@ class MLAttention(nn.Module):
             [self.nope, self.v_dim], dim=1)
         q_latent = torch.einsum("nhd,hdr->nhr", q_nope, w_uk)
         # the context caches k_pe as K and the latent as V, and attends with key [latent; k_pe], value latent
-        out_latent = ctx.attend(self.layer_idx, torch.cat([q_latent, q_pe], dim=-1), k_pe, latent[:, None],
-                                self.scale, latent_keys=True)
+        q = torch.cat([q_latent, q_pe], dim=-1)
+        if self.watch.enabled:
+            self.watch.note(self.layer_idx, QUERY, q)
+            self.watch.note(self.layer_idx, KEY, torch.cat([latent, k_pe[:, 0]], dim=-1))
+        out_latent = ctx.attend(self.layer_idx, q, k_pe, latent[:, None], self.scale, latent_keys=True)
         out = torch.einsum("nhr,hvr->nhv", out_latent, w_uv)
         return self.o_proj(out.reshape(n, heads * self.v_dim))

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import gc
 import inspect
+import math
 import textwrap
 from collections.abc import Callable
 
@@ -124,16 +125,60 @@ def compare_layers(ours: LLMEngine, ref, batch: list[list[int]]) -> dict:
     n = ours.model_config.num_layers
     if len(ref_hidden) != n + 1:
         raise RuntimeError(f"transformers returned {len(ref_hidden)} hidden states for {n} layers")
-    ours_hidden = [probe.hidden[i].view(len(batch), len(batch[0]), -1) for i in range(n)]
-    last = probe.hidden[n].to(ours.model.norm.weight.dtype)
-    ours_hidden.append(ours.model.norm(last).float().view_as(ours_hidden[0]))
+    ours_hidden = _our_hidden(ours, probe, batch)
     pairs = [*zip(ours_hidden, ref_hidden), (logits, ref_logits)]
     errors = [rel_error(o, r) for o, r in pairs]
     medians = [median_token_error(o, r) for o, r in pairs]
     return {"layer_rel_errors": errors[:-1], "logits_rel_error": errors[-1], "max_rel_error": max(errors),
             "layer_median_rel_errors": medians[:-1], "logits_median_rel_error": medians[-1],
             "median_rel_error": max(medians), "logits": logits, "ref_logits": ref_logits,
-            "routed": list(probe.routed.values())}
+            "routed": list(probe.routed.values()), "ref_hidden": [h.float() for h in ref_hidden]}
+
+
+def _our_hidden(ours: LLMEngine, probe: _Probe, batch: list[list[int]]) -> list[torch.Tensor]:
+    """The probe's hidden states as transformers returns them: [rows, len, hidden] after every
+    layer but the last, then the last layer's output after the final norm."""
+    n = ours.model_config.num_layers
+    hidden = [probe.hidden[i].view(len(batch), len(batch[0]), -1) for i in range(n)]
+    last = probe.hidden[n]
+    if ours.model.residual_dtype is None:  # the final norm takes the stream in the dtype the model keeps it
+        last = last.to(ours.model.norm.weight.dtype)
+    hidden.append(ours.model.norm(last).float().view_as(hidden[0]))
+    return hidden
+
+
+def precision_report(ours: LLMEngine, ref_hidden: list[torch.Tensor], ref_logits: torch.Tensor,
+                     batch: list[list[int]], threshold: float) -> dict:
+    """This engine in half precision against the fp32 reference, layer by layer: where an
+    operator overflows (the numerics watch: a point past the dtype's limit, or an inf/NaN), and
+    which layers lose accuracy (their hidden state's median per-token error against fp32 above
+    `threshold`, a NaN included)."""
+    if ours.watch is None:
+        raise RuntimeError("verify: the engine's numerics watch is off")
+    ours.watch.buffer.zero_()
+    probe = _Probe()
+    logits = torch.stack(prefill_batch(ours, batch, probe))
+    watch = ours.numerics_record()
+    ours_hidden = _our_hidden(ours, probe, batch)
+    errors = [median_token_error(o, r) for o, r in zip(ours_hidden, ref_hidden)]
+    errors = [e if math.isfinite(e) else math.inf for e in errors]
+    logits_error = median_token_error(logits, ref_logits)
+    logits_error = logits_error if math.isfinite(logits_error) else math.inf
+    limits = watch["limits"]
+    overflows = [{"layer": layer, "operator": point, "max": float(row[j]), "limit": limits[j],
+                  "nonfinite": watch["nonfinite"][layer][j]}
+                 for layer, row in enumerate(watch["max"].tolist()) for j, point in enumerate(watch["points"])
+                 if watch["nonfinite"][layer][j] or row[j] > limits[j]]
+    # hidden index 0 is the embeddings, i the output of layer i - 1 (the last one final-normed)
+    lossy = [i - 1 for i, e in enumerate(errors) if i > 0 and not e <= threshold]
+    headroom = {point: min((limits[j] / row[j] if row[j] > 0 else math.inf) for row in watch["max"].tolist())
+                for j, point in enumerate(watch["points"])}
+    return {"dtype": watch["dtype"], "residual_dtype": watch["residual_dtype"],
+            "path": "mixed" if ours.model.residual_dtype is not None else "pure",
+            "overflows": overflows, "first_overflow": overflows[0] if overflows else None,
+            "lossy_layers": lossy, "layer_median_errors_vs_fp32": errors[1:],
+            "logits_median_error_vs_fp32": logits_error, "threshold": threshold,
+            "min_headroom": headroom, "repaired": not overflows and logits_error <= threshold}
 
 
 def mean_nll(logits: torch.Tensor, ids: list[int]) -> float:
@@ -148,15 +193,21 @@ def default_reference_text() -> str:
 
 def run_verify(model_dir, *, prompts=None, reference_text=None, max_new_tokens: int = 16,
                log: Callable[[str], None] | None = None, knobs: SchedulerKnobs | None = None,
-               dtype: str | torch.dtype = "float32") -> dict:
+               dtype: str | torch.dtype = "float32", mixed_precision: bool = False) -> dict:
     """Compare this engine with transformers on `model_dir`; returns the measurements and `passed`.
 
     prompts: token-id lists or strings (strings need tokenizer.json); default: slices of the
     reference text of PROMPT_LENGTHS tokens. reference_text: a string or token ids; default: a
     chunk of stdlib source, or seeded pseudo-random ids when the checkpoint has no tokenizer.
     knobs: the engine's batching knobs for the greedy run (small prefill chunks exercise chunking).
-    dtype: bf16 or fp16 adds the numerics in that dtype (under "half"); fp32 adds nothing.
+    dtype: bf16 or fp16 adds the numerics in that dtype (under "half") and the precision report
+    (under "precision": where operators overflow and layers lose accuracy against fp32); fp32 adds
+    nothing. mixed_precision: the half-precision engine keeps its residual stream in fp32 (fp16
+    matmuls, fp32 norms and sums); the report then covers both paths, and the checks the mixed one,
+    against the fp32 reference (transformers has no such path to compare with).
     """
+    if mixed_precision and dtype in ("float32", torch.float32):
+        raise ValueError("mixed_precision: needs a half-precision dtype (bf16 or fp16)")
     half_dtype = parse_dtype(dtype)
     half_dtype = None if half_dtype == torch.float32 else half_dtype
     try:
@@ -183,10 +234,10 @@ def run_verify(model_dir, *, prompts=None, reference_text=None, max_new_tokens: 
             kwargs["config"] = config
         return AutoModelForCausalLM.from_pretrained(model_dir, **kwargs).eval()
 
-    def engine(dtype, blocks, engine_knobs=None):
-        say(f"loading engine ({dtype})")
+    def engine(dtype, blocks, engine_knobs=None, mixed=False):
+        say(f"loading engine ({dtype}{', fp32 residual' if mixed else ''})")
         return LLMEngine(EngineConfig(model=model_dir, dtype=dtype, block_size=BLOCK_SIZE, num_kv_blocks=blocks,
-                                      knobs=engine_knobs or SchedulerKnobs()))
+                                      knobs=engine_knobs or SchedulerKnobs(), mixed_precision=mixed))
 
     # -- inputs, from the config and tokenizer alone (no weights loaded yet)
     cfg = ModelConfig.from_dir(model_dir)
@@ -218,21 +269,32 @@ def run_verify(model_dir, *, prompts=None, reference_text=None, max_new_tokens: 
 
     say(f"greedy generation: {len(prompt_ids)} prompts x {max_new_tokens} tokens")
     greedy = _compare_greedy(ours, ref, prompt_ids, max_new_tokens)
-    del ours, ref, numerics, logits, ref_logits
+    ref_hidden_fp32 = numerics["ref_hidden"]
+    del ours, ref, numerics, logits
     gc.collect()
 
-    # -- bf16 or fp16 on request: the numerics in that dtype
-    half = loglik = None
+    # -- bf16 or fp16 on request: the numerics in that dtype, and where it overflows or loses accuracy
+    half = loglik = precision = None
     if half_dtype is not None:
         half_name = str(half_dtype).removeprefix("torch.")
         ours, ref = engine(half_name, blocks), reference(half_dtype)
         say(f"comparing hidden states in {half_name}")
         measured = compare_layers(ours, ref, batch)
-        half = {"dtype": half_name, **{k: v for k, v in measured.items() if k not in ("logits", "ref_logits", "routed")}}
+        half = {"dtype": half_name, **{k: v for k, v in measured.items()
+                                       if k not in ("logits", "ref_logits", "routed", "ref_hidden")}}
+        say(f"precision report: {half_name} against fp32, layer by layer")
+        precision = {"pure": precision_report(ours, ref_hidden_fp32, ref_logits, batch, HALF_THRESHOLDS[half_dtype])}
         if half_dtype == torch.bfloat16:  # the pair the log-likelihood check loads anyway
             loglik = mean_nll(ours.score(text_ids), text_ids), _reference_nll(ref, text_ids)
         del ours, ref, measured
         gc.collect()
+        if mixed_precision:
+            ours = engine(half_name, blocks, mixed=True)
+            say(f"precision report: {half_name} with an fp32 residual stream against fp32")
+            precision["mixed"] = precision_report(ours, ref_hidden_fp32, ref_logits, batch, HALF_THRESHOLDS[half_dtype])
+            del ours
+            gc.collect()
+    del ref_logits, ref_hidden_fp32
 
     # -- bf16: log-likelihood of the reference text, one model at a time
     if loglik is None:
@@ -256,7 +318,11 @@ def run_verify(model_dir, *, prompts=None, reference_text=None, max_new_tokens: 
     thresholds = dict(THRESHOLDS)
     if half is not None:
         thresholds["median_rel_error"] = HALF_THRESHOLDS[half_dtype]
-        checks["half_numerics"] = half["median_rel_error"] <= thresholds["median_rel_error"]
+        if mixed_precision:  # the path served: no overflow, every layer within the threshold of fp32
+            checks["half_precision"] = precision["mixed"]["repaired"] and not precision["mixed"]["lossy_layers"]
+        else:
+            checks["half_numerics"] = half["median_rel_error"] <= thresholds["median_rel_error"]
+            checks["half_precision"] = not precision["pure"]["overflows"]
     return {
         "architecture": cfg.architecture,
         "num_layers": cfg.num_layers,
@@ -279,6 +345,9 @@ def run_verify(model_dir, *, prompts=None, reference_text=None, max_new_tokens: 
         "greedy": greedy,
         # dtype bf16/fp16: that dtype's numerics, as compare_layers measures them, and its dtype
         "half": half,
+        # dtype bf16/fp16: precision_report of the pure half path ("pure") and, with
+        # mixed_precision, of the path with an fp32 residual stream ("mixed")
+        "precision": precision,
         "thresholds": thresholds,
         "checks": checks,
         "passed": all(checks.values()),
