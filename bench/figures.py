@@ -65,7 +65,20 @@ def profiler(r: dict) -> list[tuple[str, str]]:
              + ", ".join(f"{k} {_pct(c['share'])}" for k, c in parts)
              + f"), {_pct(writer['share'])} the writer process's CPU; {r['dropped']} records dropped; A/B on/off "
              f"{r['ratio_on_off']:.3f} (95% CI {lo:.3f}-{hi:.3f}), {'agreeing' if r['ab_agrees'] else 'DISAGREEING'}"
-             f"; target 1%: {'met' if r['met'] else 'not met'}" + _sealing(r["encode"]))]
+             f"; target 1%: {'met' if r['met'] else 'not met'}" + _sealing(r["encode"]))] + _watch_rows(r)
+
+
+def _watch_rows(r: dict) -> list[tuple[str, str]]:
+    """The numerics watch's cost, from the same suite's run (absent before it measured it)."""
+    rows = []
+    for name, w in (r.get("numerics_watch") or {}).items():
+        if isinstance(w, dict):
+            lo, hi = w["ratio_ci95"]
+            rows.append((f"numerics watch cost ({r['numerics_watch']['notes_per_step']} native notes a step), {name}",
+                         f"{_pct(w['direct_share'])} of the engine's wall time measured directly "
+                         f"({w['us_per_step']:.1f} us/step); A/B on/off throughput {w['ratio_on_off']:.3f} "
+                         f"(95% CI {lo:.3f}-{hi:.3f}, {w['rounds']} pairs)"))
+    return rows
 
 
 def _sealing(encode: dict) -> str:

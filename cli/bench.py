@@ -138,7 +138,10 @@ def bench(
 
         if backend not in ("local", "distributed"):
             raise BadInput(f"--backend: the profiler suite runs on local or distributed, got {backend!r}")
+        from moectl.profiler.watch_cost import numerics_watch_cost
+
         result = run_profiler_overhead(path, dtype=dtype, log=log)
+        result["numerics_watch"] = numerics_watch_cost(path, dtype=dtype, log=log)
         if backend == "distributed":  # the ranks' own telemetry, measured directly
             if nproc is not None and nproc < 2:
                 raise BadInput(f"--nproc: the ranks' telemetry needs at least 2, got {nproc}")
