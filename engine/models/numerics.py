@@ -14,8 +14,7 @@ notes return at once.
 
 from __future__ import annotations
 
-import math
-
+import numpy as np
 import torch
 
 from moectl.engine.kernels.build import NativeKernel
@@ -55,37 +54,31 @@ class ActivationWatch:
     def __init__(self, num_layers: int, scales: list[float], device="cpu"):
         """scales: each layer's attention scale (the logits' bound is |q| |k| scale)."""
         self.buffer = torch.zeros(num_layers, 4, 3, device=device)  # [layer, slot, (max|x|, max row x^2, nonfinite)]
-        self.scales = list(scales)
-        self.key_sumsq = [0.0] * num_layers  # running maximum of each layer's key row norms, squared
+        # each slot's view made once: indexing the buffer on every note costs more than the note
+        self.slots = [[self.buffer[layer, slot] for slot in range(4)] for layer in range(num_layers)]
+        self.scales = np.asarray(scales, dtype=np.float64)
+        self.key_sumsq = np.zeros(num_layers)  # running maximum of each layer's key row norms, squared
         ops = _KERNEL.ops() if torch.device(device).type == "cpu" else None
         self._note = ops.note if ops is not None else _note_torch
 
     def note(self, layer: int, slot: int, x: torch.Tensor) -> None:
-        if not x.is_contiguous():
-            x = x.contiguous()
-        self._note(x, self.buffer[layer, slot])
+        self._note(x if x.is_contiguous() else x.contiguous(), self.slots[layer][slot])
 
     def collect(self, dtype: torch.dtype, residual_dtype: torch.dtype) -> dict:
         """This step's figures (the record's `numerics`), and a fresh buffer for the next step."""
-        stats = self.buffer.cpu().numpy().copy()  # one read per step
+        stats = self.buffer.cpu().numpy().astype(np.float64)  # one read per step
         self.buffer.zero_()
-        layers = stats.shape[0]
-        out = [[0.0] * 4 for _ in range(layers)]
-        nonfinite = [[False] * 4 for _ in range(layers)]
-        for layer in range(layers):
-            norm, query, key, output = stats[layer]
-            self.key_sumsq[layer] = max(self.key_sumsq[layer], float(key[1]))
-            out[layer][0], out[layer][1] = float(norm[0]), float(norm[1])
-            out[layer][2] = math.sqrt(float(query[1]) * self.key_sumsq[layer]) * self.scales[layer]
-            out[layer][3] = float(output[0])
-            nonfinite[layer] = [bool(norm[2]), bool(norm[2]), bool(query[2] or key[2]), bool(output[2])]
-            for point in range(4):
-                if nonfinite[layer][point]:  # fp32's largest (no inf in a JSON record): past every limit
-                    out[layer][point] = OVERFLOWED
+        norm, query, key, output = (stats[:, slot] for slot in range(4))
+        np.maximum(self.key_sumsq, key[:, 1], out=self.key_sumsq)
+        out = np.stack([norm[:, 0], norm[:, 1], np.sqrt(query[:, 1] * self.key_sumsq) * self.scales, output[:, 0]], 1)
+        bad = np.stack([norm[:, 2], norm[:, 2], np.maximum(query[:, 2], key[:, 2]), output[:, 2]], 1) > 0
+        out[bad] = OVERFLOWED  # fp32's largest (no inf in a JSON record): past every limit
+        nonfinite = bad.tolist()
+        out = np.minimum(out, OVERFLOWED)
         return {"dtype": str(dtype).removeprefix("torch."), "limit": float(torch.finfo(dtype).max),
                 "fp16_limit": FP16_LIMIT, "residual_dtype": str(residual_dtype).removeprefix("torch."),
                 "points": list(POINTS), "limits": limits(dtype, residual_dtype),
-                "max": torch.tensor(out, dtype=torch.float32).numpy(), "bound": list(BOUND), "nonfinite": nonfinite}
+                "max": out.astype(np.float32), "bound": list(BOUND), "nonfinite": nonfinite}
 
 
 def limits(dtype: torch.dtype, residual_dtype: torch.dtype) -> list[float]:
