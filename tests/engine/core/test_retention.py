@@ -244,3 +244,22 @@ def test_two_micro_batches_keep_the_observed_queries_with_the_chunk_end():
     first, second = split_context(ctx, 6)
     assert first.prefills[0].observe == 0 and first.prefills[0].mass is None
     assert second.prefills[0].observe == 4 and second.prefills[0].mass is mass
+
+
+def test_the_memory_ledger_shows_the_blocks_eviction_returns(tmp_path):
+    from moectl.placement.topology import Topology
+
+    ckpt = tiny_checkpoint(tmp_path / "m", "mixtral")
+    held = {}
+    for policy, knobs in (("full", {}), ("streaming", dict(kv_retention="streaming", kv_budget=12))):
+        engine = LLMEngine(EngineConfig(model=str(ckpt), dtype="fp32", block_size=BS, topology=Topology(num_devices=2),
+                                        knobs=SchedulerKnobs(max_num_batched_tokens=64, **knobs)))
+        steps = []
+        engine.add_listener(on_step=lambda stats: steps.append(stats.devices["memory"]))
+        engine.generate([_ids(40, seed=9), _ids(40, seed=10)], SamplingParams(max_tokens=8, ignore_eos=True))
+        kv = [sum(device["kv_blocks"] for device in memory) for memory in steps]
+        held[policy] = max(kv) // engine.kv_block_bytes[0]
+    # at most 47 tokens each: 12 blocks of 4 in full, the two sequences together 24; a 12-token
+    # budget keeps 3 blocks (the sink and the newest) and the block the next token goes to
+    assert held["full"] == 24
+    assert held["streaming"] <= 2 * (12 // BS + 1)
