@@ -13,6 +13,7 @@ import numpy as np
 
 from moectl.placement.placement import Placement
 from moectl.placement.rebalancer import LOAD_WINDOW_STEPS, LoadWindow
+from moectl.profiler.analysis import numerics_headroom, numerics_peak, step_numerics
 from moectl.profiler.analysis import utilisation as device_utilisation
 from moectl.profiler.outcome import StepTiming, matched_outcome, step_timing
 from moectl.wire.actions import Action
@@ -112,6 +113,9 @@ class ConsoleState:
         self.steps_seen = 0
         self._routing_cache = self._top_cache = (None, None)
         self.loads: LoadWindow | None = None  # the window's routing: the engine's window class, fed per record
+        # the window's activation watch: each record's step_numerics() (None where it has none), read once
+        self._numerics: deque[dict | None] = deque(maxlen=WINDOW_STEPS)
+        self._numerics_cache: tuple = (None, None)
         # never back to 0: the caches are keyed on the version, and a reset must not revive them
         self.version = getattr(self, "version", 0) + 1
 
@@ -162,6 +166,7 @@ class ConsoleState:
             if last is not None and record["t_start"] >= last["time"] and len(last["after"]) < OUTCOME_STEPS:
                 last["after"].append(timing)
         self._route(record)
+        self._numerics.append(step_numerics(record))
         self.steps_seen += 1
         if record.get("knobs"):
             self.knobs = record["knobs"]
@@ -383,6 +388,20 @@ class ConsoleState:
         was in force in one of them (under full retention the two curves are one)."""
         recorded = [h for h in self.history if h["kv_policy"] is not None]
         return recorded if any(h["kv_policy"] != "full" for h in recorded) else []
+
+    def numerics(self) -> dict | None:
+        """The activation watch over the window (profiler/analysis.py numerics_headroom of
+        numerics_peak): per layer and point the largest value the window's steps saw, its headroom to
+        the point's dtype limit and to fp16's, the tightest pairs and where an inf or NaN was seen,
+        with "steps" (the window's steps that carried it) and "window" (the window's steps); None
+        where no step in the window carries it (older traces, the simulated backend, the watch off).
+        One computation per state version."""
+        key = (self.version, len(self._numerics))
+        if self._numerics_cache[0] != key:
+            peak = numerics_peak(self._numerics)
+            found = None if peak is None else {**numerics_headroom(peak), "window": len(self._numerics)}
+            self._numerics_cache = (key, found)
+        return self._numerics_cache[1]
 
     def expert_cache_hit_rate(self) -> list[float] | None:
         recs = [r["devices"]["expert_cache"] for r in self.window if (r.get("devices") or {}).get("expert_cache")]

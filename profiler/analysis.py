@@ -464,6 +464,178 @@ def memory_growth(records: Iterable[dict]) -> dict:
     return result
 
 
+# ---- numerics: the activation watch ----------------------------------------------------------------
+
+NUMERIC_POINTS = ("residual", "norm_sumsq", "attn_logits", "expert_out")  # the record's order (wire/records.py)
+FP16_LIMIT = 65504.0
+# the largest finite value of each dtype a record may name (numpy's finfo; bfloat16's by its format)
+DTYPE_LIMITS = {"float16": 65504.0, "bfloat16": 3.3895313892515355e38, "float32": 3.4028234663852886e38,
+                "float64": 1.7976931348623157e308}
+HEADROOM_WARN = 2.0  # limit / max at or below this (a point at half its dtype's limit or more): the headroom alert
+NONFINITE_NAMED = 3  # (layer, point) pairs an alert names before "and N more"
+
+
+def _dtype_name(value) -> str:
+    """"torch.bfloat16" / "bf16" / "bfloat16" -> "bfloat16" (records say the latter; be lenient)."""
+    name = str(value or "").removeprefix("torch.").lower()
+    return {"fp16": "float16", "half": "float16", "bf16": "bfloat16", "fp32": "float32", "float": "float32",
+            "fp64": "float64", "double": "float64"}.get(name, name)
+
+
+def step_numerics(rec: dict) -> dict | None:
+    """A step record's activation watch ("numerics", wire/records.py), checked and in arrays; None
+    where the record has none (older traces, the simulated backend, the watch off) or its "max"
+    is not a [layers, points] table. Lists (a websocket's JSON, where an inf or NaN arrives as
+    null) read as arrays do: a null is a NaN.
+
+    {"dtype", "limit" (the activations' largest finite value), "fp16_limit", "residual_dtype",
+     "points": [str], "bound": bool [P], "limits": float64 [P] (each point's limit: the record's,
+     else the residual stream's dtype's for residual and norm_sumsq, the activations' for the
+     rest), "point_dtypes": [str] (whose limit that is), "max": float64 [L, P], "nonfinite": bool
+     [L, P] (the record's flags, or a max that is not finite)}"""
+    found = rec.get("numerics")
+    if not isinstance(found, dict) or found.get("max") is None:
+        return None
+    try:
+        return _checked_numerics(found)
+    except (TypeError, ValueError):  # a field this reader cannot make sense of: as if absent
+        return None
+
+
+STREAM_POINTS = ("residual", "norm_sumsq")  # held (or accumulated) in the residual stream's dtype
+
+
+def _checked_numerics(found: dict) -> dict | None:
+    peak = np.abs(np.asarray(found["max"], dtype=np.float64))
+    if peak.ndim != 2 or peak.size == 0:
+        return None
+    layers, width = peak.shape
+    points = [str(p) for p in (found.get("points") or NUMERIC_POINTS)][:width]
+    points += [f"point {i}" for i in range(len(points), width)]
+    dtype = _dtype_name(found.get("dtype"))
+    limit = float(found.get("limit") or DTYPE_LIMITS.get(dtype, FP16_LIMIT))
+    residual_dtype = _dtype_name(found.get("residual_dtype")) or dtype
+    residual_limit = DTYPE_LIMITS.get(residual_dtype, limit) if residual_dtype != dtype else limit
+    point_dtypes = [residual_dtype if p in STREAM_POINTS else dtype for p in points]
+    limits = found.get("limits")
+    if limits is not None and len(limits) == width:
+        limits = np.array([float(v) for v in limits])
+    else:  # a record written before the engine sent them
+        limits = np.array([residual_limit if p in STREAM_POINTS else limit for p in points])
+    bound = list(found.get("bound") or [p == "attn_logits" for p in points])
+    bound = [bool(b) for b in bound[:width]] + [False] * (width - len(bound))
+    nonfinite = ~np.isfinite(peak)
+    flags = found.get("nonfinite")
+    if flags is not None:
+        flags = np.asarray(flags, dtype=bool)
+        if flags.shape == peak.shape:
+            nonfinite |= flags
+    return {"dtype": dtype or "?", "limit": limit, "fp16_limit": float(found.get("fp16_limit") or FP16_LIMIT),
+            "residual_dtype": residual_dtype or "?", "points": points, "bound": bound, "limits": limits,
+            "point_dtypes": [d or "?" for d in point_dtypes], "max": peak, "nonfinite": nonfinite}
+
+
+def numerics_peak(steps: Iterable[dict | None]) -> dict | None:
+    """The largest value at each (layer, point) over a range of step_numerics() results (None
+    ones skipped): the newest step's dtype and shape, the range's steps of that kind folded in
+    (an inf or NaN anywhere in the range stays flagged), with "steps" how many. None without any."""
+    steps = [s for s in steps if s is not None]
+    if not steps:
+        return None
+    newest = steps[-1]
+    same = [s for s in steps if s["max"].shape == newest["max"].shape and s["dtype"] == newest["dtype"]]
+    stack = np.stack([s["max"] for s in same])
+    flags = np.stack([s["nonfinite"] for s in same]).any(axis=0)
+    with np.errstate(invalid="ignore"):
+        peak = np.where(np.isfinite(stack), stack, -np.inf).max(axis=0)
+    peak = np.where(np.isfinite(peak), peak, np.where(flags, np.inf, 0.0))
+    return {**newest, "max": peak, "nonfinite": flags, "steps": len(same)}
+
+
+def headroom(peak: np.ndarray, limit, nonfinite: np.ndarray | None = None) -> np.ndarray:
+    """limit / max per cell: how many times larger a value may grow before it is its dtype's
+    largest finite value (below 1: past it). inf where the max is 0; 0 where an inf or NaN was seen."""
+    peak = np.asarray(peak, dtype=np.float64)
+    limit = np.broadcast_to(np.asarray(limit, dtype=np.float64), peak.shape)
+    out = np.divide(limit, peak, out=np.full(peak.shape, np.inf), where=peak > 0)
+    bad = ~np.isfinite(peak) if nonfinite is None else (nonfinite | ~np.isfinite(peak))
+    out[bad] = 0.0
+    return out
+
+
+def numerics_headroom(found: dict) -> dict:
+    """step_numerics() or numerics_peak()'s figures with their headroom: "headroom" [L, P] to each
+    point's limit, "fp16_headroom" [L, P] to fp16's 65504 (what serving in fp16 would leave), the
+    tightest (layer, point) of each ("tightest", "tightest_fp16"; headroom ties go to the lower
+    layer, then the earlier point) and "nonfinite_at": the (layer, point) pairs that saw an inf or
+    NaN, in forward order (the first is where it started)."""
+    room = headroom(found["max"], found["limits"], found["nonfinite"])
+    room16 = headroom(found["max"], found["fp16_limit"], found["nonfinite"])
+
+    def tightest(h: np.ndarray) -> tuple[int, int]:
+        i = int(np.argmin(h))  # the first minimum in C order: the lowest layer, then the earliest point
+        return i // h.shape[1], i % h.shape[1]
+
+    return {**found, "headroom": room, "fp16_headroom": room16, "tightest": tightest(room),
+            "tightest_fp16": tightest(room16),
+            "nonfinite_at": [(int(layer), int(p)) for layer, p in np.argwhere(found["nonfinite"])]}
+
+
+def fmt_magnitude(v: float) -> str:
+    """65504, 123.5, 0.0123, 3.39e+38: six significant digits at most, an exponent only far from 1."""
+    return f"{v:.6g}" if 1e-3 <= abs(v) < 1e6 or v == 0 or not np.isfinite(v) else f"{v:.3g}"
+
+
+def point_label(found: dict, p: int) -> str:
+    """A point's name for people: "attn_logits (a bound)" where the record says it is one."""
+    return found["points"][p] + (" (a bound)" if found["bound"][p] else "")
+
+
+def _numerics_alerts(records) -> list[dict]:
+    peak = numerics_peak(step_numerics(rec) for rec in records)
+    if peak is None:
+        return []
+    found = numerics_headroom(peak)
+    out = []
+    where = found["nonfinite_at"]
+    if where:
+        named = ", ".join(f"L{layer} {point_label(found, p)}" for layer, p in where[:NONFINITE_NAMED])
+        more = f" and {len(where) - NONFINITE_NAMED} more" if len(where) > NONFINITE_NAMED else ""
+        first_layer, first_point = where[0]
+        out.append(_alert(
+            "numerics_nonfinite", "critical",
+            f"inf/NaN in the activations ({found['dtype']}) within the last {found['steps']} steps: {named}{more}; "
+            f"it first appears at layer {first_layer}, {found['points'][first_point]}.",
+            ("serve in bfloat16 (float32's range), or find the requests that drive it" if found["dtype"] == "float16"
+             else "find the requests and the layer's weights that produce it (a float16 limit is not the cause here)"),
+            {"layer": first_layer, "point": found["points"][first_point], "dtype": found["dtype"],
+             "cells": [[layer, found["points"][p]] for layer, p in where]}))
+    room = found["headroom"]
+    tight = room <= HEADROOM_WARN
+    tight[found["nonfinite"]] = False  # said above
+    if tight.any():
+        layer, p = np.unravel_index(int(np.argmin(np.where(tight, room, np.inf))), room.shape)
+        layer, p = int(layer), int(p)
+        value, limit, h = float(found["max"][layer, p]), float(found["limits"][p]), float(room[layer, p])
+        dtype = found["point_dtypes"][p]
+        others = int(tight.sum()) - 1
+        bound = (" (an upper bound, max|q| * max|k| * scale: the logits themselves may be smaller)"
+                 if found["bound"][p] else
+                 " (the sum of squares an accumulation of the norm's mean square in the stream's dtype holds)"
+                 if found["points"][p] == "norm_sumsq" else "")
+        out.append(_alert(
+            "numerics_headroom", "warning",
+            f"layer {layer} {found['points'][p]} reached {fmt_magnitude(value)}{bound}: headroom {h:.2f}x to "
+            f"{dtype}'s largest value {fmt_magnitude(limit)} ({HEADROOM_WARN:g}x or less)"
+            + (f"; {others} more (layer, point) pair{'s' if others != 1 else ''} at {HEADROOM_WARN:g}x or less" if others else "")
+            + f", over the last {found['steps']} steps.",
+            ("serve in bfloat16 (float32's range), or find the requests that drive it" if dtype == "float16"
+             else "find the requests that drive it"),
+            {"layer": layer, "point": found["points"][p], "max": value, "limit": limit, "headroom": h,
+             "dtype": dtype, "bound": bool(found["bound"][p]), "pairs_under": others + 1}))
+    return out
+
+
 # ---- alerts ----------------------------------------------------------------------------------
 
 def _alert(kind: str, severity: str, message: str, action: str, predicted: dict) -> dict:
@@ -646,9 +818,14 @@ def alerts(records: Iterable[dict], placement: Placement | None = None, topology
     expert_cache: tiered expert cache hit rate below CACHE_HIT_RATE_WARN.
     memory_leak: memory_growth()'s leak rule.
     ttft_tail: p99 TTFT above TTFT_TAIL_RATIO x p50 (at least TTFT_TAIL_MIN_REQUESTS requests).
+    numerics_nonfinite (critical): the activation watch saw an inf or NaN in the range; names the
+      (layer, point) pairs, the first in forward order being where it started.
+    numerics_headroom: a point's largest value over the range at 1 / HEADROOM_WARN of its dtype's
+      largest finite value or more (limit / max <= HEADROOM_WARN); names the tightest layer and point, its
+      value and headroom, and how many other pairs are that close (records without the watch: none).
     """
     records = list(records)
     checks = (lambda: _imbalance_alert(records, placement, topology, expert_bytes, redundant, policy),
               lambda: _kv_alert(records), lambda: _cache_alert(records), lambda: _leak_alert(records),
               lambda: _ttft_alert(records))
-    return [a for a in (check() for check in checks) if a is not None]
+    return [a for a in (check() for check in checks) if a is not None] + _numerics_alerts(records)

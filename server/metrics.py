@@ -9,11 +9,12 @@ by records would keep showing the last busy step (an abort while idle frees bloc
 
 No label names a request or an expert, so the series count is fixed: the only labels are
 finished_reason (stop, length, abort, error), the balancedness quantile (0, 0.5, 1), the GPU
-(torch's cuda index) of the moectl:gpu_* gauges, and the device (KV pool) and retention policy
-(full, streaming, snapkv, h2o) of the moectl:kv_retention_* series. The GPU figures are the
-driver's (NVML, see engine/core/gpu_stats.py), read at the scrape from the engine's newest sample
-(from the newest record when the engine's stats carry none); without a GPU they have no series at
-all, and a figure the driver does not give has none for that GPU.
+(torch's cuda index) of the moectl:gpu_* gauges, the device (KV pool) and retention policy
+(full, streaming, snapkv, h2o) of the moectl:kv_retention_* series, and the layer and point of
+the moectl:activation_* gauges (4 points a layer). The GPU figures are the driver's (NVML, see
+engine/core/gpu_stats.py), read at the scrape from the engine's newest sample (from the newest
+record when the engine's stats carry none); without a GPU they have no series at all, and a figure
+the driver does not give has none for that GPU.
 
 KV retention (engine/core/retention.py) comes from the step record's cache.kv_retention: the
 tokens the running sequences hold and their contexts' tokens (what full retention would hold),
@@ -21,18 +22,27 @@ gauges of the policy in force only (a policy changed live leaves no series behin
 scrape that finds no request running (the engine's own figure then); and the tokens evicted, a
 counter fed from the engine's cumulative figure per device as prefix_hits is, counted under the
 policy in force when a record shows them.
+
+The activation watch (the step record's numerics, absent in older traces, on the simulated backend
+and with the watch off) gives two gauges per layer and point (residual, norm_sumsq, attn_logits,
+expert_out): moectl:activation_max, the largest |value| over the last NUMERICS_WINDOW_STEPS step
+records, and moectl:activation_headroom, the point's dtype limit over it (limit / max: at 2 or
+below the alerts warn, below 1 it is past the limit). An inf or NaN seen there reads max +Inf and headroom
+0; a max of 0 reads headroom +Inf. Only records carry it, so it is set at the scrape from the window
+of records; once the window holds none with the watch, the series are gone (not frozen).
 """
 
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
+from collections import OrderedDict, deque
 
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.process_collector import ProcessCollector
 
 from moectl.placement.rebalancer import LOAD_WINDOW_STEPS
+from moectl.profiler.analysis import numerics_headroom, numerics_peak, step_numerics
 from moectl.server.eplb_metrics import EplbMetrics
 from moectl.wire.actions import PLACEMENT_RECORDS, Action, PlacementEdit
 
@@ -41,6 +51,7 @@ log = logging.getLogger(__name__)
 PREFIX = "moectl:"
 BALANCE_WINDOW_STEPS = LOAD_WINDOW_STEPS  # the engine's load window, whose per-layer balancedness records carry
 BALANCE_QUANTILES = (0.0, 0.5, 1.0)
+NUMERICS_WINDOW_STEPS = LOAD_WINDOW_STEPS  # the activation gauges' peak: over this many step records, the console's window
 MAX_TRACKED_REQUESTS = 65536  # arrival times kept for e2e; the oldest are forgotten beyond this
 FINISH_REASONS = ("stop", "length", "abort", "error")
 PINNING = frozenset({PlacementEdit.PIN.value, PlacementEdit.UNPIN.value})  # placement records that move no expert
@@ -116,6 +127,16 @@ class ServerMetrics:
                                   "evicted from the device's sequences by the retention policy.", ["device", "policy"],
                                   registry=r)
         self._kv_series: list[tuple[str, str]] = []  # (device, policy) of the held and context gauges
+        self.activation_max = Gauge(PREFIX + "activation_max", "Largest |value| at the layer's point (residual, "
+                                    "norm_sumsq, attn_logits: an upper bound, expert_out) over the last "
+                                    f"{NUMERICS_WINDOW_STEPS} steps (+Inf: an inf or NaN was seen).", ["layer", "point"],
+                                    registry=r)
+        self.activation_headroom = Gauge(PREFIX + "activation_headroom", "The point's dtype limit (its largest finite "
+                                         "value) over activation_max: how many times larger it may grow (below 1: "
+                                         "past it; 0: an inf or NaN was seen).", ["layer", "point"], registry=r)
+        self._numerics: deque[dict | None] = deque(maxlen=NUMERICS_WINDOW_STEPS)  # step_numerics() per record
+        self._numerics_stale = False
+        self._numerics_children: tuple = (None, [])  # (layers, points) -> the gauges' children, in C order
         self.telemetry_dropped = Counter(PREFIX + "telemetry_dropped_messages", "Telemetry messages dropped for "
                                          "websocket clients that fell behind.", registry=r)
         self.gpu = {f: Gauge(PREFIX + name, f"{doc} (NVML, measured by the driver).", ["gpu"], registry=r)
@@ -160,6 +181,8 @@ class ServerMetrics:
             self._balance_stale = True
         self._placement_start = max(self._placement_start, t_end)
         self._gpu_sample = rec.get("gpu")
+        self._numerics.append(step_numerics(rec))  # None without the watch: the window ages it out
+        self._numerics_stale = True
         self.eplb.observe_step(rec)
 
     def _request_event(self, event: dict, t_end: float) -> None:
@@ -244,7 +267,36 @@ class ServerMetrics:
         if self._balance_stale:
             self._update_balancedness()
         self._update_gpu((engine_stats or {}).get("gpu", self._gpu_sample))
+        if self._numerics_stale:
+            self._update_numerics()
         return generate_latest(self.registry)
+
+    def _update_numerics(self) -> None:
+        """The activation gauges from the window's records (profiler/analysis.py: the same peak and
+        headroom the console and the alerts compute)."""
+        self._numerics_stale = False
+        peak = numerics_peak(self._numerics)
+        if peak is None:
+            if self._numerics_children[0] is not None:
+                self.activation_max.clear()
+                self.activation_headroom.clear()
+                self._numerics_children = (None, [])
+            return
+        found = numerics_headroom(peak)
+        layers = found["max"].shape[0]
+        shape = (layers, tuple(found["points"]))
+        if self._numerics_children[0] != shape:  # another model, or the first record with the watch
+            self.activation_max.clear()
+            self.activation_headroom.clear()
+            self._numerics_children = (shape, [
+                (self.activation_max.labels(layer=str(layer), point=point),
+                 self.activation_headroom.labels(layer=str(layer), point=point))
+                for layer in range(layers) for point in found["points"]])
+        values = np.where(found["nonfinite"], np.inf, found["max"]).ravel().tolist()
+        rooms = found["headroom"].ravel().tolist()
+        for (max_gauge, room_gauge), value, room in zip(self._numerics_children[1], values, rooms):
+            max_gauge.set(value)
+            room_gauge.set(room)
 
     def _update_gpu(self, sample: dict | None) -> None:
         for gauge in self.gpu.values():

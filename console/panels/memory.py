@@ -1,6 +1,7 @@
 """Memory: HBM over time per device, the categories each device holds now, KV retention per
-device (and, once a budget has been in force, what it saves over time), the host tier, KV blocks,
-expert-cache hit rates, and the memory planner's table for this layout."""
+device (and, once a budget has been in force, what it saves over time), the activations' headroom
+to their dtype's limit (and to fp16's) per layer, the host tier, KV blocks, expert-cache hit rates,
+and the memory planner's table for this layout."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from textual.app import ComposeResult
 from textual.containers import Vertical, VerticalScroll
 from textual.widgets import Static
 
-from moectl.console.panels import gpu
+from moectl.console.panels import gpu, numerics
 from moectl.console.panels.common import ShowsOnChange, absent_in_import, fmt_bytes
 from moectl.console.widgets.chart import Chart
 
@@ -34,6 +35,8 @@ class MemoryPanel(ShowsOnChange, VerticalScroll):
         yield Static("KV retention (full-attention layers), now: tokens the running sequences hold of their context "
                      "(what full retention holds), tokens evicted so far", classes="section-title")
         yield Static(id="mem-retention")
+        yield Static(numerics.TITLE, classes="section-title", id="mem-numerics-title")
+        yield Static(id="mem-numerics")
         with Vertical(id="mem-gpu-box"):  # only with a GPU: hidden, it takes no room
             yield Static(gpu.TITLE + ", beside the engine's accounting above", classes="section-title")
             yield Static(id="mem-gpu")
@@ -73,6 +76,8 @@ class MemoryPanel(ShowsOnChange, VerticalScroll):
         retention = state.kv_retention()
         self.put("#mem-retention", lambda: self._retention(state, retention),
                  key=(repr(retention), state.simulated, state.num_devices, _retention_knobs(state.knobs)))
+        # built per new state version only (the app draws on change), put only when its text changed
+        self.put("#mem-numerics", numerics.render(state.numerics(), state.simulated))
         sample = gpu.gpu_sample(state)
         self.query_one("#mem-gpu-box").display = sample is not None
         if sample is not None:

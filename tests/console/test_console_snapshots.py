@@ -107,6 +107,18 @@ def test_memory_with_kv_retention(snap_compare, tmp_path):
     assert snap_compare(app, terminal_size=(160, 80), run_before=before(PANELS["memory"], STEPS))
 
 
+def test_memory_with_numerics(snap_compare, tmp_path):
+    """The Memory tab's activation headroom, 160x80: a trace of synthetic records with the watch
+    (tests/console/numerics_trace.py: float16 activations, a float32 residual stream, layer 7's
+    expert output at 1.64x of headroom, layer 9's attention-logit bound at 3.28x); its last step, paused."""
+    from tests.console.numerics_trace import STEPS, write_numerics_trace
+
+    path = tmp_path / "numerics.trace"
+    write_numerics_trace(path)
+    app = MoectlApp(ReplaySource(path), theme="dark")
+    assert snap_compare(app, terminal_size=(160, 80), run_before=before(PANELS["memory"], STEPS))
+
+
 def test_gpu_timeline(snap_compare, tmp_path):
     """The console on a GPU timeline (console/gpu_timeline.py), after a search: a two-rank Kineto
     folder as vLLM and SGLang write it (tests/kineto_traces.py)."""
