@@ -163,20 +163,19 @@ class MoectlApp(App):
             self._engine_alerts()
         self._external_figures()
         error = self._engine_error()
+        # after a seek at once: the replay opens on a full window, so the alerts computed then would
+        # otherwise stay on screen for ALERT_EVERY_S (profiler/alert_feed.py) after the operator seeks
+        # elsewhere. Checked before the no-news return below: steps that all arrived within
+        # ALERT_EVERY_S of the last computation (a short burst) get theirs once the interval is over
+        if not self._alerts_from_engine and self.state.window and not self._alerts_running and (
+                moved or self._alert_cadence.due(self.state.steps_seen)):
+            self._alerts_running = True
+            self._alerts_asked += 1
+            self.compute_alerts(list(self.state.window), self.state.placement_shown, self._alerts_asked)
         if self.state.version == self._shown_version and error == self._shown_error:
             if self.replay:  # play/pause and position still change the transport's line
                 self.query_one(TransportBar).show(self.source)
             return  # nothing new: leave the UI thread to the keyboard
-        # after a seek at once: the replay opens on a full window, so the alerts computed then would
-        # otherwise stay on screen for ALERT_EVERY_S (profiler/alert_feed.py) after the operator seeks elsewhere
-        if self._alerts_from_engine:
-            self.refresh_panels()
-            return
-        due = not self._alerts_running and self._alert_cadence.due(self.state.steps_seen)
-        if self.state.window and (due or moved):
-            self._alerts_running = True
-            self._alerts_asked += 1
-            self.compute_alerts(list(self.state.window), self.state.placement_shown, self._alerts_asked)
         self.refresh_panels()
 
     def _external_figures(self) -> None:

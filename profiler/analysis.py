@@ -606,7 +606,9 @@ def _numerics_alerts(records) -> list[dict]:
             "numerics_nonfinite", "critical",
             f"inf/NaN in the activations ({found['dtype']}) within the last {found['steps']} steps: {named}{more}; "
             f"it first appears at layer {first_layer}, {found['points'][first_point]}.",
-            ("serve in bfloat16 (float32's range), or find the requests that drive it" if found["dtype"] == "float16"
+            ("keep the residual stream in fp32 (--mixed-precision; `moectl verify --dtype fp16 --mixed-precision` "
+             "shows whether that repairs it), serve in bfloat16 (float32's range), or find the requests that drive it"
+             if found["dtype"] == "float16"
              else "find the requests and the layer's weights that produce it (a float16 limit is not the cause here)"),
             {"layer": first_layer, "point": found["points"][first_point], "dtype": found["dtype"],
              "cells": [[layer, found["points"][p]] for layer, p in where]}))

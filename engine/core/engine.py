@@ -257,6 +257,13 @@ class EngineCore:
         self.runner.prompt_scores = {}
         self.failed_steps_in_a_row += 1
         error = f"step {self.step_count} failed: {describe_error(exc)}"
+        if self.watch is not None:  # a failed step has no record: its error says where an inf/NaN began
+            numerics = self.numerics_record()
+            where = next(((layer, point) for layer, row in enumerate(numerics["nonfinite"])
+                          for point, bad in zip(numerics["points"], row) if bad), None)
+            if where is not None:
+                error += (f" (the numerics watch saw the first inf/NaN at layer {where[0]}, {where[1]}, in "
+                          f"{numerics['dtype']}; --mixed-precision keeps the residual stream in fp32)")
         if isinstance(exc, EngineLost):
             self.failure = error
         elif self.failed_steps_in_a_row >= MAX_FAILED_STEPS:

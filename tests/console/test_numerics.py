@@ -169,3 +169,59 @@ def test_an_older_trace_says_not_recorded():
         await until(pilot, lambda: text_of(app, "#mem-numerics").strip() != "", timeout=10)
         assert "not recorded" in text_of(app, "#mem-numerics")
     run_app(MoectlApp(source), body, size=(120, 40))
+
+
+# -- live: the checkpoint built to overflow fp16 ---------------------------------------------------
+
+def _live(ckpt, **config):
+    from moectl.console.live_source import LiveSource
+    from moectl.engine.core.config import EngineConfig
+    from moectl.engine.llm_engine import LLMEngine
+    from moectl.engine.tools.demo_workload import DemoLoad
+
+    return LiveSource(lambda: LLMEngine(EngineConfig(model=str(ckpt), dtype="fp16", num_threads=1, **config)),
+                      load=DemoLoad(paused=True))
+
+
+def test_live_fp16_overflow_is_named_in_the_memory_tab_and_the_alerts(tmp_path, single_thread):
+    """The overflow checkpoint in pure fp16, greedy requests (argmax survives NaN logits, so the
+    steps complete and their records arrive): the Memory tab marks layer 0's residual as
+    non-finite, and the Overview's critical alert says it starts there."""
+    from moectl.engine.core.sampling import SamplingParams
+    from tests.checkpoints import overflow_checkpoint
+
+    source = _live(overflow_checkpoint(tmp_path / "overflow"))
+
+    async def body(app, pilot):
+        # enough steps for the alerts' cadence (they are computed every few steps, off the UI thread)
+        source.engine.add_request(list(range(2, 40)), SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True))
+        await until(pilot, lambda: app.state.numerics() is not None and app.state.numerics()["nonfinite_at"],
+                    timeout=60)
+        assert app.state.numerics()["nonfinite_at"][0] == (0, 0)  # layer 0, residual
+        await pilot.press("3")
+        await until(pilot, lambda: "NONFIN" in text_of(app, "#mem-numerics"), timeout=10)
+        assert "L0" in rows(text_of(app, "#mem-numerics"))
+        await pilot.press("1")
+        # the steps all arrive within the alerts' interval: their alert follows once it is over
+        await until(pilot, lambda: "inf/NaN" in text_of(app, "#ov-alerts"), timeout=30)
+        assert "first appears at layer 0, residual" in text_of(app, "#ov-alerts")
+    run_app(MoectlApp(source), body, size=(160, 50))
+
+
+def test_live_mixed_precision_shows_the_residual_past_fp16_but_finite(tmp_path, single_thread):
+    """The same checkpoint with the residual stream in fp32: nothing non-finite, and the panel says
+    what fp16 would leave for that stream: less than its value (headroom under 1x)."""
+    from moectl.engine.core.sampling import SamplingParams
+    from tests.checkpoints import overflow_checkpoint
+
+    source = _live(overflow_checkpoint(tmp_path / "overflow"), mixed_precision=True)
+
+    async def body(app, pilot):
+        source.engine.add_request(list(range(2, 40)), SamplingParams(max_tokens=4, temperature=0.0))
+        await until(pilot, lambda: app.state.numerics() is not None, timeout=60)
+        found = app.state.numerics()
+        assert not found["nonfinite_at"] and found["residual_dtype"] == "float32"
+        await pilot.press("3")
+        await until(pilot, lambda: "residual stream float32" in text_of(app, "#mem-numerics"), timeout=10)
+        assert "NONFIN" not in text_of(app, "#mem-numerics")
+    run_app(MoectlApp(source), body, size=(160, 50))

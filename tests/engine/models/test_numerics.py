@@ -135,3 +135,14 @@ def test_verify_cli_prints_the_overflow_and_the_repair(overflow):
                                       "--mixed-precision"])
     assert result.exit_code == 0, result.output
     assert "precision (float16, residual stream in float32): no overflow" in result.stdout
+
+
+def test_a_step_that_fails_on_the_overflow_names_where_it_began(overflow):
+    from moectl.engine.core.outputs import StepFailed
+
+    engine = LLMEngine(EngineConfig(model=str(overflow), dtype="fp16"))
+    with pytest.raises(StepFailed, match="the numerics watch saw the first inf/NaN at layer 0, residual, in float16"):
+        engine.generate([IDS], SamplingParams(max_tokens=2, temperature=0.8))
+    # repaired: the same request samples
+    engine = LLMEngine(EngineConfig(model=str(overflow), dtype="fp16", mixed_precision=True))
+    assert len(engine.generate([IDS], SamplingParams(max_tokens=2, temperature=0.8))[0].token_ids) == 2
