@@ -27,7 +27,7 @@ SUITE_OPTIONS = {
     "kv-int8": set(),
     "profiler": {"backend", "nproc"},
     "rebalance": {"backend", "nproc", "devices", "rounds", "redundant", "requests", "hardware", "routing", "drift",
-                  "tp", "overlap", "sim_seed", "regime", "workload"},
+                  "tp", "overlap", "sim_seed", "pp", "regime", "workload"},
     "limits": set(),
     "soak": {"backend", "requests", "devices", "seed"},
 }

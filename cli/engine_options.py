@@ -75,6 +75,8 @@ OVERLAP_OPT = typer.Option("none", "--overlap", help="simulated backend: none | 
                                                      "two micro-batches, one's collectives in flight while the "
                                                      "other computes).")
 SIM_SEED_OPT = typer.Option(0, "--sim-seed", help="simulated backend: the routing draws and the workload's seed.")
+PP_OPT = typer.Option(1, "--pp", help="simulated backend: pipeline stages; the devices split into this many stages "
+                                      "of consecutive devices, each holding a contiguous run of layers (docs/sim.md).")
 KV_RETENTION_OPT = typer.Option("full", "--kv-retention", help="Which KV of the full-attention layers a sequence "
                                                                "keeps: full (all of it), streaming (the attention "
                                                                "sinks and the most recent tokens), snapkv or h2o "
@@ -90,7 +92,7 @@ MIXED_PRECISION_OPT = typer.Option(False, "--mixed-precision",
                                         "residual that outgrows fp16 (`moectl verify --dtype fp16 "
                                         "--mixed-precision` shows where).")
 # the options only the simulated backend reads (sim_backend.py)
-SIM_OPTIONS = ("hardware", "routing", "drift", "tp", "overlap", "sim_seed")
+SIM_OPTIONS = ("hardware", "routing", "drift", "tp", "overlap", "sim_seed", "pp")
 
 
 def given(ctx: typer.Context, name: str) -> bool:
@@ -125,6 +127,7 @@ class EngineOptions:
     tp: int = _option(TP_OPT)
     overlap: str = _option(OVERLAP_OPT)
     sim_seed: int = _option(SIM_SEED_OPT)
+    pp: int = _option(PP_OPT)
     kv_retention: str = _option(KV_RETENTION_OPT)
     kv_budget: str | None = _option(KV_BUDGET_OPT)
     mixed_precision: bool = _option(MIXED_PRECISION_OPT)

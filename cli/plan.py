@@ -61,12 +61,22 @@ def plan_memory_cmd(
                                               "keeps N tokens or P% of its context in the full-attention layers "
                                               "(e.g. 4096, 25%); the table says what it saves against full "
                                               "retention."),
+    pp: int = typer.Option(1, "--pp", help="Pipeline stages: the devices in --pp groups of consecutive devices, "
+                                           "each holding a contiguous run of layers (TP, DP and EP within a "
+                                           "stage); the table then has a column per stage."),
+    micro_batches: int | None = typer.Option(None, "--micro-batches", help="With --pp: micro-batches a step's "
+                                                                           "tokens flow as (default: --pp); each "
+                                                                           "stage holds up to this many in flight."),
+    pp_layers: str | None = typer.Option(None, "--pp-layers", help="With --pp: layers per stage, e.g. 15,15,15,16 "
+                                                                   "(default: balanced by each layer's "
+                                                                   "multiply-accumulates per token)."),
     as_json: bool = JSON_OPT,
 ):
     """The operator-level memory table for each device: weights by category, KV cache, activations
     at peak, communication buffers and headroom; whether it fits and, if not, by how much. With
     --offload, also the experts' three tiers (HBM cache, host, disk); with --kv-budget, the KV
-    cache under that retention budget."""
+    cache under that retention budget; with --pp, per pipeline stage (its layers' weights and KV,
+    and the micro-batches' activations it holds in flight)."""
     from moectl.engine.planning.memory_plan import fit_suggestions, plan_memory
     from moectl.engine.planning.offload_plan import plan_offload
     from moectl.placement.topology import Topology
@@ -74,8 +84,12 @@ def plan_memory_cmd(
     _check_range("--devices", devices, 1, MAX_DEVICES)
     if not offload and given(ctx, "host_mem"):
         raise BadInput("--host-mem: applies only with --offload (the experts' host-memory tier)")
+    if offload and pp > 1:
+        raise BadInput("--offload: the experts' tiers are not planned per pipeline stage; give --pp 1")
     topo = Topology(num_devices=devices or DEFAULT_DEVICES, hbm_bytes=parse_cli_size(hbm, "--hbm"))
     kw = dict(tp=tp, ep=ep, context=context, batch=batch, dtype=dtype, kv_dtype=kv_dtype)
+    if pp != 1 or micro_batches is not None or pp_layers is not None:  # checked by the planner (PlanError: exit 2)
+        kw.update(pp=pp, micro_batches=micro_batches, pp_layers=pp_layers)
     if kv_budget is not None:
         kw["kv_budget"], kw["kv_budget_fraction"] = parse_kv_budget(kv_budget, "--kv-budget")
     model = model_dir(model, config_file=True)

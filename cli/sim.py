@@ -67,6 +67,15 @@ def sim(
     mtp_accept: float = typer.Option(0.0, "--mtp-accept", help="decode: each draft token's acceptance (0-1)."),
     dtype: str | None = typer.Option(None, "--dtype", help="bf16 | fp8: the GEMMs' and weights' dtype (default: "
                                                            "the config's quantization_config, else bf16)."),
+    pp: int = typer.Option(1, "--pp", help="Pipeline stages: the devices in --pp groups of consecutive devices, each "
+                                           "a contiguous run of layers (TP, EP and the batch within a stage); "
+                                           "--batch-seqs / --batch-tokens are then per device of a stage."),
+    micro_batches: int | None = typer.Option(None, "--micro-batches", help="With --pp: micro-batches a step's batch "
+                                                                           "flows through the stages as (default: "
+                                                                           "--pp)."),
+    pp_layers: str | None = typer.Option(None, "--pp-layers", help="With --pp: layers per stage, e.g. 15,15,15,16 "
+                                                                   "(default: balanced by each layer's priced "
+                                                                   "time)."),
     seed: int = typer.Option(0, "--seed", help="zipf: which experts are hot; a scaled trace: their order."),
     as_json: bool = JSON_OPT,
 ):
@@ -78,6 +87,7 @@ def sim(
     from moectl.engine.sim.routing import routing_from
     from moectl.engine.sim.step_model import (
         SimSpec,
+        balanced_stages,
         cluster_placement,
         compare_rebalance,
         memory_per_device,
@@ -103,22 +113,33 @@ def sim(
     spare = redundant_slots(redundant)
     check_seed(seed)
     devices = DEFAULT_DEVICES if devices is None else devices
-    if ep is not None and (ep < 1 or devices % ep):
-        raise BadInput(f"--ep: {ep} must divide the {devices} devices")
+    if pp < 1:
+        raise BadInput(f"--pp: must be a positive integer (pipeline stages), got {pp}")
+    if devices % pp:
+        raise BadInput(f"--pp: {pp} must divide the {devices} devices (every stage has the same devices)")
+    if pp == 1 and (micro_batches is not None or pp_layers is not None):
+        raise BadInput(f"{'--micro-batches' if micro_batches is not None else '--pp-layers'}: goes with --pp > 1")
+    stage = devices // pp
+    if ep is not None and (ep < 1 or stage % ep):
+        raise BadInput(f"--ep: {ep} must divide the {devices} devices" if pp == 1 else
+                       f"--ep: {ep} must divide the {stage} devices of a pipeline stage (--devices / --pp)")
     sim_model = load_sim_model(model_dir(model, config_file=True), dtype)
     shape = sim_model.shape
     recorded = recorded_routing(routing)
     loads, routing_line = routing_from(routing, shape.num_sparse, shape.num_experts, seed, recorded)
     try:  # the simulated backend's rule (step_model.cluster_placement): the file's, else the naive one
         chosen, planned_for = read_placement_file(placement) if placement is not None else (None, None)
-        chosen = cluster_placement(shape, devices if ep is None else ep, spare, chosen, planned_for)
+        chosen = cluster_placement(shape, stage if ep is None else ep, spare, chosen, planned_for)
     except ValueError as exc:
         raise BadInput(f"--placement: {placement}: {str(exc).removeprefix('placement: ')}") from None
     spec = SimSpec(sim_model, load_profile(hardware), devices, loads, phase=phase,
                    tokens_per_device=(128 if batch_seqs is None else batch_seqs) if phase == "decode"
                    else (16384 if batch_tokens is None else batch_tokens),
                    context=context, tp=tp, ep=ep, placement=moe_rows(chosen, shape), overlap=overlap, comm=comm,
-                   comm_sms=comm_sms, mtp_draft=mtp_draft, mtp_accept=mtp_accept)
+                   comm_sms=comm_sms, mtp_draft=mtp_draft, mtp_accept=mtp_accept, pp=pp, micro_batches=micro_batches,
+                   pp_layers=pp_layers)
+    if pp > 1:  # the stages' layers are fixed before any placement is compared (weights do not move between stages)
+        spec.pp_layers = tuple(balanced_stages(spec))
     if rebalance:  # from the naive placement to a planned one: what the rebalance is predicted to do
         planned = plan_rebalance(loads, spec.ep, spare).placement
         comparison, result = compare_rebalance(spec, planned)
@@ -131,6 +152,8 @@ def sim(
                   context=context, overlap=overlap, mtp_draft=mtp_draft, mtp_accept=mtp_accept,
                   routing=routing_line, memory=memory_per_device(spec),
                   assumed=list(spec.hardware.assumed), placement_slots_per_device=spec.placement.slots_per_device)
+    if pp > 1:
+        result["pp"]["layer_split"] = "given (--pp-layers)" if pp_layers is not None else "balanced"
     if as_json:
         emit_json(result, True)
         return
@@ -143,7 +166,8 @@ def _print(r: dict) -> None:
     unit = "output" if r["phase"] == "decode" else "prompt"
     typer.echo(f"SIMULATED: {r['model']} on {r['devices']} x {r['hardware_name']} ({r['nodes']} nodes), {r['phase']}, "
                f"{r['tokens_per_device']} {'sequences' if r['phase'] == 'decode' else 'tokens'} per device, context "
-               f"{r['context']:,}, tp {r['tp']}, ep {r['ep']}, GEMMs in {r['gemm_dtype']}, overlap {r['overlap']}, "
+               f"{r['context']:,}, tp {r['tp']}, ep {r['ep']}" + (f", pp {r['pp']['pp']}" if "pp" in r else "")
+               + f", GEMMs in {r['gemm_dtype']}, overlap {r['overlap']}, "
                f"{r['comm']} all-to-all" + (f", MTP {r['mtp_draft']} draft at {r['mtp_accept']:.0%}" if r["mtp_draft"]
                                             else ""))
     typer.echo("priced from " + ("the profile's kernel tables (docs/sim.md, \"Kernel tables\")" if r["kernel_tables"]
@@ -157,9 +181,17 @@ def _print(r: dict) -> None:
                f"{sum(util) / len(util):.0%}, max {max(util):.0%}")
     typer.echo("breakdown (ms; parts overlap with --overlap): " + ", ".join(
         f"{k} {v:.2f}" for k, v in r["breakdown_ms"].items()))
+    if "pp" in r:
+        _print_pipeline(r)
     mem = r["memory"]
-    typer.echo(f"per device: weights {format_size(mem['weights_bytes'])} + KV {format_size(mem['kv_bytes'])} of "
-               f"{format_size(mem['hbm_bytes'])} HBM" + ("" if mem["fits"] else " -- DOES NOT FIT"))
+    if "stages" in mem:
+        typer.echo("per device, by stage: " + "; ".join(
+            f"{x['stage']} (layers {x['layers'][0]}-{x['layers'][1]}) weights {format_size(x['weights_bytes'])} + KV "
+            f"{format_size(x['kv_bytes'])}" + ("" if x["fits"] else " -- DOES NOT FIT") for x in mem["stages"])
+            + f", of {format_size(mem['hbm_bytes'])} HBM")
+    else:
+        typer.echo(f"per device: weights {format_size(mem['weights_bytes'])} + KV {format_size(mem['kv_bytes'])} of "
+                   f"{format_size(mem['hbm_bytes'])} HBM" + ("" if mem["fits"] else " -- DOES NOT FIT"))
     if "rebalance" in r:
         rb, mig = r["rebalance"], r["rebalance"]["migration"]
         pays = "never" if rb["break_even_steps"] is None else f"after {rb['break_even_steps']:,.1f} steps"
@@ -169,6 +201,21 @@ def _print(r: dict) -> None:
                    f"ms; pays for itself {pays}")
     if r["assumed"]:
         typer.echo(f"assumed (borrowed from another device's benchmarks): {', '.join(r['assumed'])}")
+
+
+def _print_pipeline(r: dict) -> None:
+    """The pipeline's lines of `moectl sim`'s output (all simulated)."""
+    pp = r["pp"]
+    spans = " | ".join(f"{a}-{b}" for a, b in pp["stage_layers"])
+    typer.echo(f"pipeline: {pp['pp']} stages of {pp['devices_per_stage']} devices, layers {spans} "
+               f"({pp['layer_split']}), {pp['micro_batches']} micro-batches"
+               + (" (each prompt's chunks in order)" if pp["micro_batches_chunked"] else "")
+               + "; stage per micro-batch (ms): " + ", ".join(f"{x:.2f}" for x in pp["stage_ms"]))
+    links = sorted(set(pp["transfer_links"]))
+    typer.echo(f"  bubble {pp['bubble']:.1%} of stage time (equal stages and free sends: {pp['bubble_uniform']:.1%}); "
+               f"stage-to-stage sends " + ", ".join(f"{x:.3f}" for x in pp["transfer_ms"]) + f" ms ({', '.join(links)})")
+    typer.echo(f"  kept in flight across steps (no drain; vLLM's and SGLang's PP schedulers): step "
+               f"{pp['steady_step_ms']:.2f} ms, bubble {pp['steady_bubble']:.1%}, {pp['steady_tokens_per_s']:,.0f} tok/s")
 
 
 @sim_app.command("calibrate")

@@ -83,6 +83,7 @@ class SimEngines:
         try:
             config = SimClusterConfig(model=model_dir(options.model, config_file=True), hardware=options.hardware,
                                       devices=256 if options.devices is None else options.devices, tp=options.tp,
+                                      pp=options.pp,  # docs/sim.md
                                       routing=options.routing, drift=options.drift, overlap=options.overlap,
                                       redundant_slots=redundant_slots(options.redundant), placement=chosen,
                                       placement_model=planned_for, dtype=options.dtype, seed=options.sim_seed,

@@ -300,6 +300,12 @@ class ConsoleState:
             return None
         return (self.latest.get("devices") or {}).get("window")
 
+    def device_stages(self) -> list[int] | None:
+        """Each device's pipeline stage (the simulated backend's --pp), or None without a pipeline."""
+        devices = (self.latest or {}).get("devices") or {}
+        stages = devices.get("stage")
+        return [int(s) for s in stages] if stages and int(devices.get("pp") or 1) > 1 else None
+
     def device_loads(self, placement: Placement | None = None) -> np.ndarray:
         """Expert rows per device over the window. Measured (the engine's window figures, else the
         devices' recorded rows) unless a placement is given or a counterfactual is shown; then

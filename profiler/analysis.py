@@ -95,6 +95,23 @@ def _device_loads(placement: Placement, routing: np.ndarray) -> np.ndarray:
     return placement.slot_loads(routing).sum(-1)
 
 
+def _stage_view(dev: dict, d: int, routing: np.ndarray, placement: Placement) -> tuple[int, np.ndarray]:
+    """Device d's placement column and the routing its stage serves. Pipeline stages (the simulated
+    backend's "pp"): the placement is one stage's EP group, device d its column d % (devices per
+    stage), and the stage holds only its own layers (the record's pipeline.stage_layers)."""
+    pp = int(dev.get("pp") or 1)
+    if pp <= 1:
+        return d, routing
+    stage = int((dev.get("stage") or [0] * (d + 1))[d])
+    layers = ((dev.get("pipeline") or {}).get("stage_layers") or [])
+    if stage < len(layers):
+        first, last = layers[stage]
+        keep = np.zeros(routing.shape[0], dtype=bool)
+        keep[first:last + 1] = True
+        routing = np.where(keep[:, None], routing, 0)
+    return d % placement.num_devices, routing
+
+
 def _expert_shares_on(placement: Placement, routing: np.ndarray, device: int, top: int) -> list[dict]:
     """The (layer, expert) pairs that bring `device` most of its tokens under `routing` [L, E]."""
     carried = routing * placement.replica_shares()[:, :, device]
@@ -235,7 +252,8 @@ def stragglers(records: Iterable[dict], placement: Placement | None = None, top:
                 "margin_s": float(busy[d] - median), "tokens": int(dev["tokens"][d])}
         routing = _routing(rec)
         if placement is not None and routing is not None:
-            item["experts"] = _expert_shares_on(placement, routing, d, top)
+            column, routing = _stage_view(dev, d, routing, placement)
+            item["experts"] = _expert_shares_on(placement, routing, column, top)
         out.append(item)
     return out
 
@@ -678,7 +696,8 @@ def _imbalance_alert(records, placement, topology, expert_bytes, redundant, poli
     predicted = {"device": device, "balancedness": overall}
     parts = [head]
     if placement is not None and routing is not None:
-        hot = _expert_shares_on(placement, routing, device, ALERT_TOP_EXPERTS)
+        column, stage_routing = _stage_view(records[-1].get("devices") or {}, device, routing, placement)
+        hot = _expert_shares_on(placement, stage_routing, column, ALERT_TOP_EXPERTS)
         if hot:
             share = sum(h["share"] for h in hot)
             names = [f"L{h['layer']}/E{h['expert']}" for h in hot]

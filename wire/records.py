@@ -75,6 +75,17 @@ Step record (format 1):
                   {"lanes": [str], "names": [str], "lane", "name", "start_s", "dur_s"} like spans
   devices         None without devices, else the cluster's record:
                   {"backend": "emulated"|"multi-gpu"|"distributed",
+                   "pp": int (simulated backend: pipeline stages; 1 without a pipeline),
+                   "stage": [int] (simulated backend: each device's pipeline stage, device d in
+                            stage d // (devices / pp); all 0 without a pipeline. The placement
+                            is one stage's EP group: device d is its column d % (devices / pp)),
+                   "pipeline": (simulated backend, pp > 1) {"micro_batches": int,
+                               "stage_layers": [[first, last]] per stage, "bubble": float (the
+                               stages' idle share of the step), "stage_s": [float] (a
+                               micro-batch's mean seconds on each stage), "transfer_s": [float]
+                               (a micro-batch's send across each stage boundary),
+                               "transfer_links": ["intra-node"|"inter-node"|"intra- and
+                               inter-node"] per boundary, "modeled": true},
                    "tokens": [int] (expert rows each device computed),
                    "busy_s": [float] (measured),
                    "link_s": [float] (modeled from bytes on emulated devices; measured on ranks:

@@ -92,13 +92,15 @@ class OverviewPanel(ShowsOnChange, VerticalScroll):
         self.query_one("#ov-overlap").display = overlap is not None
         self.put(
             "#ov-load-title",
-            f"Expert rows per device {span}, "
+            f"Expert rows per device {span}"
+            + (f" (sN: pipeline stage N of {max(stages) + 1})" if (stages := state.device_stages()) else "") + ", "
             + ("simulated" if state.simulated else
                "estimated from routing and placement" if state.loads_estimated else "measured"))
         top = max(float(loads.max()) if len(loads) else 0.0, 1.0)
         util = state.utilisation()
-        rows = [(f"d{d}", float(v) / top, f"{v:,.0f} tok  busy {util[d] if d < len(util) else 0:.0%}")
-                for d, v in enumerate(loads)]
+        stages = state.device_stages()  # pipeline stages: each device's stage beside its name
+        rows = [(f"d{d}" if stages is None or d >= len(stages) else f"d{d} s{stages[d]}", float(v) / top,
+                 f"{v:,.0f} tok  busy {util[d] if d < len(util) else 0:.0%}") for d, v in enumerate(loads)]
         self.query_one("#ov-load", Bars).set_rows(rows, warn=2.0, crit=2.0, empty="no devices")
         memory = state.memory()
         hbm = state.hbm_bytes or 1

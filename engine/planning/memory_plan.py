@@ -26,6 +26,7 @@ Kimi-K2-style configs with multi-head latent attention (MLA).
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -68,6 +69,8 @@ WEIGHT_DTYPES = {
 KV_DTYPES = ("auto", "int8")
 ATTN_IMPLS = ("flash", "eager")
 MAX_TP = 8
+MAX_PP = 256  # pipeline stages (and at most the model's layers)
+MAX_MICRO_BATCHES = 4096
 
 CATEGORIES = ("attention", "experts", "shared_experts", "dense_mlp", "embeddings", "norms_routers")
 CATEGORY_LABELS = {
@@ -333,6 +336,44 @@ class PlanModel:
             + self.num_sparse * part("router"),
         }
 
+    def stage_weight_bytes(self, weights: WeightFormat, layers: range, tp: int = 1, rank: int = 0,
+                           experts_local: int | None = None) -> dict[str, int]:
+        """`weight_bytes` for a pipeline stage holding the contiguous `layers`: their attention,
+        experts, shared experts, dense MLPs, norms and routers; the embedding on the stage holding
+        layer 0 and the final norm and LM head (a tied one: the embedding again, as vLLM's and
+        SGLang's last stage keeps its own copy) on the stage holding the last layer. With every
+        layer it is `weight_bytes`."""
+        e = self.num_experts if experts_local is None else experts_local
+        held = list(layers)
+        moe = sum(self.sparse_layers[i] for i in held)
+        first, last = 0 in held, self.num_layers - 1 in held
+
+        def part(name: str) -> int:
+            return self.part_bytes(name, weights, tp, rank)
+
+        head = part("lm_head") if not self.tie_word_embeddings else part("embed")
+        if first and last:  # the whole model: one embedding, and a tied head is that matrix
+            head = part("lm_head")
+        return {
+            "attention": len(held) * part("attention"),
+            "experts": moe * e * part("expert"),
+            "shared_experts": moe * part("shared"),
+            "dense_mlp": (len(held) - moe) * part("dense"),
+            "embeddings": (part("embed") if first else 0) + (head if last else 0),
+            "norms_routers": len(held) * part("norms") + (self.hidden_size * weights.plain_bytes if last else 0)
+            + moe * part("router"),
+        }
+
+    def layer_macs(self) -> list[int]:
+        """Per layer, one token's multiply-accumulates outside attention's core: the attention
+        projections, and the router, shared expert and top-k routed experts (an MoE layer) or the
+        dense MLP; the LM head's counted on the last layer. The planner's layer cost for a
+        pipeline split (it has no hardware to price time on; the simulator splits by priced time)."""
+        moe = self.router_params() + self.shared_params() + self.top_k * self.expert_params()
+        out = [self.attention_params() + (moe if sparse else self.dense_params()) for sparse in self.sparse_layers]
+        out[-1] += self.vocab_size * self.hidden_size
+        return out
+
     def weight_params(self, tp: int = 1, rank: int = 0, experts_local: int | None = None) -> dict[str, int]:
         """Parameters by category on one device holding `experts_local` routed experts per MoE layer."""
         return self.weight_bytes(PARAMS, tp, rank, experts_local)
@@ -358,20 +399,85 @@ class PlanModel:
                                        dtype, quantized)
 
     def kv_bytes_per_sequence(self, tp: int, block_size: int, dtype: torch.dtype, quantized: bool, context: int,
-                              chunk: int, budget: int | None = None) -> tuple[int, int]:
+                              chunk: int, budget: int | None = None, layers: range | None = None) -> tuple[int, int]:
         """(KV bytes of one sequence of `context` tokens, its blocks in the full layers' pool). Sliding
         layers hold at most (window - 1 + chunk) / block_size + 1 blocks (the engine's window pool).
         budget: the tokens KV retention keeps of the full layers (None: all), which hold at most
-        kv_budget_blocks of them."""
+        kv_budget_blocks of them. layers: a pipeline stage's (default: every layer)."""
         blocks = _cdiv(context, block_size)
         if budget is not None:
             blocks = min(blocks, kv_budget_blocks(budget, block_size, chunk))
-        windows = [w for w in self.layer_windows if w]
-        full = self.kv_bytes_per_block(tp, block_size, dtype, quantized, self.num_layers - len(windows)) * blocks
+        held = range(self.num_layers) if layers is None else layers
+        windows = [self.layer_windows[i] for i in held if self.layer_windows and self.layer_windows[i]]
+        full = self.kv_bytes_per_block(tp, block_size, dtype, quantized, len(held) - len(windows)) * blocks
         if not windows:
             return full, blocks
         held = min(blocks, KVCache.window_blocks_per_sequence(max(windows), block_size, chunk))
         return full + held * self.kv_bytes_per_block(tp, block_size, dtype, quantized, len(windows)), blocks
+
+
+def split_layers(costs, stages: int) -> list[int]:
+    """Layers per pipeline stage: `costs` (one per layer, in order) cut into `stages` contiguous
+    runs of at least one layer. The cut is the one whose largest stage (the pipeline's slowest)
+    is least; among those, the one whose stages are most even (least sum of squares); among
+    those, the one whose later stages hold more layers (SGLang's advice for uneven splits: the
+    larger partition on the higher PP rank, e.g. 15,15,15,16 for 61 layers). Exact: a dynamic
+    program over (stage, last layer), stage sums exactly rounded (math.fsum), ties within 1e-9."""
+    costs = [float(c) for c in costs]
+    n = len(costs)
+    if not 1 <= stages <= n:
+        raise PlanError(f"--pp: {stages} stages for {n} layers (a stage needs at least one layer)")
+    run = [[0.0] * (n + 1) for _ in range(n + 1)]
+    for i in range(n):
+        for j in range(i + 1, n + 1):
+            run[i][j] = math.fsum(costs[i:j])
+
+    def better(x, y) -> bool:  # (max, sum of squares): is x better than y, beyond rounding
+        if x[0] < y[0] * (1 - 1e-9):
+            return True
+        return abs(x[0] - y[0]) <= 1e-9 * max(abs(y[0]), 1e-300) and x[1] < y[1] * (1 - 1e-9)
+
+    # best[s][e]: the best cut of layers [0, e) into s + 1 stages, and where its last stage starts
+    best = [[None] * (n + 1) for _ in range(stages)]
+    for e in range(1, n + 1):
+        best[0][e] = ((run[0][e], run[0][e] ** 2), 0)
+    for k in range(1, stages):
+        for e in range(k + 1, n + 1):
+            for start in range(k, e):  # ascending: among equals the last stage keeps the most layers
+                (mx, sq), _ = best[k - 1][start]
+                cand = (max(mx, run[start][e]), sq + run[start][e] ** 2)
+                if best[k][e] is None or better(cand, best[k][e][0]):
+                    best[k][e] = (cand, start)
+    counts, e = [], n
+    for k in range(stages - 1, -1, -1):
+        start = best[k][e][1]
+        counts.append(e - start)
+        e = start
+    return counts[::-1]
+
+
+def parse_pp_layers(value, stages: int, num_layers: int) -> list[int] | None:
+    """--pp-layers: the layers of each stage, "15,15,15,16" or a sequence (SGLang's
+    SGLANG_PP_LAYER_PARTITION); None when not given."""
+    if value is None:
+        return None
+    try:
+        counts = [int(x) for x in (value.split(",") if isinstance(value, str) else value)]
+    except (TypeError, ValueError):
+        raise PlanError(f"--pp-layers: must be comma-separated layer counts, one per stage, got {value!r}") from None
+    if len(counts) != stages or any(c < 1 for c in counts) or sum(counts) != num_layers:
+        raise PlanError(f"--pp-layers: needs {stages} counts of at least 1 (one per --pp stage) summing to the "
+                        f"model's {num_layers} layers, got {','.join(map(str, counts))}")
+    return counts
+
+
+def stage_ranges(counts: list[int]) -> list[range]:
+    """Each stage's layers from the layers per stage."""
+    out, start = [], 0
+    for c in counts:
+        out.append(range(start, start + c))
+        start += c
+    return out
 
 
 def kv_budget_blocks(budget: int, block_size: int, chunk: int) -> int:
@@ -537,6 +643,7 @@ class DevicePlan:
     hbm_bytes: int
     activation_detail: dict[str, int] = field(default_factory=dict)
     comm_detail: dict[str, int] = field(default_factory=dict)
+    stage: int = 0  # its pipeline stage (0 without one)
 
     @property
     def weights_total(self) -> int:
@@ -559,7 +666,7 @@ class DevicePlan:
                 "comm_buffers": self.comm_buffers}
 
     def signature(self) -> tuple:
-        return (self.experts_local, self.sequences, self.kv_blocks, tuple(self.categories().items()))
+        return (self.stage, self.experts_local, self.sequences, self.kv_blocks, tuple(self.categories().items()))
 
 
 def _count(n: int) -> str:
@@ -607,6 +714,14 @@ class MemoryPlan:
     kv_bytes_per_sequence: int = 0
     kv_full_blocks_per_sequence: int = 0
     kv_full_bytes_per_sequence: int = 0
+    # pipeline parallel: stages, micro-batches, each stage's (first, last) layer, how they were cut
+    # ("balanced" by layer MACs or "given"), and each stage's one sequence's KV bytes (with the
+    # budget, under full retention); a sequence's figures above are all its layers'
+    pp: int = 1
+    micro_batches: int = 1
+    stage_layers: list[tuple[int, int]] = field(default_factory=list)
+    layer_split: str = "balanced"
+    stage_kv_bytes_per_sequence: list[tuple[int, int]] = field(default_factory=list)
 
     # -- KV retention
     @property
@@ -620,11 +735,21 @@ class MemoryPlan:
 
     def kv_full(self, d: DevicePlan) -> int:
         """Device d's KV cache under full retention."""
+        if self.pp > 1:
+            return d.sequences * self.stage_kv_bytes_per_sequence[d.stage][1]
         return d.sequences * self.kv_full_bytes_per_sequence
 
     def kv_saved(self, d: DevicePlan) -> int:
         """Bytes of device d's KV cache the budget saves against full retention."""
-        return d.sequences * self.kv_saved_per_sequence
+        return self.kv_full(d) - d.kv_cache
+
+    def held_layers(self, d: DevicePlan) -> tuple[int, int, int]:
+        """(layers, MoE layers, dense layers) device d holds: its stage's, or all of them."""
+        if self.pp == 1:
+            return self.model.num_layers, self.model.num_sparse, self.model.num_dense
+        first, last = self.stage_layers[d.stage]
+        moe = sum(self.model.sparse_layers[first:last + 1])
+        return last - first + 1, moe, last - first + 1 - moe
 
     def kv_retention(self) -> dict | None:
         """The budget and what it saves (None without one): per sequence, and on the device that
@@ -642,6 +767,26 @@ class MemoryPlan:
                 "saved_bytes_per_sequence": self.kv_saved_per_sequence,
                 "device": most.device, "sequences_on_device": most.sequences, "kv_cache_bytes_per_device": most.kv_cache,
                 "full_kv_cache_bytes_per_device": self.kv_full(most), "saved_bytes_per_device": self.kv_saved(most)}
+
+    @property
+    def stage_devices(self) -> int:
+        """Devices of one pipeline stage (all of them without a pipeline)."""
+        return self.topology.num_devices // self.pp
+
+    def _pipeline_line(self) -> str:
+        spans = " | ".join(f"{a}-{b}" for a, b in self.stage_layers)
+        t_mb = _cdiv(self.tokens_per_step, self.micro_batches)
+        return (f"pipeline: layers {spans} ({self.layer_split}{' by MACs per token' if self.layer_split == 'balanced' else ''}); "
+                f"{self.micro_batches} micro-batches of {t_mb} tokens, up to {self.micro_batches} in flight at a stage "
+                f"(activations: pp_in_flight)")
+
+    def pipeline(self) -> dict | None:
+        """The pipeline's layout (None without one)."""
+        if self.pp == 1:
+            return None
+        return {"pp": self.pp, "micro_batches": self.micro_batches, "devices_per_stage": self.stage_devices,
+                "stage_layers": [list(r) for r in self.stage_layers], "layer_split": self.layer_split,
+                "micro_batch_tokens": _cdiv(self.tokens_per_step, self.micro_batches)}
 
     def _kv_budget_line(self) -> str:
         r = self.kv_retention()
@@ -682,26 +827,37 @@ class MemoryPlan:
         for members in sorted(by_sig.values(), key=lambda m: m[0].device):
             ids = [d.device for d in members]
             label = f"device {ids[0]}" if len(ids) == 1 else f"devices {_ranges(ids)}"
+            if self.pp > 1:
+                label = f"stage {members[0].stage}: {label}"
             out.append((label, members[0], ids))
         return out
 
     def _details(self, d: DevicePlan) -> dict[str, str]:
         m, tp = self.model, self.tp
-        attn = (f"MLA, {m.num_heads // tp}/{m.num_heads} heads (TP {tp}) x {m.num_layers} layers"
+        layers, sparse, dense = self.held_layers(d)
+        attn = (f"MLA, {m.num_heads // tp}/{m.num_heads} heads (TP {tp}) x {layers} layers"
                 if m.attention == "mla" else
                 f"{m.num_heads // tp}/{m.num_heads} q heads, {m.kv_heads_per_device(tp)}/{m.num_kv_heads} kv heads "
-                f"x {m.num_layers} layers")
+                f"x {layers} layers")
+        if self.pp > 1:
+            first, last = self.stage_layers[d.stage]
+            held = [name for name, yes in (("embed", first == 0), ("lm_head", last == m.num_layers - 1)) if yes]
+            embeddings = (f"vocab rows {_shard(m.vocab_size, tp, d.tp_rank)}/{m.vocab_size} (vocab-parallel), "
+                          + (" + ".join(held) if held else "none (a middle stage)"))
+        else:
+            embeddings = (f"vocab rows {_shard(m.vocab_size, tp, d.tp_rank)}/{m.vocab_size} (vocab-parallel), "
+                          + ("tied" if m.tie_word_embeddings else "embed + lm_head"))
         det = {
-            "attention": attn,
-            "experts": f"{d.experts_local}/{m.num_experts} experts x {m.num_sparse} MoE layers",
+            "attention": attn + (f" (stage {d.stage}: layers {self.stage_layers[d.stage][0]}-"
+                                 f"{self.stage_layers[d.stage][1]})" if self.pp > 1 else ""),
+            "experts": f"{d.experts_local}/{m.num_experts} experts x {sparse} MoE layers",
             "shared_experts": (f"intermediate {_shard(m.shared_intermediate_size, tp, d.tp_rank)}/"
-                               f"{m.shared_intermediate_size} (TP) x {m.num_sparse} layers"
-                               if m.shared_intermediate_size else "none"),
+                               f"{m.shared_intermediate_size} (TP) x {sparse} layers"
+                               if m.shared_intermediate_size and sparse else "none"),
             "dense_mlp": (f"intermediate {_shard(m.dense_intermediate_size, tp, d.tp_rank)}/{m.dense_intermediate_size}"
-                          f" (TP) x {m.num_dense} layers" if m.num_dense else "none"),
-            "embeddings": (f"vocab rows {_shard(m.vocab_size, tp, d.tp_rank)}/{m.vocab_size} (vocab-parallel), "
-                           + ("tied" if m.tie_word_embeddings else "embed + lm_head")),
-            "norms_routers": f"replicated; routers {m.num_experts} x {m.hidden_size} x {m.num_sparse} layers",
+                          f" (TP) x {dense} layers" if dense else "none"),
+            "embeddings": embeddings,
+            "norms_routers": f"replicated; routers {m.num_experts} x {m.hidden_size} x {sparse} layers",
             "kv_cache": (f"{d.sequences} seq x {self.kv_blocks_per_sequence or _cdiv(self.context, self.block_size)} "
                          f"blocks of {self.block_size} = {d.kv_blocks} blocks, {self.kv_dtype}"
                          + (f"; budget {self.kv_held_tokens:,} tokens/seq, saves {format_size(self.kv_saved(d))} "
@@ -748,11 +904,14 @@ class MemoryPlan:
             f"({_count(p['params_total'])}), {p['params_active']:,} ({_count(p['params_active'])}) active per token",
             f"deployment: {self.topology.num_devices} devices x {format_size(self.topology.hbm_bytes)} HBM "
             f"({self.topology.num_nodes} node{'s' if self.topology.num_nodes > 1 else ''}); "
-            f"attention TP {self.tp} x DP {self.dp}, experts EP {self.ep}"
-            + (f" ({self.topology.num_devices // self.ep} replicas)" if self.ep < self.topology.num_devices else ""),
+            + (f"pipeline PP {self.pp} x ({self.stage_devices} devices a stage: " if self.pp > 1 else "")
+            + f"attention TP {self.tp} x DP {self.dp}, experts EP {self.ep}"
+            + (f" ({self.stage_devices // self.ep} replicas)" if self.ep < self.stage_devices else "")
+            + (")" if self.pp > 1 else ""),
             f"load: {self.batch} seq x {self.context:,} tokens; weights {self.dtype}, KV {kvd}, block {self.block_size}, "
             f"{self.tokens_per_step} tokens/step per DP group, attention {self.attn_impl}",
-        ] + ([self._kv_budget_line()] if self.kv_budgeted else []) + [
+        ] + ([self._pipeline_line()] if self.pp > 1 else []) + (
+            [self._kv_budget_line()] if self.kv_budgeted else []) + [
             "",
             line(header),
             line(["-" * w for w in widths]),
@@ -774,7 +933,8 @@ class MemoryPlan:
         for label, d, ids in self.groups():
             det = self._details(d)
             groups.append({
-                "devices": ids, "label": label, "tp_rank": d.tp_rank, "dp_group": d.dp_group, "ep_rank": d.ep_rank,
+                "devices": ids, "label": label, "stage": d.stage, "tp_rank": d.tp_rank, "dp_group": d.dp_group,
+                "ep_rank": d.ep_rank,
                 "experts_local": d.experts_local, "sequences": d.sequences, "kv_blocks": d.kv_blocks,
                 "bytes": d.categories(), "detail": det, "activation_detail": d.activation_detail,
                 "comm_detail": d.comm_detail, "weights_bytes": d.weights_total, "total_bytes": d.total,
@@ -801,6 +961,7 @@ class MemoryPlan:
                            "dtype": self.dtype, "kv_dtype": self.kv_dtype, "block_size": self.block_size,
                            "tokens_per_step": self.tokens_per_step, "attn_impl": self.attn_impl},
             "kv_retention": self.kv_retention(),
+            "pipeline": self.pipeline(),
             "device_groups": groups,
             "notes": list(self.notes),
         }
@@ -818,20 +979,22 @@ def _positive_int(option: str, value, lo: int = 1, hi: int | None = None) -> int
 
 
 def _validate(m: PlanModel, topo: Topology, tp, ep, context, batch, kv_dtype, mbt, block_size, attn_impl,
-              ep_capacity) -> None:
+              ep_capacity, pp: int = 1) -> None:
     if not isinstance(topo, Topology):
         raise PlanError(f"--devices: topology must be a Topology, got {type(topo).__name__}")
-    n = topo.num_devices
+    n = topo.num_devices // pp
     _positive_int("--tp", tp, 1, MAX_TP)
     if n % tp:
-        raise PlanError(f"--tp: {tp} does not divide --devices {n} (attention runs TP x DP = devices)")
+        raise PlanError(f"--tp: {tp} does not divide --devices {n} (attention runs TP x DP = devices)" if pp == 1 else
+                        f"--tp: {tp} does not divide the {n} devices of a pipeline stage (--devices / --pp)")
     if m.num_heads % tp:
         raise PlanError(f"--tp: {tp} does not divide the model's {m.num_heads} attention heads")
     if m.attention == "gqa" and m.num_kv_heads % tp and tp % m.num_kv_heads:
         raise PlanError(f"--tp: {tp} and the model's {m.num_kv_heads} KV heads must divide one another")
     _positive_int("--ep", ep)
     if n % ep:
-        raise PlanError(f"--ep: {ep} does not divide --devices {n}")
+        raise PlanError(f"--ep: {ep} does not divide --devices {n}" if pp == 1 else
+                        f"--ep: {ep} does not divide the {n} devices of a pipeline stage (--devices / --pp)")
     if ep > m.num_experts:
         raise PlanError(f"--ep: {ep} exceeds the model's {m.num_experts} routed experts")
     _positive_int("--context", context)
@@ -876,11 +1039,14 @@ def _attention_activations(m: PlanModel, tp: int, t: int, context: int, block_si
 
 
 def step_activations(m: PlanModel, *, tp: int, tokens: int, recv_rows: int, context: int, seqs: int,
-                     block_size: int, act_bytes: int, attn_impl: str) -> tuple[dict[str, int], str]:
+                     block_size: int, act_bytes: int, attn_impl: str, layers: range | None = None,
+                     logits: bool = True) -> tuple[dict[str, int], str]:
     """Live activation bytes at the peak operator of one step on one device: `tokens` tokens of
     its own sequences (`seqs` of them, the longest `context` tokens) and `recv_rows` expert rows it
     computes. Returns (bytes by tensor group, the peak stage). The planner sizes a worst step with
-    it; the local backend's ledger applies it to each real step's shapes."""
+    it; the local backend's ledger applies it to each real step's shapes. A pipeline stage:
+    `layers`, its layers (an MoE or dense operator only where it holds one), `logits` whether it
+    holds the LM head."""
     t, a, h, k = tokens, act_bytes, m.hidden_size, m.top_k
     if t == 0 and recv_rows == 0:
         return {}, "idle"
@@ -892,11 +1058,15 @@ def step_activations(m: PlanModel, *, tp: int, tokens: int, recv_rows: int, cont
            "expert_ffn": recv_rows * (3 * m.expert_intermediate_size + h) * a}
     if m.shared_intermediate_size:
         moe["shared_expert"] = t * (3 * _cdiv(m.shared_intermediate_size, tp) + h) * a
-    stages["moe"] = moe
-    if m.num_dense:
+    held = range(m.num_layers) if layers is None else layers
+    sparse = sum(m.sparse_layers[i] for i in held)
+    if sparse:
+        stages["moe"] = moe
+    if len(held) > sparse:
         stages["dense_mlp"] = {"dense_mlp": t * (3 * _cdiv(m.dense_intermediate_size, tp) + h) * a}
     rows = min(t, seqs)
-    stages["logits"] = {"logits": rows * _cdiv(m.vocab_size, tp) * a + rows * m.vocab_size * 4}
+    if logits:
+        stages["logits"] = {"logits": rows * _cdiv(m.vocab_size, tp) * a + rows * m.vocab_size * 4}
     peak_stage = max(stages, key=lambda s: sum(stages[s].values()))
     act.update(stages[peak_stage])
     return act, peak_stage
@@ -918,8 +1088,20 @@ def comm_buffers(m: PlanModel, *, tp: int, ep: int, tokens: int, recv_rows: int,
 def plan_memory(config: str | Path | dict | PlanModel, topology: Topology, *, tp: int = 1, ep: int | None = None,
                 context: int, batch: int = 1, dtype: str | None = None, kv_dtype: str = "auto",
                 max_batched_tokens: int | None = None, block_size: int = 16, attn_impl: str = "flash",
-                ep_capacity: float = 1.0, kv_budget: int = 0, kv_budget_fraction: float = 1.0) -> MemoryPlan:
+                ep_capacity: float = 1.0, kv_budget: int = 0, kv_budget_fraction: float = 1.0, pp: int = 1,
+                micro_batches: int | None = None, pp_layers=None) -> MemoryPlan:
     """Per-device memory for `config` (config.json path/dir/dict) deployed on `topology`.
+
+    Pipeline parallel (pp > 1): the devices are `pp` stages of devices / pp consecutive devices,
+    stage s holding a contiguous run of layers (`pp_layers`, else `split_layers` on
+    PlanModel.layer_macs: balanced by multiply-accumulates per token), and everything below is
+    per stage: the layout within a stage is the one described next, over its devices; a device
+    holds its stage's layers' weights (`PlanModel.stage_weight_bytes`: the embedding on the first
+    stage, the LM head on the last) and their KV; a step's T tokens flow as `micro_batches`
+    (default pp) micro-batches of ceil(T / micro_batches), each operator sized for one of them;
+    and a stage holds up to micro_batches micro-batches' hidden states and residual in flight
+    ("pp_in_flight", 2 * ceil(T / micro_batches) * H * a each: received and waiting, or sent
+    asynchronously and not yet delivered; what vLLM's and SGLang's stages pass on).
 
     Layout: devices = tp x dp. Device d is TP rank d % tp of DP group d // tp; attention, dense
     MLPs, shared experts and the vocab-parallel embeddings / LM head are split over the TP ranks.
@@ -951,11 +1133,25 @@ def plan_memory(config: str | Path | dict | PlanModel, topology: Topology, *, tp
     the context's; sliding-window layers as without a budget.
     """
     m = config if isinstance(config, PlanModel) else load_plan_model(config)
-    n = topology.num_devices if isinstance(topology, Topology) else 0
+    n_all = topology.num_devices if isinstance(topology, Topology) else 0
+    _positive_int("--pp", pp, 1, MAX_PP)
+    if pp > m.num_layers:
+        raise PlanError(f"--pp: {pp} stages exceed the model's {m.num_layers} layers (a stage holds at least one)")
+    if n_all % pp:
+        raise PlanError(f"--pp: {pp} does not divide --devices {n_all} (every stage has the same devices)")
+    if micro_batches is not None and pp == 1 and micro_batches != 1:
+        raise PlanError("--micro-batches: goes with --pp > 1 (micro-batches flow through pipeline stages)")
+    if pp_layers is not None and pp == 1:
+        raise PlanError("--pp-layers: goes with --pp > 1")
+    mb = _positive_int("--micro-batches", pp if micro_batches is None else micro_batches, 1, MAX_MICRO_BATCHES)
+    counts = parse_pp_layers(pp_layers, pp, m.num_layers) or split_layers(m.layer_macs(), pp)
+    ranges = stage_ranges(counts)
+    n = n_all // pp  # devices of a stage: TP x DP and EP within it
     ep = n if ep is None and n else ep
     weights = weight_format(dtype, m)
     dtype = weights.name
-    _validate(m, topology, tp, ep, context, batch, kv_dtype, max_batched_tokens, block_size, attn_impl, ep_capacity)
+    _validate(m, topology, tp, ep, context, batch, kv_dtype, max_batched_tokens, block_size, attn_impl, ep_capacity,
+              pp)
     _positive_int("--kv-budget", kv_budget, 0, 1 << 40)
     f = kv_budget_fraction
     if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1:
@@ -968,46 +1164,92 @@ def plan_memory(config: str | Path | dict | PlanModel, topology: Topology, *, tp
     mbt = max_batched_tokens or SchedulerKnobs().max_num_batched_tokens
     seqs_max = _cdiv(batch, dp)
     t = min(mbt, seqs_max * context)
-    recv = int(-(-_cdiv(t, tp) * m.top_k * ep_capacity // 1))
-
-    # per-device activations and buffers are the same on every device (sized for the fullest DP group)
-    act, peak_stage = step_activations(m, tp=tp, tokens=t, recv_rows=recv, context=context, seqs=seqs_max,
-                                       block_size=block_size, act_bytes=a, attn_impl=attn_impl)
-    comm = comm_buffers(m, tp=tp, ep=ep, tokens=t, recv_rows=recv, act_bytes=a)
+    t_mb = _cdiv(t, mb)  # one micro-batch's tokens (all of them without a pipeline)
+    recv = int(-(-_cdiv(t_mb, tp) * m.top_k * ep_capacity // 1))
+    comm = comm_buffers(m, tp=tp, ep=ep, tokens=t_mb, recv_rows=recv, act_bytes=a)
 
     kv_dtype_t = act_dtype  # auto KV: the activation dtype (bf16 under fp8 weights)
     per_seq, blocks_per_seq = m.kv_bytes_per_sequence(tp, block_size, kv_dtype_t, quantized, context, mbt, budget)
     full_per_seq, full_blocks = (m.kv_bytes_per_sequence(tp, block_size, kv_dtype_t, quantized, context, mbt)
                                  if budget is not None else (per_seq, blocks_per_seq))
+    stages, peaks = [], []
+    for s_, layers in enumerate(ranges):
+        # per-device activations and buffers are the same on every device of a stage (sized for the
+        # fullest DP group)
+        act, peak_stage = step_activations(m, tp=tp, tokens=t_mb, recv_rows=recv, context=context, seqs=seqs_max,
+                                           block_size=block_size, act_bytes=a, attn_impl=attn_impl,
+                                           layers=layers, logits=s_ == pp - 1)
+        if pp > 1:
+            act["pp_in_flight"] = mb * 2 * t_mb * m.hidden_size * a
+        kv = (m.kv_bytes_per_sequence(tp, block_size, kv_dtype_t, quantized, context, mbt, budget, layers)[0],
+              m.kv_bytes_per_sequence(tp, block_size, kv_dtype_t, quantized, context, mbt, None, layers)[0])
+        stages.append((act, kv))
+        peaks.append(peak_stage)
     devices = []
-    for d in range(n):
-        tp_rank, dp_group, ep_rank = d % tp, d // tp, d % ep
+    for d in range(n_all):
+        stage, local = d // n, d % n
+        tp_rank, dp_group, ep_rank = local % tp, local // tp, local % ep
         experts_local = _shard(m.num_experts, ep, ep_rank)
         seqs = _shard(batch, dp, dp_group)
+        act, (stage_seq, _) = stages[stage]
+        weight = m.weight_bytes(weights, tp, tp_rank, experts_local) if pp == 1 else \
+            m.stage_weight_bytes(weights, ranges[stage], tp, tp_rank, experts_local)
         devices.append(DevicePlan(
             device=d, node=topology.node_of(d), tp_rank=tp_rank, dp_group=dp_group, ep_rank=ep_rank,
             experts_local=experts_local, sequences=seqs, kv_blocks=seqs * blocks_per_seq,
-            weights=m.weight_bytes(weights, tp, tp_rank, experts_local), kv_cache=seqs * per_seq,
+            weights=weight, kv_cache=seqs * stage_seq,
             activations=sum(act.values()), comm_buffers=sum(comm.values()), hbm_bytes=topology.hbm_bytes,
-            activation_detail=dict(act), comm_detail=dict(comm)))
+            activation_detail=dict(act), comm_detail=dict(comm), stage=stage))
 
-    notes = _notes(m, topology, tp, dp, ep, weights, kv_dtype, kv_dtype_t, block_size, t, mbt, peak_stage,
-                   attn_impl, ep_capacity, batch, context, budget)
+    notes = _notes(m, topology, tp, dp, ep, weights, kv_dtype, kv_dtype_t, block_size, t, mbt, peaks[-1],
+                   attn_impl, ep_capacity, batch, context, budget, pp, n)
+    if pp > 1:
+        notes += _pp_notes(m, pp, mb, counts, pp_layers is not None, t, t_mb, n, topology, peaks)
     return MemoryPlan(model=m, topology=topology, tp=tp, dp=dp, ep=ep, context=context, batch=batch, dtype=dtype,
                       kv_dtype=kv_dtype, block_size=block_size, tokens_per_step=t, attn_impl=attn_impl,
                       devices=devices, notes=notes, weights=weights, kv_budget=kv_budget,
                       kv_budget_fraction=float(kv_budget_fraction),
                       kv_held_tokens=None if budget is None else min(budget, context),
                       kv_blocks_per_sequence=blocks_per_seq, kv_bytes_per_sequence=per_seq,
-                      kv_full_blocks_per_sequence=full_blocks, kv_full_bytes_per_sequence=full_per_seq)
+                      kv_full_blocks_per_sequence=full_blocks, kv_full_bytes_per_sequence=full_per_seq,
+                      pp=pp, micro_batches=mb, stage_layers=[(r.start, r.stop - 1) for r in ranges],
+                      layer_split="given" if pp_layers is not None else "balanced",
+                      stage_kv_bytes_per_sequence=[kv for _, kv in stages])
+
+
+def _pp_notes(m: PlanModel, pp: int, mb: int, counts: list[int], given: bool, t: int, t_mb: int, n: int,
+              topo: Topology, peaks: list[str]) -> list[str]:
+    ranges = stage_ranges(counts)
+    spans = " | ".join(f"{r.start}-{r.stop - 1}" for r in ranges)
+    how = "as --pp-layers gives them" if given else (
+        "contiguous, balanced by each layer's multiply-accumulates per token (attention projections, router, "
+        "shared and top-k routed experts or the dense MLP; the LM head's on the last layer; the attention core's, "
+        "which grows with the context, not counted): the cut whose largest stage is least, later stages taking "
+        "the more layers where cuts tie")
+    inter = n >= topo.devices_per_node or any((s * n) % topo.devices_per_node == 0 for s in range(1, pp))
+    return [
+        f"pipeline: PP {pp} stages of {n} devices (stage s is devices s*{n} to s*{n}+{n - 1}), layers {spans}, "
+        f"{how}; TP, DP and EP are within a stage",
+        f"a stage holds its layers' weights and KV: the embedding on stage 0, the final norm and LM head on stage "
+        f"{pp - 1}" + (" (tied: a copy of the embedding there)" if m.tie_word_embeddings else ""),
+        f"a step's T = {t} tokens per DP group flow as {mb} micro-batches of {t_mb}: each operator is sized for one "
+        f"micro-batch (peak operator per stage: {', '.join(peaks)}), and a stage holds up to {mb} micro-batches' "
+        f"hidden states and residual in flight (pp_in_flight: 2 x {t_mb} x hidden x activation bytes each; received "
+        "and waiting, or sent asynchronously and not yet delivered)",
+        "stage-to-stage sends cross " + ("the inter-node links" if inter else "NVLink only (every stage within a node)")
+        + f" ({topo.devices_per_node} devices per node)",
+    ]
 
 
 def _notes(m: PlanModel, topo: Topology, tp, dp, ep, weights: WeightFormat, kv_dtype, kv_t, block_size, t, mbt,
-           peak_stage, attn_impl, ep_capacity, batch, context, budget=None) -> list[str]:
-    n = topo.num_devices
+           peak_stage, attn_impl, ep_capacity, batch, context, budget=None, pp: int = 1,
+           stage_n: int | None = None) -> list[str]:
+    n = topo.num_devices if stage_n is None else stage_n
     kvn = str(kv_t).replace("torch.", "")
+    where = "devices" if pp == 1 else f"each stage's {n} devices"
+    local = "d" if pp == 1 else f"(d % {n})"
     notes = [
-        f"layout: devices = TP {tp} x DP {dp}; device d is TP rank d % {tp} of DP group d // {tp} "
+        f"layout: {where} = TP {tp} x DP {dp}; device d is TP rank {local} % {tp} of DP group {local} // {tp} "
         "(DeepSeek-style DP attention: each DP group serves its own sequences and schedules its own steps)",
         f"routed experts: EP {ep}, rank d % {ep} holds a contiguous slice of {m.num_experts} // {ep} experts per MoE "
         "layer (the first E % ep ranks one more); experts are whole on one device (no expert TP)"

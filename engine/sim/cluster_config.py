@@ -18,7 +18,8 @@ class SimClusterConfig:
     model: Path  # config.json, or a directory holding one
     hardware: str = "h800"  # a profile name or a profile file
     devices: int = 256
-    tp: int = 1  # attention tensor parallel; experts are parallel over every device (ep = devices)
+    tp: int = 1  # attention tensor parallel; experts are parallel over every device of a stage (ep = devices / pp)
+    pp: int = 1  # pipeline stages (step_model.SimSpec.pp): devices / pp consecutive devices each, micro-batches = pp
     routing: str = "zipf:1.0"  # balanced | zipf:S | a trace (see engine/sim/routing.py)
     drift: float = 0.0  # swaps of two experts' shares per expert and step (zipf and traces)
     overlap: str = "none"
@@ -41,6 +42,11 @@ class SimClusterConfig:
         if isinstance(self.drift, bool) or not isinstance(self.drift, (int, float)) or not 0 <= self.drift <= MAX_DRIFT:
             raise ValueError(f"--drift: must be a number in [0, {MAX_DRIFT:g}] swaps per expert and step, "
                              f"got {self.drift!r}")
+        if isinstance(self.pp, bool) or not isinstance(self.pp, int) or self.pp < 1:
+            raise ValueError(f"--pp: must be a positive integer (pipeline stages), got {self.pp!r}")
+        if self.devices % self.pp:
+            raise ValueError(f"--pp: {self.pp} must divide the {self.devices} devices (every stage has the same "
+                             f"devices)")
         if self.overlap not in OVERLAPS:
             raise ValueError(f"--overlap: {self.overlap!r} is not one of {', '.join(OVERLAPS)}")
         if isinstance(self.redundant_slots, bool) or not isinstance(self.redundant_slots, int) \

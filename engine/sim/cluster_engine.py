@@ -13,6 +13,11 @@ Everything it reports is simulated, and says so: the clock is simulated seconds 
 migration stalls the next step by its modeled time. Only "process" is measured: the simulator's
 own process.
 
+With pipeline stages (config.pp) the placement is one stage's EP group (devices / pp), every
+stage running its rows of its own layers; the records' per-device arrays cover every device and
+say each one's stage ("stage", "pp", "pipeline"), the spans are the pipeline's schedule, and the
+KV pool is the tightest stage's.
+
 KV capacity per device: `memory_fraction` of HBM less the weights (step_model.memory_per_device,
 with its expert slots) and the activations and communication buffers the memory planner sizes for
 the knobs' largest step (planning/memory_plan.py), in blocks of `block_size` tokens of every
@@ -42,10 +47,12 @@ from moectl.engine.sim.step_model import (
     SimSpec,
     StepLoad,
     _capped,
+    balanced_stages,
     cluster_placement,
     memory_per_device,
     moe_rows,
     simulate,
+    stage_of_devices,
     window_classes,
 )
 from moectl.placement.placement import PlacementError
@@ -86,20 +93,27 @@ class SimulatedEngine:
         shares, self.routing_line = routing_from(config.routing, shape.num_sparse, shape.num_experts, config.seed,
                                                  recorded_routing)
         self.shares = shares
-        hw, D = self.hardware, config.devices
+        hw, D, pp = self.hardware, config.devices, config.pp
+        # with pipeline stages the placement is one stage's EP group (devices / pp): every stage runs
+        # its own layers' rows of it on its own devices
+        stage = D // pp
         try:
-            placement = cluster_placement(shape, D, config.redundant_slots, config.placement, config.placement_model)
+            placement = cluster_placement(shape, stage, config.redundant_slots, config.placement,
+                                          config.placement_model)
         except PlacementError as exc:
             raise ValueError(f"--placement: {exc}") from None
         self.spec = SimSpec(self.sim_model, hw, D, shares, phase="decode", tokens_per_device=config.knobs.max_num_seqs,
                             context=min(self.max_model_len, shape.max_position_embeddings), tp=config.tp,
-                            placement=moe_rows(placement, shape), overlap=config.overlap)
-        topology = Topology(num_devices=D, devices_per_node=hw.gpus_per_node, hbm_bytes=hw.hbm_bytes,
+                            placement=moe_rows(placement, shape), overlap=config.overlap, pp=pp)
+        if pp > 1:  # the stages' layers, fixed for the run (weights do not move between stages)
+            self.spec = replace(self.spec, pp_layers=tuple(balanced_stages(self.spec)))
+        self.stage_of = stage_of_devices(self.spec)
+        topology = Topology(num_devices=stage, devices_per_node=hw.gpus_per_node, hbm_bytes=hw.hbm_bytes,
                             intra_node_gbps=hw.intra_node_gbps or 0.0, inter_node_gbps=hw.inter_node_gbps or 0.0)
         from moectl.engine.sim.sim_experts import SimExperts
 
         self.experts = SimExperts(self, placement, topology, config.redundant_slots, self.routing_line)
-        self.groups = D // config.tp
+        self.groups = stage // config.tp
         self._plan_memory(config.knobs)
         self.batcher = ClusterBatcher(self.groups, self.blocks_per_group, config.block_size, config.knobs)
         self.windows, _ = window_classes(shape)
@@ -118,6 +132,8 @@ class SimulatedEngine:
         # the all-to-alls are synchronised and priced at the busiest link: one lane for every device's
         self.lanes = [ENGINE_LANE] + [device_lane(d) for d in range(D)] + [ALL_LINKS_LANE]
         self._span_names = ["attention", "dispatch", "experts", "combine", "lm_head", "step_overhead"]
+        if pp > 1:  # a pipeline's spans: each micro-batch's pass of a stage, and its send to the next
+            self._span_names = ["pp_stage", "pp_send", "step_overhead"]
         self._arrived: list[dict] = []
         self._process = psutil.Process()
         self._process_sample: dict | None = None
@@ -127,25 +143,38 @@ class SimulatedEngine:
     def _plan_memory(self, knobs: SchedulerKnobs) -> None:
         from moectl.engine.planning.memory_plan import plan_memory
 
-        shape, D, tp = self.sim_model.shape, self.config.devices, self.config.tp
-        weights = memory_per_device(self.spec)["weights_bytes"]
+        shape, D, tp, pp = self.sim_model.shape, self.config.devices, self.config.tp, self.config.pp
+        memory = memory_per_device(self.spec)
+        stage_weights = [x["weights_bytes"] for x in memory["stages"]] if pp > 1 else [memory["weights_bytes"]]
+        layers = [b - a + 1 for a, b in (x["layers"] for x in memory["stages"])] if pp > 1 else [shape.num_layers]
         topo = Topology(num_devices=D, devices_per_node=self.hardware.gpus_per_node, hbm_bytes=self.hardware.hbm_bytes)
-        plan = plan_memory(shape, topo, tp=tp, ep=D, context=self.max_model_len, batch=D // tp,
-                           max_batched_tokens=knobs.max_num_batched_tokens, block_size=self.config.block_size)
-        worst = plan.worst
+        plan = plan_memory(shape, topo, tp=tp, ep=D // pp, context=self.max_model_len, batch=D // tp,
+                           max_batched_tokens=knobs.max_num_batched_tokens, block_size=self.config.block_size,
+                           pp=pp, pp_layers=list(self.spec.pp_layers) if pp > 1 else None)
         self._plan_table = plan.format_table()
-        self.memory_plan = {"weights": int(weights), "activations": int(worst.activations),
-                            "comm_buffers": int(worst.comm_buffers)}
         import torch
 
         kv_dtype = torch.float32 if self.sim_model.kv_bytes == 4 else torch.bfloat16
-        self.block_bytes = shape.kv_bytes_per_block(tp, self.config.block_size, kv_dtype, False)
-        free = self.hardware.hbm_bytes * self.config.memory_fraction - weights - worst.activations - worst.comm_buffers
-        self.blocks_per_group = int(free // self.block_bytes)
+        # per stage: its weights (its layers' expert slots included), the plan's activations and
+        # buffers on its fullest device, one KV block of its layers; the pool is the tightest stage's
+        self._stage_memory, blocks = [], []
+        for s, (weights, count) in enumerate(zip(stage_weights, layers)):
+            worst = min((d for d in plan.devices if d.stage == s), key=lambda d: (d.headroom, d.device))
+            block = shape.kv_bytes_per_block(tp, self.config.block_size, kv_dtype, False, layers=count)
+            self._stage_memory.append({"weights": int(weights), "activations": int(worst.activations),
+                                       "comm_buffers": int(worst.comm_buffers), "block_bytes": int(block)})
+            free = self.hardware.hbm_bytes * self.config.memory_fraction - weights - worst.activations \
+                - worst.comm_buffers
+            blocks.append(int(free // block))
+        self.memory_plan = {k: self._stage_memory[0][k] for k in ("weights", "activations", "comm_buffers")}
+        self.block_bytes = self._stage_memory[0]["block_bytes"]
+        self.blocks_per_group = min(blocks)
         if self.blocks_per_group < -(-knobs.long_prefill_token_threshold // self.config.block_size):
+            tight = int(np.argmin(blocks))
             raise ValueError(f"--devices {D}: each device's {format_size(self.hardware.hbm_bytes)} of HBM holds "
-                             f"{format_size(weights)} of weights plus activations, leaving no room for a KV "
-                             f"cache; give more devices")
+                             f"{format_size(stage_weights[tight])} of weights plus activations"
+                             + (f" (pipeline stage {tight})" if pp > 1 else "")
+                             + ", leaving no room for a KV cache; give more devices")
 
     # -- requests (any thread)
     def add_request(self, prompt, params=None, *, request_id: str | None = None, priority: int = 0,
@@ -324,18 +353,26 @@ class SimulatedEngine:
         layers = detail["layers"]
         busy, rows = detail["busy_s"], detail["rows"]
         step_s = t_end - t_start
-        comm = float(sum(layers.dispatch) + sum(layers.combine))
-        critical = float(sum(layers.expert))
-        device_rows = rows.sum(0)
+        pp = self.config.pp
+        if pp > 1:  # per device its stage's all-to-alls and expert rows, over the step's micro-batches
+            link = np.asarray(detail["link_s"], dtype=np.float64)
+            comm, critical, device_rows = float(link.mean()), float(detail["expert_critical_s"]), detail["device_rows"]
+        else:
+            comm = float(sum(layers.dispatch) + sum(layers.combine))
+            link = np.full(D, comm)
+            critical = float(sum(layers.expert))
+            device_rows = rows.sum(0)
         window = self.experts.observe(routing, device_rows, busy, step_s)
         cost_model = self.experts.observe_time(self.last_load, layers, step_s - stall_s, critical, comm,
                                                int(batch.tokens.sum()))
         blocks = self.batcher.blocks_used()
-        kv_devices = np.repeat(blocks, self.config.tp)
-        memory = [{"dense_weights": self.memory_plan["weights"] - self._expert_weight_bytes(),
-                   "expert_weights": self._expert_weight_bytes(), "kv_blocks": int(b * self.block_bytes),
-                   "activations": self.memory_plan["activations"], "comm_buffers": self.memory_plan["comm_buffers"]}
-                  for b in kv_devices.tolist()]
+        kv_devices = np.tile(np.repeat(blocks, self.config.tp), self.config.pp)  # every stage holds its layers' share
+        memory = []
+        for b, s in zip(kv_devices.tolist(), self.stage_of.tolist()):
+            held, experts = self._stage_memory[s], self._expert_weight_bytes(s)
+            memory.append({"dense_weights": held["weights"] - experts, "expert_weights": experts,
+                           "kv_blocks": int(b * held["block_bytes"]), "activations": held["activations"],
+                           "comm_buffers": held["comm_buffers"]})
         scheduled = self.batcher.take_events()
         if self._names:  # requests added with their own id (the batcher names them by number)
             for event in scheduled:
@@ -351,22 +388,55 @@ class SimulatedEngine:
             "cache": {"kv_blocks_used": int(blocks.sum()), "kv_blocks_total": self.batcher.kv_blocks_total(),
                       "prefix_queries": 0, "prefix_hits": 0, "preemptions": self.batcher.preemptions},
             "process": self._process_memory(), "requests": requests,
-            "spans": self._spans(layers, busy, stall_s, step_s,
-                                 (result["breakdown_ms"]["overhead"] + result["breakdown_ms"]["mtp"]) * 1e-3),
+            "spans": self._pipeline_spans(detail, stall_s, step_s) if pp > 1 else self._spans(
+                layers, busy, stall_s, step_s, (result["breakdown_ms"]["overhead"] + result["breakdown_ms"]["mtp"]) * 1e-3),
             "devices": {
                 "backend": "simulated", "simulated": True, "tokens": device_rows.round().astype(np.int64).tolist(),
-                "busy_s": busy.tolist(), "link_s": [comm] * D, "link_s_modeled": True,
+                "busy_s": busy.tolist(), "link_s": link.tolist(), "link_s_modeled": True,
                 "step_time": {"step_s": step_s, "modeled": True, "simulated": True,
                               "other_s": max(0.0, step_s - stall_s - critical - comm), "expert_critical_s": critical,
                               "link_s": comm, "migration_stall_s": stall_s, "cost_model": cost_model,
                               "utilisation": (busy / step_s).tolist(), "wait_s": np.maximum(
-                                  0.0, step_s - stall_s - comm - busy).tolist()},
+                                  0.0, step_s - stall_s - link - busy).tolist()},
                 "memory": memory,
                 "memory_capacity": {"hbm": self.hardware.hbm_bytes, "kv_blocks": [self.blocks_per_group] * D},
                 "tiered_experts": "off", "window": window,
                 "breakdown_ms": result["breakdown_ms"],
+                "pp": pp, "stage": self.stage_of.tolist(),
+                **({"pipeline": self._pipeline_record(result)} if pp > 1 else {}),
             },
         }
+
+    def _pipeline_record(self, result: dict) -> dict:
+        """The step's pipeline, as the devices record carries it (all simulated)."""
+        pp = result["pp"]
+        return {"micro_batches": pp["micro_batches"], "stage_layers": pp["stage_layers"], "bubble": pp["bubble"],
+                "stage_s": [x / 1e3 for x in pp["stage_ms"]], "transfer_s": [x / 1e3 for x in pp["transfer_ms"]],
+                "transfer_links": pp["transfer_links"], "modeled": True}
+
+    def _pipeline_spans(self, detail: dict, stall_s: float, step_s: float) -> dict:
+        """Modeled spans of a pipelined step (pipeline.flush's schedule): each micro-batch's pass of
+        a stage on every device lane of that stage ("pp_stage", layer -1), each send between
+        stages on the links lane ("pp_send"), the step's costs outside the pipeline closing it on
+        the engine lane; a migration's stall leaves the step's first `stall_s` empty."""
+        run, D = detail["run"], self.config.devices
+        stage_devices = [np.flatnonzero(self.stage_of == s) + 1 for s in range(self.config.pp)]
+        lane, name, start, dur = [], [], [], []
+        for j, (starts, ends) in enumerate(zip(run.start, run.end)):
+            for s, (a, b) in enumerate(zip(starts, ends)):
+                lane.append(stage_devices[s]), name.append(np.zeros(len(stage_devices[s]), int))
+                start.append(np.full(len(stage_devices[s]), stall_s + a)), dur.append(np.full(len(stage_devices[s]), b - a))
+            for a, b in zip(run.send_start[j], run.send_end[j]):
+                lane.append([D + 1]), name.append([1]), start.append([stall_s + a]), dur.append([b - a])
+        closing = step_s - stall_s - run.makespan
+        if closing > 0:
+            lane.append([0]), name.append([2]), start.append([stall_s + run.makespan]), dur.append([closing])
+        n = sum(len(x) for x in lane)
+        return {"lanes": self.lanes, "names": self._span_names,
+                "lane": np.concatenate(lane).astype(np.int16), "name": np.concatenate(name).astype(np.int16),
+                "layer": np.full(n, -1, dtype=np.int16),
+                "start_s": np.concatenate(start).astype(np.float64), "dur_s": np.concatenate(dur).astype(np.float64),
+                "modeled": np.ones(n, dtype=bool)}
 
     def _process_memory(self) -> dict:
         """The simulator's own process (measured), sampled at most every PROCESS_SAMPLE_S of wall time."""
@@ -379,9 +449,14 @@ class SimulatedEngine:
                 "sys_total_bytes": system.total, "sampled_at": self.now, "cuda": None, "wall": now}
         return {k: v for k, v in sample.items() if k != "wall"}
 
-    def _expert_weight_bytes(self) -> int:
-        return int(self.sim_model.shape.num_sparse * self.spec.placement.slots_per_device
-                   * self.sim_model.expert_bytes())
+    def _expert_weight_bytes(self, stage: int = 0) -> int:
+        """A device's expert slots' bytes: every MoE layer's, or with pipeline stages its stage's."""
+        shape = self.sim_model.shape
+        layers = shape.num_sparse
+        if self.config.pp > 1:
+            first = sum(self.spec.pp_layers[:stage])
+            layers = sum(shape.sparse_layers[first:first + self.spec.pp_layers[stage]])
+        return int(layers * self.spec.placement.slots_per_device * self.sim_model.expert_bytes())
 
     def _spans(self, layers, busy: np.ndarray, stall_s: float, step_s: float, overhead_s: float = 0.0) -> dict:
         """Modeled spans of one step: per MoE layer the slowest device's part before the dispatch
@@ -450,9 +525,18 @@ class SimulatedEngine:
             "hardware": hw.name, "hardware_file": str(self.config.hardware), "devices": self.config.devices,
             "pricing": "kernel tables" if hw.kernels is not None else "roofline only",
             "nodes": -(-self.config.devices // hw.gpus_per_node), "tp": self.config.tp, "overlap": self.config.overlap,
+            "pp": self.config.pp, **({"stage_layers": self._stage_layers()} if self.config.pp > 1 else {}),
             "routing": self.routing_line, "drift": self.config.drift, "gemm_dtype": self.sim_model.gemm_dtype,
             "kv_blocks_per_device": self.blocks_per_group, "block_size": self.config.block_size,
             "memory_fraction": self.config.memory_fraction}}
+
+    def _stage_layers(self) -> list[list[int]]:
+        """Each pipeline stage's first and last layer."""
+        out, first = [], 0
+        for count in self.spec.pp_layers:
+            out.append([first, first + count - 1])
+            first += count
+        return out
 
     def memory_plan_table(self) -> dict:
         """The memory plan the KV capacity came from, as a header's "memory_plan" (its KV column

@@ -69,12 +69,21 @@ class SimExperts:
         return int(self._engine.sim_model.expert_bytes())
 
     def header(self) -> dict:
-        hw = self._engine.hardware
-        return {"backend": "simulated", "simulated": True, "hardware": hw.name, "topology": self.topology.as_dict(),
-                "placement": self.placement.to_dict(), "expert_bytes": self.expert_bytes,
-                "redundant_slots": self.redundant_slots, "routing_policy": "even", "routing": self.routing_line,
-                "tiered_experts": False, "expert_cache_slots": None, "link_time": "simulated",
-                "step_time": "simulated"}
+        """The trace header's devices. With pipeline stages the topology and placement are one
+        stage's EP group (devices / pp devices), which every stage runs on its own devices for its
+        own layers; "pp" says so and gives each stage's layers."""
+        hw, config = self._engine.hardware, self._engine.config
+        out = {"backend": "simulated", "simulated": True, "hardware": hw.name, "topology": self.topology.as_dict(),
+               "placement": self.placement.to_dict(), "expert_bytes": self.expert_bytes,
+               "redundant_slots": self.redundant_slots, "routing_policy": "even", "routing": self.routing_line,
+               "tiered_experts": False, "expert_cache_slots": None, "link_time": "simulated",
+               "step_time": "simulated"}
+        if config.pp > 1:
+            out["pp"] = {"size": config.pp, "devices": config.devices, "devices_per_stage": self.num_devices,
+                         "stage_layers": self._engine._stage_layers(),
+                         "placement": "one stage's: stage s's devices s * devices_per_stage onwards run its rows of "
+                                      "their own layers"}
+        return out
 
     def balancedness(self) -> float:
         totals = self.window.totals()

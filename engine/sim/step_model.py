@@ -23,6 +23,11 @@ Overlap (overlap.py) splits the batch into two micro-batches and lays their chun
 compute and a communication stream in the deployment's order (SGLang's two-batch overlap,
 DeepSeek's five-stage decode); MTP's draft tokens are verified by every layer and counted by
 their acceptance.
+
+Pipeline stages (`pp`, pipeline.py; docs/sim.md "Pipeline stages"): the devices in pp stages of
+consecutive devices, each a contiguous run of layers (`balanced_stages`), all of the above within
+a stage; the batch flows as micro-batches, each stage's share priced as above, the sends between
+stages over the link the two stages' devices sit across, laid out filled and drained in the step.
 """
 
 from __future__ import annotations
@@ -31,13 +36,16 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from moectl.engine.planning.memory_plan import parse_pp_layers, split_layers, stage_ranges
 from moectl.engine.sim.hardware import HardwareProfile
 from moectl.engine.sim.model_shape import SimModel
 from moectl.engine.sim.overlap import micro_batch_schedule, mtp_tokens_per_step
+from moectl.engine.sim.pipeline import flush, steady, uniform_bubble
 from moectl.placement.placement import Placement
 from moectl.placement.placement_file import fit_to_model, model_identity
 
 MAX_SIM_DEVICES = 1024
+MAX_MICRO_BATCHES = 1024
 PHASES = ("prefill", "decode")
 OVERLAPS = ("none", "two-batch", "five-stage")  # overlap.py: two micro-batches, SGLang's or DeepSeek's decode
 COMMS = ("auto", "normal", "low-latency")  # the all-to-all's mode (auto: low-latency in decode where tabled)
@@ -67,6 +75,12 @@ class SimSpec:
     comm_sms: int | None = None  # normal mode's SMs taken from compute (None: the profile's)
     mtp_draft: int = 0  # decode: multi-token prediction's draft tokens per step
     mtp_accept: float = 0.0  # ... each one's acceptance, given the ones before it were accepted
+    # pipeline parallel (pipeline.py): `pp` stages of devices / pp consecutive devices, stage s a
+    # contiguous run of layers (`pp_layers` per stage, else `balanced_stages`); TP, EP and the
+    # attention groups are within a stage, and a step's batch flows as `micro_batches` (default pp)
+    pp: int = 1
+    micro_batches: int | None = None
+    pp_layers: tuple[int, ...] | None = None
     notes: list[str] = field(default_factory=list)
 
     def __post_init__(self):
@@ -96,19 +110,26 @@ class SimSpec:
             raise ValueError("--mtp-draft: multi-token prediction is a decode option")
         if self.exchange not in EXCHANGES:
             raise ValueError(f"exchange: {self.exchange!r} is not one of {', '.join(EXCHANGES)}")
-        if not isinstance(self.tp, int) or self.tp < 1 or self.devices % self.tp or m.num_heads % self.tp:
-            raise ValueError(f"--tp: {self.tp!r} must divide both the {self.devices} devices and the model's "
-                             f"{m.num_heads} heads")
+        stage = self._check_pipeline()
+        where = f"the {self.devices} devices" if self.pp == 1 else f"the {stage} devices of a pipeline stage"
+        if not isinstance(self.tp, int) or self.tp < 1 or stage % self.tp or m.num_heads % self.tp:
+            raise ValueError(f"--tp: {self.tp!r} must divide both {where} and the model's {m.num_heads} heads")
         if not isinstance(self.tokens_per_device, int) or self.tokens_per_device < 1:
             flag = "--batch-seqs" if self.phase == "decode" else "--batch-tokens"
             raise ValueError(f"{flag}: must be a positive integer per device, got {self.tokens_per_device!r}")
         if not isinstance(self.context, int) or not 1 <= self.context <= m.max_position_embeddings:
             raise ValueError(f"--context: must be in [1, {m.max_position_embeddings}] (the model's "
                              f"max_position_embeddings), got {self.context!r}")
-        self.ep = self.devices if self.ep is None else self.ep
-        if isinstance(self.ep, bool) or not isinstance(self.ep, int) or self.ep < 1 or self.devices % self.ep \
+        self.ep = stage if self.ep is None else self.ep
+        if isinstance(self.ep, bool) or not isinstance(self.ep, int) or self.ep < 1 or stage % self.ep \
                 or self.ep % self.tp:
-            raise ValueError(f"--ep: {self.ep!r} must divide the {self.devices} devices and be a multiple of --tp")
+            raise ValueError(f"--ep: {self.ep!r} must divide {where} and be a multiple of --tp")
+        if self.pp > 1:
+            group = self.tokens_per_device * self.tp
+            if self.micro_batches > group:
+                unit = "sequences" if self.phase == "decode" else "prompt tokens"
+                raise ValueError(f"--micro-batches: {self.micro_batches} exceeds the {group} {unit} of an attention "
+                                 f"group's batch (each micro-batch needs one)")
         per_node = self.hardware.gpus_per_node
         if self.ep % per_node and per_node % self.ep:
             raise ValueError(f"--ep: {self.ep} must be a multiple or a divisor of the {per_node} devices per node, so "
@@ -124,6 +145,39 @@ class SimSpec:
             raise ValueError(f"--placement: is for {self.placement.num_devices} devices x {self.placement.num_layers} "
                              f"MoE layers x {self.placement.num_experts} experts, not {self.ep} x {m.num_sparse} x "
                              f"{m.num_experts} (one expert-parallel group)")
+
+
+    def _check_pipeline(self) -> int:
+        """The pipeline's options (ValueError naming the flag); the devices of a stage."""
+        m = self.model.shape
+        if isinstance(self.pp, bool) or not isinstance(self.pp, int) or self.pp < 1:
+            raise ValueError(f"--pp: must be a positive integer (pipeline stages), got {self.pp!r}")
+        if self.pp > m.num_layers:
+            raise ValueError(f"--pp: {self.pp} stages exceed the model's {m.num_layers} layers (a stage holds at "
+                             f"least one)")
+        if self.devices % self.pp:
+            raise ValueError(f"--pp: {self.pp} must divide the {self.devices} devices (every stage has the same "
+                             f"devices)")
+        if self.pp == 1:
+            if self.micro_batches not in (None, 1):
+                raise ValueError("--micro-batches: goes with --pp > 1 (micro-batches flow through pipeline stages)")
+            if self.pp_layers is not None:
+                raise ValueError("--pp-layers: goes with --pp > 1")
+            self.micro_batches = 1
+            return self.devices
+        mb = self.pp if self.micro_batches is None else self.micro_batches
+        if isinstance(mb, bool) or not isinstance(mb, int) or not 1 <= mb <= MAX_MICRO_BATCHES:
+            raise ValueError(f"--micro-batches: must be an integer in [1, {MAX_MICRO_BATCHES}], got {mb!r}")
+        self.micro_batches = mb
+        if self.overlap == "five-stage":
+            raise ValueError("--overlap five-stage: not with --pp > 1 (its cycle runs one micro-batch a layer behind "
+                             "the other across the whole layer stack, which a stage boundary cuts); give two-batch "
+                             "or none")
+        if self.exchange == "all-reduce":
+            raise ValueError("exchange all-reduce: moectl's ranks run no pipeline stages; give --pp 1")
+        if self.pp_layers is not None:
+            self.pp_layers = tuple(parse_pp_layers(self.pp_layers, self.pp, m.num_layers))
+        return self.devices // self.pp
 
 
 def cluster_placement(shape, devices: int, redundant: int, chosen: Placement | None = None,
@@ -227,6 +281,12 @@ class StepLoad:
         return StepLoad(np.ceil(self.tokens / 2), np.ceil(self.sequences / 2), self.decode_keys / 2,
                         self.prefill_keys / 2, self.kv_reads / 2, self.pairs / 2, np.ceil(self.prefill / 2))
 
+    def split(self, parts: int) -> StepLoad:
+        """One of `parts` equal pipeline micro-batches: every figure over `parts` (an expectation:
+        rows below one are priced as the step model prices a small batch's expert rows)."""
+        return StepLoad(self.tokens / parts, self.sequences / parts, self.decode_keys / parts,
+                        self.prefill_keys / parts, self.kv_reads / parts, self.pairs / parts, self.prefill / parts)
+
 
 def uniform_load(spec: SimSpec, tokens_per_device: int | None = None) -> StepLoad:
     """The load of `spec`'s batch: every device the same tokens at the same context, the routing
@@ -248,6 +308,24 @@ def uniform_load(spec: SimSpec, tokens_per_device: int | None = None) -> StepLoa
     pairs = spec.routing * (T * verified * spec.ep * shape.top_k)
     return StepLoad(group_tokens * ones, sequences * ones, decode_keys, prefill_keys, reads, pairs,
                     0 * ones if decode else group_tokens * ones)
+
+
+def chunk_loads(spec: SimSpec, parts: int) -> list[StepLoad]:
+    """Prefill with fewer prompts per attention group than micro-batches: each prompt cut into
+    `parts` chunks in order (SGLang's chunked pipeline parallelism), micro-batch j holding chunk j
+    of every prompt: its tokens attend the prompt before the chunk and, causally, half the chunk,
+    read the KV up to the chunk's end, and only the last chunk samples (the LM head). Later chunks
+    cost more: the non-uniform micro-batches SGLang's dynamic chunking evens out."""
+    whole = uniform_load(spec)
+    windows, _ = window_classes(spec.model.shape)
+    tokens, sequences, context = whole.tokens / parts, whole.sequences, spec.context
+    out = []
+    for j in range(parts):
+        attended = np.array([_capped((j + 0.5) * context / parts, w) for w in windows], dtype=np.float64)[:, None]
+        read = np.array([_capped((j + 1) * context / parts, w) for w in windows], dtype=np.float64)[:, None]
+        out.append(StepLoad(tokens, sequences * (j == parts - 1), 0 * whole.decode_keys, tokens * attended,
+                            sequences * read, whole.pairs / parts, tokens))
+    return out
 
 
 @dataclass
@@ -431,6 +509,8 @@ def simulate(spec: SimSpec, load: StepLoad | None = None, detail: bool = False) 
     """The step's time and what it is made of (see the module's docstring); `load`: the batch
     a simulated engine scheduled (default: `spec`'s uniform batch). detail: also "detail", the
     per-device arrays ("busy_s" [D], "rows" [MoE layers, D]) and the LayerTimes ("layers")."""
+    if spec.pp > 1:
+        return _simulate_pipeline(spec, load, detail)
     shape, hw, D = spec.model.shape, spec.hardware, spec.devices
     load = uniform_load(spec) if load is None else load
     groups = spec.devices // spec.ep
@@ -508,19 +588,240 @@ def simulate(spec: SimSpec, load: StepLoad | None = None, detail: bool = False) 
     }
 
 
+PP_PARTS = PARTS + ("pipeline_bubble",)  # the breakdown with pipeline stages
+
+
+def _micro_batches(spec: SimSpec, load: StepLoad | None) -> tuple[StepLoad, list[StepLoad]]:
+    """The step's load and its micro-batches: equal ones (priced once), or a prefill's chunks in
+    order where an attention group holds fewer prompts than micro-batches (`chunk_loads`). A
+    scheduled batch smaller than the micro-batches runs as many as its largest group has tokens."""
+    m = spec.micro_batches
+    if load is None:
+        load = uniform_load(spec)
+        if spec.phase == "prefill" and float(load.sequences.max()) < m:
+            return load, chunk_loads(spec, m)
+        return load, [load.split(m)] * m
+    m = max(1, min(m, int(np.ceil(float(load.tokens.max())))))
+    return load, [load.split(m)] * m
+
+
+def _layer_costs(spec: SimSpec, lts: list[LayerTimes]) -> list[float]:
+    """Each layer's serial seconds over the step's micro-batches (an MoE layer: its part before
+    the dispatch, its slowest device's experts, the all-to-alls; a dense layer: attention and MLP),
+    the LM head on the last layer: what `balanced_stages` balances."""
+    shape = spec.model.shape
+    costs, k = [], 0
+    for sparse in shape.sparse_layers:
+        if sparse:
+            costs.append(sum(lt.moe_compute[k] + lt.moe_comm[k] for lt in lts))
+            k += 1
+        else:
+            costs.append(sum(lt.dense_layer for lt in lts))
+    costs[-1] += sum(float(lt.lm_head.max()) for lt in lts)
+    return costs
+
+
+def balanced_stages(spec: SimSpec) -> list[int]:
+    """Layers per stage for `spec`'s pipeline: its --pp-layers, else the model's layers cut
+    contiguously so that the slowest stage is as fast as any cut allows (memory_plan.split_layers:
+    then as even as possible, later stages taking the more layers on ties), each layer costing
+    its serial seconds at `spec`'s own batch over its micro-batches, on its placement
+    (`_layer_costs`). A simulated cluster fixes it once (weights do not move between stages)."""
+    if spec.pp_layers is not None:
+        return list(spec.pp_layers)
+    _, loads = _micro_batches(spec, None)
+    unique = {id(x): x for x in loads}
+    priced = {key: layer_times(spec, x) for key, x in unique.items()}
+    return split_layers(_layer_costs(spec, [priced[id(x)] for x in loads]), spec.pp)
+
+
+def stage_of_devices(spec: SimSpec) -> np.ndarray:
+    """[devices] each device's pipeline stage (0 without one)."""
+    return np.arange(spec.devices) // (spec.devices // spec.pp)
+
+
+def _boundary_seconds(spec: SimSpec, roof: Roofline, load: StepLoad, source: int, target: int,
+                      per_token_bytes: float, gather: bool) -> tuple[float, str]:
+    """One micro-batch's send from stage `source` to stage `target`: device i of the one to device
+    i of the other, each device its TP group's tokens / tp (vLLM and SGLang send a TP rank's slice
+    and all-gather it on receipt, over NVLink), over NVLink where both sit on one node and the NIC
+    where not, priced as the profile prices a link's bytes (its achieved fraction and latency);
+    the busiest device's seconds, and which links it crossed."""
+    hw, n, tp = spec.hardware, spec.devices // spec.pp, spec.tp
+    local = np.arange(n)
+    tokens = load.tokens[(local % spec.ep) // tp]
+    nbytes = tokens / tp * per_token_bytes
+    same = (source * n + local) // hw.gpus_per_node == (target * n + local) // hw.gpus_per_node
+    seconds = roof.links(np.where(same, nbytes, 0.0), np.where(same, 0.0, nbytes))
+    if gather and tp > 1:
+        seconds = seconds + roof.links((tp - 1) / tp * tokens * per_token_bytes, 0 * tokens)
+    kind = "intra-node" if same.all() else "inter-node" if not same.any() else "intra- and inter-node"
+    return float(seconds.max()), kind
+
+
+def _simulate_pipeline(spec: SimSpec, load: StepLoad | None, detail: bool) -> dict:
+    """`simulate` with pipeline stages (pipeline.py): the step's micro-batches priced per stage
+    (each stage's layers as `simulate` prices a layer, the LM head and MTP on the last, with
+    --overlap two-batch each stage's micro-batch split in two on overlap.py's schedule), sent on
+    between stages (`_boundary_seconds`: hidden states and residual, 2 x hidden in BF16 a token),
+    and laid out filled and drained within the step (pipeline.flush). Also the steady state
+    (pipeline.steady) with the micro-batches kept in flight across steps."""
+    m_, shape, hw, D, p = spec.model, spec.model.shape, spec.hardware, spec.devices, spec.pp
+    n = D // p
+    tables = hw.kernels
+    base, loads = _micro_batches(spec, load)
+    m = len(loads)
+    unique = {id(x): x for x in loads}
+    priced = {key: layer_times(spec, x) for key, x in unique.items()}
+    lts = [priced[id(x)] for x in loads]
+    mode = comm_mode(spec, base)
+    overlapped = spec.overlap != "none" and float(loads[0].tokens.max()) > 1
+    halves = None
+    share, held, sync_s = 1.0, 0.0, 0.0
+    if overlapped:
+        halved = {key: layer_times(spec, x.half()) for key, x in unique.items()}
+        halves = [halved[id(x)] for x in loads]
+        if mode == "normal" and spec.exchange == "all-to-all" and tables is not None and tables.device_sms:
+            share = 1 - (tables.comm_sms if spec.comm_sms is None else spec.comm_sms) / tables.device_sms
+        elif mode == "low-latency":
+            held = tables.low_latency.sm_share
+        sync_s = (tables.stage_sync_us if tables is not None else 0.0) * 1e-6
+    counts = balanced_stages(spec)
+    ranges = stage_ranges(counts)
+    moe_of = np.cumsum(shape.sparse_layers) - 1  # layer -> its MoE layer index
+    per_layer_s = (hw.layer_overhead_us + (hw.micro_batch_overhead_us if overlapped else 0.0)) * 1e-6
+    ep = spec.ep
+
+    times = [[0.0] * p for _ in range(m)]
+    parts_sum = {k: 0.0 for k in PARTS}
+    hidden = 0.0
+    busy = np.zeros((p, ep))
+    rows_dev = np.zeros((p, ep))
+    link_dev = np.zeros(p)
+    expert_critical = 0.0
+    stage_parts = []
+    for s, rng in enumerate(ranges):
+        moe = [int(moe_of[i]) for i in rng if shape.sparse_layers[i]]
+        dense_n, layers_n, last = len(rng) - len(moe), len(rng), s == p - 1
+        acc = {k: 0.0 for k in PARTS}
+        for j, lt in enumerate(lts):
+            serial_moe = sum(lt.moe_compute[k] + lt.moe_comm[k] for k in moe)
+            head = float(lt.lm_head.max()) if last else 0.0
+            mtp_s = spec.mtp_draft * (float(np.mean([c + x for c, x in zip(lt.moe_compute, lt.moe_comm)]))
+                                      + float(lt.lm_head.max())) if last and spec.mtp_draft and lt.expert else 0.0
+            serial = serial_moe + dense_n * lt.dense_layer + head + mtp_s + layers_n * per_layer_s
+            if overlapped:
+                h = halves[j]
+                sub = replace(h, expert=[h.expert[k] for k in moe], dispatch=[h.dispatch[k] for k in moe],
+                              combine=[h.combine[k] for k in moe])
+                t = sum(micro_batch_schedule(sub, spec.overlap, share, sync_s, held)) + dense_n * 2 * h.dense_layer \
+                    + (2 * float(h.lm_head.max()) if last else 0.0) + mtp_s + layers_n * per_layer_s
+            else:
+                t = serial
+            times[j][s] = t
+            small_expert = lt.small_expert[moe].sum(0)
+            stage_expert = lt.layer_expert[moe].sum(0)
+            device = layers_n * lt.attention + len(moe) * (lt.router + lt.shared + lt.small_moe) \
+                + dense_n * (lt.dense + lt.small_dense) + stage_expert + (lt.lm_head if last else 0.0) + layers_n * per_layer_s
+            comm = sum(lt.dispatch[k] + lt.combine[k] for k in moe)
+            part = {"attention": layers_n * lt.attention.mean(), "router": len(moe) * lt.router.mean(),
+                    "dispatch": sum(lt.dispatch[k] for k in moe), "expert_gemm": (stage_expert - small_expert).mean(),
+                    "combine": sum(lt.combine[k] for k in moe),
+                    "shared_dense": len(moe) * lt.shared.mean() + dense_n * lt.dense.mean(),
+                    "small_ops": len(moe) * lt.small_moe.mean() + dense_n * lt.small_dense.mean() + small_expert.mean(),
+                    "lm_head": lt.lm_head.mean() if last else 0.0, "mtp": mtp_s, "overhead": layers_n * per_layer_s}
+            unhidden = serial - t if overlapped else 0.0
+            part["overlap_cost"] = max(0.0, -unhidden)
+            part["idle"] = max(0.0, t + max(0.0, unhidden) - part["overlap_cost"] - comm - float(device.mean()) - mtp_s)
+            hidden += min(max(0.0, unhidden), comm) / p
+            for k, v in part.items():
+                acc[k] += float(v)
+            busy[s] += device
+            rows_dev[s] += lt.rows[moe].sum(0)
+            link_dev[s] += comm
+            expert_critical += sum(lt.expert[k] for k in moe) / p
+        stage_parts.append(acc)
+        for k, v in acc.items():
+            parts_sum[k] += v / p
+
+    roof = Roofline(m_, hw)
+    per_token = 2 * shape.hidden_size * m_.high_bytes  # hidden states and residual, what vLLM and SGLang send
+    boundaries = [_boundary_seconds(spec, roof, loads[0], s, s + 1, per_token, True) for s in range(p - 1)]
+    transfers = [c for c, _ in boundaries]
+    back, _ = _boundary_seconds(spec, roof, replace(loads[-1], tokens=np.maximum(loads[-1].sequences, 0.0)),
+                                p - 1, 0, 8.0, False)  # the sampled token ids back to the first stage
+    run = flush(times, transfers)
+    outside = (float(base.sequences.max()) * hw.sequence_overhead_us + (tables.step_fixed_us if tables is not None
+                                                                          else 0.0)) * 1e-6
+    step = run.makespan + outside
+    period = steady(times, transfers, back) + outside
+    parts = dict(parts_sum)
+    parts["overhead"] += outside
+    parts["pipeline_bubble"] = run.makespan - sum(sum(times[j][s] for j in range(m)) for s in range(p)) / p
+    groups = n // ep
+    tokens = float(base.tokens.sum()) * groups
+    if spec.phase == "decode" and spec.mtp_draft:
+        tokens = float(base.sequences.sum()) * groups * mtp_tokens_per_step(spec.mtp_draft, spec.mtp_accept) \
+            / (1 + spec.mtp_draft)
+    stage_of = stage_of_devices(spec)
+    local = np.arange(D) % n % ep
+    busy_d = busy[stage_of, local]
+    rows_total = np.sum([lt.rows for lt in lts], axis=0)
+    balancedness = [r.mean() / r.max() for r in rows_total if r.max() > 0]
+    stage_ms = [sum(times[j][s] for j in range(m)) / m * 1e3 for s in range(p)]
+    pipeline = {
+        "pp": p, "micro_batches": m, "devices_per_stage": n, "layers_per_stage": counts,
+        "stage_layers": [[r.start, r.stop - 1] for r in ranges],
+        "micro_batches_chunked": len(unique) > 1,  # a prefill's chunks in order (chunk_loads)
+        "stage_ms": stage_ms, "transfer_ms": [c * 1e3 for c in transfers], "transfer_links": [k for _, k in boundaries],
+        "bubble": run.bubble, "bubble_uniform": uniform_bubble(p, m), "pipeline_ms": run.makespan * 1e3,
+        "steady_step_ms": period * 1e3, "steady_bubble": 1 - run.busy / (p * (period - outside)) if period > outside
+        else 0.0, "steady_tokens_per_s": tokens / period,
+    }
+    return {
+        "simulated": True, "phase": spec.phase, "step_ms": step * 1e3,
+        "tokens_per_s": tokens / step, "tokens_per_s_per_device": tokens / step / D,
+        "tokens_per_s_per_node": tokens / step / D * hw.gpus_per_node,
+        "devices": D, "nodes": -(-D // hw.gpus_per_node),
+        "utilisation": (busy_d / step).tolist(),
+        "balancedness": float(np.mean(balancedness)) if balancedness else 1.0,
+        "breakdown_ms": {k: float(v) * 1e3 for k, v in parts.items()},
+        "overlap_hidden_ms": hidden * 1e3,
+        "comm": mode, "kernel_tables": tables is not None,
+        "pp": pipeline, "stage": stage_of.tolist(),
+        **({"detail": {"busy_s": busy_d, "rows": rows_total, "layers": lts[0], "step_s": step,
+                       "device_rows": rows_dev[stage_of, local], "link_s": link_dev[stage_of],
+                       "expert_critical_s": expert_critical, "run": run, "times": times, "transfers": transfers,
+                       "stage_of": stage_of, "ranges": ranges}} if detail else {}),
+    }
+
+
 def memory_per_device(spec: SimSpec) -> dict:
     """Bytes one device holds: its weights (its share of attention, every shared and dense weight,
     the embeddings and LM head, its expert slots: the planner's count, PlanModel.weight_bytes) and
     its sequences' KV cache at --context; activations and communication buffers are not counted."""
     m, shape = spec.model, spec.model.shape
-    parts = shape.weight_bytes(m.weights, experts_local=spec.placement.slots_per_device)
-    parts["attention"] = shape.num_layers * m.attention_weight_bytes(spec.tp)  # split over the TP group's heads
-    weights = sum(parts.values())
     # a TP group's devices each hold the KV of all the group's sequences (their share of the heads;
     # MLA's latent whole)
     tokens = spec.tokens_per_device * spec.tp
     sequences = tokens if spec.phase == "decode" else max(1, tokens // spec.context)
     _, kv_per_key = m.attention_core(spec.tp, 1, True)
+    if spec.pp > 1:  # each stage its layers' weights and KV (the embedding first, the LM head last)
+        stages = []
+        for s, rng in enumerate(stage_ranges(balanced_stages(spec))):
+            parts = shape.stage_weight_bytes(m.weights, rng, experts_local=spec.placement.slots_per_device)
+            parts["attention"] = len(rng) * m.attention_weight_bytes(spec.tp)
+            weights, kv = sum(parts.values()), sequences * spec.context * kv_per_key * len(rng)
+            stages.append({"stage": s, "layers": [rng.start, rng.stop - 1], "weights_bytes": int(weights),
+                           "kv_bytes": int(kv), "total_bytes": int(weights + kv),
+                           "fits": bool(weights + kv <= spec.hardware.hbm_bytes)})
+        worst = max(stages, key=lambda x: x["total_bytes"])
+        return {**{k: worst[k] for k in ("weights_bytes", "kv_bytes", "total_bytes")},
+                "hbm_bytes": spec.hardware.hbm_bytes, "fits": all(x["fits"] for x in stages),
+                "worst_stage": worst["stage"], "stages": stages}
+    parts = shape.weight_bytes(m.weights, experts_local=spec.placement.slots_per_device)
+    parts["attention"] = shape.num_layers * m.attention_weight_bytes(spec.tp)  # split over the TP group's heads
+    weights = sum(parts.values())
     kv = sequences * spec.context * kv_per_key * shape.num_layers
     total = weights + kv
     return {"weights_bytes": int(weights), "kv_bytes": int(kv), "total_bytes": int(total),
@@ -535,10 +836,19 @@ def migration_stall(spec: SimSpec, old: Placement, new: Placement) -> dict:
     rows = old.migration(new, hw.gpus_per_node)  # [layer, expert, src, src_slot, dst, dst_slot, over_link]
     moved = rows[rows[:, 6] == 1]
     per_expert = spec.model.expert_bytes()
-    node_of = np.arange(D) // hw.gpus_per_node
-    remote = node_of[moved[:, 2]] != node_of[moved[:, 4]]
-    intra = np.bincount(moved[~remote, 4], minlength=D) * per_expert
-    inter = np.bincount(moved[remote, 4], minlength=D) * per_expert
+    # with pipeline stages a layer's experts move within its stage's devices, the stages' at once:
+    # stage s's EP group is devices s * (devices / pp) onwards, its receivers counted apart
+    first = np.zeros(len(moved), dtype=np.int64)
+    if spec.pp > 1:
+        stage_of_moe = np.repeat(np.arange(spec.pp), balanced_stages(spec))[np.asarray(spec.model.shape.sparse_layers)]
+        first = stage_of_moe[moved[:, 0]] * (spec.devices // spec.pp)
+    node_of = (np.arange(D)[None, :] + first[:, None]) // hw.gpus_per_node if len(moved) else np.zeros((0, D), int)
+    idx = np.arange(len(moved))
+    remote = node_of[idx, moved[:, 2]] != node_of[idx, moved[:, 4]]
+    receiver = moved[:, 4] + (first // (spec.devices // spec.pp)) * D
+    size = D * spec.pp
+    intra = np.bincount(receiver[~remote], minlength=size) * per_expert
+    inter = np.bincount(receiver[remote], minlength=size) * per_expert
     roof = Roofline(spec.model, hw)
     seconds = roof.links(intra.astype(float), inter.astype(float))
     return {"experts_moved": int(len(moved)), "bytes": float(len(moved) * per_expert),
