@@ -229,7 +229,7 @@ class EngineCore:
         if not batch.empty:
             self.step_count += 1
             if self.watch is not None:
-                self.watch.buffer.zero_()  # what a scoring pass or a failed step left is not this step's
+                self.watch.reset()  # what a scoring pass or a failed step left is not this step's
             try:
                 with self.telemetry.step(self, batch, t_start):
                     logits = self.runner.run(batch.items)

@@ -62,7 +62,27 @@ void note(const at::Tensor& x, at::Tensor slot) {
   });
 }
 
+// Many small tensors in one call: xs[i] merged into buffer's slot slots[i] (buffer [slots, 3]
+// fp32). A decode step's activations are a few rows each, where a dispatch per tensor costs
+// more than the pass itself: the watch gathers them and notes them all at the step's end.
+void note_many(at::TensorList xs, at::IntArrayRef slots, at::Tensor buffer) {
+  TORCH_CHECK(xs.size() == slots.size(), "activation_stats: one slot per tensor");
+  TORCH_CHECK(buffer.scalar_type() == at::kFloat && buffer.is_contiguous() && buffer.dim() == 2 && buffer.size(1) == 3,
+              "activation_stats: buffer must be contiguous fp32 [slots, 3]");
+  float* base = buffer.data_ptr<float>();
+  for (size_t i = 0; i < xs.size(); ++i) {
+    TORCH_CHECK(slots[i] >= 0 && slots[i] < buffer.size(0), "activation_stats: slot ", slots[i], " out of range");
+    const at::Tensor x = xs[i].contiguous();
+    if (x.numel() == 0) continue;
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "activation_stats", [&] {
+      stats<scalar_t>(x, base + slots[i] * 3);
+    });
+  }
+}
+
 TORCH_LIBRARY(moectl_watch, m) {
   m.def("note(Tensor x, Tensor(a!) slot) -> ()");
+  m.def("note_many(Tensor[] xs, int[] slots, Tensor(a!) buffer) -> ()");
   m.impl("note", c10::DispatchKey::CPU, TORCH_FN(note));
+  m.impl("note_many", c10::DispatchKey::CPU, TORCH_FN(note_many));
 }

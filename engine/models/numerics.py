@@ -5,7 +5,8 @@ The decoder notes each tensor as it passes: a norm's input (the residual stream:
 and largest row sum of x^2), attention's queries and keys (their largest row norms, whose product
 times the scale bounds every logit, by Cauchy-Schwarz), and the MoE block's (or dense MLP's)
 output. A note is one native pass (kernels/activation_stats.cpp) max-merged into a small fp32
-buffer; the engine reads the buffer once per step. Keys are kept as a running maximum per layer,
+buffer; the engine reads the buffer once per step. Small tensors (a decode step's) are held and
+noted in one call when the step's figures are read. Keys are kept as a running maximum per layer,
 since a decode's logits reach keys cached steps ago.
 
 The engine sets a watch on the model (`MoEForCausalLM.set_watch`); otherwise NULL_WATCH, whose
@@ -23,6 +24,7 @@ POINTS = ("residual", "norm_sumsq", "attn_logits", "expert_out")
 BOUND = (False, False, True, False)
 FP16_LIMIT = float(torch.finfo(torch.float16).max)
 OVERFLOWED = float(torch.finfo(torch.float32).max)
+DEFER_ELEMENTS = 1 << 16  # tensors up to this size are noted together at the step's end
 # the buffer's slots: what each note feeds
 NORM_INPUT, QUERY, KEY, OUTPUT = range(4)
 _KERNEL = NativeKernel("moectl.engine.kernels", "activation_stats.cpp", "moectl_watch", "MOECTL_WATCH_KERNEL",
@@ -60,12 +62,32 @@ class ActivationWatch:
         self.key_sumsq = np.zeros(num_layers)  # running maximum of each layer's key row norms, squared
         ops = _KERNEL.ops() if torch.device(device).type == "cpu" else None
         self._note = ops.note if ops is not None else _note_torch
+        self._note_many = ops.note_many if ops is not None else None
+        # small tensors wait for one call at the step's end (a decode step's: a dispatch each would
+        # cost more than their passes); holding them is cheap, a prefill's large ones are noted at once
+        self._pending: list[torch.Tensor] = []
+        self._pending_slots: list[int] = []
 
     def note(self, layer: int, slot: int, x: torch.Tensor) -> None:
+        if self._note_many is not None and x.numel() <= DEFER_ELEMENTS:
+            self._pending.append(x)
+            self._pending_slots.append(layer * 4 + slot)
+            return
         self._note(x if x.is_contiguous() else x.contiguous(), self.slots[layer][slot])
+
+    def flush(self) -> None:
+        """Notes what waits (the step's small tensors), in one call."""
+        if self._pending:
+            self._note_many(self._pending, self._pending_slots, self.buffer.view(-1, 3))
+            self._pending, self._pending_slots = [], []
+
+    def reset(self) -> None:
+        self._pending, self._pending_slots = [], []
+        self.buffer.zero_()
 
     def collect(self, dtype: torch.dtype, residual_dtype: torch.dtype) -> dict:
         """This step's figures (the record's `numerics`), and a fresh buffer for the next step."""
+        self.flush()
         stats = self.buffer.cpu().numpy().astype(np.float64)  # one read per step
         self.buffer.zero_()
         norm, query, key, output = (stats[:, slot] for slot in range(4))

@@ -155,7 +155,7 @@ def precision_report(ours: LLMEngine, ref_hidden: list[torch.Tensor], ref_logits
     `threshold`, a NaN included)."""
     if ours.watch is None:
         raise RuntimeError("verify: the engine's numerics watch is off")
-    ours.watch.buffer.zero_()
+    ours.watch.reset()
     probe = _Probe()
     logits = torch.stack(prefill_batch(ours, batch, probe))
     watch = ours.numerics_record()

@@ -46,14 +46,18 @@ def test_a_note_is_the_tensors_largest_value_and_row_sum_of_squares(dtype, path)
     gen = torch.Generator().manual_seed(0)
     a = (torch.randn(7, 33, generator=gen) * 50).to(dtype)
     b = (torch.randn(3, 5, 33, generator=gen) * 80).to(dtype)  # rows along the last dimension
-    watch.note(1, numerics.OUTPUT, a)
-    watch.note(1, numerics.OUTPUT, b)
+    big = (torch.randn(numerics.DEFER_ELEMENTS // 32 + 1, 33, generator=gen) * 30).to(dtype)  # noted at once
+    watch.note(1, numerics.OUTPUT, a)  # small ones wait for the step's end (flush)
+    watch.note(1, numerics.OUTPUT, b[:, 1:])  # a strided view
+    watch.note(1, numerics.OUTPUT, big)
+    watch.flush()
     got = watch.buffer[1, numerics.OUTPUT].tolist()
-    want = [max(e) for e in zip(_expected(a), _expected(b))]
+    want = [max(e) for e in zip(_expected(a), _expected(b[:, 1:]), _expected(big))]
     assert got[0] == pytest.approx(want[0], rel=1e-6) and got[1] == pytest.approx(want[1], rel=1e-5)
     assert got[2] == 0 and watch.buffer[0].abs().sum() == 0
     b[1, 2, 3] = float("nan")
     watch.note(0, numerics.QUERY, b)
+    watch.flush()
     assert watch.buffer[0, numerics.QUERY, 2] == 1  # the NaN is seen, not dropped by max()
 
 
