@@ -15,6 +15,8 @@ notes return at once.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
@@ -88,19 +90,26 @@ class ActivationWatch:
     def collect(self, dtype: torch.dtype, residual_dtype: torch.dtype) -> dict:
         """This step's figures (the record's `numerics`), and a fresh buffer for the next step."""
         self.flush()
-        stats = self.buffer.cpu().numpy().astype(np.float64)  # one read per step
+        stats = self.buffer.cpu().numpy().astype(np.float64)  # one read per step (a copy: zeroed next)
         self.buffer.zero_()
-        norm, query, key, output = (stats[:, slot] for slot in range(4))
-        np.maximum(self.key_sumsq, key[:, 1], out=self.key_sumsq)
-        out = np.stack([norm[:, 0], norm[:, 1], np.sqrt(query[:, 1] * self.key_sumsq) * self.scales, output[:, 0]], 1)
-        bad = np.stack([norm[:, 2], norm[:, 2], np.maximum(query[:, 2], key[:, 2]), output[:, 2]], 1) > 0
+        np.maximum(self.key_sumsq, stats[:, KEY, 1], out=self.key_sumsq)
+        out = np.empty((stats.shape[0], 4))
+        out[:, 0], out[:, 1], out[:, 3] = stats[:, NORM_INPUT, 0], stats[:, NORM_INPUT, 1], stats[:, OUTPUT, 0]
+        out[:, 2] = np.sqrt(stats[:, QUERY, 1] * self.key_sumsq) * self.scales
+        bad = np.empty((stats.shape[0], 4), dtype=bool)
+        bad[:, 0] = bad[:, 1] = stats[:, NORM_INPUT, 2] > 0
+        bad[:, 2] = (stats[:, QUERY, 2] > 0) | (stats[:, KEY, 2] > 0)
+        bad[:, 3] = stats[:, OUTPUT, 2] > 0
         out[bad] = OVERFLOWED  # fp32's largest (no inf in a JSON record): past every limit
-        nonfinite = bad.tolist()
-        out = np.minimum(out, OVERFLOWED)
+        np.minimum(out, OVERFLOWED, out=out)
+        return {**self._static(dtype, residual_dtype), "max": out.astype(np.float32), "nonfinite": bad.tolist()}
+
+    @functools.lru_cache(maxsize=4)  # noqa: B019 - a few dtype pairs per watch, for its lifetime
+    def _static(self, dtype: torch.dtype, residual_dtype: torch.dtype) -> dict:
+        """The record's fields that only the dtypes decide."""
         return {"dtype": str(dtype).removeprefix("torch."), "limit": float(torch.finfo(dtype).max),
                 "fp16_limit": FP16_LIMIT, "residual_dtype": str(residual_dtype).removeprefix("torch."),
-                "points": list(POINTS), "limits": limits(dtype, residual_dtype),
-                "max": out.astype(np.float32), "bound": list(BOUND), "nonfinite": nonfinite}
+                "points": list(POINTS), "limits": limits(dtype, residual_dtype), "bound": list(BOUND)}
 
 
 def limits(dtype: torch.dtype, residual_dtype: torch.dtype) -> list[float]:
