@@ -233,7 +233,7 @@ class BlockManager:
         seq.block_table = []
         seq.block_hashes = []
         seq.num_computed = 0
-        seq.kv_evicted_tokens, seq.kv_exact_blocks, seq.kv_scores = 0, None, None
+        seq.reset_retention()
 
     def check_invariants(self) -> None:
         """Exact accounting: every block is either referenced or in the pool, never both."""

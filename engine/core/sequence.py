@@ -36,9 +36,7 @@ class Sequence:
         # KV retention (retention.py): block_table entries of evicted blocks are -1; kv_exact_blocks:
         # the full blocks computed before the first eviction (later ones saw a pruned context, so
         # they never enter the prefix cache); kv_scores: attention mass per block (scored policies)
-        self.kv_evicted_tokens = 0  # tokens of the evicted blocks (whole blocks)
-        self.kv_exact_blocks: int | None = None
-        self.kv_scores = None
+        self.reset_retention()
         self.num_computed = 0  # tokens whose K/V are in the cache
         self.num_cached_prompt = 0  # prompt tokens served from the prefix cache at admission
         self.num_preemptions = 0
@@ -65,10 +63,24 @@ class Sequence:
         """Tokens of the full-attention layers' cache this sequence still reads."""
         return self.num_computed - self.kv_evicted_tokens
 
+    def reset_retention(self) -> None:
+        """No block evicted (a new sequence, or one whose blocks were all freed)."""
+        self.kv_evicted_tokens = 0  # tokens of the evicted blocks (whole blocks)
+        self.kv_exact_blocks: int | None = None
+        self.kv_scores = None
+        self._held: list[int] = []  # held_blocks' cache, for (table length, tokens evicted) = _held_key
+        self._held_key = (0, 0)
+
     @property
     def held_blocks(self) -> list[int]:
-        """The full-attention blocks this sequence still reads, in position order."""
-        return [b for b in self.block_table if b >= 0] if self.kv_evicted_tokens else self.block_table
+        """The full-attention blocks this sequence still reads, in position order. Rebuilt only when
+        the table grew or lost a block (a million-token table is 62,500 entries: not every step)."""
+        if not self.kv_evicted_tokens:
+            return self.block_table
+        key = (len(self.block_table), self.kv_evicted_tokens)
+        if self._held_key != key:
+            self._held, self._held_key = [b for b in self.block_table if b >= 0], key
+        return self._held
 
     @property
     def output_ids(self) -> list[int]:

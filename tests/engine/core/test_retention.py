@@ -263,3 +263,24 @@ def test_the_memory_ledger_shows_the_blocks_eviction_returns(tmp_path):
     # budget keeps 3 blocks (the sink and the newest) and the block the next token goes to
     assert held["full"] == 24
     assert held["streaming"] <= 2 * (12 // BS + 1)
+
+
+def test_held_blocks_follow_eviction_growth_and_a_fresh_start(tmp_path):
+    engine = _engine(tiny_checkpoint(tmp_path / "m", "mixtral"), kv_retention="streaming", kv_budget=8)
+    blocks = engine.blocks
+    seq = Sequence("s", list(range(40)), SamplingParams())
+    blocks.grow(seq, 24)
+    seq.num_computed = 24
+    Retention(blocks).apply(seq, engine.knobs)
+    first = list(seq.held_blocks)
+    assert first == [b for b in seq.block_table if b >= 0] and len(first) == 2
+    blocks.grow(seq, 4)  # a new block: the held list follows
+    assert seq.held_blocks == [b for b in seq.block_table if b >= 0] and len(seq.held_blocks) == 3
+    blocks.free(seq)  # preempted: its blocks go back, and a recompute starts over
+    blocks.grow(seq, 4)  # a different block for the same table length as before is possible
+    blocks.grow(seq, 20)
+    seq.num_computed = 24
+    Retention(blocks).apply(seq, engine.knobs)  # the same (length, evicted) as the first time
+    assert seq.held_blocks == [b for b in seq.block_table if b >= 0]
+    blocks.free(seq)
+    blocks.check_invariants()
