@@ -129,23 +129,20 @@ class ModelRunner:
         """Hand each sequence the attention mass its held blocks drew this step (scored retention)."""
         fresh = self.knobs.kv_retention == "snapkv"  # SnapKV: a prefill chunk's window replaces the scores
 
-        def positions(seq):
-            return np.flatnonzero(np.asarray(seq.block_table) >= 0)
-
         for g in ctx.decode_groups:
             mass = g.mass.sum(1).cpu().numpy()
             for row, (seq, _) in enumerate(decodes[g.start:g.end]):
-                where = positions(seq)
+                where = seq.held_positions
                 retention.add_scores(seq, where, mass[row, :len(where)], fresh=False)
         for (seq, _), p in zip(prefills, ctx.prefills):
-            retention.add_scores(seq, positions(seq), p.mass.cpu().numpy(), fresh=fresh)
+            retention.add_scores(seq, seq.held_positions, p.mass.cpu().numpy(), fresh=fresh)
 
     @torch.inference_mode()
     def run(self, items: list[tuple[Sequence, int]], all_logits: bool = False, probe=None) -> torch.Tensor:
         """Runs one step. Returns fp32 logits for every sequence that completes its pending tokens
         (in `items` order), or for every token when all_logits is set."""
         # decodes sorted by context length, so similar lengths share a padded attention batch
-        decodes = sorted(((s, n) for s, n in items if n == 1), key=lambda item: len(item[0].block_table))
+        decodes = sorted(((s, n) for s, n in items if n == 1), key=lambda item: len(item[0].held_blocks))
         prefills = [(s, n) for s, n in items if n > 1]
         ordered = decodes + prefills
         ids: list[int] = []
@@ -187,6 +184,9 @@ class ModelRunner:
                             ctx, probe or self.probe)
         if scoring:
             self._keep_scores(decodes, prefills, ctx)
+        watch = getattr(self.model, "watch", None)
+        if watch is not None and watch.enabled:  # the small tensors it held for this forward
+            watch.flush()
         if all_logits:
             return self.model.logits(hidden)
         if any(s.prompt_logprobs is not None for s, _ in ordered):

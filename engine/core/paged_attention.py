@@ -203,7 +203,7 @@ def _split_view(ctx: PagedContext, at: int) -> tuple[PagedContext, PagedContext]
         elif p.start >= at:
             second.prefills.append(PrefillSlice(p.start - at, p.end - at, p.cached_len, p.block_table, p.first_position,
                                                 p.observe, p.mass))
-        else:  # the chunk's last queries (those retention observes) are in the second part
+        else:  # the chunk's last queries are in the second part: retention observes those there
             first.prefills.append(PrefillSlice(p.start, at, p.cached_len, p.block_table, p.first_position))
             second.prefills.append(PrefillSlice(0, p.end - at, p.cached_len + at - p.start, p.block_table,
                                                 p.first_position, p.observe, p.mass))

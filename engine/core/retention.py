@@ -13,7 +13,9 @@ kv_recent_tokens).
 A block is the unit: K/V are paged, so only a whole block returns memory to the pool, and one
 choice holds for all layers and heads (they share a block table). Scores are the attention
 probability mass each block's keys received, summed over layers, heads and observed queries
-(paged_attention.py computes them; the decode kernel adds them as it attends). An evicted block's
+(paged_attention.py computes them; the decode kernel adds them as it attends; a model's attention
+sinks join the kernel's softmax, not the torch paths', so gpt-oss's scores differ slightly between
+them; on the distributed backend with tensor parallelism only rank 0's KV heads score). An evicted block's
 tokens keep their place in positions: the keys kept are read with their own RoPE positions, and
 new tokens continue the sequence's positions.
 

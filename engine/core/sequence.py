@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from enum import Enum
 
+import numpy as np
 import torch
 
 from moectl.engine.core.sampling import SamplingParams
@@ -68,7 +69,9 @@ class Sequence:
         self.kv_evicted_tokens = 0  # tokens of the evicted blocks (whole blocks)
         self.kv_exact_blocks: int | None = None
         self.kv_scores = None
-        self._held: list[int] = []  # held_blocks' cache, for (table length, tokens evicted) = _held_key
+        # held_blocks' and held_positions' cache, for (table length, tokens evicted) = _held_key
+        self._held: list[int] = []
+        self._held_positions = np.zeros(0, dtype=np.int64)
         self._held_key = (0, 0)
 
     @property
@@ -77,10 +80,23 @@ class Sequence:
         the table grew or lost a block (a million-token table is 62,500 entries: not every step)."""
         if not self.kv_evicted_tokens:
             return self.block_table
+        self._refresh_held()
+        return self._held
+
+    @property
+    def held_positions(self) -> np.ndarray:
+        """The table positions (index = position // block size) of held_blocks."""
+        if not self.kv_evicted_tokens:
+            return np.arange(len(self.block_table))
+        self._refresh_held()
+        return self._held_positions
+
+    def _refresh_held(self) -> None:
         key = (len(self.block_table), self.kv_evicted_tokens)
         if self._held_key != key:
-            self._held, self._held_key = [b for b in self.block_table if b >= 0], key
-        return self._held
+            table = np.asarray(self.block_table)
+            self._held_positions = np.flatnonzero(table >= 0)
+            self._held, self._held_key = table[self._held_positions].tolist(), key
 
     @property
     def output_ids(self) -> list[int]:

@@ -92,7 +92,8 @@ class RouterPredictor(Predictor):
         block = self.model.layers[layer]
         mlp = block.mlp
         with torch.no_grad():
-            preference, weight = mlp.selection_scores(block.post_norm(x))
+            # _compute: in the weights' dtype (x is fp32 when mixed precision keeps the residual so)
+            preference, weight = mlp.selection_scores(block._compute(block.post_norm(x)))
             top, ids = torch.topk(preference, min(mlp.top_k + self.extra, mlp.num_experts), dim=-1)
             eligible = torch.isfinite(top)  # not in one of DeepSeek's masked groups
             score = torch.zeros(mlp.num_experts, dtype=torch.float32, device=ids.device)

@@ -86,6 +86,7 @@ class MoEForCausalLM(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tracer = NULL_TRACER  # the engine's SpanRecorder while it records spans
         self.residual_dtype = None  # set_residual_dtype: mixed precision
+        self.watch = NULL_WATCH  # set_watch: the numerics watch
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
 
@@ -107,11 +108,14 @@ class MoEForCausalLM(nn.Module):
             x = yield from layer.stages(x, positions, ctx, probe, tracer)
             if probe is not None:
                 probe.on_hidden(i + 1, x)
+        if self.watch.enabled:  # the last layer's output: the final norm's input
+            self.watch.note(len(self.layers) - 1, NORM_INPUT, x)
         out = self.norm(x)
         return out if self.residual_dtype is None else out.to(self.embed.weight.dtype)
 
     def set_watch(self, watch) -> None:
         """The numerics watch every layer notes its activations to (numerics.NULL_WATCH: none)."""
+        self.watch = watch
         for layer in self.layers:
             layer.watch = layer.attn.watch = watch
 

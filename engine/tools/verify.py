@@ -156,6 +156,7 @@ def precision_report(ours: LLMEngine, ref_hidden: list[torch.Tensor], ref_logits
     if ours.watch is None:
         raise RuntimeError("verify: the engine's numerics watch is off")
     ours.watch.reset()
+    ours.watch.key_sumsq[:] = 0  # the keys of this pass only
     probe = _Probe()
     logits = torch.stack(prefill_batch(ours, batch, probe))
     watch = ours.numerics_record()
@@ -165,10 +166,11 @@ def precision_report(ours: LLMEngine, ref_hidden: list[torch.Tensor], ref_logits
     logits_error = median_token_error(logits, ref_logits)
     logits_error = logits_error if math.isfinite(logits_error) else math.inf
     limits = watch["limits"]
+    # an upper bound past the limit (attn_logits) is no overflow by itself: only an inf/NaN there is
     overflows = [{"layer": layer, "operator": point, "max": float(row[j]), "limit": limits[j],
                   "nonfinite": watch["nonfinite"][layer][j]}
                  for layer, row in enumerate(watch["max"].tolist()) for j, point in enumerate(watch["points"])
-                 if watch["nonfinite"][layer][j] or row[j] > limits[j]]
+                 if watch["nonfinite"][layer][j] or (row[j] > limits[j] and not watch["bound"][j])]
     # hidden index 0 is the embeddings, i the output of layer i - 1 (the last one final-normed)
     lossy = [i - 1 for i, e in enumerate(errors) if i > 0 and not e <= threshold]
     headroom = {point: min((limits[j] / row[j] if row[j] > 0 else math.inf) for row in watch["max"].tolist())

@@ -150,3 +150,14 @@ def test_a_step_that_fails_on_the_overflow_names_where_it_began(overflow):
     # repaired: the same request samples
     engine = LLMEngine(EngineConfig(model=str(overflow), dtype="fp16", mixed_precision=True))
     assert len(engine.generate([IDS], SamplingParams(max_tokens=2, temperature=0.8))[0].token_ids) == 2
+
+
+def test_mixed_precision_runs_with_tiered_experts_whose_prefetcher_reads_the_residual(tiny):
+    """The router prefetcher normalises the (fp32) residual itself: it must hand the router the
+    weights' dtype as the layer does."""
+    from moectl.placement.topology import Topology
+
+    engine = LLMEngine(EngineConfig(model=str(tiny), dtype="fp16", mixed_precision=True,
+                                    topology=Topology(num_devices=2), expert_cache_slots=4))
+    out = engine.generate([IDS], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert len(out[0].token_ids) == 3
