@@ -90,5 +90,6 @@ def numerics_watch_cost(model_dir: str | Path, *, rounds: int = 6, dtype: str | 
         log(f"numerics watch, {name}: {direct:.2%} of the engine's wall time measured directly "
             f"({out[name]['us_per_step']:.1f} us/step); A/B on/off throughput {out[name]['ratio_on_off']:.4f} "
             f"(95% CI [{lo:.4f}, {hi:.4f}], {rounds} pairs)")
-    out["notes_per_step"] = 5 * engines[True].model_config.num_layers  # two norm inputs, q, k, the MLP's output
+    # per layer two norm inputs, q, k and the MLP's output; the final norm's input once
+    out["notes_per_step"] = 5 * engines[True].model_config.num_layers + 1
     return out
