@@ -25,6 +25,8 @@ chunk attends to what the budget kept plus the whole chunk, as a compressing ser
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from moectl.engine.core.block_manager import BlockManager
@@ -41,7 +43,7 @@ def budget_tokens(knobs, context: int) -> int | None:
     if knobs.kv_budget:
         caps.append(knobs.kv_budget)
     if knobs.kv_budget_fraction < 1:
-        caps.append(-(-int(round(knobs.kv_budget_fraction * context * 1e6)) // 1_000_000))
+        caps.append(math.ceil(round(knobs.kv_budget_fraction * context, 6)))  # round: 0.1 * 30 is 3, not 4
     return min(caps) if caps else None
 
 
